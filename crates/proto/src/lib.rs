@@ -1,1 +1,24 @@
+//! Wire protocol of handoff: every message P and D exchange, their binary encoding, and the
+//! vLLM-compatible `kv_transfer_params` JSON.
+//!
+//! Design choices (see shared/DESIGN.md, "Wire compatibility"):
+//! - Every encoded message starts with a version byte ([`PROTOCOL_VERSION`]) and is at most
+//!   [`MAX_MESSAGE_BYTES`] long. A decoder never allocates more than the input it was given and
+//!   never panics: bad bytes from a peer are an error and nothing else.
+//! - Only durations cross the wire, never timestamps (`lease_ms`): each side measures its leases on
+//!   its own monotonic clock.
+//! - Heartbeats and their grant replies carry a sequence number so that the side that asked can
+//!   anchor a grant at the moment it *sent* the question; that keeps every grant conservative no
+//!   matter how long the reply was delayed, duplicated or reordered.
 
+mod batch;
+mod codec;
+mod ids;
+mod message;
+mod params;
+
+pub use batch::{split_grants, split_heartbeat, MAX_BATCH_ENTRIES};
+pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+pub use ids::{Epoch, HandoffId, ParseHandoffIdError};
+pub use message::*;
+pub use params::{KvTransferParams, ParamsError, TransferMode};

@@ -1,0 +1,1142 @@
+//! [`ConsumerLedger`]: the lifecycle of every remote-prefill request on a decode engine (D).
+//!
+//! D starts tracking a handoff the moment a request naming it arrives — while it still waits in
+//! D's queue — and heartbeats its P from a timer of its own (never from the forward loop), batched
+//! per P engine. Siblings (n>1) attach to one handoff: one transfer, one release.
+//!
+//! Pull: D reads only on a grant that is still valid minus a margin, and a read that ends after
+//! `grant + read_grace` (or after the read timeout) is a failure (rules 2 and 4). Blocks a failed
+//! read may still write into are quarantined until the transport confirms the read ended.
+//!
+//! Push: D reserves blocks at once, registers them with P, and grants P a lease on the
+//! registration through P's heartbeats. A watchdog cancels a registration P has not completed;
+//! the blocks are freed only after P's cancel ack or after the last grant D issued + a write grace
+//! (rule 3).
+//!
+//! | state        | event                          | next / effect                                  |
+//! |--------------|--------------------------------|------------------------------------------------|
+//! | `Waiting`    | blocks allocated (pull)        | `Admitted`                                     |
+//! | `Waiting`    | blocks reserved (push)         | `Registered`, `PushRegister` to P              |
+//! | `Admitted`   | valid grant                    | `Reading`, `StartRead`                         |
+//! | `Reading`    | every rank done in time        | `Ready` outcome, handoff ends                  |
+//! | `Reading`    | failure or read deadline       | outcome per policy, `Quarantine`               |
+//! | `Quarantine` | every rank ended / fence over  | blocks back                                    |
+//! | `Registered` | every `PushDone` inside grant  | `Ready` outcome                                |
+//! | `Registered` | watchdog, failure, abort       | `Cancelling`, `PushCancel` to P                |
+//! | `Cancelling` | ack, or grant + grace over     | blocks back                                    |
+//! | any waiting  | reject / abort before transfer | `Release` to P at once                         |
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use handoff_proto::{
+    split_grants, split_heartbeat, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
+    Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
+    ReleaseReason, TransferMode,
+};
+
+use crate::producer::ms_floor;
+use crate::staging::Tombstones;
+use crate::timer::{TimerQueue, TimerSlot};
+use crate::topology;
+use crate::{BlockId, BlockRelease, EndReason, PeerId, RequestId, Time};
+
+/// What D does with a request whose KV could not be transferred.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// Prefill locally (slower, but the client gets an answer).
+    #[default]
+    Recompute,
+    /// Fail the request with an explicit error.
+    Fail,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// D's tensor-parallel size: a transfer is complete only when every D rank has its KV.
+    pub tp: u16,
+    pub heartbeat_interval: Duration,
+    /// Start a read only while the grant has at least this much left.
+    pub read_margin: Duration,
+    /// A read that takes longer than this has failed.
+    pub read_timeout: Duration,
+    /// A read that ends more than this after its grant has failed. Must be below P's fence grace.
+    pub read_grace: Duration,
+    /// Longest quarantine of blocks under a failed read the transport never confirmed ended.
+    pub read_fence: Duration,
+    /// From arrival to KV ready; past it the request is recomputed or failed.
+    pub wait_deadline: Duration,
+    pub failure_policy: FailurePolicy,
+    /// Push: how long each grant D gives P on a registration lasts.
+    pub registration_lease: Duration,
+    /// Push: watchdog on a registration P has not completed.
+    pub push_deadline: Duration,
+    /// Push: time after the last grant before blocks are freed without P's cancel ack.
+    pub write_grace: Duration,
+    pub tombstone_capacity: usize,
+    pub tombstone_ttl: Duration,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            tp: 1,
+            heartbeat_interval: Duration::from_millis(500),
+            read_margin: Duration::from_millis(200),
+            read_timeout: Duration::from_secs(5),
+            read_grace: Duration::from_millis(500),
+            read_fence: Duration::from_secs(10),
+            wait_deadline: Duration::from_secs(60),
+            failure_policy: FailurePolicy::Recompute,
+            registration_lease: Duration::from_secs(2),
+            push_deadline: Duration::from_secs(30),
+            write_grace: Duration::from_millis(1500),
+            tombstone_capacity: 65536,
+            tombstone_ttl: Duration::from_secs(300),
+        }
+    }
+}
+
+/// What D learned about a handoff from `kv_transfer_params`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IncomingHandoff {
+    pub handoff: HandoffId,
+    pub epoch: Epoch,
+    /// P's engine as the connector numbers it.
+    pub peer: PeerId,
+    pub p_tp: u16,
+    pub mode: TransferMode,
+    /// Pull: P's blocks. Push: empty.
+    pub p_blocks: Vec<BlockId>,
+    pub num_tokens: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArriveError {
+    #[error("handoff {0} already ended on this engine")]
+    Ended(HandoffId),
+    #[error("handoff {0} is already tracked for another P engine or epoch")]
+    Conflict(HandoffId),
+    #[error("request {0:?} is already tracked")]
+    DuplicateRequest(RequestId),
+    #[error("invalid handoff: {0}")]
+    Invalid(&'static str),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    #[error("unknown handoff")]
+    Unknown,
+    #[error("handoff already has blocks")]
+    AlreadyAllocated,
+    #[error("no block given")]
+    NoBlocks,
+}
+
+/// Why a request's KV transfer did not happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailReason {
+    DeadlineExceeded,
+    ReadFailed,
+    ReadTimedOut,
+    /// The read ended after its grant + grace: its bytes may be another request's (rule 4).
+    ReadAfterGrace,
+    PeerDead,
+    /// P no longer holds the handoff.
+    HandoffGone,
+    WriteFailed,
+    WatchdogExpired,
+    /// A push write completed after D's grant + grace.
+    LateWrite,
+}
+
+impl FailReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailReason::DeadlineExceeded => "deadline_exceeded",
+            FailReason::ReadFailed => "read_failed",
+            FailReason::ReadTimedOut => "read_timed_out",
+            FailReason::ReadAfterGrace => "read_after_grace",
+            FailReason::PeerDead => "peer_dead",
+            FailReason::HandoffGone => "handoff_gone",
+            FailReason::WriteFailed => "write_failed",
+            FailReason::WatchdogExpired => "watchdog_expired",
+            FailReason::LateWrite => "late_write",
+        }
+    }
+}
+
+/// What happened to requests waiting for KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The KV is in `blocks`: decode may start for every request (siblings share the blocks,
+    /// which now belong to the engine).
+    Ready {
+        handoff: HandoffId,
+        requests: Vec<RequestId>,
+        blocks: Vec<BlockId>,
+    },
+    /// Prefill locally (policy `Recompute`). The blocks of the failed transfer come back through
+    /// `poll_release`; the engine allocates fresh ones.
+    Recompute {
+        handoff: HandoffId,
+        requests: Vec<RequestId>,
+        reason: FailReason,
+    },
+    /// Fail with an explicit error (policy `Fail`).
+    Failed {
+        handoff: HandoffId,
+        requests: Vec<RequestId>,
+        reason: FailReason,
+    },
+}
+
+/// Work the connector must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConsumerAction {
+    /// Read P's blocks into ours. Each (D rank, P rank) pair's READ carries its `PullDone` as
+    /// notification. Each D rank reports its end with [`ConsumerLedger::on_read_done`].
+    StartRead(StartRead),
+    /// Abort the reads of a handoff (deadline passed); still report their end.
+    CancelRead { handoff: HandoffId },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartRead {
+    pub handoff: HandoffId,
+    pub epoch: Epoch,
+    pub p_peer: PeerId,
+    pub p_tp: u16,
+    pub src_blocks: Vec<BlockId>,
+    pub dst_blocks: Vec<BlockId>,
+    pub num_tokens: u32,
+    /// The read has failed if not done by then.
+    pub deadline: Time,
+    pub done: Vec<PullDone>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    pub tracked: u64,
+    pub reads_started: u64,
+    pub ready: u64,
+    pub failed: HashMap<&'static str, u64>,
+    pub heartbeats_sent: u64,
+    pub grants_received: u64,
+    pub releases_sent: u64,
+    pub registrations_sent: u64,
+    pub cancels_sent: u64,
+    pub late_notifications: u64,
+    pub ignored: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Admitted,
+    Reading {
+        deadline: Time,
+        pending: Vec<u16>,
+        failed: Option<FailReason>,
+    },
+    Quarantine {
+        until: Time,
+        pending: Vec<u16>,
+    },
+    Registered {
+        watchdog: Time,
+        done: Vec<(u16, u16)>,
+    },
+    Cancelling {
+        until: Time,
+    },
+}
+
+#[derive(Debug)]
+struct Handoff {
+    info: IncomingHandoff,
+    requests: Vec<RequestId>,
+    deadline: Time,
+    local: Option<Vec<BlockId>>,
+    allocated_at: Time,
+    grant_until: Option<Time>,
+    issued_until: Option<Time>,
+    state: State,
+    timer: TimerSlot,
+}
+
+impl Handoff {
+    /// Still asking P to keep its blocks.
+    fn wants_heartbeat(&self) -> bool {
+        matches!(
+            self.state,
+            State::Waiting | State::Admitted | State::Reading { .. } | State::Registered { .. }
+        )
+    }
+}
+
+/// The D-side ledger. See the module docs.
+#[derive(Debug)]
+pub struct ConsumerLedger {
+    cfg: ConsumerConfig,
+    handoffs: HashMap<HandoffId, Handoff>,
+    by_request: HashMap<RequestId, HandoffId>,
+    by_peer: HashMap<PeerId, HashSet<HandoffId>>,
+    timers: TimerQueue<HandoffId>,
+    tombstones: Tombstones<()>,
+    hb_seq: u64,
+    hb_sent: HashMap<u64, (PeerId, Time)>,
+    hb_sent_order: VecDeque<(Time, u64)>,
+    next_heartbeat: Option<Time>,
+    urgent: HashMap<PeerId, HashSet<HandoffId>>,
+    messages: VecDeque<(PeerId, Message)>,
+    releases: VecDeque<BlockRelease>,
+    outcomes: VecDeque<Outcome>,
+    actions: VecDeque<ConsumerAction>,
+    last_now: Time,
+    held_blocks: usize,
+    stats: ConsumerStats,
+}
+
+impl ConsumerLedger {
+    pub fn new(cfg: ConsumerConfig) -> Self {
+        ConsumerLedger {
+            tombstones: Tombstones::new(cfg.tombstone_capacity, cfg.tombstone_ttl),
+            cfg,
+            handoffs: HashMap::new(),
+            by_request: HashMap::new(),
+            by_peer: HashMap::new(),
+            timers: TimerQueue::default(),
+            hb_seq: 0,
+            hb_sent: HashMap::new(),
+            hb_sent_order: VecDeque::new(),
+            next_heartbeat: None,
+            urgent: HashMap::new(),
+            messages: VecDeque::new(),
+            releases: VecDeque::new(),
+            outcomes: VecDeque::new(),
+            actions: VecDeque::new(),
+            last_now: Time::ZERO,
+            held_blocks: 0,
+            stats: ConsumerStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &ConsumerStats {
+        &self.stats
+    }
+
+    /// Handoffs tracked (waiting, transferring or fencing).
+    pub fn len(&self) -> usize {
+        self.handoffs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handoffs.is_empty()
+    }
+
+    pub fn memory(&self) -> crate::MemoryUse {
+        crate::MemoryUse {
+            handoffs: self.handoffs.len(),
+            staged_messages: 0,
+            tombstones: self.tombstones.len(),
+            timer_entries: self.timers.len(),
+            heartbeats_awaiting_reply: self.hb_sent.len(),
+        }
+    }
+
+    /// D blocks the ledger holds for transfers not yet handed to the engine.
+    pub fn held_blocks(&self) -> usize {
+        self.held_blocks
+    }
+
+    pub fn is_tracking(&self, req: RequestId) -> bool {
+        self.by_request.contains_key(&req)
+    }
+
+    /// A request naming a remote handoff arrived (before admission): start tracking and
+    /// heartbeating at once (the lease starts while the request still waits in D's queue).
+    pub fn on_request_arrived(
+        &mut self,
+        req: RequestId,
+        inc: IncomingHandoff,
+        now: Time,
+    ) -> Result<(), ArriveError> {
+        self.last_now = self.last_now.max(now);
+        if self.by_request.contains_key(&req) {
+            return Err(ArriveError::DuplicateRequest(req));
+        }
+        if inc.p_tp == 0 {
+            return Err(ArriveError::Invalid("P tp size is 0"));
+        }
+        if inc.mode == TransferMode::Pull && inc.p_blocks.is_empty() {
+            return Err(ArriveError::Invalid("pull handoff without P blocks"));
+        }
+        if let Some(h) = self.handoffs.get_mut(&inc.handoff) {
+            // n>1: a sibling joins the one transfer.
+            if h.info.peer != inc.peer || h.info.epoch != inc.epoch || h.info.mode != inc.mode {
+                return Err(ArriveError::Conflict(inc.handoff));
+            }
+            if !h.wants_heartbeat() {
+                return Err(ArriveError::Ended(inc.handoff));
+            }
+            h.requests.push(req);
+            self.by_request.insert(req, inc.handoff);
+            return Ok(());
+        }
+        if self.tombstones.get(&inc.handoff).is_some() {
+            return Err(ArriveError::Ended(inc.handoff));
+        }
+        let id = inc.handoff;
+        let peer = inc.peer;
+        let deadline = now + self.cfg.wait_deadline;
+        let mut h = Handoff {
+            info: inc,
+            requests: vec![req],
+            deadline,
+            local: None,
+            allocated_at: now,
+            grant_until: None,
+            issued_until: None,
+            state: State::Waiting,
+            timer: TimerSlot::default(),
+        };
+        h.timer.arm(&mut self.timers, id, deadline);
+        self.handoffs.insert(id, h);
+        self.by_request.insert(req, id);
+        self.by_peer.entry(peer).or_default().insert(id);
+        self.urgent.entry(peer).or_default().insert(id);
+        if self.next_heartbeat.is_none() {
+            self.next_heartbeat = Some(now + self.cfg.heartbeat_interval);
+        }
+        self.stats.tracked += 1;
+        Ok(())
+    }
+
+    /// The engine gave the handoff its destination blocks (pull: at admission; push: reserved on
+    /// arrival). From now on the ledger owns them until it hands them back.
+    pub fn on_blocks_allocated(
+        &mut self,
+        handoff: HandoffId,
+        blocks: Vec<BlockId>,
+        now: Time,
+    ) -> Result<(), AllocError> {
+        self.last_now = self.last_now.max(now);
+        let tp = self.cfg.tp.max(1);
+        let push_deadline = self.cfg.push_deadline;
+        let h = self.handoffs.get_mut(&handoff).ok_or(AllocError::Unknown)?;
+        if h.local.is_some() || h.state != State::Waiting {
+            return Err(AllocError::AlreadyAllocated);
+        }
+        if blocks.is_empty() {
+            return Err(AllocError::NoBlocks);
+        }
+        self.held_blocks += blocks.len();
+        h.allocated_at = now;
+        match h.info.mode {
+            TransferMode::Pull => {
+                h.local = Some(blocks);
+                h.state = State::Admitted;
+                self.try_start_read(handoff, now);
+            }
+            TransferMode::Push => {
+                for d_rank in 0..tp {
+                    self.messages.push_back((
+                        h.info.peer,
+                        Message::PushRegister(PushRegister {
+                            handoff,
+                            epoch: h.info.epoch,
+                            d_rank,
+                            d_tp: tp,
+                            num_tokens: h.info.num_tokens,
+                            block_ids: blocks.clone(),
+                        }),
+                    ));
+                    self.stats.registrations_sent += 1;
+                }
+                h.local = Some(blocks);
+                let watchdog = (now + push_deadline).min(h.deadline);
+                h.state = State::Registered {
+                    watchdog,
+                    done: Vec::new(),
+                };
+                h.timer.arm(&mut self.timers, handoff, watchdog);
+            }
+        }
+        Ok(())
+    }
+
+    /// The client went away (`Aborted`) or D refused the request before admission (`Rejected`).
+    /// When no sibling still waits, P is told at once unless a transfer is in flight; then the
+    /// transfer's end tells it.
+    pub fn on_request_ended(&mut self, req: RequestId, reason: ReleaseReason, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let Some(id) = self.by_request.remove(&req) else {
+            return;
+        };
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        h.requests.retain(|r| *r != req);
+        if !h.requests.is_empty() {
+            return;
+        }
+        let end = EndReason::from(reason);
+        match h.state {
+            State::Waiting | State::Admitted => {
+                let msg = Release {
+                    handoff: id,
+                    epoch: h.info.epoch,
+                    reason,
+                };
+                let peer = h.info.peer;
+                self.messages.push_back((peer, Message::Release(msg)));
+                self.stats.releases_sent += 1;
+                self.release_local(id, end, now);
+                self.end_handoff(id, now);
+            }
+            State::Registered { .. } => self.cancel_push(id, end, now),
+            // Reading: the read ends by its deadline and its notifications (or a release) tell P.
+            State::Reading { .. } | State::Quarantine { .. } | State::Cancelling { .. } => {}
+        }
+    }
+
+    /// One D rank's reads of `handoff` ended (`ok`: every byte landed).
+    pub fn on_read_done(&mut self, handoff: HandoffId, d_rank: u16, ok: bool, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let Some(h) = self.handoffs.get_mut(&handoff) else {
+            return;
+        };
+        match &mut h.state {
+            State::Reading {
+                deadline,
+                pending,
+                failed,
+            } => {
+                let Some(pos) = pending.iter().position(|r| *r == d_rank) else {
+                    return;
+                };
+                pending.remove(pos);
+                if failed.is_none() {
+                    if !ok {
+                        *failed = Some(FailReason::ReadFailed);
+                    } else if now > *deadline {
+                        *failed = Some(FailReason::ReadAfterGrace);
+                    }
+                    if let Some(reason) = *failed {
+                        self.fail_requests(handoff, reason);
+                    }
+                }
+                let Some(h) = self.handoffs.get_mut(&handoff) else {
+                    return;
+                };
+                let State::Reading {
+                    pending, failed, ..
+                } = &h.state
+                else {
+                    return;
+                };
+                if !pending.is_empty() {
+                    return;
+                }
+                match *failed {
+                    None => {
+                        let blocks = h.local.take().unwrap_or_default();
+                        self.held_blocks -= blocks.len();
+                        let requests = std::mem::take(&mut h.requests);
+                        for r in &requests {
+                            self.by_request.remove(r);
+                        }
+                        if requests.is_empty() {
+                            // Every sibling went away during the read: the blocks go back.
+                            h.local = Some(blocks);
+                            self.held_blocks += h.local.as_ref().map_or(0, Vec::len);
+                            self.release_local(handoff, EndReason::Aborted, now);
+                        } else {
+                            self.stats.ready += 1;
+                            self.outcomes.push_back(Outcome::Ready {
+                                handoff,
+                                requests,
+                                blocks,
+                            });
+                        }
+                        self.end_handoff(handoff, now);
+                    }
+                    Some(_) => self.after_failed_read(handoff, now),
+                }
+            }
+            State::Quarantine { pending, .. } => {
+                pending.retain(|r| *r != d_rank);
+                if pending.is_empty() {
+                    self.after_failed_read(handoff, now);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Feeds one message from P engine `from`.
+    pub fn handle_message(&mut self, from: PeerId, msg: Message, now: Time) {
+        self.last_now = self.last_now.max(now);
+        match msg {
+            Message::GrantBatch(g) => self.on_grants(from, g, now),
+            Message::Heartbeat(hb) => self.on_heartbeat(from, hb, now),
+            Message::PushDone(d) => self.on_push_done(from, d, now),
+            Message::PushFailed(f) => self.on_push_failed(from, f, now),
+            Message::PushCancelAck(a) => self.on_cancel_ack(from, a, now),
+            _ => self.stats.ignored += 1,
+        }
+    }
+
+    /// The transport reports P engine `peer` dead.
+    pub fn handle_peer_dead(&mut self, peer: PeerId, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let ids: Vec<HandoffId> = self
+            .by_peer
+            .get(&peer)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        for id in ids {
+            let Some(h) = self.handoffs.get_mut(&id) else {
+                continue;
+            };
+            match &h.state {
+                State::Waiting | State::Admitted => {
+                    self.fail_requests(id, FailReason::PeerDead);
+                    self.release_local(id, EndReason::PeerDead, now);
+                    self.end_handoff(id, now);
+                }
+                State::Reading { pending, .. } => {
+                    // Reads from a dead P fail; our blocks wait until the transport says so.
+                    let pending = pending.clone();
+                    self.fail_requests(id, FailReason::PeerDead);
+                    self.quarantine(id, pending, now);
+                }
+                // A dead writer cannot write any more: the blocks are safe to reuse now.
+                State::Registered { .. } | State::Cancelling { .. } => {
+                    self.fail_requests(id, FailReason::PeerDead);
+                    self.release_local(id, EndReason::PeerDead, now);
+                    self.end_handoff(id, now);
+                }
+                State::Quarantine { .. } => {}
+            }
+        }
+        self.urgent.remove(&peer);
+    }
+
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.last_now = self.last_now.max(now);
+        while let Some((id, generation)) = self.timers.pop_due(now) {
+            let Some(h) = self.handoffs.get_mut(&id) else {
+                continue;
+            };
+            if !h.timer.fired(generation) {
+                continue;
+            }
+            self.evaluate(id, now);
+        }
+        self.tombstones.expire(now);
+        while let Some(&(t, seq)) = self.hb_sent_order.front() {
+            if now.saturating_sub(t) < self.cfg.wait_deadline {
+                break;
+            }
+            self.hb_sent_order.pop_front();
+            self.hb_sent.remove(&seq);
+        }
+        if self.next_heartbeat.is_some_and(|t| t <= now) {
+            self.send_heartbeats(now);
+        }
+        self.flush_urgent(now);
+    }
+
+    pub fn poll_timeout(&self) -> Option<Time> {
+        let mut t = self.timers.next_deadline();
+        if let Some(hb) = self.next_heartbeat {
+            t = Some(t.map_or(hb, |x| x.min(hb)));
+        }
+        if !self.urgent.is_empty() {
+            t = Some(self.last_now);
+        }
+        t
+    }
+
+    pub fn poll_message(&mut self) -> Option<(PeerId, Message)> {
+        self.messages.pop_front()
+    }
+
+    pub fn poll_release(&mut self) -> Option<BlockRelease> {
+        self.releases.pop_front()
+    }
+
+    pub fn poll_outcome(&mut self) -> Option<Outcome> {
+        self.outcomes.pop_front()
+    }
+
+    pub fn poll_action(&mut self) -> Option<ConsumerAction> {
+        self.actions.pop_front()
+    }
+
+    // ----- message handlers -----
+
+    fn on_grants(&mut self, from: PeerId, g: GrantBatch, now: Time) {
+        let Some(&(peer, sent_at)) = self.hb_sent.get(&g.seq) else {
+            self.stats.ignored += 1;
+            return;
+        };
+        if peer != from {
+            self.stats.ignored += 1;
+            return;
+        }
+        for grant in g.grants {
+            self.stats.grants_received += 1;
+            let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
+                continue;
+            };
+            if h.info.peer != from || h.info.epoch != grant.epoch {
+                continue;
+            }
+            // Anchored at the moment the heartbeat left: P's lease began no earlier, so this
+            // end is never later than P's (rule 2), however late the reply arrived.
+            let until = sent_at + Duration::from_millis(grant.lease_ms as u64);
+            h.grant_until = Some(h.grant_until.map_or(until, |u| u.max(until)));
+            if h.state == State::Admitted {
+                self.try_start_read(grant.handoff, now);
+            }
+        }
+        for e in g.gone {
+            let Some(h) = self.handoffs.get(&e.handoff) else {
+                continue;
+            };
+            if h.info.peer != from || h.info.epoch != e.epoch {
+                continue;
+            }
+            match h.state {
+                State::Waiting | State::Admitted => {
+                    self.fail_requests(e.handoff, FailReason::HandoffGone);
+                    self.release_local(e.handoff, EndReason::Cancelled, now);
+                    self.end_handoff(e.handoff, now);
+                }
+                // P is ending it and may still be writing: cancel and wait for the ack.
+                State::Registered { .. } => {
+                    self.fail_requests(e.handoff, FailReason::HandoffGone);
+                    self.cancel_push(e.handoff, EndReason::Cancelled, now);
+                }
+                // A read in flight ends by its own deadline, which P's fence outlasts.
+                _ => {}
+            }
+        }
+    }
+
+    /// Push: P asks for grants on the registrations it waits to write into.
+    fn on_heartbeat(&mut self, from: PeerId, hb: Heartbeat, now: Time) {
+        let mut grants = Vec::new();
+        let mut gone = Vec::new();
+        for e in hb.entries {
+            match self.handoffs.get_mut(&e.handoff) {
+                Some(h) if h.info.peer == from && h.info.epoch == e.epoch => match h.state {
+                    State::Registered { watchdog, .. } if now < watchdog => {
+                        let until = (now + self.cfg.registration_lease).min(watchdog);
+                        h.issued_until = Some(h.issued_until.map_or(until, |u| u.max(until)));
+                        grants.push(Grant {
+                            handoff: e.handoff,
+                            epoch: e.epoch,
+                            lease_ms: ms_floor(until - now),
+                        });
+                    }
+                    // Not registered yet: nothing to grant, nothing to declare gone.
+                    State::Waiting => {}
+                    _ => gone.push(e),
+                },
+                Some(_) => self.stats.ignored += 1,
+                None => gone.push(e),
+            }
+        }
+        for batch in split_grants(hb.seq, grants, gone) {
+            self.messages.push_back((from, Message::GrantBatch(batch)));
+        }
+    }
+
+    fn on_push_done(&mut self, from: PeerId, d: PushDone, now: Time) {
+        let write_grace = self.cfg.write_grace;
+        let Some(h) = self.handoffs.get_mut(&d.handoff) else {
+            self.stats.late_notifications += 1;
+            return;
+        };
+        if h.info.peer != from || h.info.epoch != d.epoch {
+            self.stats.ignored += 1;
+            return;
+        }
+        let p_tp = h.info.p_tp;
+        let tp = self.cfg.tp.max(1);
+        let issued_until = h.issued_until;
+        let State::Registered { done, .. } = &mut h.state else {
+            self.stats.late_notifications += 1;
+            return;
+        };
+        // Rule 4: the write must have landed inside a grant we issued (+ grace).
+        let in_grant = issued_until.is_some_and(|u| now <= u + write_grace);
+        if !in_grant {
+            self.fail_requests(d.handoff, FailReason::LateWrite);
+            self.cancel_push(d.handoff, EndReason::Failed, now);
+            return;
+        }
+        let pair = (d.d_rank, d.p_rank);
+        if !done.contains(&pair) {
+            done.push(pair);
+        }
+        let all = topology::pairs(p_tp, tp);
+        if all.iter().all(|p| done.contains(p)) {
+            let blocks = h.local.take().unwrap_or_default();
+            self.held_blocks -= blocks.len();
+            let requests = std::mem::take(&mut h.requests);
+            for r in &requests {
+                self.by_request.remove(r);
+            }
+            if requests.is_empty() {
+                h.local = Some(blocks);
+                self.held_blocks += h.local.as_ref().map_or(0, Vec::len);
+                self.release_local(d.handoff, EndReason::Aborted, now);
+            } else {
+                self.stats.ready += 1;
+                self.outcomes.push_back(Outcome::Ready {
+                    handoff: d.handoff,
+                    requests,
+                    blocks,
+                });
+            }
+            self.end_handoff(d.handoff, now);
+        }
+    }
+
+    fn on_push_failed(&mut self, from: PeerId, f: PushFailed, now: Time) {
+        let Some(h) = self.handoffs.get(&f.handoff) else {
+            self.stats.late_notifications += 1;
+            return;
+        };
+        if h.info.peer != from || h.info.epoch != f.epoch {
+            self.stats.ignored += 1;
+            return;
+        }
+        if let State::Registered { .. } = h.state {
+            self.fail_requests(f.handoff, FailReason::WriteFailed);
+            // Other P ranks may still be writing: cancel and wait for the ack or the grace.
+            self.cancel_push(f.handoff, EndReason::Failed, now);
+        }
+    }
+
+    fn on_cancel_ack(&mut self, from: PeerId, a: PushCancelAck, now: Time) {
+        let Some(h) = self.handoffs.get(&a.handoff) else {
+            return;
+        };
+        if h.info.peer != from || h.info.epoch != a.epoch {
+            return;
+        }
+        if let State::Cancelling { .. } = h.state {
+            // P promised no write is or will be in flight: the blocks are safe to reuse (rule 3).
+            self.release_local(a.handoff, EndReason::Cancelled, now);
+            self.end_handoff(a.handoff, now);
+        }
+    }
+
+    // ----- transitions -----
+
+    fn try_start_read(&mut self, id: HandoffId, now: Time) {
+        let tp = self.cfg.tp.max(1);
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        if h.state != State::Admitted {
+            return;
+        }
+        let Some(grant_until) = h.grant_until else {
+            return;
+        };
+        // Rule 2: start only on a grant still valid minus a safety margin.
+        if grant_until <= now + self.cfg.read_margin {
+            return;
+        }
+        let deadline = (now + self.cfg.read_timeout).min(grant_until + self.cfg.read_grace);
+        let p_tp = h.info.p_tp;
+        let done = topology::pairs(p_tp, tp)
+            .into_iter()
+            .map(|(d, p)| PullDone {
+                handoff: id,
+                epoch: h.info.epoch,
+                p_rank: p,
+                consumer_rank: d,
+                consumers: topology::consumers(p_tp, tp, p),
+            })
+            .collect();
+        self.actions.push_back(ConsumerAction::StartRead(StartRead {
+            handoff: id,
+            epoch: h.info.epoch,
+            p_peer: h.info.peer,
+            p_tp,
+            src_blocks: h.info.p_blocks.clone(),
+            dst_blocks: h.local.clone().unwrap_or_default(),
+            num_tokens: h.info.num_tokens,
+            deadline,
+            done,
+        }));
+        h.state = State::Reading {
+            deadline,
+            pending: (0..tp).collect(),
+            failed: None,
+        };
+        h.timer.arm(&mut self.timers, id, deadline);
+        self.stats.reads_started += 1;
+    }
+
+    fn evaluate(&mut self, id: HandoffId, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        match h.state.clone() {
+            State::Waiting | State::Admitted => {
+                if now >= h.deadline {
+                    let msg = Release {
+                        handoff: id,
+                        epoch: h.info.epoch,
+                        reason: ReleaseReason::Cancelled,
+                    };
+                    let peer = h.info.peer;
+                    self.messages.push_back((peer, Message::Release(msg)));
+                    self.stats.releases_sent += 1;
+                    self.fail_requests(id, FailReason::DeadlineExceeded);
+                    self.release_local(id, EndReason::Cancelled, now);
+                    self.end_handoff(id, now);
+                } else {
+                    let d = h.deadline;
+                    h.timer.arm(&mut self.timers, id, d);
+                }
+            }
+            State::Reading {
+                deadline,
+                pending,
+                failed,
+            } => {
+                if now >= deadline {
+                    if failed.is_none() {
+                        self.fail_requests(id, FailReason::ReadTimedOut);
+                    }
+                    self.actions
+                        .push_back(ConsumerAction::CancelRead { handoff: id });
+                    self.quarantine(id, pending, now);
+                } else {
+                    h.timer.arm(&mut self.timers, id, deadline);
+                }
+            }
+            State::Quarantine { until, .. } => {
+                if now >= until {
+                    // The transport never confirmed the read ended; it has had far longer than
+                    // any read may take. P is not told: its own lease and fence end it.
+                    self.release_local(id, EndReason::Failed, now);
+                    self.end_handoff(id, now);
+                } else {
+                    h.timer.arm(&mut self.timers, id, until);
+                }
+            }
+            State::Registered { watchdog, .. } => {
+                if now >= watchdog {
+                    self.fail_requests(id, FailReason::WatchdogExpired);
+                    self.cancel_push(id, EndReason::Cancelled, now);
+                } else {
+                    h.timer.arm(&mut self.timers, id, watchdog);
+                }
+            }
+            State::Cancelling { until } => {
+                if now >= until {
+                    // Past every grant we issued + the write grace: no write can be in flight.
+                    self.release_local(id, EndReason::Cancelled, now);
+                    self.end_handoff(id, now);
+                } else {
+                    h.timer.arm(&mut self.timers, id, until);
+                }
+            }
+        }
+    }
+
+    fn after_failed_read(&mut self, id: HandoffId, now: Time) {
+        let Some(h) = self.handoffs.get(&id) else {
+            return;
+        };
+        // Every rank's read has ended: nothing in flight, P may free at once.
+        let msg = Release {
+            handoff: id,
+            epoch: h.info.epoch,
+            reason: ReleaseReason::Failed,
+        };
+        self.messages.push_back((h.info.peer, Message::Release(msg)));
+        self.stats.releases_sent += 1;
+        self.release_local(id, EndReason::Failed, now);
+        self.end_handoff(id, now);
+    }
+
+    fn quarantine(&mut self, id: HandoffId, pending: Vec<u16>, now: Time) {
+        let fence = self.cfg.read_fence;
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        if pending.is_empty() {
+            self.after_failed_read(id, now);
+            return;
+        }
+        let until = now + fence;
+        h.state = State::Quarantine { until, pending };
+        h.timer.arm(&mut self.timers, id, until);
+    }
+
+    /// Push: stop P from writing, then free once that is certain.
+    fn cancel_push(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        let write_grace = self.cfg.write_grace;
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        let peer = h.info.peer;
+        self.messages.push_back((
+            peer,
+            Message::PushCancel(PushCancel {
+                handoff: id,
+                epoch: h.info.epoch,
+            }),
+        ));
+        self.stats.cancels_sent += 1;
+        match h.issued_until {
+            // P never got a grant, so it cannot have started a write (it writes only on one).
+            None => {
+                self.release_local(id, reason, now);
+                self.end_handoff(id, now);
+            }
+            Some(issued) => {
+                let until = (issued + write_grace).max(now);
+                h.state = State::Cancelling { until };
+                h.timer.arm(&mut self.timers, id, until);
+            }
+        }
+    }
+
+    /// Reports the failure of every request still waiting on `id`, per policy (once).
+    fn fail_requests(&mut self, id: HandoffId, reason: FailReason) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        let requests = std::mem::take(&mut h.requests);
+        if requests.is_empty() {
+            return;
+        }
+        for r in &requests {
+            self.by_request.remove(r);
+        }
+        *self.stats.failed.entry(reason.as_str()).or_default() += 1;
+        self.outcomes.push_back(match self.cfg.failure_policy {
+            FailurePolicy::Recompute => Outcome::Recompute {
+                handoff: id,
+                requests,
+                reason,
+            },
+            FailurePolicy::Fail => Outcome::Failed {
+                handoff: id,
+                requests,
+                reason,
+            },
+        });
+    }
+
+    fn release_local(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        if let Some(blocks) = h.local.take() {
+            self.held_blocks -= blocks.len();
+            self.releases.push_back(BlockRelease {
+                handoff: id,
+                blocks,
+                reason,
+                held_for: now.saturating_sub(h.allocated_at),
+            });
+        }
+    }
+
+    fn end_handoff(&mut self, id: HandoffId, now: Time) {
+        let Some(h) = self.handoffs.remove(&id) else {
+            return;
+        };
+        debug_assert!(h.local.is_none(), "blocks must be handed over or released first");
+        for r in &h.requests {
+            self.by_request.remove(r);
+        }
+        if let Some(set) = self.by_peer.get_mut(&h.info.peer) {
+            set.remove(&id);
+            if set.is_empty() {
+                self.by_peer.remove(&h.info.peer);
+            }
+        }
+        if let Some(set) = self.urgent.get_mut(&h.info.peer) {
+            set.remove(&id);
+        }
+        self.tombstones.insert(id, (), now);
+    }
+
+    fn send_heartbeats(&mut self, now: Time) {
+        let mut any = false;
+        let peers: Vec<PeerId> = self.by_peer.keys().copied().collect();
+        for peer in peers {
+            let entries: Vec<HeartbeatEntry> = self.by_peer[&peer]
+                .iter()
+                .filter_map(|id| {
+                    let h = &self.handoffs[id];
+                    h.wants_heartbeat().then_some(HeartbeatEntry {
+                        handoff: *id,
+                        epoch: h.info.epoch,
+                    })
+                })
+                .collect();
+            if entries.is_empty() {
+                continue;
+            }
+            any = true;
+            self.send_heartbeat(peer, &entries, now);
+        }
+        self.urgent.clear();
+        self.next_heartbeat = any.then(|| now + self.cfg.heartbeat_interval);
+    }
+
+    fn flush_urgent(&mut self, now: Time) {
+        for (peer, ids) in std::mem::take(&mut self.urgent) {
+            let entries: Vec<HeartbeatEntry> = ids
+                .into_iter()
+                .filter_map(|id| {
+                    self.handoffs.get(&id).and_then(|h| {
+                        h.wants_heartbeat().then_some(HeartbeatEntry {
+                            handoff: id,
+                            epoch: h.info.epoch,
+                        })
+                    })
+                })
+                .collect();
+            if !entries.is_empty() {
+                self.send_heartbeat(peer, &entries, now);
+            }
+        }
+        if self.next_heartbeat.is_none() && !self.by_peer.is_empty() {
+            self.next_heartbeat = Some(now + self.cfg.heartbeat_interval);
+        }
+    }
+
+    fn send_heartbeat(&mut self, peer: PeerId, entries: &[HeartbeatEntry], now: Time) {
+        let seq = &mut self.hb_seq;
+        for hb in split_heartbeat(entries, || {
+            *seq += 1;
+            *seq
+        }) {
+            self.hb_sent.insert(hb.seq, (peer, now));
+            self.hb_sent_order.push_back((now, hb.seq));
+            self.stats.heartbeats_sent += 1;
+            self.messages.push_back((peer, Message::Heartbeat(hb)));
+        }
+    }
+}

@@ -1,0 +1,1007 @@
+//! [`ProducerLedger`]: the lifecycle of every handoff on a prefill engine (P).
+//!
+//! A handoff is created when a prompt's prefill ends (pull) or when P takes the request (push) and
+//! holds P's blocks under a lease. It ends — and its blocks go back to the pool exactly once —
+//! when every consumer has read it, when D releases it, when the transport says D is dead, or when
+//! its lease (renewed by D's heartbeats, never past the hard cap) and then a fence grace have run
+//! out. The fence grace is what makes an expiry safe: it is longer than the time D may still
+//! finish a read it started on a valid grant (rule 2).
+//!
+//! States (a transition is a `match` arm in `evaluate`):
+//!
+//! | state      | event                              | next / effect                               |
+//! |------------|------------------------------------|---------------------------------------------|
+//! | `Leased`   | heartbeat                          | lease extended, grant replied               |
+//! | `Leased`   | last pull-done / release           | released now                                |
+//! | `Leased`   | lease or cap reached               | `Fencing` until lease end + fence grace     |
+//! | `Leased`   | peer dead                          | released now (a dead reader is not harmed)  |
+//! | `Fencing`  | fence end / pull-done / release    | released                                    |
+//! | `Draining` | push write ended or fence end      | released (never under an in-flight WRITE)   |
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use handoff_proto::{
+    split_grants, split_heartbeat, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
+    Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
+    TransferMode,
+};
+
+use crate::staging::{Staging, Tombstones};
+use crate::timer::{TimerQueue, TimerSlot};
+use crate::topology;
+use crate::{BlockId, BlockRelease, EndReason, PeerId, Time};
+
+/// Settings of a [`ProducerLedger`]. The defaults suit a P/D pair on one network: a dead D is
+/// usually reported by the transport at once; the lease only matters for a D that hangs.
+#[derive(Debug, Clone)]
+pub struct ProducerConfig {
+    /// P's tensor-parallel size: a handoff is read only when every P rank's part is.
+    pub tp: u16,
+    /// Lease a handoff starts with: covers the proxy forwarding the request to D.
+    pub initial_lease: Duration,
+    /// How far a heartbeat pushes the lease (from the moment it is handled).
+    pub heartbeat_extension: Duration,
+    /// Time after a lease's end before its blocks are reused; must exceed D's read grace.
+    pub fence_grace: Duration,
+    /// No handoff lives longer than this, heartbeats or not.
+    pub hard_cap: Duration,
+    /// Push: start a WRITE only when the registration grant has at least this much left.
+    pub write_margin: Duration,
+    /// Push: how often P heartbeats the registrations it waits to write into.
+    pub heartbeat_interval: Duration,
+    pub staging_capacity: usize,
+    pub staging_per_handoff: usize,
+    pub staging_ttl: Duration,
+    pub tombstone_capacity: usize,
+    pub tombstone_ttl: Duration,
+}
+
+impl Default for ProducerConfig {
+    fn default() -> Self {
+        ProducerConfig {
+            tp: 1,
+            initial_lease: Duration::from_secs(10),
+            heartbeat_extension: Duration::from_secs(3),
+            fence_grace: Duration::from_millis(1500),
+            hard_cap: Duration::from_secs(120),
+            write_margin: Duration::from_millis(200),
+            heartbeat_interval: Duration::from_millis(500),
+            staging_capacity: 4096,
+            staging_per_handoff: 16,
+            staging_ttl: Duration::from_secs(10),
+            tombstone_capacity: 65536,
+            tombstone_ttl: Duration::from_secs(300),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CreateError {
+    #[error("handoff {0} already exists or ended recently")]
+    Duplicate(HandoffId),
+    #[error("handoff {0} has no blocks")]
+    NoBlocks(HandoffId),
+}
+
+/// Why P may not write into a registration now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    #[error("unknown handoff")]
+    UnknownHandoff,
+    #[error("D has not registered that rank")]
+    NotRegistered,
+    #[error("no valid registration grant (expired or never granted)")]
+    GrantExpired,
+    #[error("the registration was cancelled or the handoff is ending")]
+    Cancelled,
+}
+
+/// Work the connector must do for a push handoff.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProducerAction {
+    /// Write P's blocks of `handoff` into D rank `d_rank`'s registered blocks. Each P rank in
+    /// `p_ranks` attaches its `PushDone` to its last WRITE. Nothing may be posted after
+    /// `grant_until`; re-check with [`ProducerLedger::write_permit`] before each layer.
+    PushWrite(PushWrite),
+    /// Stop the writes of that registration (cancelled, expired, peer gone) and report the end
+    /// with [`ProducerLedger::on_push_write_done`].
+    AbortWrite { handoff: HandoffId, d_rank: u16 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushWrite {
+    pub handoff: HandoffId,
+    pub epoch: Epoch,
+    pub d_peer: PeerId,
+    pub d_rank: u16,
+    pub d_tp: u16,
+    pub src_blocks: Vec<BlockId>,
+    pub dst_blocks: Vec<BlockId>,
+    pub num_tokens: u32,
+    pub grant_until: Time,
+    pub done: Vec<PushDone>,
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProducerStats {
+    pub created: u64,
+    pub ended: HashMap<&'static str, u64>,
+    pub heartbeats_received: u64,
+    pub grants_sent: u64,
+    /// Notifications naming a handoff that already ended (vLLM logs these as "potentially invalid
+    /// KV blocks"; here the fence makes them harmless).
+    pub late_notifications: u64,
+    pub duplicate_notifications: u64,
+    pub stale_epoch: u64,
+    pub staged: u64,
+    pub ignored: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Leased,
+    /// Lease (or cap) over: no more grants; blocks back at `until` unless every read ends first.
+    Fencing { until: Time, reason: EndReason },
+    /// Ending for `reason`, waiting only for push writes in flight (at most until `until`).
+    Draining { until: Time, reason: EndReason },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RegState {
+    /// Known; waiting for a grant or for a write slot.
+    Waiting,
+    Writing,
+    /// D asked to cancel while a write was in flight: ack when it ends.
+    CancelPending,
+    Written,
+    Cancelled,
+    Failed,
+}
+
+#[derive(Debug, Clone)]
+struct Registration {
+    peer: PeerId,
+    d_rank: u16,
+    d_tp: u16,
+    epoch: Epoch,
+    blocks: Vec<BlockId>,
+    num_tokens: u32,
+    grant_until: Option<Time>,
+    state: RegState,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Part {
+    expected: u16,
+    done: Vec<u16>,
+}
+
+#[derive(Debug)]
+struct Handoff {
+    epoch: Epoch,
+    mode: TransferMode,
+    blocks: Vec<BlockId>,
+    created: Time,
+    lease_end: Time,
+    cap_end: Time,
+    phase: Phase,
+    reader: Option<PeerId>,
+    parts: Vec<Part>,
+    registrations: Vec<Registration>,
+    timer: TimerSlot,
+}
+
+impl Handoff {
+    fn all_read(&self) -> bool {
+        self.parts
+            .iter()
+            .all(|p| p.expected > 0 && p.done.len() >= p.expected as usize)
+    }
+
+    fn writes_in_flight(&self) -> bool {
+        self.registrations
+            .iter()
+            .any(|r| matches!(r.state, RegState::Writing | RegState::CancelPending))
+    }
+
+    fn all_written(&self) -> bool {
+        let Some(d_tp) = self.registrations.first().map(|r| r.d_tp) else {
+            return false;
+        };
+        (0..d_tp).all(|rank| {
+            self.registrations
+                .iter()
+                .any(|r| r.d_rank == rank && r.state == RegState::Written)
+        })
+    }
+}
+
+/// The P-side ledger. See the module docs for its states.
+#[derive(Debug)]
+pub struct ProducerLedger {
+    cfg: ProducerConfig,
+    handoffs: HashMap<HandoffId, Handoff>,
+    timers: TimerQueue<HandoffId>,
+    by_peer: HashMap<PeerId, HashSet<HandoffId>>,
+    staging: Staging<Message>,
+    tombstones: Tombstones<EndReason>,
+    messages: VecDeque<(PeerId, Message)>,
+    releases: VecDeque<BlockRelease>,
+    actions: VecDeque<ProducerAction>,
+    // Push: P heartbeats D's registrations so that its write grants are anchored on its own clock.
+    hb_seq: u64,
+    hb_sent: HashMap<u64, (PeerId, Time)>,
+    hb_sent_order: VecDeque<(Time, u64)>,
+    push_waiting: HashMap<PeerId, HashSet<HandoffId>>,
+    urgent: HashMap<PeerId, HashSet<HandoffId>>,
+    next_push_heartbeat: Option<Time>,
+    last_now: Time,
+    held_blocks: usize,
+    stats: ProducerStats,
+}
+
+impl ProducerLedger {
+    pub fn new(cfg: ProducerConfig) -> Self {
+        ProducerLedger {
+            staging: Staging::new(
+                cfg.staging_capacity,
+                cfg.staging_per_handoff,
+                cfg.staging_ttl,
+            ),
+            tombstones: Tombstones::new(cfg.tombstone_capacity, cfg.tombstone_ttl),
+            cfg,
+            handoffs: HashMap::new(),
+            timers: TimerQueue::default(),
+            by_peer: HashMap::new(),
+            messages: VecDeque::new(),
+            releases: VecDeque::new(),
+            actions: VecDeque::new(),
+            hb_seq: 0,
+            hb_sent: HashMap::new(),
+            hb_sent_order: VecDeque::new(),
+            push_waiting: HashMap::new(),
+            urgent: HashMap::new(),
+            next_push_heartbeat: None,
+            last_now: Time::ZERO,
+            held_blocks: 0,
+            stats: ProducerStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &ProducerConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &ProducerStats {
+        &self.stats
+    }
+
+    /// Handoffs not yet ended (their blocks are still out of the pool).
+    pub fn len(&self) -> usize {
+        self.handoffs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handoffs.is_empty()
+    }
+
+    pub fn memory(&self) -> crate::MemoryUse {
+        crate::MemoryUse {
+            handoffs: self.handoffs.len(),
+            staged_messages: self.staging.len(),
+            tombstones: self.tombstones.len(),
+            timer_entries: self.timers.len(),
+            heartbeats_awaiting_reply: self.hb_sent.len(),
+        }
+    }
+
+    /// Blocks held by handoffs, whatever their state.
+    pub fn held_blocks(&self) -> usize {
+        self.held_blocks
+    }
+
+    /// Blocks held per state: (leased, fencing or draining).
+    pub fn held_blocks_by_state(&self) -> (usize, usize) {
+        let mut out = (0, 0);
+        for h in self.handoffs.values() {
+            match h.phase {
+                Phase::Leased => out.0 += h.blocks.len(),
+                _ => out.1 += h.blocks.len(),
+            }
+        }
+        out
+    }
+
+    /// Messages kept for handoffs not created yet (bounded by the staging capacity).
+    pub fn staged_messages(&self) -> usize {
+        self.staging.len()
+    }
+
+    pub fn contains(&self, id: HandoffId) -> bool {
+        self.handoffs.contains_key(&id)
+    }
+
+    /// Creates a handoff holding `blocks` and returns the grant to hand out in
+    /// `kv_transfer_params`. Messages that arrived for it earlier are applied now.
+    pub fn create_handoff(
+        &mut self,
+        id: HandoffId,
+        blocks: Vec<BlockId>,
+        mode: TransferMode,
+        now: Time,
+    ) -> Result<Grant, CreateError> {
+        self.last_now = self.last_now.max(now);
+        if self.handoffs.contains_key(&id) || self.tombstones.get(&id).is_some() {
+            return Err(CreateError::Duplicate(id));
+        }
+        if blocks.is_empty() {
+            return Err(CreateError::NoBlocks(id));
+        }
+        let cap_end = now + self.cfg.hard_cap;
+        let lease_end = (now + self.cfg.initial_lease).min(cap_end);
+        self.held_blocks += blocks.len();
+        let mut h = Handoff {
+            epoch: Epoch::FIRST,
+            mode,
+            blocks,
+            created: now,
+            lease_end,
+            cap_end,
+            phase: Phase::Leased,
+            reader: None,
+            parts: vec![Part::default(); self.cfg.tp.max(1) as usize],
+            registrations: Vec::new(),
+            timer: TimerSlot::default(),
+        };
+        h.timer.arm(&mut self.timers, id, lease_end);
+        self.handoffs.insert(id, h);
+        self.stats.created += 1;
+        for (from, msg) in self.staging.take(id, now) {
+            self.handle_message(from, msg, now);
+        }
+        let lease_ms = self
+            .handoffs
+            .get(&id)
+            .map(|h| ms_floor(h.lease_end.saturating_sub(now)))
+            .unwrap_or(0);
+        Ok(Grant {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            lease_ms,
+        })
+    }
+
+    /// Feeds one message received from `from`. Unknown, late, duplicate and stale messages change
+    /// nothing but counters (rule 7).
+    pub fn handle_message(&mut self, from: PeerId, msg: Message, now: Time) {
+        self.last_now = self.last_now.max(now);
+        match msg {
+            Message::Heartbeat(hb) => self.on_heartbeat(from, hb, now),
+            Message::PullDone(pd) => self.on_pull_done(from, pd, now),
+            Message::Release(r) => self.on_release(from, r, now),
+            Message::PushRegister(r) => self.on_push_register(from, r, now),
+            Message::PushCancel(c) => self.on_push_cancel(from, c, now),
+            Message::GrantBatch(g) => self.on_grants(from, g, now),
+            Message::Hello(_)
+            | Message::HelloReply(_)
+            | Message::PushDone(_)
+            | Message::PushFailed(_)
+            | Message::PushCancelAck(_) => self.stats.ignored += 1,
+        }
+    }
+
+    /// The transport reports `peer` dead: every handoff it was reading or registered for ends now.
+    /// A dead reader cannot be harmed by reuse (rule 5: "at once").
+    pub fn handle_peer_dead(&mut self, peer: PeerId, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let ids: Vec<HandoffId> = self
+            .by_peer
+            .remove(&peer)
+            .map(|s| s.into_iter().collect())
+            .unwrap_or_default();
+        for id in ids {
+            if self.handoffs.contains_key(&id) {
+                self.release_now(id, EndReason::PeerDead, now);
+            }
+        }
+        self.push_waiting.remove(&peer);
+        self.urgent.remove(&peer);
+    }
+
+    /// Advances time: expires leases, ends fences, sends push heartbeats.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.last_now = self.last_now.max(now);
+        while let Some((id, generation)) = self.timers.pop_due(now) {
+            let Some(h) = self.handoffs.get_mut(&id) else {
+                continue;
+            };
+            if !h.timer.fired(generation) {
+                continue;
+            }
+            self.evaluate(id, now);
+        }
+        self.staging.expire(now);
+        self.tombstones.expire(now);
+        while let Some(&(t, seq)) = self.hb_sent_order.front() {
+            if now.saturating_sub(t) < self.cfg.hard_cap {
+                break;
+            }
+            self.hb_sent_order.pop_front();
+            self.hb_sent.remove(&seq);
+        }
+        if self.next_push_heartbeat.is_some_and(|t| t <= now) {
+            self.send_push_heartbeats(now);
+        }
+        self.flush_urgent(now);
+    }
+
+    /// When [`Self::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        let mut t = self.timers.next_deadline();
+        if let Some(hb) = self.next_push_heartbeat {
+            t = Some(t.map_or(hb, |x| x.min(hb)));
+        }
+        if !self.urgent.is_empty() {
+            t = Some(self.last_now);
+        }
+        t
+    }
+
+    pub fn poll_message(&mut self) -> Option<(PeerId, Message)> {
+        self.messages.pop_front()
+    }
+
+    pub fn poll_release(&mut self) -> Option<BlockRelease> {
+        self.releases.pop_front()
+    }
+
+    pub fn poll_action(&mut self) -> Option<ProducerAction> {
+        self.actions.pop_front()
+    }
+
+    /// Push: may P post a WRITE into D rank `d_rank` of `handoff` now? Returns the end of the
+    /// grant; nothing may be posted after it (rule 3).
+    pub fn write_permit(
+        &self,
+        handoff: HandoffId,
+        d_rank: u16,
+        now: Time,
+    ) -> Result<Time, WriteRefused> {
+        let h = self
+            .handoffs
+            .get(&handoff)
+            .ok_or(WriteRefused::UnknownHandoff)?;
+        if h.phase != Phase::Leased {
+            return Err(WriteRefused::Cancelled);
+        }
+        let r = h
+            .registrations
+            .iter()
+            .find(|r| r.d_rank == d_rank && r.epoch == h.epoch)
+            .ok_or(WriteRefused::NotRegistered)?;
+        match r.state {
+            RegState::Waiting | RegState::Writing => {}
+            _ => return Err(WriteRefused::Cancelled),
+        }
+        match r.grant_until {
+            Some(until) if until > now + self.cfg.write_margin => Ok(until),
+            _ => Err(WriteRefused::GrantExpired),
+        }
+    }
+
+    /// Push: every WRITE of `handoff` into D rank `d_rank` has ended (`ok` = all landed, with
+    /// their `PushDone` notifications). A failure is reported to D at once.
+    pub fn on_push_write_done(&mut self, handoff: HandoffId, d_rank: u16, ok: bool, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let Some(h) = self.handoffs.get_mut(&handoff) else {
+            return;
+        };
+        let epoch = h.epoch;
+        let Some(r) = h
+            .registrations
+            .iter_mut()
+            .find(|r| r.d_rank == d_rank && matches!(r.state, RegState::Writing | RegState::CancelPending))
+        else {
+            return;
+        };
+        let peer = r.peer;
+        match r.state {
+            RegState::CancelPending => {
+                r.state = RegState::Cancelled;
+                self.messages.push_back((
+                    peer,
+                    Message::PushCancelAck(PushCancelAck {
+                        handoff,
+                        epoch,
+                        p_rank: 0,
+                    }),
+                ));
+            }
+            _ if ok => r.state = RegState::Written,
+            _ => {
+                r.state = RegState::Failed;
+                self.messages.push_back((
+                    peer,
+                    Message::PushFailed(PushFailed {
+                        handoff,
+                        epoch,
+                        p_rank: 0,
+                        reason: "write failed".into(),
+                    }),
+                ));
+                if h.phase == Phase::Leased {
+                    self.begin_end(handoff, EndReason::Failed, now);
+                }
+            }
+        }
+        self.evaluate(handoff, now);
+    }
+
+    // ----- message handlers -----
+
+    fn on_heartbeat(&mut self, from: PeerId, hb: Heartbeat, now: Time) {
+        self.stats.heartbeats_received += 1;
+        let mut grants = Vec::new();
+        let mut gone = Vec::new();
+        for e in hb.entries {
+            match self.handoffs.get_mut(&e.handoff) {
+                Some(h) if h.epoch != e.epoch => self.stats.stale_epoch += 1,
+                Some(h) if h.phase == Phase::Leased => {
+                    let extended = (now + self.cfg.heartbeat_extension).min(h.cap_end);
+                    h.lease_end = h.lease_end.max(extended);
+                    grants.push(Grant {
+                        handoff: e.handoff,
+                        epoch: h.epoch,
+                        lease_ms: ms_floor(h.lease_end.saturating_sub(now)),
+                    });
+                    if h.reader.is_none() {
+                        h.reader = Some(from);
+                        self.by_peer.entry(from).or_default().insert(e.handoff);
+                    }
+                }
+                // Fencing or draining: the lease is over, no new grant (rule 2).
+                Some(_) => gone.push(e),
+                None if self.tombstones.get(&e.handoff).is_some() => gone.push(e),
+                None => {
+                    self.stats.staged += 1;
+                    let single = Heartbeat {
+                        seq: hb.seq,
+                        entries: vec![e],
+                    };
+                    self.staging
+                        .stage(e.handoff, from, Message::Heartbeat(single), now);
+                }
+            }
+        }
+        self.stats.grants_sent += grants.len() as u64;
+        for batch in split_grants(hb.seq, grants, gone) {
+            self.messages.push_back((from, Message::GrantBatch(batch)));
+        }
+    }
+
+    fn on_pull_done(&mut self, from: PeerId, pd: PullDone, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&pd.handoff) else {
+            self.unknown(pd.handoff, from, Message::PullDone(pd), now);
+            return;
+        };
+        if h.epoch != pd.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        let Some(part) = h.parts.get_mut(pd.p_rank as usize) else {
+            self.stats.ignored += 1;
+            return;
+        };
+        part.expected = part.expected.max(pd.consumers.max(1));
+        if part.done.contains(&pd.consumer_rank) {
+            self.stats.duplicate_notifications += 1;
+            return;
+        }
+        part.done.push(pd.consumer_rank);
+        if h.reader.is_none() {
+            h.reader = Some(from);
+            self.by_peer.entry(from).or_default().insert(pd.handoff);
+        }
+        if h.all_read() {
+            // The notification rides on the READ and is delivered after its bytes: nothing is in
+            // flight any more, so the blocks go back now, whatever the phase.
+            let reason = match h.phase {
+                Phase::Leased => EndReason::Done,
+                Phase::Fencing { reason, .. } | Phase::Draining { reason, .. } => reason,
+            };
+            self.release_now(pd.handoff, reason, now);
+        }
+    }
+
+    fn on_release(&mut self, from: PeerId, r: Release, now: Time) {
+        let Some(h) = self.handoffs.get(&r.handoff) else {
+            if self.tombstones.get(&r.handoff).is_some() {
+                self.stats.duplicate_notifications += 1;
+            } else {
+                self.unknown(r.handoff, from, Message::Release(r), now);
+            }
+            return;
+        };
+        if h.epoch != r.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        // The sender promises no READ is in flight; push writes of ours are waited for.
+        let reason = match h.phase {
+            Phase::Leased => r.reason.into(),
+            Phase::Fencing { reason, .. } | Phase::Draining { reason, .. } => reason,
+        };
+        self.begin_end(r.handoff, reason, now);
+    }
+
+    fn on_push_register(&mut self, from: PeerId, r: PushRegister, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&r.handoff) else {
+            if self.tombstones.get(&r.handoff).is_some() {
+                // Tell D at once that nothing will be written, so it frees and moves on.
+                self.messages.push_back((
+                    from,
+                    Message::PushFailed(PushFailed {
+                        handoff: r.handoff,
+                        epoch: r.epoch,
+                        p_rank: 0,
+                        reason: "handoff already ended on P".into(),
+                    }),
+                ));
+            } else {
+                self.unknown(r.handoff, from, Message::PushRegister(r), now);
+            }
+            return;
+        };
+        if h.epoch != r.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        if h.mode != TransferMode::Push || r.d_tp == 0 || r.d_rank >= r.d_tp {
+            self.stats.ignored += 1;
+            return;
+        }
+        if h.registrations.iter().any(|x| x.d_rank == r.d_rank) {
+            self.stats.duplicate_notifications += 1;
+            return;
+        }
+        if h.phase != Phase::Leased {
+            self.stats.late_notifications += 1;
+            return;
+        }
+        h.registrations.push(Registration {
+            peer: from,
+            d_rank: r.d_rank,
+            d_tp: r.d_tp,
+            epoch: r.epoch,
+            blocks: r.block_ids,
+            num_tokens: r.num_tokens,
+            grant_until: None,
+            state: RegState::Waiting,
+        });
+        if h.reader.is_none() {
+            h.reader = Some(from);
+            self.by_peer.entry(from).or_default().insert(r.handoff);
+        }
+        self.push_waiting.entry(from).or_default().insert(r.handoff);
+        // Ask for a grant at once rather than at the next heartbeat tick.
+        self.urgent.entry(from).or_default().insert(r.handoff);
+        if self.next_push_heartbeat.is_none() {
+            self.next_push_heartbeat = Some(now + self.cfg.heartbeat_interval);
+        }
+    }
+
+    fn on_push_cancel(&mut self, from: PeerId, c: PushCancel, now: Time) {
+        let ack = Message::PushCancelAck(PushCancelAck {
+            handoff: c.handoff,
+            epoch: c.epoch,
+            p_rank: 0,
+        });
+        let Some(h) = self.handoffs.get_mut(&c.handoff) else {
+            if self.tombstones.get(&c.handoff).is_none() {
+                // Early cancel: keep it so a later create ends the handoff at once.
+                self.unknown(c.handoff, from, Message::PushCancel(c), now);
+            }
+            // No write can be in flight for a handoff P does not hold, and none will start: a
+            // write needs a grant D no longer gives for a cancelled registration.
+            self.messages.push_back((from, ack));
+            return;
+        };
+        if h.epoch != c.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        let mut pending = false;
+        for r in h.registrations.iter_mut().filter(|r| r.peer == from) {
+            match r.state {
+                RegState::Writing => {
+                    r.state = RegState::CancelPending;
+                    pending = true;
+                    self.actions.push_back(ProducerAction::AbortWrite {
+                        handoff: c.handoff,
+                        d_rank: r.d_rank,
+                    });
+                }
+                RegState::CancelPending => pending = true,
+                RegState::Waiting => r.state = RegState::Cancelled,
+                _ => {}
+            }
+        }
+        if !pending {
+            self.messages.push_back((from, ack));
+        }
+        self.begin_end(c.handoff, EndReason::Cancelled, now);
+    }
+
+    fn on_grants(&mut self, from: PeerId, g: GrantBatch, now: Time) {
+        let Some(&(peer, sent_at)) = self.hb_sent.get(&g.seq) else {
+            self.stats.ignored += 1;
+            return;
+        };
+        if peer != from {
+            self.stats.ignored += 1;
+            return;
+        }
+        for grant in g.grants {
+            let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
+                continue;
+            };
+            if h.phase != Phase::Leased {
+                continue;
+            }
+            for r in h.registrations.iter_mut() {
+                if r.peer == from
+                    && r.epoch == grant.epoch
+                    && matches!(r.state, RegState::Waiting | RegState::Writing)
+                {
+                    // Anchored at our send time: D's grant started no earlier (rule 3).
+                    let until = sent_at + Duration::from_millis(grant.lease_ms as u64);
+                    r.grant_until = Some(r.grant_until.map_or(until, |u| u.max(until)));
+                }
+            }
+            self.start_writes(grant.handoff, now);
+        }
+        for e in g.gone {
+            let Some(h) = self.handoffs.get_mut(&e.handoff) else {
+                continue;
+            };
+            for r in h.registrations.iter_mut() {
+                if r.peer == from && r.epoch == e.epoch {
+                    match r.state {
+                        RegState::Waiting => r.state = RegState::Cancelled,
+                        RegState::Writing => {
+                            r.state = RegState::CancelPending;
+                            self.actions.push_back(ProducerAction::AbortWrite {
+                                handoff: e.handoff,
+                                d_rank: r.d_rank,
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn unknown(&mut self, id: HandoffId, from: PeerId, msg: Message, now: Time) {
+        if self.tombstones.get(&id).is_some() {
+            self.stats.late_notifications += 1;
+        } else {
+            // A notification that arrives before the handoff exists is staged, never dropped
+            // (unless the bounded staging is full or it expires).
+            self.stats.staged += 1;
+            self.staging.stage(id, from, msg, now);
+        }
+    }
+
+    // ----- transitions -----
+
+    fn start_writes(&mut self, id: HandoffId, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        if h.phase != Phase::Leased {
+            return;
+        }
+        let p_tp = self.cfg.tp.max(1);
+        for r in h.registrations.iter_mut() {
+            let valid = r
+                .grant_until
+                .is_some_and(|u| u > now + self.cfg.write_margin);
+            if r.state == RegState::Waiting && valid {
+                r.state = RegState::Writing;
+                let done = topology::pairs(p_tp, r.d_tp)
+                    .into_iter()
+                    .filter(|(d, _)| *d == r.d_rank)
+                    .map(|(d, p)| PushDone {
+                        handoff: id,
+                        epoch: r.epoch,
+                        p_rank: p,
+                        d_rank: d,
+                    })
+                    .collect();
+                self.actions.push_back(ProducerAction::PushWrite(PushWrite {
+                    handoff: id,
+                    epoch: r.epoch,
+                    d_peer: r.peer,
+                    d_rank: r.d_rank,
+                    d_tp: r.d_tp,
+                    src_blocks: h.blocks.clone(),
+                    dst_blocks: r.blocks.clone(),
+                    num_tokens: r.num_tokens,
+                    grant_until: r.grant_until.unwrap_or(now),
+                    done,
+                }));
+            }
+        }
+    }
+
+    /// Ends a handoff for `reason`: at once unless a push write of ours is in flight.
+    fn begin_end(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        if h.writes_in_flight() {
+            for r in h.registrations.iter_mut() {
+                if r.state == RegState::Writing {
+                    self.actions.push_back(ProducerAction::AbortWrite {
+                        handoff: id,
+                        d_rank: r.d_rank,
+                    });
+                }
+            }
+            let until = match h.phase {
+                Phase::Fencing { until, .. } | Phase::Draining { until, .. } => until,
+                Phase::Leased => now + self.cfg.fence_grace,
+            };
+            h.phase = Phase::Draining { until, reason };
+            h.timer.arm(&mut self.timers, id, until);
+        } else {
+            self.release_now(id, reason, now);
+        }
+    }
+
+    /// Looks at a handoff after a timer fired or a write ended and moves it on.
+    fn evaluate(&mut self, id: HandoffId, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        match h.phase {
+            Phase::Leased => {
+                if h.mode == TransferMode::Push && h.all_written() {
+                    self.release_now(id, EndReason::Done, now);
+                    return;
+                }
+                let deadline = h.lease_end.min(h.cap_end);
+                if now >= deadline {
+                    let reason = if h.cap_end <= h.lease_end {
+                        EndReason::Capped
+                    } else {
+                        EndReason::Expired
+                    };
+                    let until = deadline + self.cfg.fence_grace;
+                    h.phase = Phase::Fencing { until, reason };
+                    h.timer.arm(&mut self.timers, id, until);
+                    for r in h.registrations.iter_mut() {
+                        if r.state == RegState::Writing {
+                            self.actions.push_back(ProducerAction::AbortWrite {
+                                handoff: id,
+                                d_rank: r.d_rank,
+                            });
+                        }
+                    }
+                } else {
+                    h.timer.arm(&mut self.timers, id, deadline);
+                }
+            }
+            Phase::Fencing { until, reason } | Phase::Draining { until, reason } => {
+                if now >= until || (matches!(h.phase, Phase::Draining { .. }) && !h.writes_in_flight())
+                {
+                    self.release_now(id, reason, now);
+                } else {
+                    h.timer.arm(&mut self.timers, id, until);
+                }
+            }
+        }
+    }
+
+    fn release_now(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        let Some(h) = self.handoffs.remove(&id) else {
+            return;
+        };
+        for r in &h.registrations {
+            if matches!(r.state, RegState::Writing | RegState::CancelPending) {
+                self.actions.push_back(ProducerAction::AbortWrite {
+                    handoff: id,
+                    d_rank: r.d_rank,
+                });
+            }
+        }
+        if let Some(peer) = h.reader {
+            if let Some(set) = self.by_peer.get_mut(&peer) {
+                set.remove(&id);
+                if set.is_empty() {
+                    self.by_peer.remove(&peer);
+                }
+            }
+        }
+        self.held_blocks -= h.blocks.len();
+        *self.stats.ended.entry(reason.as_str()).or_default() += 1;
+        self.tombstones.insert(id, reason, now);
+        self.releases.push_back(BlockRelease {
+            handoff: id,
+            blocks: h.blocks,
+            reason,
+            held_for: now.saturating_sub(h.created),
+        });
+    }
+
+    fn send_push_heartbeats(&mut self, now: Time) {
+        let mut any = false;
+        let peers: Vec<PeerId> = self.push_waiting.keys().copied().collect();
+        for peer in peers {
+            let Some(ids) = self.push_waiting.get_mut(&peer) else {
+                continue;
+            };
+            let handoffs = &self.handoffs;
+            ids.retain(|id| {
+                handoffs.get(id).is_some_and(|h| {
+                    h.phase == Phase::Leased
+                        && h.registrations.iter().any(|r| {
+                            r.peer == peer && matches!(r.state, RegState::Waiting | RegState::Writing)
+                        })
+                })
+            });
+            let entries: Vec<HeartbeatEntry> = ids
+                .iter()
+                .map(|id| HeartbeatEntry {
+                    handoff: *id,
+                    epoch: handoffs[id].epoch,
+                })
+                .collect();
+            if entries.is_empty() {
+                self.push_waiting.remove(&peer);
+                continue;
+            }
+            any = true;
+            self.send_heartbeat(peer, &entries, now);
+        }
+        self.next_push_heartbeat = any.then(|| now + self.cfg.heartbeat_interval);
+    }
+
+    fn flush_urgent(&mut self, now: Time) {
+        let urgent = std::mem::take(&mut self.urgent);
+        for (peer, ids) in urgent {
+            let entries: Vec<HeartbeatEntry> = ids
+                .into_iter()
+                .filter_map(|id| {
+                    self.handoffs.get(&id).map(|h| HeartbeatEntry {
+                        handoff: id,
+                        epoch: h.epoch,
+                    })
+                })
+                .collect();
+            if !entries.is_empty() {
+                self.send_heartbeat(peer, &entries, now);
+            }
+        }
+    }
+
+    fn send_heartbeat(&mut self, peer: PeerId, entries: &[HeartbeatEntry], now: Time) {
+        let seq = &mut self.hb_seq;
+        for hb in split_heartbeat(entries, || {
+            *seq += 1;
+            *seq
+        }) {
+            self.hb_sent.insert(hb.seq, (peer, now));
+            self.hb_sent_order.push_back((now, hb.seq));
+            self.messages.push_back((peer, Message::Heartbeat(hb)));
+        }
+    }
+}
+
+/// Whole milliseconds, rounded down: a grant on the wire is never longer than the lease.
+pub(crate) fn ms_floor(d: Duration) -> u32 {
+    d.as_millis().min(u32::MAX as u128) as u32
+}

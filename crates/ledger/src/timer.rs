@@ -1,0 +1,83 @@
+//! Deadline queue with lazy deletion (after quinn-proto's timer): "when is the next deadline" is a
+//! heap peek, never a scan of every lease (vLLM's O(N) reaper, #58222, is what this avoids).
+//!
+//! An entry carries a generation. A renewal that pushes a deadline *later* does not touch the heap:
+//! the old entry fires early, the owner sees its real deadline is still ahead and re-arms it. A
+//! deadline that moves *earlier* bumps the generation and pushes a new entry; the old one is
+//! discarded as stale when it surfaces. So each live item has one live entry, and an idle tick is
+//! O(1).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::hash::Hash;
+
+use crate::Time;
+
+#[derive(Debug)]
+pub(crate) struct TimerQueue<K> {
+    heap: BinaryHeap<Reverse<(Time, u64, K)>>,
+}
+
+impl<K: Ord + Copy + Hash> Default for TimerQueue<K> {
+    fn default() -> Self {
+        TimerQueue {
+            heap: BinaryHeap::new(),
+        }
+    }
+}
+
+impl<K: Ord + Copy + Hash> TimerQueue<K> {
+    pub fn schedule(&mut self, key: K, at: Time, generation: u64) {
+        self.heap.push(Reverse((at, generation, key)));
+    }
+
+    pub fn next_deadline(&self) -> Option<Time> {
+        self.heap.peek().map(|Reverse((t, _, _))| *t)
+    }
+
+    /// Pops one entry due at `now`; the caller checks the generation against the item's.
+    pub fn pop_due(&mut self, now: Time) -> Option<(K, u64)> {
+        match self.heap.peek() {
+            Some(Reverse((t, _, _))) if *t <= now => {
+                self.heap.pop().map(|Reverse((_, g, k))| (k, g))
+            }
+            _ => None,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.heap.len()
+    }
+}
+
+/// The timer slot an item owns: its current deadline and the generation of its live heap entry.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TimerSlot {
+    pub armed_at: Option<Time>,
+    pub generation: u64,
+}
+
+impl TimerSlot {
+    /// Makes sure the queue will wake the item no later than `at`.
+    pub fn arm<K: Ord + Copy + Hash>(&mut self, q: &mut TimerQueue<K>, key: K, at: Time) {
+        match self.armed_at {
+            Some(current) if current <= at => {}
+            _ => {
+                self.generation += 1;
+                self.armed_at = Some(at);
+                q.schedule(key, at, self.generation);
+            }
+        }
+    }
+
+    /// Called when an entry of this item popped: true when it is the live one (then the slot is
+    /// disarmed and the owner must re-arm for its next deadline, if any).
+    pub fn fired(&mut self, generation: u64) -> bool {
+        if generation == self.generation && self.armed_at.is_some() {
+            self.armed_at = None;
+            true
+        } else {
+            false
+        }
+    }
+}

@@ -1,0 +1,551 @@
+//! Layout types: what a model's KV looks like ([`ModelShape`], [`KvSpec`]) and where one rank keeps
+//! it in its registered memory ([`RankLayout`]).
+
+use std::fmt;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Which engine a layout, block list or error belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Side {
+    /// The prefill engine: the source of every descriptor.
+    Prefill,
+    /// The decode engine: the destination of every descriptor.
+    Decode,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Prefill => "P",
+            Side::Decode => "D",
+        })
+    }
+}
+
+/// The model-level KV shape. Both engines of a pair must agree on every field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelShape {
+    /// Attention layers that keep KV.
+    pub num_layers: u32,
+    /// KV heads of the whole model (not per rank).
+    pub num_kv_heads: u32,
+    /// Elements per head vector.
+    pub head_dim: u32,
+    /// Bytes per element (2 for bf16/fp16, 1 for fp8, 4 for fp32).
+    pub dtype_size: u32,
+}
+
+impl ModelShape {
+    /// Bytes of one token of one head of one layer, K or V alone (`head_dim × dtype_size`): the
+    /// smallest unit the planner ever moves.
+    pub fn row_bytes(&self) -> u64 {
+        u64::from(self.head_dim).saturating_mul(u64::from(self.dtype_size))
+    }
+}
+
+/// Order of the bytes of one plane (K or V) of one block of one layer of one rank.
+///
+/// `hpr` = heads per rank, `bs` = block size in tokens, `row` = `head_dim × dtype_size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BlockLayout {
+    /// `[head][token][dim]`: element (h, t) at `(h × bs + t) × row`. A head's tokens are contiguous,
+    /// so a head slice of a block is one contiguous range (vLLM's HND / `LBHNC`). Works with every
+    /// TP and block-size combination.
+    HeadMajor,
+    /// `[token][head][dim]`: element (h, t) at `(t × hpr + h) × row` (vLLM's NHD / `LBNHC`). A head
+    /// slice is contiguous only within one token, so heterogeneous TP costs one descriptor per
+    /// token (planned, but many).
+    TokenMajor,
+}
+
+/// Engine-wide KV facts exchanged in a handshake: everything the planner needs to know about an
+/// engine except where a particular rank put its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvSpec {
+    /// Model KV shape (must match the peer's).
+    pub shape: ModelShape,
+    /// Tensor-parallel size: the KV heads are split evenly over `tp` ranks.
+    pub tp: u32,
+    /// Tokens per block (may differ from the peer's by a power-of-two ratio).
+    pub block_size: u32,
+    /// Byte order inside a block plane (must match the peer's).
+    pub block_layout: BlockLayout,
+}
+
+/// Why a [`KvSpec`] cannot be used at all, whatever the peer.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SpecError {
+    /// A size that must be at least 1 is 0.
+    #[error("{field} is 0; it must be at least 1")]
+    Zero {
+        /// The field's name.
+        field: &'static str,
+    },
+    /// More ranks than KV heads: a rank would own a fraction of a head.
+    #[error(
+        "tensor-parallel size {tp} exceeds the model's {num_kv_heads} KV heads: each rank must own \
+         at least one whole KV head (splitting or replicating heads across ranks is not supported)"
+    )]
+    TpExceedsHeads {
+        /// Tensor-parallel size.
+        tp: u32,
+        /// KV heads of the model.
+        num_kv_heads: u32,
+    },
+    /// The heads do not split evenly over the ranks.
+    #[error(
+        "{num_kv_heads} KV heads do not split evenly over tensor-parallel size {tp}: every rank \
+         must own the same whole number of heads"
+    )]
+    HeadsNotDivisible {
+        /// Tensor-parallel size.
+        tp: u32,
+        /// KV heads of the model.
+        num_kv_heads: u32,
+    },
+    /// One block plane is larger than `u64` bytes can describe.
+    #[error("one block plane ({heads_per_rank} heads × {block_size} tokens × {row_bytes} bytes) overflows u64")]
+    TooLarge {
+        /// Heads per rank.
+        heads_per_rank: u32,
+        /// Tokens per block.
+        block_size: u32,
+        /// Bytes per head row.
+        row_bytes: u64,
+    },
+}
+
+impl KvSpec {
+    /// Checks that the spec describes something plannable on its own (nonzero sizes, whole heads
+    /// per rank, sizes that fit in `u64`).
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let s = &self.shape;
+        for (field, v) in [
+            ("num_layers", s.num_layers),
+            ("num_kv_heads", s.num_kv_heads),
+            ("head_dim", s.head_dim),
+            ("dtype_size", s.dtype_size),
+            ("tp", self.tp),
+            ("block_size", self.block_size),
+        ] {
+            if v == 0 {
+                return Err(SpecError::Zero { field });
+            }
+        }
+        if self.tp > s.num_kv_heads {
+            return Err(SpecError::TpExceedsHeads {
+                tp: self.tp,
+                num_kv_heads: s.num_kv_heads,
+            });
+        }
+        if s.num_kv_heads % self.tp != 0 {
+            return Err(SpecError::HeadsNotDivisible {
+                tp: self.tp,
+                num_kv_heads: s.num_kv_heads,
+            });
+        }
+        let too_large = SpecError::TooLarge {
+            heads_per_rank: self.heads_per_rank(),
+            block_size: self.block_size,
+            row_bytes: s.row_bytes(),
+        };
+        // The plane size times 2 (K and V) must fit too, so that block_bytes() is exact.
+        u64::from(s.head_dim)
+            .checked_mul(u64::from(s.dtype_size))
+            .and_then(|r| r.checked_mul(u64::from(self.block_size)))
+            .and_then(|r| r.checked_mul(u64::from(self.heads_per_rank())))
+            .and_then(|r| r.checked_mul(2))
+            .ok_or(too_large)?;
+        Ok(())
+    }
+
+    /// KV heads each rank owns (`num_kv_heads / tp`; 0 for a spec with `tp == 0`).
+    pub fn heads_per_rank(&self) -> u32 {
+        self.shape.num_kv_heads.checked_div(self.tp).unwrap_or(0)
+    }
+
+    /// The global KV heads `rank` owns: ranks own consecutive, equal head ranges in rank order
+    /// (as Megatron-style TP shards the KV projection).
+    pub fn owned_heads(&self, rank: u32) -> Range<u32> {
+        let hpr = self.heads_per_rank();
+        rank.saturating_mul(hpr)..rank.saturating_add(1).saturating_mul(hpr)
+    }
+
+    /// Bytes of one plane (K or V) of one block of one layer of one rank:
+    /// `heads_per_rank × block_size × head_dim × dtype_size`. Saturates for specs that
+    /// [`validate`](Self::validate) rejects.
+    pub fn plane_bytes(&self) -> u64 {
+        u64::from(self.heads_per_rank())
+            .saturating_mul(u64::from(self.block_size))
+            .saturating_mul(self.shape.row_bytes())
+    }
+
+    /// Bytes of one block of one layer of one rank, K and V together (`2 × plane_bytes`).
+    pub fn block_bytes(&self) -> u64 {
+        self.plane_bytes().saturating_mul(2)
+    }
+
+    /// Byte offset of (local head `head`, token `token`) inside one block plane, in units of
+    /// rows (multiply by [`ModelShape::row_bytes`]).
+    pub fn row_index(&self, head: u32, token: u32) -> u64 {
+        let (h, t) = (u64::from(head), u64::from(token));
+        match self.block_layout {
+            BlockLayout::HeadMajor => h * u64::from(self.block_size) + t,
+            BlockLayout::TokenMajor => t * u64::from(self.heads_per_rank()) + h,
+        }
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens (`ceil(num_tokens / block_size)`).
+    pub fn blocks_for(&self, num_tokens: u32) -> u32 {
+        if self.block_size == 0 {
+            return 0;
+        }
+        num_tokens.div_ceil(self.block_size)
+    }
+}
+
+/// One registered memory region of a rank (a NIXL registration, a tensor, a mmap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Region {
+    /// Identifier, unique within the rank; descriptors name regions by it.
+    pub id: u32,
+    /// Length in bytes; every descriptor stays inside `0..len`.
+    pub len: u64,
+}
+
+/// Where block 0 of one plane (K or V) of one layer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PlaneLoc {
+    /// Region id.
+    pub region: u32,
+    /// Byte offset of block 0's plane inside the region.
+    pub offset: u64,
+}
+
+/// Where one layer's blocks live: block `b`'s K plane starts at `k.offset + b × block_stride` in
+/// region `k.region`, its V plane likewise from `v`.
+///
+/// This covers the layouts engines use without more machinery:
+/// - one region per layer, block = `[K plane][V plane]`: `v.offset = k.offset + plane`,
+///   `block_stride = 2 × plane` ([`RankLayout::per_layer`]);
+/// - K and V as separate tensors (vLLM's FlashAttention cache): two regions per layer,
+///   `block_stride = plane` ([`RankLayout::split_kv`]);
+/// - one region for all layers, block-outermost (vLLM's cross-layer `BLHNC`): layer `l` at
+///   `l × 2 × plane`, `block_stride = num_layers × 2 × plane` ([`RankLayout::cross_layer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerPlacement {
+    /// K plane of block 0.
+    pub k: PlaneLoc,
+    /// V plane of block 0.
+    pub v: PlaneLoc,
+    /// Bytes from one block to the next, the same for K and V (≥ one plane).
+    pub block_stride: u64,
+}
+
+impl LayerPlacement {
+    /// The plane location for `kv` (0 = K, 1 = V).
+    pub fn plane(&self, kv: usize) -> PlaneLoc {
+        if kv == 0 {
+            self.k
+        } else {
+            self.v
+        }
+    }
+}
+
+/// Where one rank of one engine keeps its KV: the unit a worker registers and sends in a
+/// handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RankLayout {
+    /// Engine-wide facts (identical on every rank of an engine).
+    pub spec: KvSpec,
+    /// This rank, `0..spec.tp`.
+    pub rank: u32,
+    /// Blocks in the pool: valid block ids are `0..num_blocks` (the same ids on every rank).
+    pub num_blocks: u32,
+    /// Registered regions.
+    pub regions: Vec<Region>,
+    /// One placement per layer, `spec.shape.num_layers` of them.
+    pub layers: Vec<LayerPlacement>,
+}
+
+/// Why a [`RankLayout`] is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LayoutError {
+    /// The engine-wide spec is unusable.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// `rank ≥ tp`.
+    #[error("rank {rank} is out of range for tensor-parallel size {tp}")]
+    RankOutOfRange {
+        /// The rank.
+        rank: u32,
+        /// Tensor-parallel size.
+        tp: u32,
+    },
+    /// Not one placement per layer.
+    #[error("the layout places {got} layers but the model has {expected}")]
+    LayerCount {
+        /// Layers of the model.
+        expected: u32,
+        /// Placements given.
+        got: usize,
+    },
+    /// Two regions share an id.
+    #[error("region id {id} is listed twice")]
+    DuplicateRegion {
+        /// The id.
+        id: u32,
+    },
+    /// A placement names a region that is not listed.
+    #[error("layer {layer} names region {region}, which is not registered")]
+    UnknownRegion {
+        /// Layer index.
+        layer: u32,
+        /// Region id.
+        region: u32,
+    },
+    /// Blocks of one plane would overlap each other.
+    #[error("layer {layer}: block stride {stride} is smaller than one block plane ({plane_bytes} bytes)")]
+    StrideTooSmall {
+        /// Layer index.
+        layer: u32,
+        /// The stride.
+        stride: u64,
+        /// Plane size.
+        plane_bytes: u64,
+    },
+    /// The pool's last block does not fit in its region.
+    #[error(
+        "layer {layer} {plane}: the pool's blocks end at byte {end} but region {region} is only \
+         {region_len} bytes"
+    )]
+    OutsideRegion {
+        /// Layer index.
+        layer: u32,
+        /// "K" or "V".
+        plane: &'static str,
+        /// Region id.
+        region: u32,
+        /// End of the last block's plane (saturated at `u64::MAX`).
+        end: u64,
+        /// Region length.
+        region_len: u64,
+    },
+}
+
+impl RankLayout {
+    /// Checks the layout: a valid spec, a rank in range, one placement per layer naming
+    /// registered, uniquely named regions, non-overlapping blocks within a plane
+    /// (`block_stride ≥ plane`), and every block of the pool inside its region. After this, any
+    /// in-pool block's bytes are addressable without overflow.
+    ///
+    /// Not checked (too costly for a general placement): that K and V planes or different layers
+    /// do not alias each other. The planner detects aliasing among the bytes it actually plans.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        self.spec.validate()?;
+        if self.rank >= self.spec.tp {
+            return Err(LayoutError::RankOutOfRange {
+                rank: self.rank,
+                tp: self.spec.tp,
+            });
+        }
+        let expected = self.spec.shape.num_layers;
+        if u32::try_from(self.layers.len()) != Ok(expected) {
+            return Err(LayoutError::LayerCount {
+                expected,
+                got: self.layers.len(),
+            });
+        }
+        let mut ids: Vec<u32> = self.regions.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(LayoutError::DuplicateRegion { id: w[0] });
+        }
+        let plane_bytes = self.spec.plane_bytes();
+        for (layer, p) in (0u32..).zip(&self.layers) {
+            if p.block_stride < plane_bytes {
+                return Err(LayoutError::StrideTooSmall {
+                    layer,
+                    stride: p.block_stride,
+                    plane_bytes,
+                });
+            }
+            for (plane, loc) in [("K", p.k), ("V", p.v)] {
+                let region_len = self
+                    .region_len(loc.region)
+                    .ok_or(LayoutError::UnknownRegion {
+                        layer,
+                        region: loc.region,
+                    })?;
+                if self.num_blocks == 0 {
+                    continue;
+                }
+                let end = u64::from(self.num_blocks - 1)
+                    .checked_mul(p.block_stride)
+                    .and_then(|x| x.checked_add(loc.offset))
+                    .and_then(|x| x.checked_add(plane_bytes));
+                match end {
+                    Some(end) if end <= region_len => {}
+                    _ => {
+                        return Err(LayoutError::OutsideRegion {
+                            layer,
+                            plane,
+                            region: loc.region,
+                            end: end.unwrap_or(u64::MAX),
+                            region_len,
+                        })
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Length of region `id`, if registered.
+    pub fn region_len(&self, id: u32) -> Option<u64> {
+        self.regions.iter().find(|r| r.id == id).map(|r| r.len)
+    }
+
+    /// The global KV heads this rank owns.
+    pub fn owned_heads(&self) -> Range<u32> {
+        self.spec.owned_heads(self.rank)
+    }
+
+    /// One region per layer (ids `first_region_id + layer`), each holding the pool's blocks back
+    /// to back, a block being `[K plane][V plane]` (so a block of one layer is one contiguous
+    /// `block_bytes()` range).
+    pub fn per_layer(
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        first_region_id: u32,
+    ) -> Result<Self, LayoutError> {
+        spec.validate()?;
+        let plane = spec.plane_bytes();
+        let len = region_len_for(num_blocks, 2 * plane, spec)?;
+        let mut regions = Vec::new();
+        let mut layers = Vec::new();
+        for l in 0..spec.shape.num_layers {
+            let id = first_region_id.wrapping_add(l);
+            regions.push(Region { id, len });
+            layers.push(LayerPlacement {
+                k: PlaneLoc {
+                    region: id,
+                    offset: 0,
+                },
+                v: PlaneLoc {
+                    region: id,
+                    offset: plane,
+                },
+                block_stride: 2 * plane,
+            });
+        }
+        Self::checked(Self {
+            spec,
+            rank,
+            num_blocks,
+            regions,
+            layers,
+        })
+    }
+
+    /// Two regions per layer, K (`first_region_id + 2·layer`) and V (`… + 1`), each holding one
+    /// plane per block back to back: vLLM's FlashAttention cache (`[2][num_blocks][…]` per layer).
+    pub fn split_kv(
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        first_region_id: u32,
+    ) -> Result<Self, LayoutError> {
+        spec.validate()?;
+        let plane = spec.plane_bytes();
+        let len = region_len_for(num_blocks, plane, spec)?;
+        let mut regions = Vec::new();
+        let mut layers = Vec::new();
+        for l in 0..spec.shape.num_layers {
+            let k = first_region_id.wrapping_add(2 * l);
+            let v = k.wrapping_add(1);
+            regions.push(Region { id: k, len });
+            regions.push(Region { id: v, len });
+            layers.push(LayerPlacement {
+                k: PlaneLoc {
+                    region: k,
+                    offset: 0,
+                },
+                v: PlaneLoc {
+                    region: v,
+                    offset: 0,
+                },
+                block_stride: plane,
+            });
+        }
+        Self::checked(Self {
+            spec,
+            rank,
+            num_blocks,
+            regions,
+            layers,
+        })
+    }
+
+    /// One region (`region_id`) for all layers, block-outermost: block `b` holds every layer's
+    /// `[K plane][V plane]` in layer order (vLLM's cross-layer `BLHNC`). A run of contiguous
+    /// blocks is then one contiguous range for the whole model.
+    pub fn cross_layer(
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        region_id: u32,
+    ) -> Result<Self, LayoutError> {
+        spec.validate()?;
+        let plane = spec.plane_bytes();
+        let layer_bytes = 2 * plane;
+        let stride = layer_bytes
+            .checked_mul(u64::from(spec.shape.num_layers))
+            .ok_or(too_large(spec))?;
+        let len = region_len_for(num_blocks, stride, spec)?;
+        let layers = (0..u64::from(spec.shape.num_layers))
+            .map(|l| LayerPlacement {
+                k: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes,
+                },
+                v: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes + plane,
+                },
+                block_stride: stride,
+            })
+            .collect();
+        Self::checked(Self {
+            spec,
+            rank,
+            num_blocks,
+            regions: vec![Region { id: region_id, len }],
+            layers,
+        })
+    }
+
+    fn checked(self) -> Result<Self, LayoutError> {
+        self.validate()?;
+        Ok(self)
+    }
+}
+
+fn too_large(spec: KvSpec) -> SpecError {
+    SpecError::TooLarge {
+        heads_per_rank: spec.heads_per_rank(),
+        block_size: spec.block_size,
+        row_bytes: spec.shape.row_bytes(),
+    }
+}
+
+fn region_len_for(num_blocks: u32, stride: u64, spec: KvSpec) -> Result<u64, LayoutError> {
+    Ok(u64::from(num_blocks)
+        .checked_mul(stride)
+        .ok_or(too_large(spec))?)
+}

@@ -1,0 +1,44 @@
+//! Splitting heartbeats and grant replies into messages under [`crate::MAX_MESSAGE_BYTES`].
+
+use crate::message::{Grant, GrantBatch, Heartbeat, HeartbeatEntry};
+
+/// Most handoffs named in one heartbeat or grant batch. A grant is at most 16 + 5 + 5 bytes
+/// encoded, so 2000 of them (plus the header) stay well under the 64 KiB message cap, and a reply
+/// to a full heartbeat always fits in one message.
+pub const MAX_BATCH_ENTRIES: usize = 2000;
+
+/// Splits the handoffs to heartbeat for one peer engine into messages of at most
+/// [`MAX_BATCH_ENTRIES`] each; `next_seq` gives each message its own sequence number.
+pub fn split_heartbeat(
+    entries: &[HeartbeatEntry],
+    mut next_seq: impl FnMut() -> u64,
+) -> Vec<Heartbeat> {
+    entries
+        .chunks(MAX_BATCH_ENTRIES)
+        .map(|chunk| Heartbeat {
+            seq: next_seq(),
+            entries: chunk.to_vec(),
+        })
+        .collect()
+}
+
+/// Splits a reply into batches that each fit; all carry the heartbeat's `seq`.
+pub fn split_grants(seq: u64, grants: Vec<Grant>, gone: Vec<HeartbeatEntry>) -> Vec<GrantBatch> {
+    let mut out = Vec::new();
+    let mut grants = grants.into_iter().peekable();
+    let mut gone = gone.into_iter().peekable();
+    loop {
+        let g: Vec<Grant> = grants.by_ref().take(MAX_BATCH_ENTRIES).collect();
+        let room = MAX_BATCH_ENTRIES - g.len();
+        let x: Vec<HeartbeatEntry> = gone.by_ref().take(room).collect();
+        if g.is_empty() && x.is_empty() {
+            break;
+        }
+        out.push(GrantBatch {
+            seq,
+            grants: g,
+            gone: x,
+        });
+    }
+    out
+}

@@ -1,0 +1,86 @@
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// 128-bit random handoff id. It is a capability: whoever knows it may heartbeat, pull or release
+/// the handoff, so it must come from a CSPRNG and is never derived from a request id.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HandoffId(pub u128);
+
+impl HandoffId {
+    /// Builds an id from 16 random bytes (the caller provides the randomness: this crate does no I/O).
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        HandoffId(u128::from_le_bytes(bytes))
+    }
+}
+
+impl fmt::Display for HandoffId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for HandoffId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Short form: enough to tell ids apart in logs and test failures.
+        write!(f, "H{:08x}", (self.0 >> 96) as u32)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("handoff id must be 32 hexadecimal digits, got {0:?}")]
+pub struct ParseHandoffIdError(pub String);
+
+impl FromStr for HandoffId {
+    type Err = ParseHandoffIdError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ParseHandoffIdError(s.chars().take(64).collect()));
+        }
+        u128::from_str_radix(s, 16)
+            .map(HandoffId)
+            .map_err(|_| ParseHandoffIdError(s.to_string()))
+    }
+}
+
+// On the binary wire an id is 16 fixed bytes (a varint would cost 19 for random ids); in JSON it
+// is 32 hex digits.
+impl Serialize for HandoffId {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            self.0.to_le_bytes().serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HandoffId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            let s = String::deserialize(d)?;
+            s.parse().map_err(serde::de::Error::custom)
+        } else {
+            <[u8; 16]>::deserialize(d).map(HandoffId::from_bytes)
+        }
+    }
+}
+
+/// Bumped when a handoff's blocks change hands (a push registration replaced by a new one); a
+/// message carrying another epoch than the current one is ignored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Epoch(pub u32);
+
+impl Epoch {
+    pub const FIRST: Epoch = Epoch(1);
+    pub fn next(self) -> Epoch {
+        Epoch(self.0.wrapping_add(1))
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}

@@ -1,0 +1,146 @@
+//! `kv_transfer_params`: the JSON object that travels with a request through the proxy, with
+//! vLLM's keys (so vLLM's example proxy can drive handoff engines) plus handoff's own.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
+
+use crate::ids::HandoffId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// D reads P's blocks (vLLM's default NixlConnector).
+    #[default]
+    Pull,
+    /// P writes into blocks D reserved up front.
+    Push,
+}
+
+impl TransferMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferMode::Pull => "pull",
+            TransferMode::Push => "push",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("kv_transfer_params is not valid: {0}")]
+    Invalid(String),
+    #[error("kv_transfer_params is missing `{0}`, which a remote prefill needs")]
+    Missing(&'static str),
+}
+
+/// The typed form of `kv_transfer_params`. Every field is optional on input, as vLLM's proxy
+/// sends nulls for what it does not know yet; unknown keys are kept and written back unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    #[serde(default)]
+    pub do_remote_prefill: bool,
+    #[serde(default)]
+    pub do_remote_decode: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<String>,
+    /// vLLM 0.33 writes one list per KV-cache group (`[[1,2,3]]`), older versions a flat list;
+    /// both are accepted, the per-group form is written.
+    #[serde(
+        default,
+        deserialize_with = "block_ids_any_form",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub remote_block_ids: Option<Vec<Vec<u32>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_port: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_size: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_num_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_block_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_mode: Option<TransferMode>,
+    // handoff's own keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_id: Option<HandoffId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u32>,
+    /// Keys this build does not know, kept so a newer peer's params survive a round trip.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+fn block_ids_any_form<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Vec<u32>>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum AnyForm {
+        Grouped(Vec<Vec<u32>>),
+        Flat(Vec<u32>),
+    }
+    Ok(match Option::<AnyForm>::deserialize(d)? {
+        None => None,
+        Some(AnyForm::Grouped(g)) => Some(g),
+        Some(AnyForm::Flat(f)) => Some(vec![f]),
+    })
+}
+
+impl KvTransferParams {
+    pub fn from_json(v: &Value) -> Result<Self, ParamsError> {
+        serde_json::from_value(v.clone()).map_err(|e| ParamsError::Invalid(e.to_string()))
+    }
+
+    pub fn to_json(&self) -> Value {
+        // Serializing this struct cannot fail: every field is a plain JSON type.
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// The block ids of the first (only) KV-cache group.
+    pub fn block_ids(&self) -> Option<&[u32]> {
+        self.remote_block_ids
+            .as_ref()
+            .and_then(|g| g.first())
+            .map(Vec::as_slice)
+    }
+
+    pub fn mode(&self) -> TransferMode {
+        self.transfer_mode.unwrap_or_default()
+    }
+
+    /// What P must ask for: "prefill, keep the KV for a remote decode" (the proxy's first leg).
+    pub fn for_prefill_leg() -> Self {
+        KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        }
+    }
+
+    /// Checks that params meant for D's remote prefill name everything D needs.
+    pub fn validate_remote_prefill(&self) -> Result<(), ParamsError> {
+        if !self.do_remote_prefill {
+            return Ok(());
+        }
+        if self.remote_engine_id.is_none() {
+            return Err(ParamsError::Missing("remote_engine_id"));
+        }
+        if self.remote_host.is_none() {
+            return Err(ParamsError::Missing("remote_host"));
+        }
+        if self.remote_port.is_none() {
+            return Err(ParamsError::Missing("remote_port"));
+        }
+        if self.handoff_id.is_none() {
+            return Err(ParamsError::Missing("handoff_id"));
+        }
+        if self.mode() == TransferMode::Pull && self.block_ids().is_none() {
+            return Err(ParamsError::Missing("remote_block_ids"));
+        }
+        Ok(())
+    }
+}
