@@ -10,6 +10,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(msg) = decode(data) {
         let bytes = encode(&msg).expect("a decoded message must re-encode");
         assert!(bytes.len() <= data.len(), "re-encoding grew the message");
-        assert_eq!(decode(&bytes), Ok(msg), "re-encoded message decodes differently");
+        assert_eq!(
+            decode(&bytes),
+            Ok(msg),
+            "re-encoded message decodes differently"
+        );
     }
 });

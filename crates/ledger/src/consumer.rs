@@ -614,6 +614,8 @@ impl ConsumerLedger {
                     // Reads from a dead P fail; our blocks wait until the transport says so.
                     let pending = pending.clone();
                     self.fail_requests(id, FailReason::PeerDead);
+                    self.actions
+                        .push_back(ConsumerAction::CancelRead { handoff: id });
                     self.quarantine(id, pending, now);
                 }
                 // A dead writer cannot write any more: the blocks are safe to reuse now.
@@ -970,7 +972,8 @@ impl ConsumerLedger {
             epoch: h.info.epoch,
             reason: ReleaseReason::Failed,
         };
-        self.messages.push_back((h.info.peer, Message::Release(msg)));
+        self.messages
+            .push_back((h.info.peer, Message::Release(msg)));
         self.stats.releases_sent += 1;
         self.release_local(id, EndReason::Failed, now);
         self.end_handoff(id, now);
@@ -1065,7 +1068,10 @@ impl ConsumerLedger {
         let Some(h) = self.handoffs.remove(&id) else {
             return;
         };
-        debug_assert!(h.local.is_none(), "blocks must be handed over or released first");
+        debug_assert!(
+            h.local.is_none(),
+            "blocks must be handed over or released first"
+        );
         for r in &h.requests {
             self.by_request.remove(r);
         }

@@ -48,6 +48,9 @@ pub struct ProducerConfig {
     pub hard_cap: Duration,
     /// Push: start a WRITE only when the registration grant has at least this much left.
     pub write_margin: Duration,
+    /// Push: a WRITE still running this long after its registration grant ended is aborted and
+    /// counts as failed. D's write grace must exceed it (rule 3).
+    pub write_timeout: Duration,
     /// Push: how often P heartbeats the registrations it waits to write into.
     pub heartbeat_interval: Duration,
     pub staging_capacity: usize,
@@ -66,6 +69,7 @@ impl Default for ProducerConfig {
             fence_grace: Duration::from_millis(1500),
             hard_cap: Duration::from_secs(120),
             write_margin: Duration::from_millis(200),
+            write_timeout: Duration::from_millis(500),
             heartbeat_interval: Duration::from_millis(500),
             staging_capacity: 4096,
             staging_per_handoff: 16,
@@ -143,9 +147,15 @@ pub struct ProducerStats {
 enum Phase {
     Leased,
     /// Lease (or cap) over: no more grants; blocks back at `until` unless every read ends first.
-    Fencing { until: Time, reason: EndReason },
+    Fencing {
+        until: Time,
+        reason: EndReason,
+    },
     /// Ending for `reason`, waiting only for push writes in flight (at most until `until`).
-    Draining { until: Time, reason: EndReason },
+    Draining {
+        until: Time,
+        reason: EndReason,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +180,8 @@ struct Registration {
     num_tokens: u32,
     grant_until: Option<Time>,
     state: RegState,
+    /// The write ran past its grant + write timeout and was aborted: it cannot count as landed.
+    timed_out: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -499,27 +511,31 @@ impl ProducerLedger {
             return;
         };
         let epoch = h.epoch;
-        let Some(r) = h
-            .registrations
-            .iter_mut()
-            .find(|r| r.d_rank == d_rank && matches!(r.state, RegState::Writing | RegState::CancelPending))
-        else {
+        let Some(r) = h.registrations.iter_mut().find(|r| {
+            r.d_rank == d_rank && matches!(r.state, RegState::Writing | RegState::CancelPending)
+        }) else {
             return;
         };
         let peer = r.peer;
         match r.state {
             RegState::CancelPending => {
                 r.state = RegState::Cancelled;
-                self.messages.push_back((
-                    peer,
-                    Message::PushCancelAck(PushCancelAck {
-                        handoff,
-                        epoch,
-                        p_rank: 0,
-                    }),
-                ));
+                // The ack promises that *no* write into any of D's ranks is in flight.
+                let still_writing = h.registrations.iter().any(|x| {
+                    x.peer == peer && matches!(x.state, RegState::Writing | RegState::CancelPending)
+                });
+                if !still_writing {
+                    self.messages.push_back((
+                        peer,
+                        Message::PushCancelAck(PushCancelAck {
+                            handoff,
+                            epoch,
+                            p_rank: 0,
+                        }),
+                    ));
+                }
             }
-            _ if ok => r.state = RegState::Written,
+            _ if ok && !r.timed_out => r.state = RegState::Written,
             _ => {
                 r.state = RegState::Failed;
                 self.messages.push_back((
@@ -563,6 +579,9 @@ impl ProducerLedger {
                 }
                 // Fencing or draining: the lease is over, no new grant (rule 2).
                 Some(_) => gone.push(e),
+                // Ended well: its completions may still be on their way to D (they ride on the
+                // transfers, not on this channel), so "gone" would race them. Say nothing.
+                None if self.tombstones.get(&e.handoff) == Some(&EndReason::Done) => {}
                 None if self.tombstones.get(&e.handoff).is_some() => gone.push(e),
                 None => {
                     self.stats.staged += 1;
@@ -679,6 +698,7 @@ impl ProducerLedger {
             num_tokens: r.num_tokens,
             grant_until: None,
             state: RegState::Waiting,
+            timed_out: false,
         });
         if h.reader.is_none() {
             h.reader = Some(from);
@@ -833,6 +853,8 @@ impl ProducerLedger {
                     grant_until: r.grant_until.unwrap_or(now),
                     done,
                 }));
+                let deadline = r.grant_until.unwrap_or(now) + self.cfg.write_timeout;
+                h.timer.arm(&mut self.timers, id, deadline);
             }
         }
     }
@@ -873,7 +895,27 @@ impl ProducerLedger {
                     self.release_now(id, EndReason::Done, now);
                     return;
                 }
+                // Rule 3: a write may not outlive its grant by more than the write timeout.
+                let mut next_write_deadline: Option<Time> = None;
+                for r in h.registrations.iter_mut() {
+                    if r.state != RegState::Writing || r.timed_out {
+                        continue;
+                    }
+                    let wd = r.grant_until.unwrap_or(now) + self.cfg.write_timeout;
+                    if now >= wd {
+                        r.timed_out = true;
+                        self.actions.push_back(ProducerAction::AbortWrite {
+                            handoff: id,
+                            d_rank: r.d_rank,
+                        });
+                    } else {
+                        next_write_deadline = Some(next_write_deadline.map_or(wd, |x| x.min(wd)));
+                    }
+                }
                 let deadline = h.lease_end.min(h.cap_end);
+                if let Some(wd) = next_write_deadline {
+                    h.timer.arm(&mut self.timers, id, wd.min(deadline));
+                }
                 if now >= deadline {
                     let reason = if h.cap_end <= h.lease_end {
                         EndReason::Capped
@@ -896,7 +938,8 @@ impl ProducerLedger {
                 }
             }
             Phase::Fencing { until, reason } | Phase::Draining { until, reason } => {
-                if now >= until || (matches!(h.phase, Phase::Draining { .. }) && !h.writes_in_flight())
+                if now >= until
+                    || (matches!(h.phase, Phase::Draining { .. }) && !h.writes_in_flight())
                 {
                     self.release_now(id, reason, now);
                 } else {
@@ -949,7 +992,8 @@ impl ProducerLedger {
                 handoffs.get(id).is_some_and(|h| {
                     h.phase == Phase::Leased
                         && h.registrations.iter().any(|r| {
-                            r.peer == peer && matches!(r.state, RegState::Waiting | RegState::Writing)
+                            r.peer == peer
+                                && matches!(r.state, RegState::Waiting | RegState::Writing)
                         })
                 })
             });

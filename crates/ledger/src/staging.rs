@@ -98,7 +98,6 @@ impl<M> Staging<M> {
         false
     }
 
-
     fn drop_oldest(&mut self) -> bool {
         while let Some((t, id)) = self.order.pop_front() {
             if self.remove_entry(id, t) {
@@ -110,8 +109,11 @@ impl<M> Staging<M> {
 
     fn compact(&mut self) {
         let by_id = &self.by_id;
-        self.order
-            .retain(|(t, id)| by_id.get(id).is_some_and(|l| l.iter().any(|(_, _, at)| at == t)));
+        self.order.retain(|(t, id)| {
+            by_id
+                .get(id)
+                .is_some_and(|l| l.iter().any(|(_, _, at)| at == t))
+        });
     }
 }
 
@@ -170,5 +172,4 @@ impl<V> Tombstones<V> {
             self.map.remove(&id);
         }
     }
-
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use handoff_ledger::*;
 use handoff_proto::{
-    Epoch, HeartbeatEntry, Heartbeat, Message, PullDone, Release, ReleaseReason, TransferMode,
+    Epoch, Heartbeat, HeartbeatEntry, Message, PullDone, Release, ReleaseReason, TransferMode,
 };
 
 const BLOCKS: [u32; 4] = [10, 11, 12, 13];
@@ -19,11 +19,18 @@ fn start_pull(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) -> StartR
         .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
         .unwrap();
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(req), inc, pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(req), inc, pair.now)
+        .unwrap();
     pair.pump();
-    pair.d.on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now).unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
     pair.pump();
-    pair.reads.last().cloned().expect("a granted, admitted handoff starts its read")
+    pair.reads
+        .last()
+        .cloned()
+        .expect("a granted, admitted handoff starts its read")
 }
 
 #[test]
@@ -33,10 +40,15 @@ fn normal_pull() {
     let read = start_pull(&mut pair, id, 1);
     assert_eq!(read.src_blocks, BLOCKS.to_vec());
     assert_eq!(read.dst_blocks, vec![100, 101, 102, 103]);
-    assert!(pair.p_released(id).is_none(), "P keeps the blocks while the read runs");
+    assert!(
+        pair.p_released(id).is_none(),
+        "P keeps the blocks while the read runs"
+    );
     pair.advance(ms(5));
     pair.complete_read(&read);
-    let rel = pair.p_released(id).expect("P frees as soon as the read is done");
+    let rel = pair
+        .p_released(id)
+        .expect("P frees as soon as the read is done");
     assert_eq!(rel.reason, EndReason::Done);
     assert_eq!(rel.blocks, BLOCKS.to_vec());
     assert_eq!(
@@ -47,7 +59,10 @@ fn normal_pull() {
             blocks: vec![100, 101, 102, 103]
         }]
     );
-    assert!(pair.d_releases.is_empty(), "D's blocks now belong to the decoding request");
+    assert!(
+        pair.d_releases.is_empty(),
+        "D's blocks now belong to the decoding request"
+    );
     assert!(pair.p.is_empty() && pair.d.is_empty());
     assert_eq!(pair.p.held_blocks(), 0);
 }
@@ -62,9 +77,14 @@ fn heartbeat_keeps_lease_alive_past_first_expiry() {
         .unwrap();
     // D has the request queued (not admitted): it heartbeats from its own timer.
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
     pair.advance(initial * 3);
-    assert!(pair.p_released(id).is_none(), "heartbeats extended the lease");
+    assert!(
+        pair.p_released(id).is_none(),
+        "heartbeats extended the lease"
+    );
     assert!(pair.count("D>P", "heartbeat") >= 50);
     // Once admitted the read starts at once on the renewed grant.
     pair.d.on_blocks_allocated(id, vec![7], pair.now).unwrap();
@@ -80,7 +100,9 @@ fn d_crash_reclaims_after_lease_plus_grace_and_not_before() {
         .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
         .unwrap();
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
     pair.advance(Duration::from_secs(20));
     // D crashes silently (no transport event): its last heartbeat was at most one interval ago.
     pair.d_alive = false;
@@ -89,8 +111,17 @@ fn d_crash_reclaims_after_lease_plus_grace_and_not_before() {
     let not_before = last_hb + cfg.heartbeat_extension + cfg.fence_grace;
     let released = pair.advance_until(Duration::from_secs(60), |p| p.p_released(id).is_some());
     assert!(released);
-    assert!(pair.now + ms(1) >= not_before, "released at {:?}, before lease + grace {:?}", pair.now, not_before);
-    assert!(pair.now <= not_before + cfg.heartbeat_extension, "released too late: {:?}", pair.now);
+    assert!(
+        pair.now + ms(1) >= not_before,
+        "released at {:?}, before lease + grace {:?}",
+        pair.now,
+        not_before
+    );
+    assert!(
+        pair.now <= not_before + cfg.heartbeat_extension,
+        "released too late: {:?}",
+        pair.now
+    );
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Expired);
 }
 
@@ -124,7 +155,9 @@ fn peer_dead_reclaims_at_once() {
     pair.advance(ms(3));
     pair.p.handle_peer_dead(D_PEER, pair.now);
     pair.pump();
-    let rel = pair.p_released(id).expect("released on the dead-peer event");
+    let rel = pair
+        .p_released(id)
+        .expect("released on the dead-peer event");
     assert_eq!(rel.reason, EndReason::PeerDead);
     assert_eq!(rel.held_for, ms(3));
 }
@@ -145,7 +178,9 @@ fn hard_cap_reclaims_a_d_that_heartbeats_but_never_pulls() {
         .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
         .unwrap();
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
     pair.advance(p_cfg.hard_cap - ms(1));
     assert!(pair.p_released(id).is_none());
     pair.advance(p_cfg.fence_grace + ms(2));
@@ -155,7 +190,10 @@ fn hard_cap_reclaims_a_d_that_heartbeats_but_never_pulls() {
     pair.advance(Duration::from_secs(1));
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::HandoffGone, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::HandoffGone,
+            ..
+        }]
     ));
     assert!(pair.d.is_empty());
 }
@@ -187,8 +225,12 @@ fn notification_before_registration_settles_on_registration() {
     );
     assert_eq!(pair.p.staged_messages(), 2);
     pair.now += ms(40);
-    pair.p.create_handoff(a, vec![1], TransferMode::Pull, pair.now).unwrap();
-    pair.p.create_handoff(b, vec![2], TransferMode::Pull, pair.now).unwrap();
+    pair.p
+        .create_handoff(a, vec![1], TransferMode::Pull, pair.now)
+        .unwrap();
+    pair.p
+        .create_handoff(b, vec![2], TransferMode::Pull, pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.p_released(a).unwrap().reason, EndReason::Rejected);
     assert_eq!(pair.p_released(b).unwrap().reason, EndReason::Done);
@@ -219,8 +261,13 @@ fn early_notifications_are_bounded_by_count_and_age() {
     p.handle_timeout(Duration::from_secs(5));
     assert_eq!(p.staged_messages(), 0, "staged messages expire");
     // An expired early release no longer applies: the handoff lives on its lease.
-    p.create_handoff(hid(1099), vec![1], TransferMode::Pull, Duration::from_secs(5))
-        .unwrap();
+    p.create_handoff(
+        hid(1099),
+        vec![1],
+        TransferMode::Pull,
+        Duration::from_secs(5),
+    )
+    .unwrap();
     assert!(p.poll_release().is_none());
 }
 
@@ -235,7 +282,8 @@ fn duplicate_and_late_notifications_change_nothing() {
     let late_before = pair.p.stats().late_notifications;
     // Late duplicates of everything D ever sent.
     for n in &read.done {
-        pair.p.handle_message(D_PEER, Message::PullDone(*n), pair.now);
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
     }
     pair.p.handle_message(
         D_PEER,
@@ -259,9 +307,16 @@ fn duplicate_and_late_notifications_change_nothing() {
     );
     pair.pump();
     assert_eq!(pair.p_releases.len(), 1, "still exactly one release");
-    assert_eq!(pair.p.staged_messages(), 0, "late messages are not staged as early");
+    assert_eq!(
+        pair.p.staged_messages(),
+        0,
+        "late messages are not staged as early"
+    );
     assert!(pair.p.stats().late_notifications > late_before);
-    assert!(pair.p.create_handoff(id, vec![1], TransferMode::Pull, pair.now).is_err());
+    assert!(pair
+        .p
+        .create_handoff(id, vec![1], TransferMode::Pull, pair.now)
+        .is_err());
     // The late heartbeat was answered "gone", which D ignores (request already served).
     assert_eq!(pair.outcomes.len(), 1);
 }
@@ -270,7 +325,9 @@ fn duplicate_and_late_notifications_change_nothing() {
 fn stale_epoch_is_ignored() {
     let mut pair = Pair::default_pair();
     let id = hid(10);
-    pair.p.create_handoff(id, vec![1], TransferMode::Pull, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1], TransferMode::Pull, pair.now)
+        .unwrap();
     pair.p.handle_message(
         D_PEER,
         Message::Release(Release {
@@ -292,14 +349,20 @@ fn rejection_and_abort_before_admission_release_at_once() {
     ] {
         let mut pair = Pair::default_pair();
         let id = hid(20 + req as u128);
-        pair.p.create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now).unwrap();
+        pair.p
+            .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+            .unwrap();
         let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-        pair.d.on_request_arrived(RequestId(req), inc, pair.now).unwrap();
+        pair.d
+            .on_request_arrived(RequestId(req), inc, pair.now)
+            .unwrap();
         pair.pump();
         pair.now += ms(2);
         pair.d.on_request_ended(RequestId(req), reason, pair.now);
         pair.pump();
-        let rel = pair.p_released(id).expect("released without waiting for any lease");
+        let rel = pair
+            .p_released(id)
+            .expect("released without waiting for any lease");
         assert_eq!(rel.reason, end);
         assert_eq!(rel.held_for, ms(2));
         assert!(pair.reads.is_empty());
@@ -312,32 +375,49 @@ fn abort_during_read_waits_for_the_read_then_frees_both_sides() {
     let mut pair = Pair::default_pair();
     let id = hid(23);
     let read = start_pull(&mut pair, id, 1);
-    pair.d.on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
+    pair.d
+        .on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
     pair.pump();
-    assert!(pair.p_released(id).is_none(), "a READ is in flight: P must not free yet");
-    assert!(pair.d_releases.is_empty(), "D's blocks are being written by the READ");
+    assert!(
+        pair.p_released(id).is_none(),
+        "a READ is in flight: P must not free yet"
+    );
+    assert!(
+        pair.d_releases.is_empty(),
+        "D's blocks are being written by the READ"
+    );
     pair.complete_read(&read);
     assert!(pair.p_released(id).is_some());
     assert_eq!(pair.d_releases.len(), 1);
-    assert!(pair.outcomes.is_empty(), "an aborted request gets no outcome");
+    assert!(
+        pair.outcomes.is_empty(),
+        "an aborted request gets no outcome"
+    );
 }
 
 #[test]
 fn n8_siblings_cause_one_pull_and_one_release() {
     let mut pair = Pair::default_pair();
     let id = hid(30);
-    pair.p.create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
     for r in 0..8 {
         let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-        pair.d.on_request_arrived(RequestId(r), inc, pair.now).unwrap();
+        pair.d
+            .on_request_arrived(RequestId(r), inc, pair.now)
+            .unwrap();
     }
     pair.pump();
-    pair.d.on_blocks_allocated(id, vec![5, 6, 7, 8], pair.now).unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![5, 6, 7, 8], pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.reads.len(), 1, "one pull for eight siblings");
     let read = pair.reads[0].clone();
     // One sibling is aborted mid-read; the others still get the KV.
-    pair.d.on_request_ended(RequestId(3), ReleaseReason::Aborted, pair.now);
+    pair.d
+        .on_request_ended(RequestId(3), ReleaseReason::Aborted, pair.now);
     pair.complete_read(&read);
     assert_eq!(pair.p_releases.len(), 1, "one release on P");
     match &pair.outcomes[..] {
@@ -368,11 +448,17 @@ fn d_tp4_p_tp2_needs_two_consumers_per_p_rank() {
     assert!(read.done.iter().all(|n| n.consumers == 2));
     // Three of four consumers done (one of them twice): not yet.
     for n in &read.done[..3] {
-        pair.p.handle_message(D_PEER, Message::PullDone(*n), pair.now);
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
     }
-    pair.p.handle_message(D_PEER, Message::PullDone(read.done[0]), pair.now);
-    assert!(pair.p.poll_release().is_none(), "P rank 1 still has a reader");
-    pair.p.handle_message(D_PEER, Message::PullDone(read.done[3]), pair.now);
+    pair.p
+        .handle_message(D_PEER, Message::PullDone(read.done[0]), pair.now);
+    assert!(
+        pair.p.poll_release().is_none(),
+        "P rank 1 still has a reader"
+    );
+    pair.p
+        .handle_message(D_PEER, Message::PullDone(read.done[3]), pair.now);
     assert_eq!(pair.p.poll_release().unwrap().reason, EndReason::Done);
 }
 
@@ -394,7 +480,8 @@ fn p_tp4_d_tp2_needs_one_consumer_on_each_p_rank() {
     let ranks: std::collections::BTreeSet<u16> = read.done.iter().map(|n| n.p_rank).collect();
     assert_eq!(ranks.len(), 4);
     for n in &read.done[..3] {
-        pair.p.handle_message(D_PEER, Message::PullDone(*n), pair.now);
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
     }
     assert!(pair.p.poll_release().is_none());
     pair.complete_read(&read);
@@ -409,13 +496,17 @@ fn read_finishing_after_grant_plus_grace_is_a_failure() {
     // The read ends past its deadline (grant + grace), with no timer tick in between.
     pair.now = read.deadline + ms(1);
     for n in &read.done {
-        pair.p.handle_message(D_PEER, Message::PullDone(*n), pair.now);
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
     }
     pair.d.on_read_done(id, 0, true, pair.now);
     pair.pump();
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::ReadAfterGrace, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::ReadAfterGrace,
+            ..
+        }]
     ));
     assert_eq!(pair.d_releases.len(), 1, "D's blocks go back, unused");
 }
@@ -433,10 +524,16 @@ fn read_that_hangs_is_cancelled_and_its_blocks_quarantined() {
     assert!(pair.now >= read.deadline);
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Failed { reason: FailReason::ReadTimedOut, .. }]
+        [Outcome::Failed {
+            reason: FailReason::ReadTimedOut,
+            ..
+        }]
     ));
     assert_eq!(pair.cancelled_reads, vec![id]);
-    assert!(pair.d_releases.is_empty(), "the READ may still land: blocks stay quarantined");
+    assert!(
+        pair.d_releases.is_empty(),
+        "the READ may still land: blocks stay quarantined"
+    );
     // The transport confirms the read ended: now D frees and tells P.
     pair.d.on_read_done(id, 0, false, pair.now);
     pair.pump();
@@ -448,15 +545,22 @@ fn read_that_hangs_is_cancelled_and_its_blocks_quarantined() {
 fn p_dead_fails_waiting_requests_per_policy() {
     let mut pair = Pair::default_pair();
     let id = hid(52);
-    pair.p.create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
     pair.pump();
     pair.d.handle_peer_dead(P_PEER, pair.now);
     pair.pump();
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::PeerDead, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::PeerDead,
+            ..
+        }]
     ));
     assert!(pair.d.is_empty());
 }
@@ -467,15 +571,22 @@ fn silent_p_ends_the_request_within_its_wait_deadline() {
     pair.p_alive = false;
     let id = hid(53);
     let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![1, 2], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![1, 2], pair.now)
+        .unwrap();
     let deadline = pair.d.config().wait_deadline;
     pair.advance(deadline - ms(1));
     assert!(pair.outcomes.is_empty());
     pair.advance(ms(2));
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::DeadlineExceeded, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::DeadlineExceeded,
+            ..
+        }]
     ));
     assert_eq!(pair.d_releases.len(), 1);
 }
@@ -496,12 +607,22 @@ fn push_with_d_first() {
     let mut pair = push_pair();
     let id = hid(60);
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
-    assert_eq!(pair.p.staged_messages(), 2, "registration and heartbeat staged on P");
+    assert_eq!(
+        pair.p.staged_messages(),
+        2,
+        "registration and heartbeat staged on P"
+    );
     pair.now += ms(30);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.writes.len(), 1, "registration matched; write granted");
     let w = pair.writes[0].clone();
@@ -518,11 +639,17 @@ fn push_with_d_first() {
 fn push_with_p_first() {
     let mut pair = push_pair();
     let id = hid(61);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     pair.now += ms(30);
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.writes.len(), 1);
     let w = pair.writes[0].clone();
@@ -535,37 +662,62 @@ fn push_with_p_first() {
 fn push_watchdog_with_ack_frees_on_the_ack() {
     let mut pair = push_pair();
     let id = hid(62);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.writes.len(), 1);
     // The write hangs; the watchdog fires.
     pair.advance_until(Duration::from_secs(10), |p| !p.outcomes.is_empty());
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::WatchdogExpired, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::WatchdogExpired,
+            ..
+        }]
     ));
-    assert_eq!(pair.aborted_writes, vec![(id, 0)], "P was asked to abort the write");
-    assert!(pair.d_releases.is_empty(), "a WRITE may still land: no free before P's ack");
+    assert_eq!(
+        pair.aborted_writes,
+        vec![(id, 0)],
+        "P was asked to abort the write"
+    );
+    assert!(
+        pair.d_releases.is_empty(),
+        "a WRITE may still land: no free before P's ack"
+    );
     // P's connector reports the aborted write ended: P acks, D frees at once.
     pair.p.on_push_write_done(id, 0, false, pair.now);
     pair.pump();
     assert_eq!(pair.count("P>D", "push_cancel_ack"), 1);
     assert_eq!(pair.d_releases.len(), 1);
     assert!(pair.p_released(id).is_some());
-    assert_eq!(pair.p.write_permit(id, 0, pair.now), Err(WriteRefused::UnknownHandoff));
+    assert_eq!(
+        pair.p.write_permit(id, 0, pair.now),
+        Err(WriteRefused::UnknownHandoff)
+    );
 }
 
 #[test]
 fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
     let mut pair = push_pair();
     let id = hid(63);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.writes.len(), 1);
     // P heartbeats D's registration (D grants), then goes silent just before the watchdog
@@ -576,32 +728,47 @@ fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
     let (granted_at, lease_ms) = pair
         .log
         .iter()
+        .rev()
         .filter_map(|(t, dir, m)| match m {
             Message::GrantBatch(g) if *dir == "D>P" && !g.grants.is_empty() => {
                 Some((*t, g.grants[0].lease_ms))
             }
             _ => None,
         })
-        .last()
+        .next()
         .unwrap();
     let last_grant_end = granted_at + ms(lease_ms as u64);
     pair.advance_until(Duration::from_secs(10), |p| !p.outcomes.is_empty());
-    assert!(pair.d_releases.is_empty(), "cancelled, but a WRITE may still be in flight");
+    assert!(
+        pair.d_releases.is_empty(),
+        "cancelled, but a WRITE may still be in flight"
+    );
     pair.advance_until(Duration::from_secs(10), |p| !p.d_releases.is_empty());
     // Freed exactly when the last grant D issued, plus the write grace, has passed (the
     // grant's ms are rounded down on the wire, so D's own end can be up to 1 ms later).
     let earliest = last_grant_end + cfg.write_grace;
-    assert!(pair.now >= earliest && pair.now <= earliest + ms(1), "freed at {:?}, expected {:?}", pair.now, earliest);
+    assert!(
+        pair.now >= earliest && pair.now <= earliest + ms(1),
+        "freed at {:?}, expected {:?}",
+        pair.now,
+        earliest
+    );
 }
 
 #[test]
 fn write_on_an_expired_registration_is_refused() {
     let mut pair = push_pair();
     let id = hid(64);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
     let w = pair.writes[0].clone();
     assert!(pair.p.write_permit(id, 0, pair.now).is_ok());
@@ -613,24 +780,36 @@ fn write_on_an_expired_registration_is_refused() {
         Err(WriteRefused::GrantExpired)
     );
     assert!(pair.now > w.grant_until);
-    assert_eq!(pair.p.write_permit(id, 3, pair.now), Err(WriteRefused::NotRegistered));
+    assert_eq!(
+        pair.p.write_permit(id, 3, pair.now),
+        Err(WriteRefused::NotRegistered)
+    );
 }
 
 #[test]
 fn push_failed_write_is_reported_to_d_at_once() {
     let mut pair = push_pair();
     let id = hid(65);
-    pair.p.create_handoff(id, vec![1, 2], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_blocks_allocated(id, vec![40, 41], pair.now).unwrap();
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
     pair.pump();
     pair.p.on_push_write_done(id, 0, false, pair.now);
     pair.pump();
     assert_eq!(pair.count("P>D", "push_failed"), 1);
     assert!(matches!(
         pair.outcomes.as_slice(),
-        [Outcome::Recompute { reason: FailReason::WriteFailed, .. }]
+        [Outcome::Recompute {
+            reason: FailReason::WriteFailed,
+            ..
+        }]
     ));
     // P's ack to D's cancel comes right away (nothing in flight), so D frees at once.
     assert_eq!(pair.d_releases.len(), 1);
@@ -642,11 +821,58 @@ fn push_rejected_before_reservation_releases_p_at_once() {
     let mut pair = push_pair();
     let id = hid(66);
     let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d.on_request_arrived(RequestId(1), inc, pair.now).unwrap();
-    pair.d.on_request_ended(RequestId(1), ReleaseReason::Rejected, pair.now);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_request_ended(RequestId(1), ReleaseReason::Rejected, pair.now);
     pair.pump();
     // P had not even started: the release is staged and applied at creation.
-    pair.p.create_handoff(id, vec![1], TransferMode::Push, pair.now).unwrap();
+    pair.p
+        .create_handoff(id, vec![1], TransferMode::Push, pair.now)
+        .unwrap();
     pair.pump();
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Rejected);
+}
+
+#[test]
+fn a_delayed_grant_is_anchored_at_the_heartbeat_send_time() {
+    // A grant reply that spends seconds in the network must not stretch D's view of the lease
+    // past P's: D measures the grant from the moment it *sent* the heartbeat (rule 2).
+    let d_cfg = ConsumerConfig {
+        read_timeout: Duration::from_secs(600),
+        ..Default::default()
+    };
+    let mut p = ProducerLedger::new(ProducerConfig::default());
+    let mut d = ConsumerLedger::new(d_cfg.clone());
+    let id = hid(70);
+    let t0 = ms(1000);
+    p.create_handoff(id, vec![1, 2], TransferMode::Pull, t0)
+        .unwrap();
+    let inc = IncomingHandoff {
+        handoff: id,
+        epoch: Epoch::FIRST,
+        peer: P_PEER,
+        p_tp: 1,
+        mode: TransferMode::Pull,
+        p_blocks: vec![1, 2],
+        num_tokens: 20,
+    };
+    d.on_request_arrived(RequestId(1), inc, t0).unwrap();
+    d.on_blocks_allocated(id, vec![8, 9], t0).unwrap();
+    d.handle_timeout(t0);
+    let (_, hb) = d.poll_message().expect("heartbeat sent on arrival");
+    p.handle_message(D_PEER, hb, t0);
+    let (_, reply) = p.poll_message().expect("grant");
+    let Message::GrantBatch(g) = &reply else {
+        panic!("expected a grant, got {reply:?}")
+    };
+    let lease = ms(g.grants[0].lease_ms as u64);
+    // The reply arrives 4 s late.
+    let late = t0 + Duration::from_secs(4);
+    d.handle_message(P_PEER, reply, late);
+    let Some(ConsumerAction::StartRead(read)) = d.poll_action() else {
+        panic!("the grant is still valid: the read starts")
+    };
+    assert_eq!(read.deadline, t0 + lease + d_cfg.read_grace);
 }

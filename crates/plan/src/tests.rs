@@ -670,4 +670,9 @@ fn layouts_travel_as_json() {
     let plan = plan(&ranks(s, 2), &ranks(s, 2), &[1], &[0], 10).unwrap();
     let back: Plan = serde_json::from_str(&serde_json::to_string(&plan).unwrap()).unwrap();
     assert_eq!(back, plan);
+    let bad = r#"{"p_tp":0,"d_tp":2,"num_kv_heads":4}"#;
+    let err = serde_json::from_str::<Topology>(bad)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("P engine: tp is 0"), "{err}");
 }

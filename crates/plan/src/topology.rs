@@ -140,11 +140,30 @@ pub struct RankPair {
 /// Ranks own consecutive equal head ranges, so with `P tp > D tp` each D rank gathers from
 /// `P/D` consecutive P ranks, and with `D tp > P tp` each P rank is read by `D/P` consecutive D
 /// ranks, each taking its own head slice.
+///
+/// Deserialising re-runs [`Topology::new`]'s checks, so a `Topology` from the wire is as valid as
+/// one built here (its methods divide by the TP sizes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "RawTopology")]
 pub struct Topology {
     p_tp: u32,
     d_tp: u32,
     num_kv_heads: u32,
+}
+
+#[derive(Deserialize)]
+struct RawTopology {
+    p_tp: u32,
+    d_tp: u32,
+    num_kv_heads: u32,
+}
+
+impl TryFrom<RawTopology> for Topology {
+    type Error = Incompatible;
+
+    fn try_from(r: RawTopology) -> Result<Self, Incompatible> {
+        Topology::new(r.p_tp, r.d_tp, r.num_kv_heads)
+    }
 }
 
 impl Topology {

@@ -13,6 +13,10 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 pub enum EncodeError {
     #[error("message of {size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
     TooLarge { size: usize },
+    /// A field over the limit every receiver enforces: refused here so that a peer never
+    /// silently drops what we sent (split batches with [`crate::split_heartbeat`]).
+    #[error("{0}")]
+    OverLimit(DecodeError),
     #[error("message cannot be encoded: {0}")]
     Serialize(String),
 }
@@ -38,6 +42,7 @@ pub enum DecodeError {
 }
 
 pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
+    validate(msg).map_err(EncodeError::OverLimit)?;
     let out = postcard::to_extend(msg, vec![PROTOCOL_VERSION])
         .map_err(|e| EncodeError::Serialize(e.to_string()))?;
     if out.len() > MAX_MESSAGE_BYTES {
@@ -46,8 +51,9 @@ pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
     Ok(out)
 }
 
-/// Decodes one message. Never panics, whatever the bytes; allocations are bounded by the input
-/// length, which is itself capped.
+/// Decodes one message. Never panics, whatever the bytes; the input is capped at
+/// [`MAX_MESSAGE_BYTES`], so what a decode may allocate is bounded too (serde may reserve up to
+/// 1 MiB for a list whose declared length the input cannot back, before failing).
 pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
     let (&version, body) = bytes.split_first().ok_or(DecodeError::Empty)?;
     if bytes.len() > MAX_MESSAGE_BYTES {

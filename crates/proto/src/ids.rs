@@ -23,8 +23,7 @@ impl fmt::Display for HandoffId {
 
 impl fmt::Debug for HandoffId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Short form: enough to tell ids apart in logs and test failures.
-        write!(f, "H{:08x}", (self.0 >> 96) as u32)
+        write!(f, "H{:x}", self.0)
     }
 }
 

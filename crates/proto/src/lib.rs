@@ -3,8 +3,8 @@
 //!
 //! Design choices (see shared/DESIGN.md, "Wire compatibility"):
 //! - Every encoded message starts with a version byte ([`PROTOCOL_VERSION`]) and is at most
-//!   [`MAX_MESSAGE_BYTES`] long. A decoder never allocates more than the input it was given and
-//!   never panics: bad bytes from a peer are an error and nothing else.
+//!   [`MAX_MESSAGE_BYTES`] long, and its lists and texts are bounded (checked on both encode and
+//!   decode). A decoder never panics: bad bytes from a peer are an error and nothing else.
 //! - Only durations cross the wire, never timestamps (`lease_ms`): each side measures its leases on
 //!   its own monotonic clock.
 //! - Heartbeats and their grant replies carry a sequence number so that the side that asked can

@@ -294,7 +294,12 @@ fn handoff_id_from_bytes_and_debug() {
     let bytes: [u8; 16] = core::array::from_fn(|i| i as u8);
     let id = HandoffId::from_bytes(bytes);
     assert_eq!(id.0.to_le_bytes(), bytes);
-    assert_eq!(format!("{id:?}"), "H0f0e0d0c");
+    // Debug is short, but ids that differ only in their low bits must still look different.
+    assert_ne!(format!("{:?}", HandoffId(1)), format!("{:?}", HandoffId(2)));
+    assert_ne!(
+        format!("{id:?}"),
+        format!("{:?}", HandoffId(id.0 ^ 1 << 127))
+    );
 }
 
 proptest! {

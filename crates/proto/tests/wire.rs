@@ -403,7 +403,7 @@ fn decode_huge_declared_lengths_fails_without_allocating_them() {
 fn hello_of_encoded_size(size: usize) -> Message {
     let mut h = sample_hello();
     h.layout = vec![7; 20_000]; // a 3-byte length prefix, like the final one
-    let base = encode(&Message::Hello(h.clone())).unwrap().len() - 20_000;
+    let base = encode_raw(&Message::Hello(h.clone())).len() - 20_000;
     h.layout = vec![7; size - base];
     let m = Message::Hello(h);
     assert_eq!(postcard_len(&m), size);
@@ -411,17 +411,18 @@ fn hello_of_encoded_size(size: usize) -> Message {
 }
 
 fn postcard_len(m: &Message) -> usize {
-    match encode(m) {
-        Ok(b) => b.len(),
-        Err(EncodeError::TooLarge { size }) => size,
-        Err(e) => panic!("{e}"),
-    }
+    encode_raw(m).len()
+}
+
+/// Encodes without any limit check, to build what a buggy or hostile peer could send.
+fn encode_raw(m: &Message) -> Vec<u8> {
+    postcard::to_extend(m, vec![PROTOCOL_VERSION]).expect("serializable")
 }
 
 #[test]
 fn encode_rejects_message_over_max_bytes() {
     let at_limit = hello_of_encoded_size(MAX_MESSAGE_BYTES);
-    let bytes = encode(&at_limit).expect("exactly MAX_MESSAGE_BYTES is allowed");
+    let bytes = encode_raw(&at_limit);
     assert_eq!(bytes.len(), MAX_MESSAGE_BYTES);
     // Size is fine; the oversized layout field is what decode refuses.
     assert!(matches!(
@@ -432,12 +433,17 @@ fn encode_rejects_message_over_max_bytes() {
         })
     ));
 
-    let over = hello_of_encoded_size(MAX_MESSAGE_BYTES + 1);
+    // encode refuses what every receiver would refuse, naming the field.
     assert_eq!(
-        encode(&over),
-        Err(EncodeError::TooLarge {
-            size: MAX_MESSAGE_BYTES + 1
-        })
+        encode(&at_limit),
+        Err(EncodeError::OverLimit(DecodeError::FieldTooLong {
+            field: "layout",
+            len: match &at_limit {
+                Message::Hello(h) => h.layout.len(),
+                _ => unreachable!(),
+            },
+            max: MAX_BLOB_BYTES
+        }))
     );
     let big_hb = Message::Heartbeat(Heartbeat {
         seq: 1,
@@ -445,13 +451,16 @@ fn encode_rejects_message_over_max_bytes() {
     });
     assert!(matches!(
         encode(&big_hb),
-        Err(EncodeError::TooLarge { size }) if size > MAX_MESSAGE_BYTES
+        Err(EncodeError::OverLimit(DecodeError::FieldTooLong {
+            field: "entries",
+            ..
+        }))
     ));
 }
 
 #[test]
 fn decode_rejects_input_over_max_bytes() {
-    let mut bytes = encode(&hello_of_encoded_size(MAX_MESSAGE_BYTES)).unwrap();
+    let mut bytes = encode_raw(&hello_of_encoded_size(MAX_MESSAGE_BYTES));
     bytes.push(0);
     assert_eq!(
         decode(&bytes),
@@ -470,7 +479,7 @@ fn decode_rejects_input_over_max_bytes() {
 
 #[test]
 fn decode_rejects_every_other_version() {
-    let bytes = encode(&Message::Hello(sample_hello())).unwrap();
+    let bytes = encode_raw(&Message::Hello(sample_hello()));
     for v in 0..=u8::MAX {
         let mut b = bytes.clone();
         b[0] = v;
@@ -488,14 +497,14 @@ fn decode_rejects_trailing_bytes() {
         handoff: HandoffId(9),
         epoch: Epoch(3),
     });
-    let mut bytes = encode(&m).unwrap();
+    let mut bytes = encode_raw(&m);
     bytes.push(0);
     assert_eq!(
         decode(&bytes),
         Err(DecodeError::TrailingBytes { trailing: 1 })
     );
     // Two valid messages glued together are not one message.
-    let one = encode(&m).unwrap();
+    let one = encode_raw(&m);
     let mut two = one.clone();
     two.extend_from_slice(&one[1..]);
     assert_eq!(
@@ -515,9 +524,9 @@ fn heartbeat_over_max_batch_entries_is_rejected() {
         })
     };
     let max = MAX_BATCH_ENTRIES as u64;
-    assert!(decode(&encode(&hb(max)).unwrap()).is_ok());
+    assert!(decode(&encode_raw(&hb(max))).is_ok());
     // It still fits in the byte cap: only the entry cap stops it.
-    let over = encode(&hb(max + 1)).unwrap();
+    let over = encode_raw(&hb(max + 1));
     assert_eq!(
         decode(&over),
         field_too_long("entries", MAX_BATCH_ENTRIES + 1, MAX_BATCH_ENTRIES)
@@ -534,11 +543,11 @@ fn grant_batch_over_max_batch_entries_is_rejected() {
         })
     };
     let half = MAX_BATCH_ENTRIES as u64 / 2;
-    assert!(decode(&encode(&gb(half, half)).unwrap()).is_ok());
+    assert!(decode(&encode_raw(&gb(half, half))).is_ok());
     // The cap is on grants and gone together.
     for (g, x) in [(half, half + 1), (2 * half + 1, 0), (0, 2 * half + 1)] {
         assert_eq!(
-            decode(&encode(&gb(g, x)).unwrap()),
+            decode(&encode_raw(&gb(g, x))),
             field_too_long("grants", (g + x) as usize, MAX_BATCH_ENTRIES),
             "{g} grants + {x} gone"
         );
@@ -557,9 +566,9 @@ fn push_register_with_too_many_block_ids_is_rejected() {
             block_ids: (0..n as u32).collect(),
         })
     };
-    assert!(decode(&encode(&reg(MAX_REGISTERED_BLOCKS)).unwrap()).is_ok());
+    assert!(decode(&encode_raw(&reg(MAX_REGISTERED_BLOCKS))).is_ok());
     assert_eq!(
-        decode(&encode(&reg(MAX_REGISTERED_BLOCKS + 1)).unwrap()),
+        decode(&encode_raw(&reg(MAX_REGISTERED_BLOCKS + 1))),
         field_too_long(
             "block_ids",
             MAX_REGISTERED_BLOCKS + 1,
@@ -592,9 +601,9 @@ fn hello_fields_over_their_limits_are_rejected_by_name() {
         let mut h = sample_hello();
         edit(&mut h);
         let want = field_too_long(field, max + 1, max);
-        assert_eq!(decode(&encode(&Message::Hello(h.clone())).unwrap()), want);
+        assert_eq!(decode(&encode_raw(&Message::Hello(h.clone()))), want);
         let reply = Message::HelloReply(HelloReply::Accepted(h));
-        assert_eq!(decode(&encode(&reply).unwrap()), want, "accepted reply");
+        assert_eq!(decode(&encode_raw(&reply)), want, "accepted reply");
     }
 }
 
@@ -605,9 +614,9 @@ fn reasons_over_their_limits_are_rejected() {
             reason: "r".repeat(n),
         })
     };
-    assert!(decode(&encode(&refused(MAX_REFUSED_REASON)).unwrap()).is_ok());
+    assert!(decode(&encode_raw(&refused(MAX_REFUSED_REASON))).is_ok());
     assert_eq!(
-        decode(&encode(&refused(MAX_REFUSED_REASON + 1)).unwrap()),
+        decode(&encode_raw(&refused(MAX_REFUSED_REASON + 1))),
         field_too_long("reason", MAX_REFUSED_REASON + 1, MAX_REFUSED_REASON)
     );
     let failed = |n: usize| {
@@ -618,9 +627,9 @@ fn reasons_over_their_limits_are_rejected() {
             reason: "f".repeat(n),
         })
     };
-    assert!(decode(&encode(&failed(MAX_TEXT_BYTES)).unwrap()).is_ok());
+    assert!(decode(&encode_raw(&failed(MAX_TEXT_BYTES))).is_ok());
     assert_eq!(
-        decode(&encode(&failed(MAX_TEXT_BYTES + 1)).unwrap()),
+        decode(&encode_raw(&failed(MAX_TEXT_BYTES + 1))),
         field_too_long("reason", MAX_TEXT_BYTES + 1, MAX_TEXT_BYTES)
     );
 }

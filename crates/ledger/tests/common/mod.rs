@@ -2,6 +2,8 @@
 //! transfers are completed by hand, so each scenario reads as a script.
 #![allow(dead_code)]
 
+pub mod sim;
+
 use std::time::Duration;
 
 use handoff_ledger::*;
@@ -180,9 +182,11 @@ impl Pair {
     /// reports every D rank done.
     pub fn complete_read(&mut self, read: &StartRead) {
         for n in &read.done {
-            self.p.handle_message(D_PEER, Message::PullDone(*n), self.now);
+            self.p
+                .handle_message(D_PEER, Message::PullDone(*n), self.now);
         }
-        let ranks: std::collections::BTreeSet<u16> = read.done.iter().map(|n| n.consumer_rank).collect();
+        let ranks: std::collections::BTreeSet<u16> =
+            read.done.iter().map(|n| n.consumer_rank).collect();
         for r in ranks {
             self.d.on_read_done(read.handoff, r, true, self.now);
         }
@@ -192,9 +196,11 @@ impl Pair {
     /// Completes a push write: its PushDone notifications reach D, then P learns it ended.
     pub fn complete_write(&mut self, w: &PushWrite) {
         for n in &w.done {
-            self.d.handle_message(P_PEER, Message::PushDone(*n), self.now);
+            self.d
+                .handle_message(P_PEER, Message::PushDone(*n), self.now);
         }
-        self.p.on_push_write_done(w.handoff, w.d_rank, true, self.now);
+        self.p
+            .on_push_write_done(w.handoff, w.d_rank, true, self.now);
         self.pump();
     }
 
@@ -202,9 +208,10 @@ impl Pair {
     pub fn last(&self, dir: &str, kind: &str) -> Option<Duration> {
         self.log
             .iter()
+            .rev()
             .filter(|(_, d, m)| *d == dir && m.kind() == kind)
             .map(|(t, _, _)| *t)
-            .last()
+            .next()
     }
 
     pub fn p_released(&self, id: HandoffId) -> Option<&BlockRelease> {
