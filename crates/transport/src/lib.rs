@@ -1,0 +1,171 @@
+//! The transport layer of handoff: one trait shaped after a NIXL agent, and its backends.
+//!
+//! - [`tcp`]: pure Rust, the embedded default; across processes and hosts.
+//! - [`nixl`]: NIXL's C API (`libnixl_capi.so` from the `nixl-cu12` wheel), loaded at run time so
+//!   handoff builds and runs where NIXL is absent. The only place with `unsafe` in handoff.
+//! - [`mem`]: in-process and deterministic, for connector tests.
+//! - [`faulty`]: wraps any backend and, from a seed, drops, duplicates, delays or reorders
+//!   notifications, fails transfers and kills peers, so an end-to-end test can replay a fault.
+//!
+//! The trait is synchronous and non-blocking apart from [`Transport::post`], which may copy on
+//! the caller's thread (NIXL's CMA path does): async callers post from a blocking thread.
+
+pub mod faulty;
+pub mod mem;
+pub mod nixl;
+mod region;
+pub mod tcp;
+
+use std::sync::Arc;
+
+pub use region::{KvRegion, OwnedReadGuard, OwnedWriteGuard};
+
+/// A region of registered memory, as numbered by the engine (one per layer, or one in all).
+pub type RegionId = u32;
+
+/// Direction of a transfer, seen from the side that posts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum XferOp {
+    /// Copy remote bytes into local memory.
+    Read,
+    /// Copy local bytes into remote memory.
+    Write,
+}
+
+/// One contiguous copy between a local and a remote registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct XferDesc {
+    pub local_region: RegionId,
+    pub local_offset: u64,
+    pub remote_region: RegionId,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+/// A posted transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct XferId(pub u64);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XferStatus {
+    InProgress,
+    /// Every byte landed; the notification (if any) is or will be delivered to the peer after
+    /// that.
+    Done,
+    Failed(String),
+}
+
+/// A notification received from a peer agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    pub from: String,
+    pub msg: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    #[error("backend {backend} is not available: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("invalid metadata: {0}")]
+    BadMetadata(String),
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(String),
+    #[error("peer {0:?} is dead")]
+    PeerDead(String),
+    #[error("region {region} is not registered")]
+    UnknownRegion { region: RegionId },
+    #[error("descriptor out of bounds: region {region}, offset {offset}, len {len}, region length {region_len}")]
+    OutOfBounds {
+        region: RegionId,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+    #[error("region {0} is already registered")]
+    AlreadyRegistered(RegionId),
+    #[error("unknown transfer {0:?}")]
+    UnknownXfer(XferId),
+    #[error("notification of {len} bytes exceeds the {max}-byte limit")]
+    NotificationTooLarge { len: usize, max: usize },
+    #[error("transport failure: {0}")]
+    Io(String),
+}
+
+/// Largest notification a backend must carry (a handoff wire message fits).
+pub const MAX_NOTIFICATION_BYTES: usize = 64 * 1024;
+
+/// An agent: registers memory, exchanges metadata, posts READ/WRITE of descriptor lists with an
+/// optional notification, reports progress, carries notifications and reports dead peers.
+pub trait Transport: Send + Sync {
+    /// This agent's name, unique in a cluster; peers address it by this name.
+    fn name(&self) -> &str;
+
+    /// `"tcp"`, `"nixl"`, `"mem"`, ...
+    fn backend(&self) -> &'static str;
+
+    /// Registers `region` under `id`. The transport keeps the `Arc` until deregistration, so the
+    /// memory outlives every transfer that may touch it. Register everything before publishing
+    /// metadata.
+    fn register(&self, id: RegionId, region: Arc<KvRegion>) -> Result<(), TransportError>;
+
+    /// Removes a registration; transfers already posted keep their own reference.
+    fn deregister(&self, id: RegionId) -> Result<(), TransportError>;
+
+    /// What a peer needs to reach this agent and its regions (opaque, bounded).
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError>;
+
+    /// Loads a peer's metadata; returns the peer's name. Bad bytes are an error, never a panic.
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError>;
+
+    /// Forgets a peer (and closes what connects to it).
+    fn forget_remote(&self, peer: &str);
+
+    /// Posts a transfer. Descriptors are checked against the local regions here and against the
+    /// remote ones by the peer, which refuses what it did not register. `notification`, if any,
+    /// reaches the peer strictly after every byte of the transfer landed.
+    fn post(
+        &self,
+        op: XferOp,
+        peer: &str,
+        descs: &[XferDesc],
+        notification: Option<&[u8]>,
+    ) -> Result<XferId, TransportError>;
+
+    /// Progress of a posted transfer.
+    fn status(&self, id: XferId) -> Result<XferStatus, TransportError>;
+
+    /// Forgets a transfer; one still in progress is aborted first (best effort, and its bytes may
+    /// still land until the backend confirms — the ledgers' fences cover that).
+    fn release(&self, id: XferId) -> Result<(), TransportError>;
+
+    /// Sends a notification with no transfer.
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError>;
+
+    /// Takes every notification received since the last call, in arrival order.
+    fn drain_notifications(&self) -> Vec<Notification>;
+
+    /// Takes the names of peers found dead since the last call (lost connection, keepalive
+    /// timeout, disconnect reported by the backend).
+    fn drain_dead_peers(&self) -> Vec<String>;
+}
+
+/// Checks a descriptor against a region length without overflow.
+pub(crate) fn check_bounds(
+    region: RegionId,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<(), TransportError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(TransportError::OutOfBounds {
+            region,
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}

@@ -1,0 +1,269 @@
+//! [`KvRegion`]: registered memory that remote transfers and the engine share without `unsafe`.
+//!
+//! The region is one contiguous allocation (so NIXL can register it as one range and adjacent
+//! blocks stay adjacent for the DMA engine), split into fixed-size chunks, each behind its own
+//! lock. A transfer locks only the chunks it touches, for as long as it touches them; the TCP
+//! backend reads from the socket straight into a locked chunk (no staging copy).
+//!
+//! The allocation is made once and never handed back to the allocator: engines keep their KV pool
+//! for the life of the process, and leaking it is what lets every chunk be a plain
+//! `&'static mut [u8]` behind a lock, with no `unsafe` outside the NIXL binding.
+
+use std::sync::Arc;
+
+use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
+use parking_lot::{RawRwLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::TransportError;
+
+/// A chunk's write lock held by a transfer in flight.
+pub type OwnedWriteGuard = ArcRwLockWriteGuard<RawRwLock, &'static mut [u8]>;
+/// A chunk's read lock held by a transfer in flight.
+pub type OwnedReadGuard = ArcRwLockReadGuard<RawRwLock, &'static mut [u8]>;
+
+#[derive(Debug)]
+pub struct KvRegion {
+    len: usize,
+    chunk: usize,
+    base: usize,
+    chunks: Vec<Arc<RwLock<&'static mut [u8]>>>,
+}
+
+impl KvRegion {
+    /// A zeroed region of `len` bytes, locked in chunks of `chunk` bytes (the last may be
+    /// shorter). A chunk of one KV block is a good choice.
+    pub fn new(len: usize, chunk: usize) -> Self {
+        let chunk = chunk.max(1);
+        let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+        let base = mem.as_ptr() as usize;
+        let chunks = mem
+            .chunks_mut(chunk)
+            .map(|c| Arc::new(RwLock::new(c)))
+            .collect();
+        KvRegion {
+            len,
+            chunk,
+            base,
+            chunks,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn chunk_size(&self) -> usize {
+        self.chunk
+    }
+
+    /// Address of the first byte, for registration with a DMA-capable backend.
+    pub fn base_addr(&self) -> usize {
+        self.base
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), TransportError> {
+        crate::check_bounds(0, offset as u64, len as u64, self.len as u64)
+    }
+
+    /// Calls `f` on each piece of `[offset, offset + len)` in order, each under its chunk's
+    /// write lock.
+    pub fn with_span_mut<E>(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, TransportError> {
+        self.check(offset, len)?;
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let idx = pos / self.chunk;
+            let in_chunk = pos - idx * self.chunk;
+            let take = (self.chunk - in_chunk).min(end - pos);
+            let mut guard = self.write_chunk(idx);
+            if let Err(e) = f(&mut guard[in_chunk..in_chunk + take]) {
+                return Ok(Err(e));
+            }
+            pos += take;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Calls `f` on each piece of `[offset, offset + len)` in order, each under its chunk's read
+    /// lock.
+    pub fn with_span<E>(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, TransportError> {
+        self.check(offset, len)?;
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let idx = pos / self.chunk;
+            let in_chunk = pos - idx * self.chunk;
+            let take = (self.chunk - in_chunk).min(end - pos);
+            let guard = self.read_chunk(idx);
+            if let Err(e) = f(&guard[in_chunk..in_chunk + take]) {
+                return Ok(Err(e));
+            }
+            pos += take;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        let mut at = 0;
+        self.with_span_mut(offset, src.len(), |piece| {
+            piece.copy_from_slice(&src[at..at + piece.len()]);
+            at += piece.len();
+            Ok::<(), ()>(())
+        })?
+        .map_err(|_| TransportError::Io("copy".into()))
+    }
+
+    /// Copies the region at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        let mut at = 0;
+        self.with_span(offset, dst.len(), |piece| {
+            dst[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+            Ok::<(), ()>(())
+        })?
+        .map_err(|_| TransportError::Io("copy".into()))
+    }
+
+    /// Copies between two regions (or within one, for disjoint ranges in different chunks).
+    pub fn copy_from(
+        &self,
+        dst_offset: usize,
+        src: &KvRegion,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), TransportError> {
+        src.check(src_offset, len)?;
+        self.check(dst_offset, len)?;
+        let mut s = src_offset;
+        self.with_span_mut(dst_offset, len, |piece| {
+            let n = piece.len();
+            let r = src.read(s, piece);
+            s += n;
+            r
+        })?
+    }
+
+    /// Holds the write locks of every chunk `[offset, offset + len)` touches, so that memory
+    /// another agent writes behind Rust's back (DMA) is never accessed meanwhile.
+    pub fn lock_span_mut(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<RwLockWriteGuard<'_, &'static mut [u8]>>, TransportError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / self.chunk;
+        let last = (offset + len - 1) / self.chunk;
+        Ok((first..=last).map(|i| self.write_chunk(i)).collect())
+    }
+
+    /// Read locks of every chunk the span touches (the source of a DMA read or write).
+    pub fn lock_span(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<RwLockReadGuard<'_, &'static mut [u8]>>, TransportError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / self.chunk;
+        let last = (offset + len - 1) / self.chunk;
+        Ok((first..=last).map(|i| self.read_chunk(i)).collect())
+    }
+
+    /// Owned write locks of every chunk the span touches, for a transfer that outlives the call
+    /// that posted it (a DMA write into this region runs until the backend reports it done).
+    pub fn lock_span_mut_owned(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<OwnedWriteGuard>, TransportError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / self.chunk;
+        let last = (offset + len - 1) / self.chunk;
+        Ok((first..=last).map(|i| self.chunks[i].write_arc()).collect())
+    }
+
+    /// Owned read locks of every chunk the span touches (the source of a DMA transfer).
+    pub fn lock_span_owned(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<OwnedReadGuard>, TransportError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / self.chunk;
+        let last = (offset + len - 1) / self.chunk;
+        Ok((first..=last).map(|i| self.chunks[i].read_arc()).collect())
+    }
+
+    fn write_chunk(&self, idx: usize) -> RwLockWriteGuard<'_, &'static mut [u8]> {
+        self.chunks[idx].write()
+    }
+
+    fn read_chunk(&self, idx: usize) -> RwLockReadGuard<'_, &'static mut [u8]> {
+        self.chunks[idx].read()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_and_reads_across_chunks() {
+        let r = KvRegion::new(100, 7);
+        let data: Vec<u8> = (0..50).collect();
+        r.write(13, &data).unwrap();
+        let mut out = vec![0; 50];
+        r.read(13, &mut out).unwrap();
+        assert_eq!(out, data);
+        let mut before = [9u8; 13];
+        r.read(0, &mut before).unwrap();
+        assert_eq!(before, [0; 13]);
+    }
+
+    #[test]
+    fn out_of_bounds_is_an_error() {
+        let r = KvRegion::new(10, 4);
+        assert!(r.write(8, &[1, 2, 3]).is_err());
+        assert!(r.read(usize::MAX, &mut [0]).is_err());
+        assert!(r.lock_span_mut(0, 11).is_err());
+    }
+
+    #[test]
+    fn copies_between_regions() {
+        let a = KvRegion::new(64, 16);
+        let b = KvRegion::new(64, 5);
+        a.write(0, &[7; 64]).unwrap();
+        b.copy_from(3, &a, 10, 40).unwrap();
+        let mut out = vec![0; 64];
+        b.read(0, &mut out).unwrap();
+        assert_eq!(&out[..3], &[0; 3]);
+        assert_eq!(&out[3..43], &[7; 40][..]);
+        assert_eq!(&out[43..], &[0; 21][..]);
+    }
+}
