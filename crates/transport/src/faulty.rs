@@ -1,1 +1,426 @@
-//! placeholder
+//! A fault-injecting wrapper over any backend. From a seed it drops, duplicates, delays and
+//! reorders notifications, fails transfers and kills peers, and records every fault it injected
+//! so that an end-to-end failure can be replayed with the same seed.
+//!
+//! Faults apply to what *this* agent sends: notifications (standalone or attached to a transfer)
+//! and transfers. A delayed notification is held back and sent after a number of later calls
+//! into the agent (any method), which also reorders it behind newer ones.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::{
+    KvRegion, Notification, RegionId, Transport, TransportError, XferDesc, XferId, XferOp,
+    XferStatus,
+};
+
+/// What to inject, in percent per event.
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    pub seed: u64,
+    pub drop_notification_pct: u8,
+    pub duplicate_notification_pct: u8,
+    pub delay_notification_pct: u8,
+    /// A delayed notification is sent after this many later calls (at most).
+    pub max_delay_calls: u32,
+    pub fail_transfer_pct: u8,
+}
+
+/// One injected fault, for the replay log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    DroppedNotification {
+        peer: String,
+        len: usize,
+    },
+    DuplicatedNotification {
+        peer: String,
+        len: usize,
+    },
+    DelayedNotification {
+        peer: String,
+        len: usize,
+        calls: u32,
+    },
+    FailedTransfer {
+        peer: String,
+        id: XferId,
+    },
+    KilledPeer {
+        peer: String,
+    },
+}
+
+struct Held {
+    peer: String,
+    msg: Vec<u8>,
+    after_calls: u32,
+}
+
+struct State {
+    rng: u64,
+    held: VecDeque<Held>,
+    failed: HashSet<XferId>,
+    next_failed: u64,
+    killed: HashSet<String>,
+    dead_reported: VecDeque<String>,
+    log: Vec<Fault>,
+}
+
+pub struct FaultyTransport {
+    inner: Arc<dyn Transport>,
+    plan: FaultPlan,
+    state: Mutex<State>,
+}
+
+impl FaultyTransport {
+    pub fn new(inner: Arc<dyn Transport>, plan: FaultPlan) -> Arc<Self> {
+        Arc::new(FaultyTransport {
+            inner,
+            state: Mutex::new(State {
+                rng: plan.seed | 1,
+                held: VecDeque::new(),
+                failed: HashSet::new(),
+                next_failed: u64::MAX / 2,
+                killed: HashSet::new(),
+                dead_reported: VecDeque::new(),
+                log: Vec::new(),
+            }),
+            plan,
+        })
+    }
+
+    /// Cuts `peer` off: nothing more is sent to or accepted from it, and it is reported dead.
+    pub fn kill_peer(&self, peer: &str) {
+        let mut st = self.state.lock();
+        if st.killed.insert(peer.to_string()) {
+            st.dead_reported.push_back(peer.to_string());
+            st.log.push(Fault::KilledPeer { peer: peer.into() });
+        }
+    }
+
+    /// Every fault injected so far, in order.
+    pub fn faults(&self) -> Vec<Fault> {
+        self.state.lock().log.clone()
+    }
+
+    /// Sends every held notification now (end of a test, or a healed network).
+    pub fn flush(&self) {
+        let held: Vec<Held> = self.state.lock().held.drain(..).collect();
+        for h in held {
+            let _ = self.inner.send_notification(&h.peer, &h.msg);
+        }
+    }
+
+    fn roll(st: &mut State, pct: u8) -> bool {
+        st.rng ^= st.rng >> 12;
+        st.rng ^= st.rng << 25;
+        st.rng ^= st.rng >> 27;
+        (st.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % 100) < pct as u64
+    }
+
+    fn below(st: &mut State, n: u32) -> u32 {
+        st.rng ^= st.rng >> 12;
+        st.rng ^= st.rng << 25;
+        st.rng ^= st.rng >> 27;
+        (st.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1) as u64) as u32
+    }
+
+    /// Sends held notifications whose time has come; called on every entry into the agent.
+    fn tick(&self) {
+        let due: Vec<Held> = {
+            let mut st = self.state.lock();
+            for h in st.held.iter_mut() {
+                h.after_calls = h.after_calls.saturating_sub(1);
+            }
+            let (due, keep): (Vec<Held>, Vec<Held>) =
+                st.held.drain(..).partition(|h| h.after_calls == 0);
+            st.held = keep.into();
+            due
+        };
+        for h in due {
+            let _ = self.inner.send_notification(&h.peer, &h.msg);
+        }
+    }
+
+    /// Decides the fate of one outgoing notification: `Some(copies)` to send now, `None` when
+    /// dropped or held.
+    fn fate(&self, peer: &str, msg: &[u8]) -> Option<u32> {
+        let mut st = self.state.lock();
+        let p = &self.plan;
+        if Self::roll(&mut st, p.drop_notification_pct) {
+            st.log.push(Fault::DroppedNotification {
+                peer: peer.into(),
+                len: msg.len(),
+            });
+            return None;
+        }
+        if Self::roll(&mut st, p.delay_notification_pct) {
+            let calls = 1 + Self::below(&mut st, p.max_delay_calls.max(1));
+            st.log.push(Fault::DelayedNotification {
+                peer: peer.into(),
+                len: msg.len(),
+                calls,
+            });
+            st.held.push_back(Held {
+                peer: peer.into(),
+                msg: msg.to_vec(),
+                after_calls: calls,
+            });
+            return None;
+        }
+        if Self::roll(&mut st, p.duplicate_notification_pct) {
+            st.log.push(Fault::DuplicatedNotification {
+                peer: peer.into(),
+                len: msg.len(),
+            });
+            return Some(2);
+        }
+        Some(1)
+    }
+
+    fn is_killed(&self, peer: &str) -> bool {
+        self.state.lock().killed.contains(peer)
+    }
+}
+
+impl Transport for FaultyTransport {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn register(&self, id: RegionId, region: Arc<KvRegion>) -> Result<(), TransportError> {
+        self.inner.register(id, region)
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        self.inner.deregister(id)
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
+        self.inner.local_metadata()
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        self.inner.load_remote(metadata)
+    }
+
+    fn forget_remote(&self, peer: &str) {
+        self.inner.forget_remote(peer)
+    }
+
+    fn post(
+        &self,
+        op: XferOp,
+        peer: &str,
+        descs: &[XferDesc],
+        notification: Option<&[u8]>,
+    ) -> Result<XferId, TransportError> {
+        self.tick();
+        if self.is_killed(peer) {
+            return Err(TransportError::PeerDead(peer.into()));
+        }
+        {
+            let mut st = self.state.lock();
+            if Self::roll(&mut st, self.plan.fail_transfer_pct) {
+                st.next_failed += 1;
+                let id = XferId(st.next_failed);
+                st.failed.insert(id);
+                st.log.push(Fault::FailedTransfer {
+                    peer: peer.into(),
+                    id,
+                });
+                // Nothing was moved and no notification leaves: a failed transfer.
+                return Ok(id);
+            }
+        }
+        match notification {
+            None => self.inner.post(op, peer, descs, None),
+            Some(n) => match self.fate(peer, n) {
+                Some(copies) => {
+                    let id = self.inner.post(op, peer, descs, Some(n))?;
+                    for _ in 1..copies {
+                        let _ = self.inner.send_notification(peer, n);
+                    }
+                    Ok(id)
+                }
+                // Dropped or held: the bytes still move; the held copy is sent later.
+                None => self.inner.post(op, peer, descs, None),
+            },
+        }
+    }
+
+    fn status(&self, id: XferId) -> Result<XferStatus, TransportError> {
+        self.tick();
+        if self.state.lock().failed.contains(&id) {
+            return Ok(XferStatus::Failed("injected failure".into()));
+        }
+        self.inner.status(id)
+    }
+
+    fn release(&self, id: XferId) -> Result<(), TransportError> {
+        if self.state.lock().failed.remove(&id) {
+            return Ok(());
+        }
+        self.inner.release(id)
+    }
+
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
+        self.tick();
+        if self.is_killed(peer) {
+            return Err(TransportError::PeerDead(peer.into()));
+        }
+        match self.fate(peer, msg) {
+            Some(copies) => {
+                for _ in 0..copies {
+                    self.inner.send_notification(peer, msg)?;
+                }
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn drain_notifications(&self) -> Vec<Notification> {
+        self.tick();
+        let killed = self.state.lock().killed.clone();
+        self.inner
+            .drain_notifications()
+            .into_iter()
+            .filter(|n| !killed.contains(&n.from))
+            .collect()
+    }
+
+    fn drain_dead_peers(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.state.lock().dead_reported.drain(..).collect();
+        for p in self.inner.drain_dead_peers() {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::{MemFabric, MemTransport};
+
+    fn pair(plan: FaultPlan) -> (Arc<FaultyTransport>, Arc<MemTransport>, Arc<KvRegion>) {
+        let fabric = MemFabric::new();
+        let a = MemTransport::new(&fabric, "a");
+        let b = MemTransport::new(&fabric, "b");
+        let ra = Arc::new(KvRegion::new(1024, 256));
+        let rb = Arc::new(KvRegion::new(1024, 256));
+        ra.write(0, &[5; 1024]).unwrap();
+        a.register(0, ra).unwrap();
+        b.register(0, rb.clone()).unwrap();
+        a.load_remote(&b.local_metadata().unwrap()).unwrap();
+        b.load_remote(&a.local_metadata().unwrap()).unwrap();
+        (FaultyTransport::new(a, plan), b, rb)
+    }
+
+    const DESC: [XferDesc; 1] = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: 100,
+    }];
+
+    #[test]
+    fn dropped_notification_still_moves_the_bytes() {
+        let (a, b, rb) = pair(FaultPlan {
+            drop_notification_pct: 100,
+            ..Default::default()
+        });
+        let id = a.post(XferOp::Write, "b", &DESC, Some(b"done")).unwrap();
+        assert_eq!(a.status(id).unwrap(), XferStatus::Done);
+        let mut out = [0; 100];
+        rb.read(0, &mut out).unwrap();
+        assert_eq!(out, [5; 100]);
+        assert!(b.drain_notifications().is_empty());
+        assert!(matches!(
+            a.faults()[..],
+            [Fault::DroppedNotification { .. }]
+        ));
+    }
+
+    #[test]
+    fn duplicated_notification_arrives_twice() {
+        let (a, b, _) = pair(FaultPlan {
+            duplicate_notification_pct: 100,
+            ..Default::default()
+        });
+        a.send_notification("b", b"x").unwrap();
+        assert_eq!(b.drain_notifications().len(), 2);
+    }
+
+    #[test]
+    fn delayed_notifications_come_later_and_out_of_order() {
+        let (a, b, _) = pair(FaultPlan {
+            delay_notification_pct: 100,
+            max_delay_calls: 1,
+            ..Default::default()
+        });
+        a.send_notification("b", b"first").unwrap();
+        assert!(b.drain_notifications().is_empty(), "held back");
+        a.flush();
+        assert_eq!(b.drain_notifications()[0].msg, b"first");
+    }
+
+    #[test]
+    fn failed_transfer_moves_nothing() {
+        let (a, b, rb) = pair(FaultPlan {
+            fail_transfer_pct: 100,
+            ..Default::default()
+        });
+        let id = a.post(XferOp::Write, "b", &DESC, Some(b"done")).unwrap();
+        assert!(matches!(a.status(id).unwrap(), XferStatus::Failed(_)));
+        let mut out = [9; 100];
+        rb.read(0, &mut out).unwrap();
+        assert_eq!(out, [0; 100]);
+        assert!(b.drain_notifications().is_empty());
+    }
+
+    #[test]
+    fn killed_peer_is_reported_and_unreachable() {
+        let (a, _b, _) = pair(FaultPlan::default());
+        a.kill_peer("b");
+        assert_eq!(a.drain_dead_peers(), vec!["b".to_string()]);
+        assert!(matches!(
+            a.post(XferOp::Read, "b", &DESC, None),
+            Err(TransportError::PeerDead(_))
+        ));
+    }
+
+    #[test]
+    fn the_same_seed_replays_the_same_faults() {
+        let plan = FaultPlan {
+            seed: 42,
+            drop_notification_pct: 30,
+            duplicate_notification_pct: 30,
+            delay_notification_pct: 30,
+            max_delay_calls: 3,
+            fail_transfer_pct: 20,
+        };
+        let run = || {
+            let (a, _b, _) = pair(plan.clone());
+            for i in 0..50u8 {
+                let _ = a.post(XferOp::Write, "b", &DESC, Some(&[i]));
+                let _ = a.send_notification("b", &[i, i]);
+            }
+            a.faults()
+        };
+        let first = run();
+        assert!(first.len() > 10);
+        assert_eq!(first, run());
+    }
+}

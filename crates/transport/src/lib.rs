@@ -10,6 +10,7 @@
 //! The trait is synchronous and non-blocking apart from [`Transport::post`], which may copy on
 //! the caller's thread (NIXL's CMA path does): async callers post from a blocking thread.
 
+pub mod conformance;
 pub mod faulty;
 pub mod mem;
 pub mod nixl;
@@ -166,6 +167,21 @@ pub(crate) fn check_bounds(
             offset,
             len,
             region_len,
+        }),
+    }
+}
+
+/// Opens a backend by name with its default settings (`mem` needs a fabric: use
+/// [`mem::MemTransport::new`]).
+#[allow(clippy::match_single_binding)] // until the tcp and nixl arms land
+pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, TransportError> {
+    let _ = name;
+    match kind {
+        // tcp: the tcp backend's constructor goes here (arm for the tcp engineer).
+        // nixl: the nixl backend's constructor goes here (arm for the nixl engineer).
+        other => Err(TransportError::Unavailable {
+            backend: "unknown",
+            reason: format!("no backend named {other:?} (expected tcp or nixl)"),
         }),
     }
 }
