@@ -1,0 +1,124 @@
+//! Prometheus metrics of one connector. The one nobody else has: KV blocks and bytes held per
+//! state, so a dashboard shows memory stranded by peers as it happens.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HeldLabels {
+    /// `prefill` (P's handoffs) or `decode` (D's destination blocks).
+    pub side: &'static str,
+    /// `leased`, `fencing` (P); `waiting` (D).
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirLabels {
+    pub direction: &'static str,
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub blocks_held: Family<HeldLabels, Gauge>,
+    pub bytes_held: Family<HeldLabels, Gauge>,
+    pub handoffs_ended: Family<ReasonLabels, Counter>,
+    pub requests_failed: Family<ReasonLabels, Counter>,
+    pub lease_age_at_release: Histogram,
+    pub transfer_bytes: Counter,
+    pub transfer_duration: Histogram,
+    pub transfer_descriptors: Histogram,
+    pub heartbeats: Family<DirLabels, Counter>,
+    pub late_notifications: Counter,
+    pub unknown_notifications: Counter,
+    pub handshakes_refused: Counter,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Metrics {
+            blocks_held: Family::default(),
+            bytes_held: Family::default(),
+            handoffs_ended: Family::default(),
+            requests_failed: Family::default(),
+            lease_age_at_release: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+            transfer_bytes: Counter::default(),
+            transfer_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            transfer_descriptors: Histogram::new(exponential_buckets(1.0, 2.0, 16)),
+            heartbeats: Family::default(),
+            late_notifications: Counter::default(),
+            unknown_notifications: Counter::default(),
+            handshakes_refused: Counter::default(),
+        };
+        let r = registry.sub_registry_with_prefix("handoff");
+        r.register(
+            "kv_blocks_held",
+            "KV blocks held by handoff, per side and state (held while waiting for a peer)",
+            m.blocks_held.clone(),
+        );
+        r.register(
+            "kv_bytes_held",
+            "KV bytes held by handoff, per side and state",
+            m.bytes_held.clone(),
+        );
+        r.register(
+            "handoffs_ended",
+            "Handoffs ended on P, per reason (done, expired, peer_dead, rejected, aborted, capped, cancelled, failed)",
+            m.handoffs_ended.clone(),
+        );
+        r.register(
+            "requests_failed",
+            "Requests on D whose KV transfer failed, per reason",
+            m.requests_failed.clone(),
+        );
+        r.register(
+            "lease_age_at_release_seconds",
+            "How long P held a handoff's blocks",
+            m.lease_age_at_release.clone(),
+        );
+        r.register(
+            "transfer_bytes",
+            "KV bytes moved by transfers this engine posted",
+            m.transfer_bytes.clone(),
+        );
+        r.register(
+            "transfer_duration_seconds",
+            "Duration of a handoff's transfer, from post to done",
+            m.transfer_duration.clone(),
+        );
+        r.register(
+            "transfer_descriptors",
+            "Descriptors per transfer",
+            m.transfer_descriptors.clone(),
+        );
+        r.register(
+            "heartbeats",
+            "Heartbeat messages sent and received",
+            m.heartbeats.clone(),
+        );
+        r.register(
+            "late_notifications",
+            "Notifications naming a handoff that already ended",
+            m.late_notifications.clone(),
+        );
+        r.register(
+            "unknown_notifications",
+            "Notifications that could not be decoded or came from an unknown agent",
+            m.unknown_notifications.clone(),
+        );
+        r.register(
+            "handshakes_refused",
+            "Handshakes refused for incompatibility",
+            m.handshakes_refused.clone(),
+        );
+        m
+    }
+}

@@ -1,0 +1,383 @@
+//! Engine configuration: defaults, then a TOML file, then environment variables
+//! (`HANDOFF_<FIELD>`), then flags. Every value is validated at start and an invalid one is
+//! refused with a message naming the field.
+
+use std::time::Duration;
+
+use handoff_connector::Role;
+use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
+use handoff_plan::{BlockLayout, KvSpec, ModelShape};
+use handoff_proto::TransferMode;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// `prefill`, `decode` or `both` (monolithic; can also serve either side).
+    pub role: String,
+    pub host: String,
+    /// HTTP port (0: any free port).
+    pub port: u16,
+    /// Side-channel port for handoff's control messages (0: any free port).
+    pub side_channel_port: u16,
+    /// Unique in the cluster (default: role + random suffix).
+    pub engine_id: String,
+    pub model: String,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    /// `bf16`, `fp16` (2 bytes) or `fp32` (4), `fp8` (1).
+    pub dtype: String,
+    pub block_size: u32,
+    /// `head-major` (default) or `token-major`.
+    pub block_layout: String,
+    pub num_blocks: u32,
+    pub tp: u32,
+    /// Longest prompt + generation, in tokens.
+    pub max_model_len: u32,
+    /// Sequences decoded together in one step.
+    pub max_batch: usize,
+    /// Requests that may wait for blocks before new ones are refused with 503.
+    pub max_waiting: usize,
+    /// Cost model: microseconds per prompt token (spread over the layers).
+    pub prefill_us_per_token: f64,
+    /// Cost model: milliseconds per decode step.
+    pub decode_step_ms: f64,
+    /// Cost model: extra microseconds per sequence in a decode step.
+    pub decode_us_per_seq: f64,
+    /// `tcp` (default), `nixl` or `mem` (in-process tests).
+    pub transport: String,
+    /// `pull` or `push`.
+    pub mode: String,
+    /// `recompute` or `fail`: what D does when a transfer fails.
+    pub failure_policy: String,
+    pub lease_ms: u64,
+    pub heartbeat_interval_ms: u64,
+    pub heartbeat_extension_ms: u64,
+    pub fence_grace_ms: u64,
+    pub hard_cap_ms: u64,
+    pub read_timeout_ms: u64,
+    pub read_grace_ms: u64,
+    pub wait_deadline_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            role: "both".into(),
+            host: "127.0.0.1".into(),
+            port: 8000,
+            side_channel_port: 0,
+            engine_id: String::new(),
+            model: "handoff-synthetic-8b".into(),
+            // Small enough that several engines fit a laptop; benchmarks state their own shape.
+            num_layers: 8,
+            num_kv_heads: 4,
+            head_dim: 32,
+            dtype: "bf16".into(),
+            block_size: 16,
+            block_layout: "head-major".into(),
+            num_blocks: 2048,
+            tp: 1,
+            max_model_len: 8192,
+            max_batch: 64,
+            max_waiting: 256,
+            // An 8B-class model on one H100: ~15k prompt tokens/s, ~10 ms per decode step.
+            prefill_us_per_token: 67.0,
+            decode_step_ms: 10.0,
+            decode_us_per_seq: 50.0,
+            transport: "tcp".into(),
+            mode: "pull".into(),
+            failure_policy: "recompute".into(),
+            lease_ms: 10_000,
+            heartbeat_interval_ms: 250,
+            heartbeat_extension_ms: 1_500,
+            fence_grace_ms: 1_000,
+            hard_cap_ms: 120_000,
+            read_timeout_ms: 5_000,
+            read_grace_ms: 300,
+            wait_deadline_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid config field `{field}`: {reason}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+fn bad(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl EngineConfig {
+    /// Reads a TOML file (unknown keys are refused, naming them).
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| bad("toml", e.to_string()))
+    }
+
+    /// Applies `HANDOFF_<FIELD>` environment variables over the current values.
+    pub fn apply_env(&mut self, vars: impl Iterator<Item = (String, String)>) -> Result<(), ConfigError> {
+        let mut table = toml::Table::try_from(&*self).map_err(|e| bad("env", e.to_string()))?;
+        for (k, v) in vars {
+            let Some(field) = k.strip_prefix("HANDOFF_") else {
+                continue;
+            };
+            let field = field.to_ascii_lowercase();
+            let Some(current) = table.get(&field) else {
+                continue;
+            };
+            let value = match current {
+                toml::Value::String(_) => toml::Value::String(v),
+                toml::Value::Integer(_) => toml::Value::Integer(
+                    v.parse()
+                        .map_err(|_| bad("env", format!("{k}={v:?} is not an integer")))?,
+                ),
+                toml::Value::Float(_) => toml::Value::Float(
+                    v.parse()
+                        .map_err(|_| bad("env", format!("{k}={v:?} is not a number")))?,
+                ),
+                _ => continue,
+            };
+            table.insert(field, value);
+        }
+        *self = table
+            .try_into()
+            .map_err(|e: toml::de::Error| bad("env", e.to_string()))?;
+        Ok(())
+    }
+
+    pub fn role(&self) -> Result<Role, ConfigError> {
+        match self.role.as_str() {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            "both" => Ok(Role::Both),
+            other => Err(bad("role", format!("{other:?} is not prefill, decode or both"))),
+        }
+    }
+
+    pub fn dtype_size(&self) -> Result<u32, ConfigError> {
+        match self.dtype.as_str() {
+            "bf16" | "fp16" => Ok(2),
+            "fp32" => Ok(4),
+            "fp8" => Ok(1),
+            other => Err(bad("dtype", format!("{other:?} is not bf16, fp16, fp32 or fp8"))),
+        }
+    }
+
+    pub fn mode(&self) -> Result<TransferMode, ConfigError> {
+        match self.mode.as_str() {
+            "pull" => Ok(TransferMode::Pull),
+            "push" => Ok(TransferMode::Push),
+            other => Err(bad("mode", format!("{other:?} is not pull or push"))),
+        }
+    }
+
+    pub fn spec(&self) -> Result<KvSpec, ConfigError> {
+        let spec = KvSpec {
+            shape: ModelShape {
+                num_layers: self.num_layers,
+                num_kv_heads: self.num_kv_heads,
+                head_dim: self.head_dim,
+                dtype_size: self.dtype_size()?,
+            },
+            tp: self.tp,
+            block_size: self.block_size,
+            block_layout: match self.block_layout.as_str() {
+                "head-major" => BlockLayout::HeadMajor,
+                "token-major" => BlockLayout::TokenMajor,
+                other => {
+                    return Err(bad(
+                        "block_layout",
+                        format!("{other:?} is not head-major or token-major"),
+                    ))
+                }
+            },
+        };
+        spec.validate().map_err(|e| bad("tp", e.to_string()))?;
+        Ok(spec)
+    }
+
+    /// Checks every field; the first problem is reported with its field name.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.role()?;
+        self.mode()?;
+        if self.num_layers == 0 || self.num_layers > 512 {
+            return Err(bad("num_layers", "must be 1..=512"));
+        }
+        if self.num_kv_heads == 0 || self.num_kv_heads > 1024 {
+            return Err(bad("num_kv_heads", "must be 1..=1024"));
+        }
+        if self.head_dim == 0 || self.head_dim > 4096 {
+            return Err(bad("head_dim", "must be 1..=4096"));
+        }
+        if !self.block_size.is_power_of_two() || self.block_size > 1024 {
+            return Err(bad("block_size", "must be a power of two up to 1024"));
+        }
+        if self.tp == 0 || self.tp > 64 {
+            return Err(bad("tp", "must be 1..=64"));
+        }
+        if self.num_kv_heads % self.tp != 0 {
+            return Err(bad(
+                "tp",
+                format!(
+                    "{} KV heads cannot be split evenly over {} ranks",
+                    self.num_kv_heads, self.tp
+                ),
+            ));
+        }
+        self.spec()?;
+        if self.num_blocks == 0 {
+            return Err(bad("num_blocks", "must be at least 1"));
+        }
+        let bytes = self.spec()?.block_bytes() as u128
+            * self.num_layers as u128
+            * self.num_blocks as u128
+            * self.tp as u128;
+        if bytes > 64 << 30 {
+            return Err(bad(
+                "num_blocks",
+                format!("the KV pool would take {} GiB", bytes >> 30),
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err(bad("max_model_len", "must be at least 1"));
+        }
+        if self.max_batch == 0 {
+            return Err(bad("max_batch", "must be at least 1"));
+        }
+        if !self.prefill_us_per_token.is_finite() || self.prefill_us_per_token < 0.0 {
+            return Err(bad("prefill_us_per_token", "must be a finite number ≥ 0"));
+        }
+        if !self.decode_step_ms.is_finite() || self.decode_step_ms < 0.0 {
+            return Err(bad("decode_step_ms", "must be a finite number ≥ 0"));
+        }
+        if !self.decode_us_per_seq.is_finite() || self.decode_us_per_seq < 0.0 {
+            return Err(bad("decode_us_per_seq", "must be a finite number ≥ 0"));
+        }
+        if !matches!(self.transport.as_str(), "tcp" | "nixl" | "mem") {
+            return Err(bad("transport", format!("{:?} is not tcp, nixl or mem", self.transport)));
+        }
+        if !matches!(self.failure_policy.as_str(), "recompute" | "fail") {
+            return Err(bad(
+                "failure_policy",
+                format!("{:?} is not recompute or fail", self.failure_policy),
+            ));
+        }
+        if self.heartbeat_interval_ms == 0 {
+            return Err(bad("heartbeat_interval_ms", "must be at least 1"));
+        }
+        if self.heartbeat_extension_ms <= self.heartbeat_interval_ms {
+            return Err(bad(
+                "heartbeat_extension_ms",
+                "must exceed heartbeat_interval_ms, or leases lapse between heartbeats",
+            ));
+        }
+        // Rule 2: P's fence must outlast the time D may still finish a read after its grant.
+        if self.fence_grace_ms <= self.read_grace_ms {
+            return Err(bad(
+                "fence_grace_ms",
+                format!(
+                    "must exceed read_grace_ms ({}): P may not reuse a block while a read can still count",
+                    self.read_grace_ms
+                ),
+            ));
+        }
+        if self.hard_cap_ms < self.lease_ms {
+            return Err(bad("hard_cap_ms", "must be at least lease_ms"));
+        }
+        if self.wait_deadline_ms == 0 {
+            return Err(bad("wait_deadline_ms", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    pub fn producer(&self) -> ProducerConfig {
+        ProducerConfig {
+            tp: self.tp as u16,
+            initial_lease: Duration::from_millis(self.lease_ms),
+            heartbeat_extension: Duration::from_millis(self.heartbeat_extension_ms),
+            fence_grace: Duration::from_millis(self.fence_grace_ms),
+            hard_cap: Duration::from_millis(self.hard_cap_ms),
+            heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
+            ..ProducerConfig::default()
+        }
+    }
+
+    pub fn consumer(&self) -> ConsumerConfig {
+        ConsumerConfig {
+            tp: self.tp as u16,
+            heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
+            read_timeout: Duration::from_millis(self.read_timeout_ms),
+            read_grace: Duration::from_millis(self.read_grace_ms),
+            wait_deadline: Duration::from_millis(self.wait_deadline_ms),
+            failure_policy: if self.failure_policy == "fail" {
+                FailurePolicy::Fail
+            } else {
+                FailurePolicy::Recompute
+            },
+            ..ConsumerConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        EngineConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn invalid_values_name_their_field() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut EngineConfig)>)> = vec![
+            ("role", Box::new(|c| c.role = "router".into())),
+            ("block_size", Box::new(|c| c.block_size = 12)),
+            ("tp", Box::new(|c| c.tp = 3)),
+            ("dtype", Box::new(|c| c.dtype = "int3".into())),
+            ("transport", Box::new(|c| c.transport = "udp".into())),
+            ("fence_grace_ms", Box::new(|c| c.fence_grace_ms = 100)),
+            ("num_blocks", Box::new(|c| c.num_blocks = 0)),
+            ("mode", Box::new(|c| c.mode = "teleport".into())),
+        ];
+        for (field, f) in cases {
+            let mut c = EngineConfig::default();
+            f(&mut c);
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn toml_and_env_override_defaults() {
+        let mut c = EngineConfig::from_toml("role = \"decode\"\nnum_blocks = 77\n").unwrap();
+        assert_eq!(c.role, "decode");
+        assert_eq!(c.num_blocks, 77);
+        c.apply_env(
+            [
+                ("HANDOFF_NUM_BLOCKS".to_string(), "99".to_string()),
+                ("HANDOFF_PREFILL_US_PER_TOKEN".to_string(), "1.5".to_string()),
+                ("PATH".to_string(), "/bin".to_string()),
+            ]
+            .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(c.num_blocks, 99);
+        assert_eq!(c.prefill_us_per_token, 1.5);
+        let e = EngineConfig::from_toml("num_blockz = 1").unwrap_err();
+        assert!(e.to_string().contains("num_blockz"), "{e}");
+        let mut c = EngineConfig::default();
+        let e = c
+            .apply_env([("HANDOFF_NUM_BLOCKS".to_string(), "many".to_string())].into_iter())
+            .unwrap_err();
+        assert!(e.to_string().contains("HANDOFF_NUM_BLOCKS"));
+    }
+}

@@ -1,0 +1,51 @@
+//! The reference engine's own metrics (the connector registers its own beside them).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone)]
+pub struct EngineMetrics {
+    pub requests: Family<OutcomeLabels, Counter>,
+    pub ttft: Histogram,
+    pub blocks_free: Gauge,
+    pub blocks_used: Gauge,
+    pub waiting: Gauge,
+    pub running: Gauge,
+    pub awaiting_kv: Gauge,
+}
+
+impl EngineMetrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = EngineMetrics {
+            requests: Family::default(),
+            ttft: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            blocks_free: Gauge::default(),
+            blocks_used: Gauge::default(),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            awaiting_kv: Gauge::default(),
+        };
+        let r = registry.sub_registry_with_prefix("engine");
+        r.register("requests", "Requests per outcome", m.requests.clone());
+        r.register("time_to_first_token_seconds", "From arrival to first token", m.ttft.clone());
+        r.register("kv_blocks_free", "Free blocks in the KV pool", m.blocks_free.clone());
+        r.register("kv_blocks_used", "Blocks out of the KV pool", m.blocks_used.clone());
+        r.register("requests_waiting", "Requests waiting for blocks", m.waiting.clone());
+        r.register("sequences_running", "Sequences being decoded", m.running.clone());
+        r.register("requests_awaiting_kv", "Requests waiting for a KV transfer", m.awaiting_kv.clone());
+        m
+    }
+
+    pub fn outcome(&self, outcome: &'static str) {
+        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+}

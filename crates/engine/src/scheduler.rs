@@ -1,0 +1,570 @@
+//! The engine's scheduler: a waiting queue, admission against the KV pool, prefill and batched
+//! decode steps priced by the cost model, and the connector hooks at the points where vLLM's
+//! scheduler calls them. It runs on a thread of its own; HTTP handlers talk to it over channels.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_connector::{Connector, ConnectorEvent};
+use handoff_proto::{KvTransferParams, ReleaseReason};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::config::EngineConfig;
+use crate::kv::KvMemory;
+use crate::metrics::EngineMetrics;
+use crate::model;
+use crate::pool::BlockPool;
+
+/// What a request asks of this engine.
+#[derive(Debug, Clone)]
+pub enum Kind {
+    /// Prefill and decode here.
+    Local,
+    /// P: prefill, answer one token and `kv_transfer_params`, keep the blocks for D.
+    RemoteDecode,
+    /// D: the KV comes from P.
+    RemotePrefill(Box<KvTransferParams>),
+}
+
+/// What the scheduler streams back to a request's HTTP handler.
+#[derive(Debug, Clone)]
+pub enum SeqEvent {
+    Token { choice: u32, text: String },
+    Finished { choice: u32, reason: &'static str },
+    KvParams(Box<KvTransferParams>),
+    /// The request ended with an error; `status` is the HTTP status to answer.
+    Error { status: u16, message: String },
+    /// Every choice finished.
+    Done { prompt_tokens: u32, completion_tokens: u32 },
+}
+
+pub struct Submission {
+    pub id: u64,
+    pub external_id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub n: u32,
+    pub kind: Kind,
+    pub events: UnboundedSender<SeqEvent>,
+}
+
+pub enum Command {
+    Submit(Submission),
+    Shutdown,
+}
+
+struct Request {
+    sub: Submission,
+    arrived: Instant,
+    /// Blocks for the generated tokens of each choice, reserved at admission.
+    gen_blocks: Vec<Vec<u32>>,
+    prompt_blocks: Vec<u32>,
+    /// D: the transfer failed and the policy says prefill here.
+    recompute: bool,
+}
+
+struct Seq {
+    req: u64,
+    choice: u32,
+    digest: u64,
+    last_prefix: u64,
+    generated: u32,
+    gen_prefix: Vec<u64>,
+    gen_blocks: Vec<u32>,
+    last_token: u32,
+}
+
+/// Prompt blocks shared by a request's choices, freed when the last choice ends.
+struct Shared {
+    blocks: Vec<u32>,
+    live: u32,
+    events: UnboundedSender<SeqEvent>,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    ttft_seen: bool,
+    arrived: Instant,
+    max_tokens: u32,
+}
+
+pub struct Scheduler {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    kv: Arc<KvMemory>,
+    connector: Option<Arc<Connector>>,
+    metrics: EngineMetrics,
+    waiting: VecDeque<Request>,
+    awaiting_kv: HashMap<u64, Request>,
+    running: Vec<Seq>,
+    shared: HashMap<u64, Shared>,
+}
+
+impl Scheduler {
+    pub fn new(
+        cfg: EngineConfig,
+        kv: Arc<KvMemory>,
+        connector: Option<Arc<Connector>>,
+        metrics: EngineMetrics,
+    ) -> Self {
+        Scheduler {
+            pool: BlockPool::new(cfg.num_blocks),
+            cfg,
+            kv,
+            connector,
+            metrics,
+            waiting: VecDeque::new(),
+            awaiting_kv: HashMap::new(),
+            running: Vec::new(),
+            shared: HashMap::new(),
+        }
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.block_size as usize)
+    }
+
+    pub fn run(mut self, inbox: Receiver<Command>) {
+        loop {
+            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let wait = if idle {
+                Duration::from_millis(2)
+            } else {
+                Duration::ZERO
+            };
+            match inbox.recv_timeout(wait) {
+                Ok(Command::Submit(s)) => self.submit(s),
+                Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            while let Ok(cmd) = inbox.try_recv() {
+                match cmd {
+                    Command::Submit(s) => self.submit(s),
+                    Command::Shutdown => return,
+                }
+            }
+            self.connector_events();
+            self.reap_disconnected();
+            self.admit();
+            self.decode_step();
+            self.update_gauges();
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics.blocks_free.set(self.pool.free_count() as i64);
+        self.metrics.blocks_used.set(self.pool.used_count() as i64);
+        self.metrics.waiting.set(self.waiting.len() as i64);
+        self.metrics.running.set(self.running.len() as i64);
+        self.metrics
+            .awaiting_kv
+            .set(self.awaiting_kv.len() as i64);
+    }
+
+    fn reject(&self, sub: &Submission, status: u16, message: String) {
+        if let Kind::RemotePrefill(params) = &sub.kind {
+            // D refuses before admission: P must not wait for a lease to free the blocks.
+            if let Some(c) = &self.connector {
+                if let Err(e) = c.reject(params) {
+                    tracing::warn!(error = %e, "could not tell P to release");
+                }
+            }
+        }
+        self.metrics.outcome(if status == 503 { "rejected_full" } else { "rejected" });
+        let _ = sub.events.send(SeqEvent::Error { status, message });
+    }
+
+    fn submit(&mut self, sub: Submission) {
+        let prompt = sub.prompt.len();
+        if prompt == 0 {
+            return self.reject(&sub, 400, "empty prompt".into());
+        }
+        let total = prompt + sub.max_tokens as usize;
+        if total > self.cfg.max_model_len as usize {
+            return self.reject(
+                &sub,
+                400,
+                format!(
+                    "prompt ({prompt} tokens) + max_tokens ({}) exceeds max_model_len {}",
+                    sub.max_tokens, self.cfg.max_model_len
+                ),
+            );
+        }
+        let need = self.blocks_for(prompt) + sub.n as usize * self.blocks_for(sub.max_tokens as usize);
+        if need > self.pool.total() as usize {
+            return self.reject(
+                &sub,
+                400,
+                format!("request needs {need} KV blocks, the pool has {}", self.pool.total()),
+            );
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return self.reject(
+                &sub,
+                503,
+                format!("KV pool full: {} requests already waiting", self.waiting.len()),
+            );
+        }
+        if let Kind::RemotePrefill(params) = &sub.kind {
+            if params.remote_num_tokens.is_some_and(|n| n as usize != prompt) {
+                return self.reject(
+                    &sub,
+                    400,
+                    format!(
+                        "prompt has {prompt} tokens but P prefilled {:?}",
+                        params.remote_num_tokens
+                    ),
+                );
+            }
+            let Some(c) = &self.connector else {
+                return self.reject(&sub, 400, "this engine has no connector".into());
+            };
+            // Tracking (and heartbeats) start now, while the request still waits in the queue.
+            if let Err(e) = c.on_request_arrived(sub.id, params) {
+                return self.reject(&sub, 400, e.to_string());
+            }
+        }
+        if matches!(sub.kind, Kind::RemoteDecode) && self.connector.is_none() {
+            return self.reject(&sub, 400, "this engine does not prefill for remote decode".into());
+        }
+        self.waiting.push_back(Request {
+            sub,
+            arrived: Instant::now(),
+            gen_blocks: vec![],
+            prompt_blocks: vec![],
+            recompute: false,
+        });
+    }
+
+    fn connector_events(&mut self) {
+        let Some(c) = self.connector.clone() else {
+            return;
+        };
+        for ev in c.poll_events() {
+            match ev {
+                ConnectorEvent::BlocksReleased { blocks, .. } => self.pool.free(&blocks),
+                ConnectorEvent::Ready { requests, blocks } => {
+                    for id in requests {
+                        if let Some(mut r) = self.awaiting_kv.remove(&id) {
+                            r.prompt_blocks = blocks.clone();
+                            self.start_decoding(r);
+                        }
+                    }
+                }
+                ConnectorEvent::Recompute { requests, reason } => {
+                    for id in requests {
+                        if let Some(mut r) = self.awaiting_kv.remove(&id) {
+                            tracing::info!(request = %r.sub.external_id, %reason, "KV transfer failed: recomputing");
+                            self.metrics.outcome("recomputed");
+                            // The failed transfer's blocks come back through BlocksReleased.
+                            r.prompt_blocks.clear();
+                            r.recompute = true;
+                            self.waiting.push_front(r);
+                        }
+                    }
+                }
+                ConnectorEvent::Failed { requests, reason } => {
+                    for id in requests {
+                        if let Some(r) = self.awaiting_kv.remove(&id) {
+                            self.pool.free(&r.gen_blocks.concat());
+                            self.metrics.outcome("transfer_failed");
+                            let _ = r.sub.events.send(SeqEvent::Error {
+                                status: 502,
+                                message: format!("KV transfer from the prefill engine failed: {reason}"),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Requests whose client went away before they produced anything.
+    fn reap_disconnected(&mut self) {
+        let mut gone = Vec::new();
+        self.waiting.retain(|r| {
+            if r.sub.events.is_closed() {
+                gone.push((r.sub.id, r.sub.kind.clone(), r.gen_blocks.concat()));
+                false
+            } else {
+                true
+            }
+        });
+        let ids: Vec<u64> = self
+            .awaiting_kv
+            .iter()
+            .filter(|(_, r)| r.sub.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(r) = self.awaiting_kv.remove(&id) {
+                gone.push((id, r.sub.kind.clone(), r.gen_blocks.concat()));
+            }
+        }
+        for (id, kind, gen) in gone {
+            self.metrics.outcome("aborted");
+            self.pool.free(&gen);
+            if let (Kind::RemotePrefill(_), Some(c)) = (&kind, &self.connector) {
+                // The prompt blocks are the connector's until it releases them.
+                c.on_request_ended(id, ReleaseReason::Aborted);
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        // One prefill per iteration so decode steps interleave with long prompts.
+        let mut prefilled = false;
+        while let Some(front) = self.waiting.front() {
+            let prompt = front.sub.prompt.len();
+            let gen_each = self.blocks_for(front.sub.max_tokens as usize);
+            let n = front.sub.n as usize;
+            let is_remote = matches!(front.sub.kind, Kind::RemotePrefill(_)) && !front.recompute;
+            if !is_remote && prefilled {
+                break;
+            }
+            let need_gen = if front.gen_blocks.is_empty() { gen_each * n } else { 0 };
+            let need = self.blocks_for(prompt) + need_gen;
+            if self.pool.free_count() < need {
+                break;
+            }
+            let Some(mut r) = self.waiting.pop_front() else {
+                break;
+            };
+            let Some(prompt_blocks) = self.pool.alloc(self.blocks_for(prompt)) else {
+                self.waiting.push_front(r);
+                break;
+            };
+            if r.gen_blocks.is_empty() && matches!(r.sub.kind, Kind::Local | Kind::RemotePrefill(_)) {
+                for _ in 0..n {
+                    r.gen_blocks.push(self.pool.alloc(gen_each).unwrap_or_default());
+                }
+            }
+            r.prompt_blocks = prompt_blocks;
+            if is_remote {
+                let result = match &self.connector {
+                    Some(c) => c
+                        .on_blocks_allocated(r.sub.id, r.prompt_blocks.clone())
+                        .map_err(|e| e.to_string()),
+                    None => Err("no connector".to_string()),
+                };
+                match result {
+                    Ok(()) => {
+                        self.awaiting_kv.insert(r.sub.id, r);
+                    }
+                    Err(e) => {
+                        // The handoff ended before admission (P gone, deadline): prefill here.
+                        tracing::info!(request = %r.sub.external_id, error = %e, "recomputing");
+                        r.recompute = true;
+                        self.pool.free(&r.prompt_blocks);
+                        r.prompt_blocks.clear();
+                        self.waiting.push_front(r);
+                        break;
+                    }
+                }
+            } else {
+                self.prefill(r);
+                prefilled = true;
+            }
+        }
+    }
+
+    fn sleep_cost(&self, micros: f64) {
+        if micros > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(micros / 1e6));
+        }
+    }
+
+    fn prefill(&mut self, r: Request) {
+        let prompt = &r.sub.prompt;
+        let prefix = model::prefix_hashes(prompt, 0);
+        let layers = self.cfg.num_layers.max(1) as f64;
+        // The forward pass: every layer costs its share, and the KV is written as it is made.
+        let per_layer = prompt.len() as f64 * self.cfg.prefill_us_per_token / layers;
+        if let Err(e) = self.kv.write_positions(&prefix, 0..prompt.len(), &r.prompt_blocks) {
+            return self.fail_local(r, e);
+        }
+        for _ in 0..self.cfg.num_layers {
+            self.sleep_cost(per_layer);
+        }
+        match &r.sub.kind {
+            Kind::RemoteDecode => {
+                // P: sample the first token (as vLLM's P does), then hand the KV over.
+                let digest = match self.kv.digest_positions(0, 0..prompt.len(), &r.prompt_blocks) {
+                    Ok(d) => d,
+                    Err(e) => return self.fail_local(r, e),
+                };
+                let token = model::sample(digest, 0);
+                let Some(c) = self.connector.clone() else {
+                    return self.fail_local(r, "no connector".into());
+                };
+                match c.on_prefill_finished(
+                    &r.sub.external_id,
+                    r.prompt_blocks.clone(),
+                    prompt.len() as u32,
+                ) {
+                    Ok(params) => {
+                        self.metrics.ttft.observe(r.arrived.elapsed().as_secs_f64());
+                        self.metrics.outcome("prefilled_for_remote");
+                        let ev = &r.sub.events;
+                        let _ = ev.send(SeqEvent::Token {
+                            choice: 0,
+                            text: model::detokenize(token),
+                        });
+                        let _ = ev.send(SeqEvent::KvParams(Box::new(params)));
+                        let _ = ev.send(SeqEvent::Finished {
+                            choice: 0,
+                            reason: "length",
+                        });
+                        let _ = ev.send(SeqEvent::Done {
+                            prompt_tokens: prompt.len() as u32,
+                            completion_tokens: 1,
+                        });
+                    }
+                    Err(e) => self.fail_local(r, e.to_string()),
+                }
+            }
+            Kind::Local | Kind::RemotePrefill(_) => self.start_decoding(r),
+        }
+    }
+
+    fn fail_local(&mut self, r: Request, message: String) {
+        tracing::error!(request = %r.sub.external_id, %message, "request failed");
+        self.pool.free(&r.prompt_blocks);
+        self.pool.free(&r.gen_blocks.concat());
+        self.metrics.outcome("failed");
+        let _ = r.sub.events.send(SeqEvent::Error {
+            status: 500,
+            message,
+        });
+    }
+
+    /// The prompt's KV is in `r.prompt_blocks` (prefilled here or transferred): read it back,
+    /// sample each choice's first token, and start decoding.
+    fn start_decoding(&mut self, r: Request) {
+        let prompt_len = r.sub.prompt.len();
+        let digest = match self.kv.digest_positions(0, 0..prompt_len, &r.prompt_blocks) {
+            Ok(d) => d,
+            Err(e) => return self.fail_local(r, e),
+        };
+        let last_prefix = model::prefix_hashes(&r.sub.prompt, 0)
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let id = r.sub.id;
+        self.shared.insert(
+            id,
+            Shared {
+                blocks: r.prompt_blocks.clone(),
+                live: r.sub.n,
+                events: r.sub.events.clone(),
+                prompt_tokens: prompt_len as u32,
+                completion_tokens: 0,
+                ttft_seen: false,
+                arrived: r.arrived,
+                max_tokens: r.sub.max_tokens,
+            },
+        );
+        for (choice, gen_blocks) in r.gen_blocks.into_iter().enumerate() {
+            let token = model::sample(digest, choice as u32);
+            let seq = Seq {
+                req: id,
+                choice: choice as u32,
+                digest,
+                last_prefix,
+                generated: 0,
+                gen_prefix: Vec::new(),
+                gen_blocks,
+                last_token: token,
+            };
+            self.emit(seq);
+        }
+    }
+
+    /// Sends a sequence's current token; keeps it running or finishes it.
+    fn emit(&mut self, mut seq: Seq) {
+        let Some(sh) = self.shared.get_mut(&seq.req) else {
+            return;
+        };
+        let max_tokens = sh.max_tokens;
+        if !sh.ttft_seen {
+            sh.ttft_seen = true;
+            self.metrics.ttft.observe(sh.arrived.elapsed().as_secs_f64());
+        }
+        let alive = sh
+            .events
+            .send(SeqEvent::Token {
+                choice: seq.choice,
+                text: model::detokenize(seq.last_token),
+            })
+            .is_ok();
+        seq.generated += 1;
+        sh.completion_tokens += 1;
+        if !alive || seq.generated >= max_tokens {
+            if alive {
+                let _ = sh.events.send(SeqEvent::Finished {
+                    choice: seq.choice,
+                    reason: "length",
+                });
+            }
+            self.finish_seq(seq, alive);
+        } else {
+            self.running.push(seq);
+        }
+    }
+
+    fn finish_seq(&mut self, seq: Seq, alive: bool) {
+        self.pool.free(&seq.gen_blocks);
+        let Some(sh) = self.shared.get_mut(&seq.req) else {
+            return;
+        };
+        sh.live -= 1;
+        if sh.live == 0 {
+            let sh = self.shared.remove(&seq.req).expect("present");
+            self.pool.free(&sh.blocks);
+            if alive {
+                self.metrics.outcome("ok");
+                let _ = sh.events.send(SeqEvent::Done {
+                    prompt_tokens: sh.prompt_tokens,
+                    completion_tokens: sh.completion_tokens,
+                });
+            } else {
+                self.metrics.outcome("aborted");
+            }
+        }
+    }
+
+    fn decode_step(&mut self) {
+        if self.running.is_empty() {
+            return;
+        }
+        let batch: Vec<Seq> = {
+            let n = self.running.len().min(self.cfg.max_batch);
+            self.running.drain(..n).collect()
+        };
+        self.sleep_cost(
+            self.cfg.decode_step_ms * 1000.0 + self.cfg.decode_us_per_seq * batch.len() as f64,
+        );
+        for mut seq in batch {
+            // Append the last token's KV, read it back, and sample the next token from it.
+            let prefix = model::mix(seq.last_prefix ^ (seq.last_token as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            seq.last_prefix = prefix;
+            seq.gen_prefix.push(prefix);
+            let pos = seq.gen_prefix.len() - 1;
+            let step = self
+                .kv
+                .write_positions(&seq.gen_prefix, pos..pos + 1, &seq.gen_blocks)
+                .and_then(|()| self.kv.digest_positions(seq.digest, pos..pos + 1, &seq.gen_blocks));
+            match step {
+                Ok(d) => {
+                    seq.digest = d;
+                    seq.last_token = model::sample(d, seq.choice);
+                    self.emit(seq);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "decode step failed");
+                    self.finish_seq(seq, false);
+                }
+            }
+        }
+    }
+}
