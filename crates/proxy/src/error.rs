@@ -1,0 +1,233 @@
+//! The errors the proxy answers a client with: an HTTP status and an OpenAI-style JSON body that
+//! names the leg, the instance and the reason, so that an operator can tell from one response
+//! which engine failed and how.
+
+use std::error::Error as _;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use crate::metrics::Outcome;
+use crate::pool::Role;
+
+#[derive(Debug)]
+pub(crate) struct ProxyError {
+    pub(crate) status: StatusCode,
+    pub(crate) outcome: Outcome,
+    pub(crate) kind: &'static str,
+    pub(crate) role: Option<Role>,
+    pub(crate) instance: Option<String>,
+    pub(crate) message: String,
+    /// The upstream's own status and body, when it answered.
+    pub(crate) upstream_status: Option<u16>,
+    pub(crate) upstream_body: Option<Value>,
+    /// Whether the proxy told P to release its blocks (only set on the decode leg).
+    pub(crate) prefill_released: Option<bool>,
+    pub(crate) request_id: Option<String>,
+}
+
+impl ProxyError {
+    pub(crate) fn new(
+        status: StatusCode,
+        outcome: Outcome,
+        kind: &'static str,
+        msg: String,
+    ) -> Self {
+        ProxyError {
+            status,
+            outcome,
+            kind,
+            role: None,
+            instance: None,
+            message: msg,
+            upstream_status: None,
+            upstream_body: None,
+            prefill_released: None,
+            request_id: None,
+        }
+    }
+
+    pub(crate) fn bad_request(msg: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            Outcome::BadRequest,
+            "invalid_request_error",
+            msg.into(),
+        )
+    }
+
+    pub(crate) fn no_instance(role: Role) -> Self {
+        let outcome = match role {
+            Role::Prefill => Outcome::NoPrefill,
+            Role::Decode => Outcome::NoDecode,
+        };
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            outcome,
+            "no_healthy_instance",
+            format!("no healthy {role} instance"),
+        );
+        e.role = Some(role);
+        e
+    }
+
+    /// An upstream call failed: `what` says how ("unreachable", "timed out", ...).
+    pub(crate) fn upstream(
+        role: Role,
+        instance: &str,
+        status: StatusCode,
+        kind: &'static str,
+        reason: String,
+    ) -> Self {
+        let outcome = match role {
+            Role::Prefill => Outcome::PrefillFailed,
+            Role::Decode => Outcome::DecodeFailed,
+        };
+        let mut e = Self::new(
+            status,
+            outcome,
+            kind,
+            format!("{role} instance {instance} {reason}"),
+        );
+        e.role = Some(role);
+        e.instance = Some(instance.to_string());
+        e
+    }
+
+    /// Maps a transport-level failure (no HTTP answer at all) to 502 or 504.
+    pub(crate) fn transport(role: Role, instance: &str, err: &reqwest::Error) -> Self {
+        if err.is_timeout() {
+            Self::upstream(
+                role,
+                instance,
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+                format!("timed out: {}", chain(err)),
+            )
+        } else if err.is_connect() {
+            Self::upstream(
+                role,
+                instance,
+                StatusCode::BAD_GATEWAY,
+                "upstream_unreachable",
+                format!("is unreachable: {}", chain(err)),
+            )
+        } else {
+            Self::upstream(
+                role,
+                instance,
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                format!("failed: {}", chain(err)),
+            )
+        }
+    }
+
+    pub(crate) fn timeout(role: Role, instance: &str, what: &str, after: Duration) -> Self {
+        Self::upstream(
+            role,
+            instance,
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_timeout",
+            format!("timed out: {what} within {after:?}"),
+        )
+    }
+
+    /// The upstream answered with an error status. 503 (overloaded, pool full) stays 503 so that
+    /// a client may retry; other 5xx become 502; a 4xx is the client's fault and keeps its status.
+    pub(crate) fn upstream_status(
+        role: Role,
+        instance: &str,
+        status: StatusCode,
+        body: &[u8],
+    ) -> Self {
+        let ours = if status == StatusCode::SERVICE_UNAVAILABLE {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else if status.is_server_error() {
+            StatusCode::BAD_GATEWAY
+        } else if status.is_client_error() {
+            status
+        } else {
+            StatusCode::BAD_GATEWAY
+        };
+        let verb = if status.is_client_error() {
+            "rejected the request"
+        } else {
+            "refused the request"
+        };
+        let mut e = Self::upstream(
+            role,
+            instance,
+            ours,
+            "upstream_status",
+            format!("{verb}: HTTP {status}: {}", snippet(body)),
+        );
+        e.upstream_status = Some(status.as_u16());
+        e.upstream_body = Some(
+            serde_json::from_slice(body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned())),
+        );
+        e
+    }
+}
+
+impl IntoResponse for ProxyError {
+    fn into_response(self) -> Response {
+        let mut err = json!({
+            "message": self.message,
+            "type": self.kind,
+            "code": self.status.as_u16(),
+        });
+        let obj = err.as_object_mut().expect("object literal");
+        if let Some(role) = self.role {
+            obj.insert("role".into(), json!(role));
+        }
+        if let Some(instance) = self.instance {
+            obj.insert("instance".into(), json!(instance));
+        }
+        if let Some(s) = self.upstream_status {
+            obj.insert("upstream_status".into(), json!(s));
+        }
+        if let Some(b) = self.upstream_body {
+            obj.insert("upstream_body".into(), b);
+        }
+        if let Some(r) = self.prefill_released {
+            obj.insert("prefill_released".into(), json!(r));
+        }
+        if let Some(id) = self.request_id {
+            obj.insert("request_id".into(), json!(id));
+        }
+        (self.status, axum::Json(json!({ "error": err }))).into_response()
+    }
+}
+
+/// A reqwest error with its sources: reqwest's own message ("error sending request") hides the
+/// useful part ("connection refused") in the chain.
+pub(crate) fn chain(err: &reqwest::Error) -> String {
+    let mut s = err.to_string();
+    let mut src = err.source();
+    while let Some(e) = src {
+        let part = e.to_string();
+        if !s.contains(&part) {
+            s.push_str(": ");
+            s.push_str(&part);
+        }
+        src = e.source();
+    }
+    s
+}
+
+/// The start of an upstream body, for error messages.
+pub(crate) fn snippet(body: &[u8]) -> String {
+    const MAX: usize = 300;
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.chars().count() <= MAX {
+        text.to_string()
+    } else {
+        let cut: String = text.chars().take(MAX).collect();
+        format!("{cut}...")
+    }
+}

@@ -1,0 +1,61 @@
+//! Periodic health checks: GET `{url}/health` of every instance.
+
+use std::sync::Arc;
+
+use futures_util::future::join_all;
+use tokio::sync::watch;
+use tokio::time::MissedTickBehavior;
+
+use crate::error::chain;
+use crate::pool::Instance;
+use crate::Shared;
+
+/// Checks one instance and records the verdict (logging changes).
+pub(crate) async fn check(shared: &Shared, inst: &Instance) {
+    let url = format!("{}/health", inst.url);
+    let verdict = match tokio::time::timeout(
+        shared.cfg.health_timeout,
+        shared.http.get(&url).timeout(shared.cfg.health_timeout).send(),
+    )
+    .await
+    {
+        Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
+        Ok(Ok(resp)) => Err(format!("HTTP {}", resp.status())),
+        Ok(Err(e)) => Err(chain(&e)),
+        Err(_) => Err(format!("no answer within {:?}", shared.cfg.health_timeout)),
+    };
+    let healthy = verdict.is_ok();
+    let was = inst.set_healthy(healthy);
+    match verdict {
+        Ok(()) if !was => {
+            tracing::info!(role = %inst.role, url = %inst.url, "instance healthy")
+        }
+        Err(reason) if was => {
+            tracing::warn!(role = %inst.role, url = %inst.url, %reason, "instance unhealthy")
+        }
+        _ => {}
+    }
+}
+
+/// Checks every instance of both roles, concurrently (one slow instance must not delay the
+/// verdict on the others).
+pub(crate) async fn check_all(shared: &Shared) {
+    let mut all = shared.prefill.snapshot();
+    all.extend(shared.decode.snapshot());
+    join_all(all.iter().map(|inst| check(shared, inst))).await;
+}
+
+pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(shared.cfg.health_interval);
+    // A round slower than the interval delays the next one instead of firing a burst.
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // The first tick is immediate, and start() has just run a round.
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => check_all(&shared).await,
+            // The guard wait_for returns is not Send: drop it inside the branch future.
+            _ = async { drop(stop.wait_for(|s| *s).await) } => return,
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! handoff's P/D router: an OpenAI-compatible HTTP front that sends each completion request
+//! first to a prefill engine (P), then to a decode engine (D), carrying the KV handoff between
+//! them in `kv_transfer_params`.
+//!
+//! # The pull flow
+//!
+//! It follows vLLM's toy proxy (`toy_proxy_server.py`), so vLLM engines and handoff engines can
+//! sit behind it alike:
+//!
+//! 1. The client's POST to `/v1/completions` or `/v1/chat/completions` gets one request id: its
+//!    own `X-Request-Id` header if it sent a sane one, else a fresh uuid-like id. The same id goes
+//!    to both legs in `X-Request-Id`, so P's and D's logs of one request can be joined.
+//! 2. **Leg 1, P.** The client's JSON with `stream: false`, `max_tokens: 1` (and
+//!    `max_completion_tokens: 1` when the client used it), `stream_options`, `min_tokens` and
+//!    `best_of` removed, `n: 1` (n>1 fans out on D after one pull, never on P: P must hold one
+//!    handoff per prompt), and `kv_transfer_params` =
+//!    `{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+//!    "remote_block_ids": null, "remote_host": null, "remote_port": null}`.
+//!    P prefills, keeps the blocks under a lease and answers with its `kv_transfer_params`.
+//! 3. **Leg 2, D.** The client's original JSON, unchanged but for `kv_transfer_params` = P's.
+//!    D pulls the KV from P and decodes. Its answer goes back to the client as it comes: an SSE
+//!    stream is relayed chunk by chunk without buffering; a JSON answer is returned whole.
+//!
+//! P and D are picked per request among the *healthy* instances of each role
+//! ([`Policy::RoundRobin`] or [`Policy::LeastLoaded`], the latter counting the requests this proxy
+//! has in flight to each instance, a D stream until it ends). Any number of Ps and Ds (xPyD).
+//!
+//! Push mode ([`TransferMode::Push`]) is not implemented yet: [`start`] refuses it, and the
+//! request path dispatches on the mode so that it slots in beside pull.
+//!
+//! # Failure policy: fail loudly, release at once
+//!
+//! A disaggregated request has two engines and one handoff between them; when one leg fails the
+//! worst answers are a hang (the client waits forever, P's blocks stay pinned) and a silent
+//! fallback (D recomputes the prompt or answers from garbage while the client believes all is
+//! well, and the fault stays hidden). So:
+//!
+//! - **No healthy P or no healthy D**: 503 at once, before any engine is called (a prefill that
+//!   no D can decode would only pin P's blocks until its lease runs out).
+//! - **P fails** (unreachable → 502, timeout → 504, 503 → 503, other 5xx → 502, 4xx → the same
+//!   4xx, 200 without `kv_transfer_params` → 502): the client gets that status and a JSON error
+//!   that names the P instance and the reason. D is never called.
+//! - **D cannot take the request** (unreachable, any error status such as 503 "pool full", or no
+//!   response head within `request_timeout`): the client gets an error naming D, **and the proxy
+//!   tells P to release the handoff at once**: `POST {P}/v1/handoff/release` with
+//!   `{"kv_transfer_params": <P's params>}`, awaited for at most `release_timeout`, failures
+//!   logged and counted. Without it P's blocks would stay pinned until the lease expires, which
+//!   under load is what fills a pool. Releases are idempotent on P (an unknown or already
+//!   released handoff does nothing), so releasing when D did see the request is harmless. The
+//!   same release is sent if the client goes away after P answered and before D's answer began.
+//!   The error body says `prefill_released: true|false`.
+//! - There is **never** a decode-only fallback: D is always called with P's params.
+//! - **Nothing hangs**: every upstream call has a connect timeout (`connect_timeout`) and either an
+//!   overall timeout (P leg, non-streaming D, `/v1/models`, health checks, releases) or a
+//!   first-byte timeout (`request_timeout` until the head of a streamed D answer), and a relayed
+//!   stream is cut after `stream_idle_timeout` without a chunk.
+//! - Once D's answer has begun, D owns the handoff (its connector releases P when it has pulled,
+//!   or aborts). A D stream that breaks is not hidden: an SSE client gets an `error` event, then
+//!   the connection is aborted (no clean end of the chunked body).
+//! - **Client disconnect**: dropping the client's stream drops the upstream D response at once,
+//!   which closes the connection to D, so D sees the disconnect and aborts the request (and its
+//!   connector gives the handoff back). The proxy never keeps reading D for nobody.
+//! - An instance that refuses connections is marked unhealthy at once (it is down; waiting for
+//!   the next health check would fail more requests); a timeout does not (it may just be busy).
+//!
+//! # Admin API
+//!
+//! Instances can be added and removed while the proxy runs:
+//!
+//! - `POST /admin/instances` with `{"role": "prefill"|"decode", "url": "http://host:port"}` adds one
+//!   (201; 200 with `"added": false` when already there). It is health-checked before the answer,
+//!   which reports whether it is healthy; it takes traffic only once healthy.
+//! - `DELETE /admin/instances` with the same body removes one (200, or 404 when unknown); requests
+//!   already in flight to it run to their end.
+//! - `GET /admin/instances` lists `{"prefill": [...], "decode": [...]}` with `url`, `healthy` and
+//!   `in_flight` for each.
+//!
+//! The admin API has no authentication: bind the proxy where only trusted callers reach it.
+//!
+//! # Health
+//!
+//! Every `health_interval` the proxy GETs `{url}/health` of every instance (timeout
+//! `health_timeout`); a success status makes it healthy, anything else unhealthy. Instances start
+//! unhealthy: [`start`] runs one round of checks before it returns, and an added instance is
+//! checked before the admin answer, so traffic never goes to an instance no check has seen.
+//!
+//! # Other endpoints
+//!
+//! `GET /v1/models` is forwarded to a healthy D; `GET /health` is 200 when at least one P and one
+//! D are healthy, else 503; `GET /metrics` is Prometheus/OpenMetrics text: requests by outcome,
+//! in-flight and health per instance, releases sent by result, how relayed streams ended.
+
+mod error;
+mod health;
+mod metrics;
+mod pool;
+mod relay;
+mod routes;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use axum::serve::ListenerExt;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use handoff_proto::TransferMode;
+pub use pool::{normalize_url, InstanceInfo, Policy, Role};
+
+use metrics::Metrics;
+use pool::Pool;
+
+/// Everything the proxy needs to run. [`ProxyConfig::default`] gives sensible timeouts.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Address to listen on; port 0 picks a free one ([`RunningProxy::local_addr`] tells which).
+    pub bind: SocketAddr,
+    /// Base URLs of the prefill instances at start (`http://host:port`).
+    pub prefill: Vec<String>,
+    /// Base URLs of the decode instances at start.
+    pub decode: Vec<String>,
+    pub policy: Policy,
+    /// Only [`TransferMode::Pull`] is implemented.
+    pub mode: TransferMode,
+    /// Time between two health checks of every instance.
+    pub health_interval: Duration,
+    /// Overall limit of one health check.
+    pub health_timeout: Duration,
+    /// Limit for opening a TCP connection to any instance.
+    pub connect_timeout: Duration,
+    /// Overall limit of the P leg and of a non-streaming D leg; for a streaming D leg, the limit
+    /// until D's response head.
+    pub request_timeout: Duration,
+    /// A relayed D stream that sends nothing for this long is cut (and the client told).
+    pub stream_idle_timeout: Duration,
+    /// Overall limit of one release request to P.
+    pub release_timeout: Duration,
+    /// Largest client request body accepted.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            policy: Policy::RoundRobin,
+            mode: TransferMode::Pull,
+            health_interval: Duration::from_secs(2),
+            health_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(120),
+            stream_idle_timeout: Duration::from_secs(60),
+            release_timeout: Duration::from_secs(2),
+            max_body_bytes: 64 << 20,
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) cfg: ProxyConfig,
+    pub(crate) http: reqwest::Client,
+    pub(crate) prefill: Pool,
+    pub(crate) decode: Pool,
+    pub(crate) metrics: Metrics,
+}
+
+impl Shared {
+    pub(crate) fn pool(&self, role: Role) -> &Pool {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    /// Adds an instance and health-checks it at once. `Ok((added, info))`.
+    pub(crate) async fn add_instance(
+        &self,
+        role: Role,
+        url: &str,
+    ) -> Result<(bool, InstanceInfo), String> {
+        let url = normalize_url(url)?;
+        match self.pool(role).add(url.clone(), &self.metrics) {
+            Some(inst) => {
+                health::check(self, &inst).await;
+                tracing::info!(%role, url = %inst.url, healthy = inst.is_healthy(), "instance added");
+                Ok((true, inst.info()))
+            }
+            None => {
+                let info = self
+                    .pool(role)
+                    .snapshot()
+                    .into_iter()
+                    .find(|i| i.url == url)
+                    .map(|i| i.info())
+                    .ok_or_else(|| format!("{role} instance {url} vanished while being added"))?;
+                Ok((false, info))
+            }
+        }
+    }
+
+    pub(crate) fn remove_instance(&self, role: Role, url: &str) -> bool {
+        let url = url.trim().trim_end_matches('/');
+        let removed = self.pool(role).remove(url, &self.metrics);
+        if removed {
+            tracing::info!(%role, url, "instance removed");
+        }
+        removed
+    }
+
+    pub(crate) fn instances(&self, role: Role) -> Vec<InstanceInfo> {
+        self.pool(role)
+            .snapshot()
+            .iter()
+            .map(|i| i.info())
+            .collect()
+    }
+}
+
+/// A proxy running in this process (see [`start`]). Dropping it stops it, as
+/// [`RunningProxy::shutdown`] does but without waiting.
+pub struct RunningProxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    server: Option<JoinHandle<std::io::Result<()>>>,
+    health: Option<JoinHandle<()>>,
+}
+
+impl RunningProxy {
+    /// The address the proxy listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://{local_addr}`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Adds an instance (as `POST /admin/instances`): returns whether it was new and how it
+    /// stands after its first health check.
+    pub async fn add_instance(&self, role: Role, url: &str) -> anyhow::Result<(bool, InstanceInfo)> {
+        self.shared
+            .add_instance(role, url)
+            .await
+            .map_err(anyhow::Error::msg)
+    }
+
+    /// Removes an instance (as `DELETE /admin/instances`): returns whether it was there.
+    pub fn remove_instance(&self, role: Role, url: &str) -> bool {
+        self.shared.remove_instance(role, url)
+    }
+
+    /// Every instance of both roles with its health and in-flight count.
+    pub fn instances(&self) -> Vec<InstanceInfo> {
+        let mut v = self.shared.instances(Role::Prefill);
+        v.extend(self.shared.instances(Role::Decode));
+        v
+    }
+
+    /// Runs until the server stops (it stops only on an accept error or a shutdown).
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        let server = self.server.take().context("proxy already stopped")?;
+        server.await.context("proxy server task")??;
+        Ok(())
+    }
+
+    /// Stops accepting, lets requests in flight finish for up to 10 s, then stops the rest.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        let _ = self.shutdown.send(true);
+        if let Some(h) = self.health.take() {
+            h.abort();
+        }
+        if let Some(mut server) = self.server.take() {
+            match tokio::time::timeout(Duration::from_secs(10), &mut server).await {
+                Ok(res) => res.context("proxy server task")??,
+                Err(_) => {
+                    tracing::warn!("proxy shutdown: requests still in flight after 10 s, stopping");
+                    server.abort();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RunningProxy {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(h) = self.health.take() {
+            h.abort();
+        }
+    }
+}
+
+/// Starts the proxy in this runtime and returns once it listens and has health-checked its
+/// instances once.
+pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
+    match cfg.mode {
+        TransferMode::Pull => {}
+        TransferMode::Push => bail!("the proxy does not implement push mode yet: use pull"),
+    }
+    if cfg.health_interval.is_zero() {
+        bail!("health_interval must be greater than zero");
+    }
+    let http = reqwest::Client::builder()
+        // Engines are reached directly: an HTTP(S)_PROXY in the environment must not divert
+        // (or break) traffic between the proxy and its engines.
+        .no_proxy()
+        .connect_timeout(cfg.connect_timeout)
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .context("building the HTTP client")?;
+    let shared = Arc::new(Shared {
+        http,
+        prefill: Pool::new(Role::Prefill),
+        decode: Pool::new(Role::Decode),
+        metrics: Metrics::new(),
+        cfg: cfg.clone(),
+    });
+    for (role, urls) in [(Role::Prefill, &cfg.prefill), (Role::Decode, &cfg.decode)] {
+        for url in urls {
+            let url = normalize_url(url).map_err(anyhow::Error::msg)?;
+            shared.pool(role).add(url, &shared.metrics);
+        }
+    }
+    health::check_all(&shared).await;
+
+    let listener = tokio::net::TcpListener::bind(cfg.bind)
+        .await
+        .with_context(|| format!("binding the proxy to {}", cfg.bind))?;
+    let addr = listener.local_addr()?;
+    // SSE chunks are small: without TCP_NODELAY each would wait for the previous one's ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let (tx, mut rx) = watch::channel(false);
+    let app = routes::router(shared.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            })
+            .await
+    });
+    let health = tokio::spawn(health::run(shared.clone(), tx.subscribe()));
+    tracing::info!(
+        %addr,
+        prefill = shared.prefill.healthy_count(),
+        decode = shared.decode.healthy_count(),
+        policy = cfg.policy.as_str(),
+        mode = cfg.mode.as_str(),
+        "proxy listening (healthy prefill/decode instances)"
+    );
+    Ok(RunningProxy {
+        addr,
+        shared,
+        shutdown: tx,
+        server: Some(server),
+        health: Some(health),
+    })
+}
+
+/// Runs the proxy until its server stops.
+pub async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
+    start(cfg).await?.wait().await
+}
+
+/// Runs the proxy until `signal` completes (for example `tokio::signal::ctrl_c()`), then shuts it
+/// down as [`RunningProxy::shutdown`] does.
+pub async fn serve_with_shutdown<F>(cfg: ProxyConfig, signal: F) -> anyhow::Result<()>
+where
+    F: Future<Output = ()>,
+{
+    let mut proxy = start(cfg).await?;
+    tokio::pin!(signal);
+    let mut handle = proxy.server.take().context("proxy already stopped")?;
+    tokio::select! {
+        res = &mut handle => {
+            res.context("proxy server task")??;
+            Ok(())
+        }
+        _ = &mut signal => {
+            proxy.server = Some(handle);
+            proxy.shutdown().await
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Prometheus metrics of the proxy (OpenMetrics text on GET /metrics).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct InstanceLabels {
+    pub(crate) role: &'static str,
+    pub(crate) url: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct OutcomeLabels {
+    pub(crate) outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReleaseLabels {
+    pub(crate) result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct StreamEndLabels {
+    pub(crate) end: &'static str,
+}
+
+/// How a client request ended, as counted in `handoff_proxy_requests_total{outcome}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// D accepted the request and its answer (head) went to the client.
+    Ok,
+    BadRequest,
+    NoPrefill,
+    NoDecode,
+    PrefillFailed,
+    DecodeFailed,
+    Unsupported,
+    /// The client went away before the answer's head was sent.
+    Cancelled,
+}
+
+impl Outcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::BadRequest => "bad_request",
+            Outcome::NoPrefill => "no_prefill",
+            Outcome::NoDecode => "no_decode",
+            Outcome::PrefillFailed => "prefill_failed",
+            Outcome::DecodeFailed => "decode_failed",
+            Outcome::Unsupported => "unsupported",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// How a relayed D stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamEnd {
+    Complete,
+    ClientDisconnect,
+    UpstreamError,
+    IdleTimeout,
+}
+
+impl StreamEnd {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StreamEnd::Complete => "complete",
+            StreamEnd::ClientDisconnect => "client_disconnect",
+            StreamEnd::UpstreamError => "upstream_error",
+            StreamEnd::IdleTimeout => "idle_timeout",
+        }
+    }
+}
+
+pub(crate) struct Metrics {
+    pub(crate) registry: Registry,
+    pub(crate) requests: Family<OutcomeLabels, Counter>,
+    pub(crate) in_flight: Family<InstanceLabels, Gauge>,
+    pub(crate) instance_healthy: Family<InstanceLabels, Gauge>,
+    pub(crate) releases: Family<ReleaseLabels, Counter>,
+    pub(crate) stream_ends: Family<StreamEndLabels, Counter>,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Self {
+        let mut registry = Registry::with_prefix("handoff_proxy");
+        let requests = Family::<OutcomeLabels, Counter>::default();
+        let in_flight = Family::<InstanceLabels, Gauge>::default();
+        let instance_healthy = Family::<InstanceLabels, Gauge>::default();
+        let releases = Family::<ReleaseLabels, Counter>::default();
+        let stream_ends = Family::<StreamEndLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Client completion requests by outcome",
+            requests.clone(),
+        );
+        registry.register(
+            "in_flight",
+            "Requests this proxy has in flight to each instance",
+            in_flight.clone(),
+        );
+        registry.register(
+            "instance_healthy",
+            "1 when the instance passed its last health check",
+            instance_healthy.clone(),
+        );
+        registry.register(
+            "releases",
+            "Release requests sent to P because D never got a request, by result",
+            releases.clone(),
+        );
+        registry.register(
+            "stream_ends",
+            "How relayed decode streams ended",
+            stream_ends.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            in_flight,
+            instance_healthy,
+            releases,
+            stream_ends,
+        }
+    }
+
+    pub(crate) fn outcome(&self, outcome: Outcome) {
+        self.requests
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn release(&self, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.releases.get_or_create(&ReleaseLabels { result }).inc();
+    }
+
+    pub(crate) fn stream_end(&self, end: StreamEnd) {
+        self.stream_ends
+            .get_or_create(&StreamEndLabels { end: end.as_str() })
+            .inc();
+    }
+
+    pub(crate) fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

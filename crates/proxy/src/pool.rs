@@ -1,0 +1,330 @@
+//! The instances the proxy routes to, one pool per role, and the policies that pick one.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use prometheus_client::metrics::gauge::Gauge;
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{InstanceLabels, Metrics};
+
+/// Which leg an instance serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "prefill" | "p" => Ok(Role::Prefill),
+            "decode" | "d" => Ok(Role::Decode),
+            _ => Err(format!("unknown role {s:?}: expected prefill or decode")),
+        }
+    }
+}
+
+/// How the proxy picks one of the healthy instances of a role for each request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Each healthy instance in turn.
+    #[default]
+    RoundRobin,
+    /// The healthy instance with the fewest requests this proxy has in flight to it (ties broken
+    /// in turn, so that idle instances share the load).
+    LeastLoaded,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoaded => "least_loaded",
+        }
+    }
+}
+
+impl FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().replace('-', "_").as_str() {
+            "round_robin" | "rr" => Ok(Policy::RoundRobin),
+            "least_loaded" | "ll" => Ok(Policy::LeastLoaded),
+            _ => Err(format!(
+                "unknown policy {s:?}: expected round-robin or least-loaded"
+            )),
+        }
+    }
+}
+
+/// One instance as the admin API and [`crate::RunningProxy::instances`] show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceInfo {
+    pub role: Role,
+    pub url: String,
+    pub healthy: bool,
+    /// Requests this proxy has in flight to the instance (a D stream counts until it ends).
+    pub in_flight: usize,
+}
+
+/// Checks and normalises an instance base URL: `http://host:port[/prefix]`, no trailing slash.
+/// Only plain HTTP: the proxy is built without TLS, so an `https` URL would fail on every request;
+/// better to refuse it when it is added.
+pub fn normalize_url(url: &str) -> Result<String, String> {
+    let url = url.trim().trim_end_matches('/');
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("instance URL {url:?} must start with http://"))?;
+    if rest.is_empty() || rest.starts_with('/') {
+        return Err(format!("instance URL {url:?} has no host"));
+    }
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("instance URL {url:?} contains whitespace"));
+    }
+    Ok(url.to_string())
+}
+
+pub(crate) struct Instance {
+    pub(crate) url: String,
+    pub(crate) role: Role,
+    // Instances start unhealthy: nothing is sent to one until a health check has passed.
+    healthy: AtomicBool,
+    in_flight: AtomicUsize,
+    in_flight_gauge: Gauge,
+    healthy_gauge: Gauge,
+}
+
+impl Instance {
+    pub(crate) fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Records a health verdict; returns the previous one so the caller can log transitions.
+    pub(crate) fn set_healthy(&self, healthy: bool) -> bool {
+        self.healthy_gauge.set(i64::from(healthy));
+        self.healthy.swap(healthy, Ordering::Relaxed)
+    }
+
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn info(&self) -> InstanceInfo {
+        InstanceInfo {
+            role: self.role,
+            url: self.url.clone(),
+            healthy: self.is_healthy(),
+            in_flight: self.in_flight(),
+        }
+    }
+}
+
+/// Counts one request in flight to an instance for as long as it lives. For a streamed D answer
+/// it lives inside the response body, so the count ends when the stream ends or is dropped.
+pub(crate) struct InFlight(Arc<Instance>);
+
+impl InFlight {
+    pub(crate) fn new(inst: Arc<Instance>) -> Self {
+        inst.in_flight.fetch_add(1, Ordering::Relaxed);
+        inst.in_flight_gauge.inc();
+        InFlight(inst)
+    }
+
+    pub(crate) fn instance(&self) -> &Arc<Instance> {
+        &self.0
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight_gauge.dec();
+    }
+}
+
+pub(crate) struct Pool {
+    role: Role,
+    instances: RwLock<Vec<Arc<Instance>>>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    pub(crate) fn new(role: Role) -> Self {
+        Pool {
+            role,
+            instances: RwLock::new(Vec::new()),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Instance>>> {
+        // A panic while holding this lock cannot leave the list half-changed (push/retain), so a
+        // poisoned lock is still a valid list.
+        self.instances.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds an instance (unhealthy until checked). Returns it, or `None` when the URL is already
+    /// in the pool: adding is idempotent.
+    pub(crate) fn add(&self, url: String, metrics: &Metrics) -> Option<Arc<Instance>> {
+        let mut list = self.instances.write().unwrap_or_else(|e| e.into_inner());
+        if list.iter().any(|i| i.url == url) {
+            return None;
+        }
+        let labels = InstanceLabels {
+            role: self.role.as_str(),
+            url: url.clone(),
+        };
+        let healthy_gauge = metrics.instance_healthy.get_or_create(&labels).clone();
+        healthy_gauge.set(0);
+        let inst = Arc::new(Instance {
+            url,
+            role: self.role,
+            healthy: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            in_flight_gauge: metrics.in_flight.get_or_create(&labels).clone(),
+            healthy_gauge,
+        });
+        list.push(inst.clone());
+        Some(inst)
+    }
+
+    /// Removes an instance: it gets no new requests; those in flight to it run to their end.
+    pub(crate) fn remove(&self, url: &str, metrics: &Metrics) -> bool {
+        let mut list = self.instances.write().unwrap_or_else(|e| e.into_inner());
+        let before = list.len();
+        list.retain(|i| i.url != url);
+        let removed = list.len() != before;
+        if removed {
+            let labels = InstanceLabels {
+                role: self.role.as_str(),
+                url: url.to_string(),
+            };
+            metrics.instance_healthy.remove(&labels);
+            metrics.in_flight.remove(&labels);
+        }
+        removed
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<Arc<Instance>> {
+        self.read().clone()
+    }
+
+    pub(crate) fn healthy_count(&self) -> usize {
+        self.read().iter().filter(|i| i.is_healthy()).count()
+    }
+
+    /// Picks a healthy instance by `policy` and counts the request in flight to it at once, so
+    /// that the next least-loaded pick already sees it.
+    pub(crate) fn pick(&self, policy: Policy) -> Option<InFlight> {
+        let list = self.read();
+        let healthy: Vec<&Arc<Instance>> = list.iter().filter(|i| i.is_healthy()).collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let n = healthy.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let chosen = match policy {
+            Policy::RoundRobin => healthy[start],
+            Policy::LeastLoaded => {
+                // Scan from a rotating start so that ties go to each instance in turn.
+                let mut best = healthy[start];
+                for k in 1..n {
+                    let cand = healthy[(start + k) % n];
+                    if cand.in_flight() < best.in_flight() {
+                        best = cand;
+                    }
+                }
+                best
+            }
+        };
+        Some(InFlight::new(chosen.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_with(urls: &[&str], metrics: &Metrics) -> Pool {
+        let pool = Pool::new(Role::Decode);
+        for u in urls {
+            pool.add(u.to_string(), metrics).unwrap().set_healthy(true);
+        }
+        pool
+    }
+
+    #[test]
+    fn url_normalisation() {
+        assert_eq!(normalize_url("http://a:1/").unwrap(), "http://a:1");
+        assert_eq!(normalize_url(" http://a:1/x/ ").unwrap(), "http://a:1/x");
+        assert!(normalize_url("https://a:1").is_err());
+        assert!(normalize_url("a:1").is_err());
+        assert!(normalize_url("http://").is_err());
+    }
+
+    #[test]
+    fn round_robin_skips_unhealthy() {
+        let m = Metrics::new();
+        let pool = pool_with(&["http://a", "http://b", "http://c"], &m);
+        pool.snapshot()[1].set_healthy(false);
+        let picks: Vec<String> = (0..4)
+            .map(|_| pool.pick(Policy::RoundRobin).unwrap().instance().url.clone())
+            .collect();
+        assert!(!picks.contains(&"http://b".to_string()));
+        assert_ne!(picks[0], picks[1]);
+        assert_eq!(picks[0], picks[2]);
+    }
+
+    #[test]
+    fn least_loaded_prefers_idle_and_counts_guards() {
+        let m = Metrics::new();
+        let pool = pool_with(&["http://a", "http://b"], &m);
+        let held = pool.pick(Policy::LeastLoaded).unwrap();
+        let busy = held.instance().url.clone();
+        for _ in 0..5 {
+            let g = pool.pick(Policy::LeastLoaded).unwrap();
+            assert_ne!(g.instance().url, busy);
+        }
+        drop(held);
+        assert!(pool.snapshot().iter().all(|i| i.in_flight() == 0));
+    }
+
+    #[test]
+    fn add_is_idempotent_and_remove_works() {
+        let m = Metrics::new();
+        let pool = pool_with(&["http://a"], &m);
+        assert!(pool.add("http://a".into(), &m).is_none());
+        assert!(pool.remove("http://a", &m));
+        assert!(!pool.remove("http://a", &m));
+        assert!(pool.pick(Policy::RoundRobin).is_none());
+    }
+
+    #[test]
+    fn parse_policy_and_role() {
+        assert_eq!("least-loaded".parse::<Policy>().unwrap(), Policy::LeastLoaded);
+        assert_eq!("round_robin".parse::<Policy>().unwrap(), Policy::RoundRobin);
+        assert_eq!("Decode".parse::<Role>().unwrap(), Role::Decode);
+        assert!("x".parse::<Policy>().is_err());
+    }
+}

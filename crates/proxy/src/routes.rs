@@ -1,0 +1,667 @@
+//! HTTP endpoints and the pull flow.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use crate::error::{chain, ProxyError};
+use crate::metrics::Outcome;
+use crate::pool::{Instance, Role};
+use crate::relay::relay;
+use crate::{Shared, TransferMode};
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// How much of an upstream error body is read to quote it to the client.
+const ERROR_BODY_CAP: usize = 16 << 10;
+
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    let limit = shared.cfg.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route(
+            "/admin/instances",
+            get(admin_list).post(admin_add).delete(admin_remove),
+        )
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(shared)
+}
+
+async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, "/v1/completions", headers, body).await
+}
+
+async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, "/v1/chat/completions", headers, body).await
+}
+
+/// Counts a request's outcome once; a request whose handler is dropped (the client went away
+/// before the answer's head) counts as cancelled.
+struct OutcomeTracker {
+    shared: Arc<Shared>,
+    done: bool,
+}
+
+impl OutcomeTracker {
+    fn finish(&mut self, outcome: Outcome) {
+        self.done = true;
+        self.shared.metrics.outcome(outcome);
+    }
+}
+
+impl Drop for OutcomeTracker {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.metrics.outcome(Outcome::Cancelled);
+        }
+    }
+}
+
+async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let rid = request_id(&headers);
+    let mut tracker = OutcomeTracker {
+        shared: s.clone(),
+        done: false,
+    };
+    let result = match parse_object(&body) {
+        Err(e) => Err(e),
+        // Each mode is its own flow; push slots in here when it exists (start() refuses it now).
+        Ok(client) => match s.cfg.mode {
+            TransferMode::Pull => pull(&s, path, &rid, &headers, client).await,
+            TransferMode::Push => Err(ProxyError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                Outcome::Unsupported,
+                "unsupported",
+                "push mode is not implemented by this proxy".into(),
+            )),
+        },
+    };
+    let mut resp = match result {
+        Ok(resp) => {
+            tracker.finish(Outcome::Ok);
+            resp
+        }
+        Err(mut e) => {
+            tracker.finish(e.outcome);
+            tracing::warn!(
+                request_id = %rid,
+                status = e.status.as_u16(),
+                prefill_released = ?e.prefill_released,
+                "{}",
+                e.message
+            );
+            e.request_id = Some(rid.clone());
+            e.into_response()
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert(X_REQUEST_ID, v);
+    }
+    resp
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ProxyError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ProxyError::bad_request(
+            "the request body must be a JSON object",
+        )),
+        Err(e) => Err(ProxyError::bad_request(format!(
+            "the request body is not valid JSON: {e}"
+        ))),
+    }
+}
+
+/// The client's own `X-Request-Id` when it is sane (short, visible ASCII: it ends up in engine
+/// request ids and logs), else a fresh random uuid-like id.
+fn request_id(headers: &HeaderMap) -> String {
+    if let Some(v) = headers.get(X_REQUEST_ID).and_then(|v| v.to_str().ok()) {
+        let v = v.trim();
+        if !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()) {
+            return v.to_string();
+        }
+    }
+    let r: u128 = rand::random();
+    // Formatted as a version-4 UUID.
+    let r = (r & !(0xf << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62);
+    let h = format!("{r:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// Headers sent to both legs: the shared request id and the client's credentials (engines may
+/// check an API key, as vLLM's `--api-key` does).
+fn forward_headers(client: &HeaderMap, rid: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(rid) {
+        h.insert(X_REQUEST_ID, v);
+    }
+    if let Some(auth) = client.get(AUTHORIZATION) {
+        h.insert(AUTHORIZATION, auth.clone());
+    }
+    h
+}
+
+/// The `kv_transfer_params` of the P leg, exactly as vLLM's toy proxy sends them.
+pub(crate) fn prefill_leg_params() -> Value {
+    json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    })
+}
+
+/// The P leg's body: prefill only, one sequence, one token, no stream.
+pub(crate) fn prefill_leg_body(client: &Map<String, Value>) -> Value {
+    let mut b = client.clone();
+    b.insert("stream".into(), Value::Bool(false));
+    b.insert("max_tokens".into(), json!(1));
+    if b.contains_key("max_completion_tokens") {
+        b.insert("max_completion_tokens".into(), json!(1));
+    }
+    // Only meaningful for a stream, which the P leg is not.
+    b.remove("stream_options");
+    // min_tokens > 1 would contradict max_tokens 1.
+    b.remove("min_tokens");
+    // n>1 (and best_of, which generates several sequences to keep the best) fans out on D after
+    // one pull: P must produce exactly one handoff per prompt.
+    b.remove("best_of");
+    b.insert("n".into(), json!(1));
+    b.insert("kv_transfer_params".into(), prefill_leg_params());
+    Value::Object(b)
+}
+
+/// A connection refused means the instance is down: stop sending it requests now rather than at
+/// its next health check (which will bring it back once it answers). A timeout does not: a busy
+/// instance is not a dead one.
+fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
+    if err.is_connect() && inst.set_healthy(false) {
+        tracing::warn!(
+            role = %inst.role,
+            url = %inst.url,
+            reason = %chain(err),
+            "instance unreachable; unhealthy until its next passing health check"
+        );
+    }
+}
+
+async fn pull(
+    s: &Arc<Shared>,
+    path: &str,
+    rid: &str,
+    headers: &HeaderMap,
+    client: Map<String, Value>,
+) -> Result<Response, ProxyError> {
+    let policy = s.cfg.policy;
+    // Check D before calling P: a prefill that no D can decode only pins P's blocks.
+    if s.decode.healthy_count() == 0 {
+        return Err(ProxyError::no_instance(Role::Decode));
+    }
+    let p_guard = s
+        .prefill
+        .pick(policy)
+        .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
+    let p = p_guard.instance().clone();
+    let params = prefill_leg(s, &p, path, rid, headers, &client).await?;
+    drop(p_guard);
+
+    // From here P holds blocks for this request: every way out until D accepts it releases them.
+    let mut release = ReleaseGuard {
+        shared: s.clone(),
+        p: p.clone(),
+        params: params.clone(),
+        rid: rid.to_string(),
+        armed: true,
+    };
+    let Some(d_guard) = s.decode.pick(policy) else {
+        let mut e = ProxyError::no_instance(Role::Decode);
+        e.prefill_released = Some(release.release_now("no healthy decode instance").await);
+        return Err(e);
+    };
+    let d = d_guard.instance().clone();
+    let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
+    let mut d_body = client;
+    d_body.insert("kv_transfer_params".into(), params);
+
+    let t = s.cfg.request_timeout;
+    let deadline = Instant::now() + t;
+    let send = s
+        .http
+        .post(format!("{}{}", d.url, path))
+        .headers(forward_headers(headers, rid))
+        .json(&Value::Object(d_body))
+        .send();
+    let resp = match timeout_at(deadline, send).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(err)) => {
+            mark_down_if_unreachable(&d, &err);
+            let mut e = ProxyError::transport(Role::Decode, &d.url, &err);
+            e.prefill_released = Some(release.release_now(&e.message).await);
+            return Err(e);
+        }
+        Err(_) => {
+            let mut e = ProxyError::timeout(Role::Decode, &d.url, "no response head", t);
+            e.prefill_released = Some(release.release_now(&e.message).await);
+            return Err(e);
+        }
+    };
+    let status = resp.status();
+    if !status.is_success() {
+        let body = read_capped(resp, deadline).await;
+        let mut e = ProxyError::upstream_status(Role::Decode, &d.url, status, &body);
+        e.prefill_released = Some(release.release_now(&e.message).await);
+        return Err(e);
+    }
+    // D has accepted the request: it owns the handoff now (its connector releases P after the
+    // pull, or when the request ends early).
+    release.disarm();
+
+    let content_type = resp.headers().get(CONTENT_TYPE).cloned();
+    let mut builder = Response::builder().status(status);
+    if let Some(ct) = &content_type {
+        builder = builder.header(CONTENT_TYPE, ct.clone());
+    }
+    if stream {
+        if let Some(cc) = resp.headers().get(CACHE_CONTROL) {
+            builder = builder.header(CACHE_CONTROL, cc.clone());
+        }
+        let sse = content_type
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse));
+        return builder.body(body).map_err(|e| internal(e.to_string()));
+    }
+    let bytes = match timeout_at(deadline, resp.bytes()).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(err)) => return Err(ProxyError::transport(Role::Decode, &d.url, &err)),
+        Err(_) => {
+            return Err(ProxyError::timeout(
+                Role::Decode,
+                &d.url,
+                "no complete response",
+                t,
+            ))
+        }
+    };
+    drop(d_guard);
+    builder
+        .body(Body::from(bytes))
+        .map_err(|e| internal(e.to_string()))
+}
+
+fn internal(msg: String) -> ProxyError {
+    ProxyError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        Outcome::DecodeFailed,
+        "internal_error",
+        msg,
+    )
+}
+
+/// Leg 1: returns P's `kv_transfer_params`.
+async fn prefill_leg(
+    s: &Shared,
+    p: &Instance,
+    path: &str,
+    rid: &str,
+    headers: &HeaderMap,
+    client: &Map<String, Value>,
+) -> Result<Value, ProxyError> {
+    let t = s.cfg.request_timeout;
+    let call = async {
+        let resp = s
+            .http
+            .post(format!("{}{}", p.url, path))
+            .headers(forward_headers(headers, rid))
+            .json(&prefill_leg_body(client))
+            .send()
+            .await?;
+        let status = resp.status();
+        let body = resp.bytes().await?;
+        Ok::<_, reqwest::Error>((status, body))
+    };
+    let (status, body) = match timeout(t, call).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(err)) => {
+            mark_down_if_unreachable(p, &err);
+            return Err(ProxyError::transport(Role::Prefill, &p.url, &err));
+        }
+        Err(_) => {
+            return Err(ProxyError::timeout(
+                Role::Prefill,
+                &p.url,
+                "no complete response",
+                t,
+            ))
+        }
+    };
+    if !status.is_success() {
+        return Err(ProxyError::upstream_status(
+            Role::Prefill,
+            &p.url,
+            status,
+            &body,
+        ));
+    }
+    let bad = |reason: String| {
+        ProxyError::upstream(
+            Role::Prefill,
+            &p.url,
+            StatusCode::BAD_GATEWAY,
+            "bad_prefill_response",
+            reason,
+        )
+    };
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|e| bad(format!("answered with invalid JSON: {e}")))?;
+    match json.get("kv_transfer_params") {
+        Some(params @ Value::Object(_)) => Ok(params.clone()),
+        Some(Value::Null) | None => Err(bad(
+            "answered without kv_transfer_params (it kept no KV for a remote decode)".into(),
+        )),
+        Some(other) => Err(bad(format!(
+            "answered with kv_transfer_params that are not an object: {other}"
+        ))),
+    }
+}
+
+/// Reads at most [`ERROR_BODY_CAP`] bytes of an error answer, before `deadline`; best effort.
+async fn read_capped(mut resp: reqwest::Response, deadline: Instant) -> Vec<u8> {
+    let mut out = Vec::new();
+    while out.len() < ERROR_BODY_CAP {
+        match timeout_at(deadline, resp.chunk()).await {
+            Ok(Ok(Some(c))) => out.extend_from_slice(&c),
+            _ => break,
+        }
+    }
+    out.truncate(ERROR_BODY_CAP);
+    out
+}
+
+/// Tells P to release a handoff that D never got. Armed from the moment P answered; disarmed once
+/// D accepted. On an error path the flow calls [`ReleaseGuard::release_now`] and awaits it; if
+/// the client goes away meanwhile (the handler future is dropped) the release is sent from a task.
+struct ReleaseGuard {
+    shared: Arc<Shared>,
+    p: Arc<Instance>,
+    params: Value,
+    rid: String,
+    armed: bool,
+}
+
+impl ReleaseGuard {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    async fn release_now(&mut self, reason: &str) -> bool {
+        self.armed = false;
+        release(
+            self.shared.clone(),
+            self.p.clone(),
+            self.params.clone(),
+            self.rid.clone(),
+            reason.to_string(),
+        )
+        .await
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(release(
+                self.shared.clone(),
+                self.p.clone(),
+                std::mem::take(&mut self.params),
+                std::mem::take(&mut self.rid),
+                "client went away before decode answered".into(),
+            ));
+        }
+    }
+}
+
+/// POST `{P}/v1/handoff/release` with `{"kv_transfer_params": params}`, within `release_timeout`.
+/// Returns whether P acknowledged it; a failure is logged and counted, nothing more can be done
+/// (P's lease will reclaim the blocks).
+async fn release(
+    s: Arc<Shared>,
+    p: Arc<Instance>,
+    params: Value,
+    rid: String,
+    reason: String,
+) -> bool {
+    let handoff_id = params
+        .get("handoff_id")
+        .and_then(Value::as_str)
+        .unwrap_or("?")
+        .to_string();
+    let t = s.cfg.release_timeout;
+    let url = format!("{}/v1/handoff/release", p.url);
+    let call = s
+        .http
+        .post(&url)
+        .header(X_REQUEST_ID, rid.as_str())
+        .json(&json!({ "kv_transfer_params": params }))
+        .timeout(t)
+        .send();
+    let failure = match timeout(t, call).await {
+        Ok(Ok(resp)) if resp.status().is_success() => None,
+        Ok(Ok(resp)) => Some(format!("HTTP {}", resp.status())),
+        Ok(Err(e)) => Some(chain(&e)),
+        Err(_) => Some(format!("no answer within {t:?}")),
+    };
+    s.metrics.release(failure.is_none());
+    match failure {
+        None => {
+            tracing::info!(request_id = %rid, prefill = %p.url, %handoff_id, %reason, "released prefill blocks");
+            true
+        }
+        Some(why) => {
+            tracing::error!(
+                request_id = %rid, prefill = %p.url, %handoff_id, %reason, error = %why,
+                "could not release prefill blocks; P's lease will reclaim them"
+            );
+            false
+        }
+    }
+}
+
+async fn models(State(s): State<Arc<Shared>>) -> Response {
+    let Some(guard) = s.decode.pick(s.cfg.policy) else {
+        return ProxyError::no_instance(Role::Decode).into_response();
+    };
+    let d = guard.instance();
+    let t = s.cfg.request_timeout;
+    let call = async {
+        let resp = s
+            .http
+            .get(format!("{}/v1/models", d.url))
+            .timeout(t)
+            .send()
+            .await?;
+        let status = resp.status();
+        let ct = resp.headers().get(CONTENT_TYPE).cloned();
+        let body = resp.bytes().await?;
+        Ok::<_, reqwest::Error>((status, ct, body))
+    };
+    match call.await {
+        Ok((status, ct, body)) if status.is_success() => {
+            let mut resp = (status, body).into_response();
+            if let Some(ct) = ct {
+                resp.headers_mut().insert(CONTENT_TYPE, ct);
+            }
+            resp
+        }
+        Ok((status, _, body)) => {
+            ProxyError::upstream_status(Role::Decode, &d.url, status, &body).into_response()
+        }
+        Err(err) => {
+            mark_down_if_unreachable(d, &err);
+            ProxyError::transport(Role::Decode, &d.url, &err).into_response()
+        }
+    }
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let p = s.prefill.healthy_count();
+    let d = s.decode.healthy_count();
+    let ok = p > 0 && d > 0;
+    let body = json!({
+        "status": if ok { "ok" } else { "unavailable" },
+        "prefill": {"healthy": p, "total": s.prefill.snapshot().len()},
+        "decode": {"healthy": d, "total": s.decode.snapshot().len()},
+    });
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    (
+        [(
+            CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct InstanceBody {
+    role: Role,
+    url: String,
+}
+
+fn parse_instance(body: &[u8]) -> Result<InstanceBody, ProxyError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ProxyError::bad_request(format!(
+            "expected {{\"role\": \"prefill\"|\"decode\", \"url\": \"http://host:port\"}}: {e}"
+        ))
+    })
+}
+
+async fn admin_list(State(s): State<Arc<Shared>>) -> Response {
+    Json(json!({
+        "prefill": s.instances(Role::Prefill),
+        "decode": s.instances(Role::Decode),
+        "policy": s.cfg.policy,
+        "mode": s.cfg.mode,
+    }))
+    .into_response()
+}
+
+async fn admin_add(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req = match parse_instance(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match s.add_instance(req.role, &req.url).await {
+        Ok((added, info)) => {
+            let status = if added {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            (status, Json(json!({"added": added, "instance": info}))).into_response()
+        }
+        Err(msg) => ProxyError::bad_request(msg).into_response(),
+    }
+}
+
+async fn admin_remove(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req = match parse_instance(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if s.remove_instance(req.role, &req.url) {
+        Json(json!({"removed": true})).into_response()
+    } else {
+        let mut e = ProxyError::bad_request(format!(
+            "no {} instance {} to remove",
+            req.role,
+            req.url.trim()
+        ));
+        e.status = StatusCode::NOT_FOUND;
+        e.kind = "not_found";
+        e.into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_leg_body_transforms_the_request() {
+        let client = json!({
+            "model": "m", "prompt": "hi", "stream": true, "max_tokens": 50,
+            "max_completion_tokens": 60, "stream_options": {"include_usage": true},
+            "min_tokens": 5, "n": 3, "best_of": 4, "temperature": 0.5,
+            "kv_transfer_params": {"do_remote_prefill": true}
+        });
+        let b = prefill_leg_body(client.as_object().unwrap());
+        assert_eq!(
+            b,
+            json!({
+                "model": "m", "prompt": "hi", "stream": false, "max_tokens": 1,
+                "max_completion_tokens": 1, "n": 1, "temperature": 0.5,
+                "kv_transfer_params": {
+                    "do_remote_decode": true, "do_remote_prefill": false,
+                    "remote_engine_id": null, "remote_block_ids": null,
+                    "remote_host": null, "remote_port": null
+                }
+            })
+        );
+        // max_completion_tokens only when the client used it.
+        let b = prefill_leg_body(json!({"prompt": "x"}).as_object().unwrap());
+        assert!(b.get("max_completion_tokens").is_none());
+        assert_eq!(b["max_tokens"], 1);
+    }
+
+    #[test]
+    fn request_ids() {
+        let mut h = HeaderMap::new();
+        let id = request_id(&h);
+        assert_eq!(id.len(), 36);
+        assert_eq!(&id[14..15], "4");
+        assert_ne!(id, request_id(&h));
+        h.insert(X_REQUEST_ID, HeaderValue::from_static("abc-123"));
+        assert_eq!(request_id(&h), "abc-123");
+        h.insert(X_REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_ne!(request_id(&h), "has space");
+    }
+}

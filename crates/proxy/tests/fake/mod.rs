@@ -1,0 +1,309 @@
+//! Fake P and D engines: axum servers on 127.0.0.1:0 that record what they receive and answer
+//! as configured.
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+/// Events from every fake in the order they happened ("P1", "D2", ...).
+#[derive(Clone, Default)]
+pub struct Log(Arc<Mutex<Vec<String>>>);
+
+impl Log {
+    pub fn events(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+    fn push(&self, s: &str) {
+        self.0.lock().unwrap().push(s.to_string());
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+impl Recorded {
+    pub fn request_id(&self) -> String {
+        self.headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Prefill,
+    Decode,
+}
+
+pub struct FakeState {
+    pub name: String,
+    kind: Kind,
+    log: Log,
+    pub received: Mutex<Vec<Recorded>>,
+    /// The kv_transfer_params this P handed out.
+    pub issued: Mutex<Vec<Value>>,
+    /// Bodies of release requests received.
+    pub releases: Mutex<Vec<Value>>,
+    /// Status of GET /health.
+    pub health: AtomicU16,
+    /// Status of completion answers (200 = normal).
+    pub status: AtomicU16,
+    /// Delay before the response head of a completion.
+    pub head_delay_ms: AtomicU64,
+    /// Delay between SSE chunks.
+    pub chunk_delay_ms: AtomicU64,
+    /// SSE chunks before [DONE]; 0 = endless.
+    pub chunks: AtomicU64,
+    /// Set when a streamed answer sent its last chunk.
+    pub stream_finished: AtomicBool,
+    /// Set when a streamed answer was dropped before its end (the client went away).
+    pub stream_dropped: AtomicBool,
+}
+
+static NEXT_HANDOFF: AtomicU64 = AtomicU64::new(1);
+
+pub struct Fake {
+    pub url: String,
+    pub state: Arc<FakeState>,
+    server: JoinHandle<()>,
+}
+
+impl Fake {
+    pub async fn start(name: &str, kind: Kind, log: &Log) -> Fake {
+        let state = Arc::new(FakeState {
+            name: name.to_string(),
+            kind,
+            log: log.clone(),
+            received: Mutex::new(Vec::new()),
+            issued: Mutex::new(Vec::new()),
+            releases: Mutex::new(Vec::new()),
+            health: AtomicU16::new(200),
+            status: AtomicU16::new(200),
+            head_delay_ms: AtomicU64::new(0),
+            chunk_delay_ms: AtomicU64::new(20),
+            chunks: AtomicU64::new(3),
+            stream_finished: AtomicBool::new(false),
+            stream_dropped: AtomicBool::new(false),
+        });
+        let app = Router::new()
+            .route("/v1/completions", post(completion))
+            .route("/v1/chat/completions", post(completion))
+            .route("/v1/handoff/release", post(release))
+            .route("/v1/models", get(models))
+            .route("/health", get(health))
+            // No keep-alive: once the server task is aborted nothing of it is left, so `kill`
+            // makes the fake truly unreachable (connection refused).
+            .layer(axum::middleware::map_response(
+                |mut r: Response| async move {
+                    r.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    r
+                },
+            ))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Fake { url, state, server }
+    }
+
+    pub async fn prefill(name: &str, log: &Log) -> Fake {
+        Self::start(name, Kind::Prefill, log).await
+    }
+
+    pub async fn decode(name: &str, log: &Log) -> Fake {
+        Self::start(name, Kind::Decode, log).await
+    }
+
+    /// Stops the server: later connections are refused.
+    pub async fn kill(&self) {
+        self.server.abort();
+        let _ = (&self.server).await;
+        // Let the runtime close the listener.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    pub fn received(&self) -> Vec<Recorded> {
+        self.state.received.lock().unwrap().clone()
+    }
+
+    pub fn issued(&self) -> Vec<Value> {
+        self.state.issued.lock().unwrap().clone()
+    }
+
+    pub fn releases(&self) -> Vec<Value> {
+        self.state.releases.lock().unwrap().clone()
+    }
+
+    pub fn set_health(&self, status: u16) {
+        self.state.health.store(status, Ordering::SeqCst);
+    }
+
+    pub fn set_status(&self, status: u16) {
+        self.state.status.store(status, Ordering::SeqCst);
+    }
+
+    pub fn set_head_delay(&self, d: Duration) {
+        self.state
+            .head_delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    pub fn set_stream(&self, chunks: u64, delay: Duration) {
+        self.state.chunks.store(chunks, Ordering::SeqCst);
+        self.state
+            .chunk_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn health(State(s): State<Arc<FakeState>>) -> StatusCode {
+    StatusCode::from_u16(s.health.load(Ordering::SeqCst)).unwrap()
+}
+
+async fn models(State(s): State<Arc<FakeState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": "fake-model", "owned_by": s.name}]}))
+}
+
+async fn release(State(s): State<Arc<FakeState>>, Json(body): Json<Value>) -> Json<Value> {
+    s.log.push(&format!("{}:release", s.name));
+    s.releases.lock().unwrap().push(body);
+    Json(json!({"released": true}))
+}
+
+async fn completion(
+    State(s): State<Arc<FakeState>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    s.log.push(&s.name);
+    s.received.lock().unwrap().push(Recorded {
+        path: uri.path().to_string(),
+        headers,
+        body: body.clone(),
+    });
+    let delay = s.head_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let status = StatusCode::from_u16(s.status.load(Ordering::SeqCst)).unwrap();
+    if status != StatusCode::OK {
+        let msg = if status == StatusCode::SERVICE_UNAVAILABLE {
+            "pool full"
+        } else {
+            "engine error"
+        };
+        return (status, Json(json!({"error": {"message": msg}}))).into_response();
+    }
+    match s.kind {
+        Kind::Prefill => {
+            let n = NEXT_HANDOFF.fetch_add(1, Ordering::SeqCst);
+            let params = json!({
+                "do_remote_prefill": true,
+                "do_remote_decode": false,
+                "remote_engine_id": format!("engine-{}", s.name),
+                "remote_request_id": "p-internal-1",
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "handoff_id": format!("{n:032x}"),
+                "lease_ms": 30000,
+                "epoch": 1,
+                "transfer_mode": "pull",
+            });
+            s.issued.lock().unwrap().push(params.clone());
+            Json(json!({
+                "id": "cmpl-p",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": params,
+            }))
+            .into_response()
+        }
+        Kind::Decode => {
+            if body.get("stream").and_then(Value::as_bool) == Some(true) {
+                sse(s.clone())
+            } else {
+                Json(json!({
+                    "id": "cmpl-d",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": "decoded", "finish_reason": "length"}],
+                    "served_by": s.name,
+                }))
+                .into_response()
+            }
+        }
+    }
+}
+
+/// Marks the fake's stream as dropped unless it reached its end.
+struct StreamState {
+    s: Arc<FakeState>,
+    i: u64,
+    done: bool,
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        if !self.done {
+            self.s.stream_dropped.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+fn sse(s: Arc<FakeState>) -> Response {
+    let state = StreamState { s, i: 0, done: false };
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let chunks = st.s.chunks.load(Ordering::SeqCst);
+        if st.i > 0 {
+            let d = st.s.chunk_delay_ms.load(Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(d)).await;
+        }
+        let bytes = if chunks != 0 && st.i == chunks {
+            st.done = true;
+            st.s.stream_finished.store(true, Ordering::SeqCst);
+            "data: [DONE]\n\n".to_string()
+        } else {
+            let ev = json!({"choices": [{"index": 0, "text": format!("tok{}", st.i)}]});
+            format!("data: {ev}\n\n")
+        };
+        st.i += 1;
+        Some((Ok::<_, std::io::Error>(Bytes::from(bytes)), st))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}

@@ -1,0 +1,954 @@
+//! The nixl backend: NIXL's C API (`libnixl_capi.so` from the `nixl-cu12` wheel), loaded at run
+//! time so handoff builds and runs where NIXL is absent.
+//!
+//! - Installing: `scripts/install-nixl` puts the wheel in the project-local venv `.venv-nixl/`,
+//!   where [`NixlTransport::open`] finds it (see [`locate`] for the search order), or set
+//!   `HANDOFF_NIXL_LIB`. When NIXL is absent, `open` returns [`TransportError::Unavailable`]
+//!   with a one-line reason.
+//! - Layers: `sys` is the raw function table (hand-written from `nixl-sys` 1.5.2's `wrapper.h`),
+//!   `agent` the safe owner of every C handle, this module the [`Transport`] on top, and [`raw`]
+//!   a bare-C-API baseline for benchmarks. This folder is the only `unsafe` in handoff; every
+//!   `unsafe` block carries a `SAFETY:` comment (enforced by clippy below).
+//!
+//! # Behaviour
+//!
+//! - **One agent, one lock.** The agent is created with `THREAD_SYNC_NONE` and every NIXL call
+//!   goes through one mutex, so calls from several threads are serialised (NIXL's own progress
+//!   thread runs beside them, as NIXL intends).
+//! - **Posting blocks.** On the default UCX path between processes of one host the copy is a
+//!   CMA `process_vm_readv/writev` that runs inside `post_xfer_req`, on the caller's thread and
+//!   under the lock (about 12 ms for 64 MiB). Async callers must post from a blocking thread
+//!   (`spawn_blocking`); other calls on this transport wait for the copy meanwhile.
+//! - **Local memory is locked while NIXL may touch it.** A posted transfer holds the owned chunk
+//!   locks of its local span — write locks on the destination of a READ, read locks on the
+//!   source of a WRITE — until [`Transport::release`]. A post whose local span overlaps a chunk
+//!   that an unreleased transfer of this transport holds incompatibly is refused at once
+//!   ([`TransportError::Io`]) instead of waiting (the same thread may be the one that would
+//!   release it): give each KV block its own chunk. Remote memory is not locked: the peer's
+//!   ledger fences cover it.
+//! - **Registrations** keep their `Arc<KvRegion>`; a region deregistered while a posted transfer
+//!   still uses it stays registered with NIXL until that transfer is released.
+//! - **Metadata** is NIXL's agent metadata plus a small header listing this agent's regions
+//!   (id → address, length), so `post` translates `XferDesc`s to remote addresses and
+//!   bounds-checks them locally; NIXL also refuses ranges missing from the peer's metadata as
+//!   loaded (not as the peer has it now: reload after the peer deregisters). A checksum keeps
+//!   damaged bytes from reaching NIXL, which can be left unable to reload a peer after failing
+//!   on a damaged blob of that peer.
+//! - **Dead peers.** The C API folds `NIXL_ERR_REMOTE_DISCONNECT` into the generic -2, and
+//!   NIXL 1.5 keeps a dead peer's metadata (`check_remote_md` still succeeds). So after any
+//!   failed post, status or create, the transport probes the peer's connection with a small
+//!   reserved notification (`gen_notif` fails at once on a disconnected UCX endpoint; a live
+//!   handoff peer drops the probe); a failed `send_notification` counts as the same proof. A
+//!   dead peer is reported once by [`Transport::drain_dead_peers`], its NIXL metadata is
+//!   invalidated, and posts to it fail with [`TransportError::PeerDead`] until it is loaded
+//!   again. A peer that dies while idle is noticed at the next transfer or notification to it:
+//!   NIXL has no liveness probe of its own, and leases cover that case.
+//! - **Progress thread delay** ([`NixlConfig::progress_delay_us`], default 100 µs): 0 (Python's
+//!   default) makes each agent's progress thread busy-spin on a core, which halves throughput on
+//!   a 2-core host.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+mod agent;
+mod find;
+pub mod raw;
+mod sys;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    check_bounds, KvRegion, Notification, OwnedReadGuard, OwnedWriteGuard, RegionId, Transport,
+    TransportError, XferDesc, XferId, XferOp, XferStatus, MAX_NOTIFICATION_BYTES,
+};
+use agent::{Agent, AgentSettings, CallError, Registration, XferReq};
+
+pub use find::{LIB_NAME, VENV_DIR};
+
+const BACKEND: &str = "nixl";
+
+/// The notification `check_peer` sends to learn whether a peer's connection is still up;
+/// receivers drop it.
+const PROBE: &[u8] = b"\0handoff/nixl/probe\0";
+
+/// How to load and configure NIXL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// `libnixl_capi.so`; `None` searches for it (see [`locate`]).
+    pub lib_path: Option<PathBuf>,
+    /// Sleep of each agent's progress thread between polls, in µs (NIXL's `pthr_delay_us`).
+    pub progress_delay_us: u64,
+    /// NIXL backend plugin, `"UCX"` by default.
+    pub backend: String,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig {
+            lib_path: None,
+            progress_delay_us: 100,
+            backend: "UCX".to_string(),
+        }
+    }
+}
+
+impl NixlConfig {
+    /// Defaults, overridden by `HANDOFF_NIXL_LIB` (path to `libnixl_capi.so`),
+    /// `HANDOFF_NIXL_PROGRESS_DELAY_US` and `HANDOFF_NIXL_BACKEND`. A malformed delay is ignored
+    /// with a warning.
+    pub fn from_env() -> Self {
+        let mut cfg = NixlConfig::default();
+        if let Some(p) = std::env::var_os("HANDOFF_NIXL_LIB").filter(|p| !p.is_empty()) {
+            cfg.lib_path = Some(PathBuf::from(p));
+        }
+        if let Ok(v) = std::env::var("HANDOFF_NIXL_PROGRESS_DELAY_US") {
+            match v.trim().parse() {
+                Ok(d) => cfg.progress_delay_us = d,
+                Err(_) => tracing::warn!(
+                    "ignoring HANDOFF_NIXL_PROGRESS_DELAY_US={v:?} (not a number of µs)"
+                ),
+            }
+        }
+        if let Ok(b) = std::env::var("HANDOFF_NIXL_BACKEND") {
+            if !b.trim().is_empty() {
+                cfg.backend = b.trim().to_string();
+            }
+        }
+        cfg
+    }
+}
+
+/// Where `libnixl_capi.so` is for `cfg`: `cfg.lib_path` if set; else `.venv-nixl/` in the
+/// current directory or one of its ancestors, then in one of the executable's ancestors; else
+/// the `nixl_cu12` package `python3` knows. The error is [`TransportError::Unavailable`] with one
+/// line saying what was looked for and how to install.
+pub fn locate(cfg: &NixlConfig) -> Result<PathBuf, TransportError> {
+    find::locate(cfg.lib_path.as_deref()).map_err(unavailable)
+}
+
+fn unavailable(reason: String) -> TransportError {
+    TransportError::Unavailable {
+        backend: BACKEND,
+        reason: reason.split_whitespace().collect::<Vec<_>>().join(" "),
+    }
+}
+
+/// Loads (once per path, for the life of the process) the function table of `path`.
+///
+/// Libraries are never unloaded: NIXL and UCX keep threads and static destructors that must not
+/// outlive their code.
+fn load_api(path: &Path) -> Result<&'static sys::Api, TransportError> {
+    static LOADED: OnceLock<Mutex<Vec<(PathBuf, &'static sys::Api)>>> = OnceLock::new();
+    let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let mut loaded = LOADED
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some((_, api)) = loaded.iter().find(|(p, _)| *p == key) {
+        return Ok(api);
+    }
+    if key.file_name().and_then(|n| n.to_str()) != Some(LIB_NAME) {
+        return Err(unavailable(format!(
+            "{} is not {LIB_NAME}; set HANDOFF_NIXL_LIB to NIXL's C API library",
+            key.display()
+        )));
+    }
+    // SAFETY: the file is named libnixl_capi.so and was chosen as NIXL's C API library by the
+    // user or by the search in `find`; every symbol is then resolved by name and checked present.
+    let api = unsafe { sys::Api::load(&key) }
+        .map_err(|e| unavailable(format!("cannot load {}: {e}", key.display())))?;
+    // SAFETY: `is_stub` takes no arguments and only returns a flag.
+    if unsafe { (api.is_stub)() } {
+        return Err(unavailable(format!(
+            "{} is the nixl-sys stub library, not NIXL; run scripts/install-nixl",
+            key.display()
+        )));
+    }
+    let api: &'static sys::Api = Box::leak(Box::new(api));
+    loaded.push((key, api));
+    Ok(api)
+}
+
+/// A handoff transport over one NIXL agent. See the module docs for its behaviour.
+pub struct NixlTransport {
+    name: String,
+    lib_path: PathBuf,
+    config: NixlConfig,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("name", &self.name)
+            .field("lib_path", &self.lib_path)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NixlTransport {
+    /// Loads NIXL and creates the agent `name` with its backend (progress thread on, no
+    /// listener: metadata travels through [`Transport::local_metadata`]). When NIXL is absent or
+    /// unusable: [`TransportError::Unavailable`] with a one-line reason.
+    pub fn open(name: &str, cfg: NixlConfig) -> Result<Arc<NixlTransport>, TransportError> {
+        if name.is_empty() || name.contains('\0') || name.len() > MAX_NAME_BYTES {
+            return Err(TransportError::Io(format!(
+                "invalid agent name {name:?} (1 to {MAX_NAME_BYTES} bytes, no NUL)"
+            )));
+        }
+        let path = locate(&cfg)?;
+        let api = load_api(&path)?;
+        let settings = AgentSettings {
+            progress_delay_us: cfg.progress_delay_us,
+            backend: cfg.backend.clone(),
+            backend_params: Vec::new(),
+        };
+        let agent = Agent::new(api, name, &settings)
+            .map_err(|e| unavailable(format!("{e} (library {})", path.display())))?;
+        Ok(Arc::new(NixlTransport {
+            name: name.to_string(),
+            lib_path: path,
+            config: cfg,
+            inner: Mutex::new(Inner::new(agent)),
+        }))
+    }
+
+    /// The library this transport runs on.
+    pub fn lib_path(&self) -> &Path {
+        &self.lib_path
+    }
+
+    pub fn config(&self) -> &NixlConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while the lock was held cannot leave NIXL half-called (no NIXL call panics),
+        // so the state is still consistent.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+const MAX_NAME_BYTES: usize = 256;
+
+// ---------------------------------------------------------------------------------------------
+// Metadata: magic, version, FNV-1a checksum of the body, then the postcard body.
+
+const MD_MAGIC: &[u8; 8] = b"HNDFNIXL";
+const MD_VERSION: u8 = 1;
+/// Magic, version, checksum.
+const MD_HEADER: usize = 8 + 1 + 8;
+/// Largest metadata accepted (NIXL's own part is about 500 bytes per agent).
+pub const MAX_METADATA_BYTES: usize = 1 << 20;
+const MAX_REGIONS: usize = 1 << 16;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct MdBody {
+    name: String,
+    /// (region id, base address, length).
+    regions: Vec<(RegionId, u64, u64)>,
+    nixl: Vec<u8>,
+}
+
+fn encode_md(body: &MdBody) -> Result<Vec<u8>, TransportError> {
+    let enc = postcard::to_allocvec(body).map_err(|e| TransportError::Io(e.to_string()))?;
+    let mut out = Vec::with_capacity(MD_HEADER + enc.len());
+    out.extend_from_slice(MD_MAGIC);
+    out.push(MD_VERSION);
+    out.extend_from_slice(&fnv1a64(&enc).to_le_bytes());
+    out.extend_from_slice(&enc);
+    Ok(out)
+}
+
+/// FNV-1a, 64 bits: catches truncated or corrupted metadata before NIXL parses it (NIXL 1.5
+/// can be left unable to reload a peer after failing on a damaged blob of that peer).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
+    let bad = |s: String| TransportError::BadMetadata(s);
+    if bytes.len() > MAX_METADATA_BYTES {
+        return Err(bad(format!(
+            "{} bytes exceeds the {MAX_METADATA_BYTES}-byte limit",
+            bytes.len()
+        )));
+    }
+    let Some(rest) = bytes.strip_prefix(MD_MAGIC.as_slice()) else {
+        return Err(bad("not nixl metadata (bad magic)".into()));
+    };
+    let Some((&version, rest)) = rest.split_first() else {
+        return Err(bad("truncated".into()));
+    };
+    if version != MD_VERSION {
+        return Err(bad(format!(
+            "nixl metadata version {version}, expected {MD_VERSION}"
+        )));
+    }
+    let Some((sum, rest)) = rest.split_first_chunk::<8>() else {
+        return Err(bad("truncated".into()));
+    };
+    if u64::from_le_bytes(*sum) != fnv1a64(rest) {
+        return Err(bad("checksum mismatch (truncated or corrupted)".into()));
+    }
+    let (body, trailing): (MdBody, _) =
+        postcard::take_from_bytes(rest).map_err(|e| bad(format!("undecodable: {e}")))?;
+    if !trailing.is_empty() {
+        return Err(bad(format!("{} trailing bytes", trailing.len())));
+    }
+    if body.name.is_empty() || body.name.contains('\0') || body.name.len() > MAX_NAME_BYTES {
+        return Err(bad(format!("invalid agent name {:?}", body.name)));
+    }
+    if body.nixl.is_empty() {
+        return Err(bad("no NIXL agent metadata".into()));
+    }
+    if body.regions.len() > MAX_REGIONS {
+        return Err(bad(format!("{} regions", body.regions.len())));
+    }
+    let mut seen = HashSet::new();
+    for &(id, addr, len) in &body.regions {
+        if !seen.insert(id) {
+            return Err(bad(format!("region {id} listed twice")));
+        }
+        if addr.checked_add(len).is_none() || usize::try_from(addr + len).is_err() {
+            return Err(bad(format!(
+                "region {id} wraps the address space ({addr:#x} + {len})"
+            )));
+        }
+    }
+    Ok(body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// State behind the lock.
+
+/// One registration and the in-flight transfers using it.
+struct Reg {
+    /// `None` for an empty region (nothing for NIXL to register).
+    nixl: Option<Registration>,
+    region: Arc<KvRegion>,
+    users: usize,
+    /// Deregistered by the user; NIXL's registration ends with its last user.
+    retired: bool,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Hold {
+    readers: u32,
+    writer: bool,
+}
+
+/// A chunk of a region: (the region's address as an identity, chunk index).
+type ChunkKey = (usize, usize);
+
+enum Guards {
+    Read(#[allow(dead_code)] Vec<OwnedReadGuard>),
+    Write(#[allow(dead_code)] Vec<OwnedWriteGuard>),
+}
+
+/// What an accepted post reserves: the chunks it holds, the registrations it uses.
+struct Claim {
+    write: bool,
+    chunks: Vec<ChunkKey>,
+    regs: Vec<u64>,
+}
+
+struct Xfer {
+    /// `None` for a transfer with no bytes (done at once).
+    req: Option<XferReq>,
+    peer: String,
+    state: XferStatus,
+    claim: Claim,
+    guards: Vec<Guards>,
+}
+
+struct Peer {
+    regions: HashMap<RegionId, (u64, u64)>,
+    dead: bool,
+}
+
+struct Inner {
+    next_reg: u64,
+    regs: HashMap<u64, Reg>,
+    by_id: HashMap<RegionId, u64>,
+    peers: HashMap<String, Peer>,
+    next_xfer: u64,
+    xfers: HashMap<XferId, Xfer>,
+    /// Released by the user while NIXL could not abort them yet: retried on every call.
+    zombies: Vec<Xfer>,
+    held: HashMap<ChunkKey, Hold>,
+    dead_pending: Vec<String>,
+    /// Last field: dropped after everything that refers to it.
+    agent: Agent,
+}
+
+impl Inner {
+    fn new(agent: Agent) -> Self {
+        Inner {
+            next_reg: 0,
+            regs: HashMap::new(),
+            by_id: HashMap::new(),
+            peers: HashMap::new(),
+            next_xfer: 0,
+            xfers: HashMap::new(),
+            zombies: Vec::new(),
+            held: HashMap::new(),
+            dead_pending: Vec::new(),
+            agent,
+        }
+    }
+
+    /// After a failed NIXL call involving `peer`: is the peer dead? The C API reports a
+    /// disconnect as a generic -2 and NIXL 1.5 keeps the dead peer's metadata, so this asks the
+    /// connection itself with a probe notification, which fails at once on a disconnected
+    /// endpoint (a live peer drops the probe in `drain_notifications`).
+    fn check_peer(&mut self, peer: &str) -> bool {
+        match self.peers.get(peer) {
+            None => false,
+            Some(p) if p.dead => true,
+            Some(_) => match self.agent.gen_notif(peer, PROBE) {
+                Ok(()) => false,
+                Err(e) => {
+                    tracing::info!(agent = self.agent.name(), peer, "nixl: peer unreachable ({e})");
+                    self.mark_dead(peer);
+                    true
+                }
+            },
+        }
+    }
+
+    fn mark_dead(&mut self, peer: &str) {
+        if let Some(p) = self.peers.get_mut(peer) {
+            if !p.dead {
+                p.dead = true;
+                self.dead_pending.push(peer.to_string());
+                // Drop NIXL's connection and metadata, so a restarted peer can be loaded afresh.
+                let _ = self.agent.invalidate_remote_md(peer);
+            }
+        }
+    }
+
+    /// Undoes a claim: chunk holds and registration users (deregistering retired ones).
+    fn unclaim(&mut self, claim: &Claim) {
+        for key in &claim.chunks {
+            if let Some(h) = self.held.get_mut(key) {
+                if claim.write {
+                    h.writer = false;
+                } else {
+                    h.readers = h.readers.saturating_sub(1);
+                }
+                if !h.writer && h.readers == 0 {
+                    self.held.remove(key);
+                }
+            }
+        }
+        for uid in &claim.regs {
+            let done = match self.regs.get_mut(uid) {
+                Some(r) => {
+                    r.users = r.users.saturating_sub(1);
+                    r.retired && r.users == 0
+                }
+                None => false,
+            };
+            if done {
+                self.drop_reg(*uid);
+            }
+        }
+    }
+
+    fn drop_reg(&mut self, uid: u64) {
+        if let Some(reg) = self.regs.remove(&uid) {
+            if let Some(nixl) = reg.nixl {
+                if let Err(e) = self.agent.deregister(nixl) {
+                    tracing::warn!("nixl: {e}");
+                }
+            }
+        }
+    }
+
+    /// Ends a transfer: releases its request (handing it to the zombies if NIXL cannot abort
+    /// it yet), then its locks and claims.
+    fn finish(&mut self, mut x: Xfer) {
+        if let Some(req) = x.req.take() {
+            if let Err(req) = self.agent.release_xfer(req) {
+                x.req = Some(req);
+                self.zombies.push(x);
+                return;
+            }
+        }
+        x.guards.clear();
+        self.unclaim(&x.claim);
+    }
+
+    fn reap_zombies(&mut self) {
+        if self.zombies.is_empty() {
+            return;
+        }
+        for x in std::mem::take(&mut self.zombies) {
+            self.finish(x);
+        }
+    }
+
+    fn status_of(&mut self, id: XferId) -> Result<XferStatus, TransportError> {
+        let x = self.xfers.get_mut(&id).ok_or(TransportError::UnknownXfer(id))?;
+        if x.state != XferStatus::InProgress {
+            return Ok(x.state.clone());
+        }
+        let Some(req) = &x.req else {
+            x.state = XferStatus::Done;
+            return Ok(XferStatus::Done);
+        };
+        let st = self.agent.xfer_status(req);
+        let state = match st {
+            sys::SUCCESS => XferStatus::Done,
+            sys::IN_PROG => XferStatus::InProgress,
+            _ => {
+                let peer = x.peer.clone();
+                let dead = self.check_peer(&peer);
+                XferStatus::Failed(if dead {
+                    format!("peer {peer:?} disconnected (nixl_capi_get_xfer_status returned {st})")
+                } else {
+                    format!("nixl_capi_get_xfer_status returned {st}")
+                })
+            }
+        };
+        if let Some(x) = self.xfers.get_mut(&id) {
+            x.state = state.clone();
+        }
+        Ok(state)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Order: transfers (released, waiting a little for NIXL to let go of the running ones),
+        // then registrations, then the agent (its own Drop: notification map, backend, agent).
+        let mut all: Vec<Xfer> = self.xfers.drain().map(|(_, x)| x).collect();
+        all.append(&mut self.zombies);
+        for x in all {
+            self.finish(x);
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !self.zombies.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+            self.reap_zombies();
+        }
+        for x in std::mem::take(&mut self.zombies) {
+            // NIXL still runs it: leak the request and keep its chunks locked forever rather than
+            // let Rust touch memory a DMA may still write.
+            tracing::warn!(peer = x.peer, "nixl: leaking a transfer NIXL could not abort");
+            std::mem::forget(x);
+        }
+        let uids: Vec<u64> = self.regs.keys().copied().collect();
+        for uid in uids {
+            if self.regs[&uid].users == 0 {
+                self.drop_reg(uid);
+            } else if let Some(reg) = self.regs.remove(&uid) {
+                // Used by a leaked transfer: stays registered (the memory is never freed).
+                std::mem::forget(reg);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The transport.
+
+fn nixl_err(e: CallError) -> TransportError {
+    TransportError::Io(e.to_string())
+}
+
+fn to_usize(v: u64) -> Result<usize, TransportError> {
+    usize::try_from(v).map_err(|_| TransportError::Io(format!("{v} does not fit in usize")))
+}
+
+/// Local chunks a post touches, per region, merged: (region, first chunk, last chunk).
+fn chunk_spans(spans: &mut [(Arc<KvRegion>, usize, usize)]) -> Vec<(Arc<KvRegion>, usize, usize)> {
+    spans.sort_by_key(|(r, first, _)| (Arc::as_ptr(r) as usize, *first));
+    let mut out: Vec<(Arc<KvRegion>, usize, usize)> = Vec::new();
+    for (r, first, last) in spans.iter() {
+        if let Some((pr, _, plast)) = out.last_mut() {
+            if Arc::ptr_eq(pr, r) && *first <= *plast + 1 {
+                *plast = (*plast).max(*last);
+                continue;
+            }
+        }
+        out.push((r.clone(), *first, *last));
+    }
+    out
+}
+
+impl Transport for NixlTransport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn register(&self, id: RegionId, region: Arc<KvRegion>) -> Result<(), TransportError> {
+        let mut g = self.lock();
+        if g.by_id.contains_key(&id) {
+            return Err(TransportError::AlreadyRegistered(id));
+        }
+        let nixl = if region.is_empty() {
+            None
+        } else {
+            Some(g.agent.register(region.clone()).map_err(nixl_err)?)
+        };
+        let uid = g.next_reg;
+        g.next_reg += 1;
+        g.regs.insert(
+            uid,
+            Reg {
+                nixl,
+                region,
+                users: 0,
+                retired: false,
+            },
+        );
+        g.by_id.insert(id, uid);
+        Ok(())
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        let mut g = self.lock();
+        let uid = g
+            .by_id
+            .remove(&id)
+            .ok_or(TransportError::UnknownRegion { region: id })?;
+        let in_use = match g.regs.get_mut(&uid) {
+            Some(r) => {
+                r.retired = true;
+                r.users > 0
+            }
+            None => false,
+        };
+        if !in_use {
+            g.drop_reg(uid);
+        }
+        Ok(())
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
+        let g = self.lock();
+        let nixl = g.agent.local_md().map_err(nixl_err)?;
+        let mut regions: Vec<(RegionId, u64, u64)> = g
+            .by_id
+            .iter()
+            .map(|(&id, uid)| {
+                let r = &g.regs[uid].region;
+                (id, r.base_addr() as u64, r.len() as u64)
+            })
+            .collect();
+        regions.sort_unstable();
+        encode_md(&MdBody {
+            name: self.name.clone(),
+            regions,
+            nixl,
+        })
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        let body = decode_md(metadata)?;
+        if body.name == self.name {
+            return Err(TransportError::BadMetadata(format!(
+                "metadata of this agent itself ({:?})",
+                self.name
+            )));
+        }
+        let mut g = self.lock();
+        g.reap_zombies();
+        let name = match g.agent.load_remote_md(&body.nixl) {
+            Ok(name) => name,
+            Err(e) => {
+                // A failed load may have dropped what NIXL held for that peer.
+                if g.peers.contains_key(&body.name)
+                    && !g.agent.has_remote_md(&body.name).unwrap_or(false)
+                {
+                    g.peers.remove(&body.name);
+                }
+                return Err(TransportError::BadMetadata(format!(
+                    "NIXL refused the agent metadata of {:?}: {e}",
+                    body.name
+                )));
+            }
+        };
+        if name != body.name {
+            // Leave a peer we already knew loaded; forget one this call introduced.
+            if !g.peers.contains_key(&name) {
+                let _ = g.agent.invalidate_remote_md(&name);
+            }
+            return Err(TransportError::BadMetadata(format!(
+                "header names agent {:?} but NIXL's metadata names {name:?}",
+                body.name
+            )));
+        }
+        g.dead_pending.retain(|p| *p != name);
+        g.peers.insert(
+            name.clone(),
+            Peer {
+                regions: body
+                    .regions
+                    .iter()
+                    .map(|&(id, addr, len)| (id, (addr, len)))
+                    .collect(),
+                dead: false,
+            },
+        );
+        Ok(name)
+    }
+
+    fn forget_remote(&self, peer: &str) {
+        let mut g = self.lock();
+        if g.peers.remove(peer).is_some() {
+            let _ = g.agent.invalidate_remote_md(peer);
+        }
+        g.dead_pending.retain(|p| p != peer);
+    }
+
+    fn post(
+        &self,
+        op: XferOp,
+        peer: &str,
+        descs: &[XferDesc],
+        notification: Option<&[u8]>,
+    ) -> Result<XferId, TransportError> {
+        if let Some(msg) = notification {
+            if msg.len() > MAX_NOTIFICATION_BYTES {
+                return Err(TransportError::NotificationTooLarge {
+                    len: msg.len(),
+                    max: MAX_NOTIFICATION_BYTES,
+                });
+            }
+        }
+        let write = op == XferOp::Read; // a READ writes into local memory
+        let mut local = Vec::with_capacity(descs.len());
+        let mut remote = Vec::with_capacity(descs.len());
+
+        // Phase 1, under the lock: check every descriptor, translate it, claim the chunks.
+        let (claim, spans) = {
+            let mut g = self.lock();
+            g.reap_zombies();
+            let p = g
+                .peers
+                .get(peer)
+                .ok_or_else(|| TransportError::UnknownPeer(peer.to_string()))?;
+            if p.dead {
+                return Err(TransportError::PeerDead(peer.to_string()));
+            }
+            let mut spans: Vec<(Arc<KvRegion>, usize, usize)> = Vec::new();
+            let mut regs: Vec<u64> = Vec::new();
+            for d in descs {
+                let uid = *g.by_id.get(&d.local_region).ok_or(TransportError::UnknownRegion {
+                    region: d.local_region,
+                })?;
+                let region = &g.regs[&uid].region;
+                check_bounds(d.local_region, d.local_offset, d.len, region.len() as u64)?;
+                let &(raddr, rlen) =
+                    p.regions
+                        .get(&d.remote_region)
+                        .ok_or(TransportError::UnknownRegion {
+                            region: d.remote_region,
+                        })?;
+                check_bounds(d.remote_region, d.remote_offset, d.len, rlen)?;
+                if d.len == 0 {
+                    continue;
+                }
+                let off = to_usize(d.local_offset)?;
+                let len = to_usize(d.len)?;
+                local.push((region.base_addr() + off, len));
+                remote.push((to_usize(raddr + d.remote_offset)?, len));
+                let cs = region.chunk_size();
+                spans.push((region.clone(), off / cs, (off + len - 1) / cs));
+                if !regs.contains(&uid) {
+                    regs.push(uid);
+                }
+            }
+            let spans = chunk_spans(&mut spans);
+            let mut chunks = Vec::new();
+            for (r, first, last) in &spans {
+                let rp = Arc::as_ptr(r) as usize;
+                for c in *first..=*last {
+                    let h = g.held.get(&(rp, c)).copied().unwrap_or_default();
+                    if h.writer || (write && h.readers > 0) {
+                        return Err(TransportError::Io(format!(
+                            "local chunk {c} (bytes {}..) is held by an unreleased transfer of this agent; release it first, or give each block its own chunk",
+                            c * r.chunk_size()
+                        )));
+                    }
+                    chunks.push((rp, c));
+                }
+            }
+            for key in &chunks {
+                let h = g.held.entry(*key).or_default();
+                if write {
+                    h.writer = true;
+                } else {
+                    h.readers += 1;
+                }
+            }
+            for uid in &regs {
+                if let Some(r) = g.regs.get_mut(uid) {
+                    r.users += 1;
+                }
+            }
+            (
+                Claim {
+                    write,
+                    chunks,
+                    regs,
+                },
+                spans,
+            )
+        };
+
+        // Phase 2, without the transport lock: take the chunk locks, in address order. Only the
+        // engine's own short accesses can make this wait (our transfers were excluded above).
+        let mut guards = Vec::with_capacity(spans.len());
+        for (r, first, last) in &spans {
+            let cs = r.chunk_size();
+            let start = first * cs;
+            let end = ((last + 1) * cs).min(r.len());
+            let got = if write {
+                r.lock_span_mut_owned(start, end - start).map(Guards::Write)
+            } else {
+                r.lock_span_owned(start, end - start).map(Guards::Read)
+            };
+            match got {
+                Ok(gd) => guards.push(gd),
+                Err(e) => {
+                    drop(guards);
+                    self.lock().unclaim(&claim);
+                    return Err(e);
+                }
+            }
+        }
+
+        // Phase 3, under the lock: create and post (the copy may run here, see module docs).
+        let mut g = self.lock();
+        let id = XferId(g.next_xfer);
+        g.next_xfer += 1;
+        let mut x = Xfer {
+            req: None,
+            peer: peer.to_string(),
+            state: XferStatus::InProgress,
+            claim,
+            guards,
+        };
+        if local.is_empty() {
+            if let Some(msg) = notification {
+                if let Err(e) = g.agent.gen_notif(peer, msg) {
+                    let dead = g.check_peer(peer);
+                    g.finish(x);
+                    return Err(if dead {
+                        TransportError::PeerDead(peer.to_string())
+                    } else {
+                        nixl_err(e)
+                    });
+                }
+            }
+            x.state = XferStatus::Done;
+            g.xfers.insert(id, x);
+            return Ok(id);
+        }
+        let req = match g.agent.create_xfer(op, &local, &remote, peer, notification) {
+            Ok(req) => req,
+            Err(e) => {
+                let dead = g.check_peer(peer);
+                g.finish(x);
+                return Err(if dead {
+                    TransportError::PeerDead(peer.to_string())
+                } else if g.peers.contains_key(peer) {
+                    TransportError::Io(format!(
+                        "NIXL refused the transfer ({e}): a range the peer did not register, or stale metadata"
+                    ))
+                } else {
+                    TransportError::UnknownPeer(peer.to_string())
+                });
+            }
+        };
+        let st = g.agent.post(&req);
+        x.req = Some(req);
+        match st {
+            sys::SUCCESS => x.state = XferStatus::Done,
+            sys::IN_PROG => {}
+            _ => {
+                let dead = g.check_peer(peer);
+                g.finish(x);
+                return Err(if dead {
+                    TransportError::PeerDead(peer.to_string())
+                } else {
+                    TransportError::Io(format!("nixl_capi_post_xfer_req returned {st}"))
+                });
+            }
+        }
+        g.xfers.insert(id, x);
+        Ok(id)
+    }
+
+    fn status(&self, id: XferId) -> Result<XferStatus, TransportError> {
+        let mut g = self.lock();
+        g.reap_zombies();
+        g.status_of(id)
+    }
+
+    fn release(&self, id: XferId) -> Result<(), TransportError> {
+        let mut g = self.lock();
+        let x = g.xfers.remove(&id).ok_or(TransportError::UnknownXfer(id))?;
+        g.finish(x);
+        g.reap_zombies();
+        Ok(())
+    }
+
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
+        if msg.len() > MAX_NOTIFICATION_BYTES {
+            return Err(TransportError::NotificationTooLarge {
+                len: msg.len(),
+                max: MAX_NOTIFICATION_BYTES,
+            });
+        }
+        let mut g = self.lock();
+        match g.peers.get(peer) {
+            None => return Err(TransportError::UnknownPeer(peer.to_string())),
+            Some(p) if p.dead => return Err(TransportError::PeerDead(peer.to_string())),
+            Some(_) => {}
+        }
+        match g.agent.gen_notif(peer, msg) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // With the peer's metadata loaded, a notification fails only when the connection
+                // does (NIXL_ERR_REMOTE_DISCONNECT, folded into -2).
+                tracing::info!(peer, "nixl: {e}; the peer is gone");
+                g.mark_dead(peer);
+                Err(TransportError::PeerDead(peer.to_string()))
+            }
+        }
+    }
+
+    fn drain_notifications(&self) -> Vec<Notification> {
+        let g = self.lock();
+        let mut out = Vec::new();
+        if let Err(e) = g.agent.take_notifications(&mut out) {
+            tracing::debug!("nixl: {e}");
+        }
+        out.retain(|n| n.msg != PROBE);
+        out
+    }
+
+    fn drain_dead_peers(&self) -> Vec<String> {
+        let mut g = self.lock();
+        g.reap_zombies();
+        std::mem::take(&mut g.dead_pending)
+    }
+}

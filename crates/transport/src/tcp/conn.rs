@@ -1,0 +1,864 @@
+//! One TCP connection and its two threads.
+//!
+//! A connection is opened by the *initiator* (the agent that posts transfers) to the *target*
+//! (the agent whose memory is read or written). Each end runs a reader thread and a writer
+//! thread; the writer takes [`Job`]s from a channel and sends a PING whenever it has been idle
+//! for `keepalive`, so a live end always hears from its peer. Every socket operation has a
+//! timeout; a reader that heard nothing for `dead_after`, or a writer that could not push a byte
+//! for `dead_after`, declares the peer dead.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::wire::{self, WireDesc};
+use super::Inner;
+use crate::{KvRegion, XferOp, XferStatus, MAX_NOTIFICATION_BYTES};
+
+/// A piece of registered memory a transfer touches.
+pub(super) struct Span {
+    pub region: Arc<KvRegion>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// A transfer posted by this agent.
+pub(super) struct Xfer {
+    pub id: u64,
+    pub op: XferOp,
+    pub local: Vec<Span>,
+    pub remote: Vec<WireDesc>,
+    pub total: u64,
+    pub notification: Option<Vec<u8>>,
+    pub status: Mutex<XferStatus>,
+    pub aborted: AtomicBool,
+    pub conn: Weak<Conn>,
+}
+
+impl Xfer {
+    /// Sets the final status unless one is already set.
+    pub fn finish(&self, s: XferStatus) {
+        let mut st = self.status.lock();
+        if *st == XferStatus::InProgress {
+            *st = s;
+        }
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Relaxed)
+    }
+}
+
+/// Work for a connection's writer thread.
+pub(super) enum Job {
+    /// The connection is closed: exit.
+    Stop,
+    /// Say goodbye, then close.
+    Goodbye,
+    Read(Arc<Xfer>),
+    Write(Arc<Xfer>),
+    Notify(Vec<u8>),
+    /// Target side: stream these spans to the initiator.
+    ReadData {
+        xfer: u64,
+        total: u64,
+        spans: Vec<Span>,
+    },
+    XferErr {
+        kind: u8,
+        xfer: u64,
+        msg: String,
+    },
+    WriteDone {
+        xfer: u64,
+    },
+}
+
+struct ConnState {
+    dead: bool,
+    inflight: HashMap<u64, Arc<Xfer>>,
+}
+
+pub(super) struct Conn {
+    pub id: u64,
+    /// The agent at the other end (known at once for an outbound connection, after the hello
+    /// for an inbound one).
+    pub peer: OnceLock<String>,
+    pub tx: Sender<Job>,
+    stream: Mutex<Option<TcpStream>>,
+    closed: AtomicBool,
+    state: Mutex<ConnState>,
+}
+
+impl Conn {
+    pub fn new(id: u64, peer: Option<String>) -> (Arc<Conn>, Receiver<Job>) {
+        let (tx, rx) = mpsc::channel();
+        let cell = OnceLock::new();
+        if let Some(p) = peer {
+            let _ = cell.set(p);
+        }
+        let conn = Conn {
+            id,
+            peer: cell,
+            tx,
+            stream: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            state: Mutex::new(ConnState {
+                dead: false,
+                inflight: HashMap::new(),
+            }),
+        };
+        (Arc::new(conn), rx)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Keeps a handle on the socket so that [`Conn::close`] can wake its threads.
+    fn set_stream(&self, s: TcpStream) -> io::Result<()> {
+        *self.stream.lock() = Some(s);
+        if self.is_closed() {
+            self.shutdown_socket();
+            return Err(io::Error::other("connection closed"));
+        }
+        Ok(())
+    }
+
+    fn shutdown_socket(&self) {
+        if let Some(s) = self.stream.lock().as_ref() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Registers a transfer; false if the connection is already dead.
+    pub fn add_inflight(&self, x: &Arc<Xfer>) -> bool {
+        let mut st = self.state.lock();
+        if st.dead {
+            return false;
+        }
+        st.inflight.insert(x.id, x.clone());
+        true
+    }
+
+    pub fn take_inflight(&self, id: u64) -> Option<Arc<Xfer>> {
+        self.state.lock().inflight.remove(&id)
+    }
+
+    fn get_inflight(&self, id: u64) -> Option<Arc<Xfer>> {
+        self.state.lock().inflight.get(&id).cloned()
+    }
+
+    /// A READ landed: send its notification, then report it done.
+    fn complete_read(&self, x: &Xfer) {
+        let st = {
+            let mut st = self.state.lock();
+            st.inflight.remove(&x.id);
+            if st.dead {
+                XferStatus::Failed("connection lost before the notification".into())
+            } else {
+                if let (false, Some(n)) = (x.is_aborted(), &x.notification) {
+                    let _ = self.tx.send(Job::Notify(n.clone()));
+                }
+                XferStatus::Done
+            }
+        };
+        x.finish(st);
+    }
+
+    /// Closes the connection once: fails what is in flight and stops both threads (after a
+    /// GOODBYE frame when `goodbye`). True for the call that closed it.
+    pub fn close(&self, reason: &str, goodbye: bool) -> bool {
+        let inflight = {
+            let mut st = self.state.lock();
+            if st.dead {
+                return false;
+            }
+            st.dead = true;
+            self.closed.store(true, Ordering::Release);
+            std::mem::take(&mut st.inflight)
+        };
+        for x in inflight.values() {
+            x.finish(XferStatus::Failed(reason.to_string()));
+        }
+        if goodbye {
+            let _ = self.tx.send(Job::Goodbye);
+        } else {
+            self.shutdown_socket();
+            let _ = self.tx.send(Job::Stop);
+        }
+        true
+    }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// While a chunk lock is held, a socket operation waits at most this long. A peer that stalls
+/// longer gets the rest of that piece through a staging buffer, with the lock released: two
+/// agents that READ and WRITE the same chunks at once (or share a chunk between transfers)
+/// would otherwise deadlock, each holding a lock while blocked on a socket the other must drain.
+const STALL: Duration = Duration::from_millis(10);
+/// Most bytes staged at once when a peer stalls.
+const STAGE_BYTES: usize = 64 * 1024;
+
+/// Why a piece of a span was not completed under its lock.
+enum PieceErr {
+    Stall,
+    Aborted,
+    Io(io::Error),
+}
+
+fn region_err(e: crate::TransportError) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+pub(super) fn configure(s: &TcpStream, tick: Duration) -> io::Result<()> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(tick))?;
+    s.set_write_timeout(Some(STALL))?;
+    Ok(())
+}
+
+/// The reading half: every read has a timeout, and silence longer than `dead_after` is an error.
+pub(super) struct Rx {
+    stream: TcpStream,
+    last_rx: Instant,
+    dead_after: Duration,
+    /// The socket's read timeout between frames.
+    tick: Duration,
+    timeout: Duration,
+    conn: Arc<Conn>,
+    scratch: Vec<u8>,
+}
+
+impl Rx {
+    fn new(stream: TcpStream, inner: &Inner, conn: Arc<Conn>) -> Rx {
+        Rx {
+            stream,
+            last_rx: Instant::now(),
+            dead_after: inner.cfg.dead_after,
+            tick: inner.tick(),
+            timeout: inner.tick(),
+            conn,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Short read timeouts while landing data (see [`STALL`]), the tick between frames.
+    fn landing(&mut self, on: bool) -> io::Result<()> {
+        let d = if on { STALL } else { self.tick };
+        if d != self.timeout {
+            self.stream.set_read_timeout(Some(d))?;
+            self.timeout = d;
+        }
+        Ok(())
+    }
+
+    fn check_alive(&self) -> io::Result<()> {
+        if self.conn.is_closed() {
+            return Err(io::Error::other("connection closed"));
+        }
+        let silent = self.last_rx.elapsed();
+        if silent >= self.dead_after {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("peer silent for {} ms", silent.as_millis()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads into `buf` until it is full or a read times out; returns the count.
+    fn fill_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.stream.read(&mut buf[at..]) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed by the peer",
+                    ))
+                }
+                Ok(n) => {
+                    at += n;
+                    self.last_rx = Instant::now();
+                }
+                Err(e) if is_timeout(&e) => {
+                    self.check_alive()?;
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(at)
+    }
+
+    /// `read_exact` that survives read timeouts while the peer is alive.
+    fn fill(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        let mut at = 0;
+        while at < buf.len() {
+            at += self.fill_some(&mut buf[at..])?;
+        }
+        Ok(())
+    }
+
+    /// Lands `len` bytes from the socket at `offset` of `region`, reading straight into the
+    /// region's pieces. Once `aborted()` the rest is read and dropped.
+    fn land_span(
+        &mut self,
+        region: &KvRegion,
+        offset: usize,
+        len: usize,
+        aborted: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            if aborted() {
+                return self.discard((end - pos) as u64);
+            }
+            let r = region
+                .with_span_mut(pos, end - pos, |piece| {
+                    if aborted() {
+                        return Err(PieceErr::Aborted);
+                    }
+                    let n = self.fill_some(piece).map_err(PieceErr::Io)?;
+                    pos += n;
+                    if n < piece.len() {
+                        return Err(PieceErr::Stall);
+                    }
+                    Ok(())
+                })
+                .map_err(region_err)?;
+            match r {
+                Ok(()) => return Ok(()),
+                Err(PieceErr::Io(e)) => return Err(e),
+                Err(PieceErr::Aborted) => {}
+                Err(PieceErr::Stall) => {
+                    // The peer is slow: wait for the next bytes without holding the lock.
+                    let k = (end - pos).min(STAGE_BYTES);
+                    let mut stage = std::mem::take(&mut self.scratch);
+                    stage.resize(STAGE_BYTES, 0);
+                    let r = self.fill(&mut stage[..k]);
+                    if r.is_ok() && !aborted() {
+                        region.write(pos, &stage[..k]).map_err(region_err)?;
+                    }
+                    self.scratch = stage;
+                    r?;
+                    pos += k;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `n` bytes.
+    fn discard(&mut self, mut n: u64) -> io::Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(STAGE_BYTES, 0);
+        let mut res = Ok(());
+        while n > 0 {
+            let k = n.min(scratch.len() as u64) as usize;
+            if let Err(e) = self.fill(&mut scratch[..k]) {
+                res = Err(e);
+                break;
+            }
+            n -= k as u64;
+        }
+        self.scratch = scratch;
+        res
+    }
+
+    fn array<const N: usize>(&mut self) -> io::Result<[u8; N]> {
+        let mut b = [0u8; N];
+        self.fill(&mut b)?;
+        Ok(b)
+    }
+
+    fn u8(&mut self) -> io::Result<u8> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> io::Result<u16> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> io::Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> io::Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn bytes(&mut self, n: usize) -> io::Result<Vec<u8>> {
+        let mut v = vec![0u8; n];
+        self.fill(&mut v)?;
+        Ok(v)
+    }
+
+    /// A length-prefixed UTF-8 string of at most `max` bytes.
+    fn string(&mut self, len: usize, max: usize) -> io::Result<String> {
+        if len > max {
+            return Err(invalid(format!("string of {len} bytes exceeds {max}")));
+        }
+        String::from_utf8(self.bytes(len)?).map_err(|_| invalid("string is not UTF-8".into()))
+    }
+
+    fn descs(&mut self) -> io::Result<Vec<WireDesc>> {
+        let n = self.u32()? as usize;
+        if n > wire::MAX_DESCS {
+            return Err(invalid(format!(
+                "{n} descriptors exceed {}",
+                wire::MAX_DESCS
+            )));
+        }
+        Ok(wire::parse_descs(&self.bytes(n * wire::DESC_BYTES)?))
+    }
+}
+
+/// The writing half: `write_all` that survives write timeouts while the peer still reads.
+pub(super) struct Tx {
+    stream: TcpStream,
+    dead_after: Duration,
+    conn: Arc<Conn>,
+    stage: Vec<u8>,
+}
+
+impl Tx {
+    fn new(stream: TcpStream, inner: &Inner, conn: Arc<Conn>) -> Tx {
+        Tx {
+            stream,
+            dead_after: inner.cfg.dead_after,
+            conn,
+            stage: Vec::new(),
+        }
+    }
+
+    /// Writes `buf` until done or a write times out ([`STALL`]); returns the count.
+    fn send_some(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.stream.write(&buf[at..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => at += n,
+                Err(e) if is_timeout(&e) => {
+                    if self.conn.is_closed() {
+                        return Err(io::Error::other("connection closed"));
+                    }
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(at)
+    }
+
+    /// Streams `len` bytes at `offset` of `region` straight from its pieces.
+    fn send_span(&mut self, region: &KvRegion, offset: usize, len: usize) -> io::Result<()> {
+        let end = offset + len;
+        let mut pos = offset;
+        let mut stage = std::mem::take(&mut self.stage);
+        let res = loop {
+            if pos >= end {
+                break Ok(());
+            }
+            stage.clear();
+            let r = region.with_span(pos, end - pos, |piece| {
+                let n = self.send_some(piece).map_err(PieceErr::Io)?;
+                pos += piece.len();
+                if n < piece.len() {
+                    // The peer is slow: send the rest of this piece without holding the lock.
+                    stage.extend_from_slice(&piece[n..]);
+                    return Err(PieceErr::Stall);
+                }
+                Ok(())
+            });
+            match r {
+                Err(e) => break Err(region_err(e)),
+                Ok(Ok(())) => break Ok(()),
+                Ok(Err(PieceErr::Io(e))) => break Err(e),
+                Ok(Err(PieceErr::Stall | PieceErr::Aborted)) => {
+                    if let Err(e) = self.send(&stage) {
+                        break Err(e);
+                    }
+                }
+            }
+        };
+        stage.clear();
+        self.stage = stage;
+        res
+    }
+
+    fn send(&mut self, buf: &[u8]) -> io::Result<()> {
+        let mut at = 0;
+        let mut progress = Instant::now();
+        while at < buf.len() {
+            match self.stream.write(&buf[at..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    at += n;
+                    progress = Instant::now();
+                }
+                Err(e) if is_timeout(&e) => {
+                    if self.conn.is_closed() {
+                        return Err(io::Error::other("connection closed"));
+                    }
+                    if progress.elapsed() >= self.dead_after {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!(
+                                "peer has not read for {} ms",
+                                progress.elapsed().as_millis()
+                            ),
+                        ));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Streams the bytes of `spans` straight from registered memory.
+    fn send_spans<'a>(&mut self, spans: impl IntoIterator<Item = &'a Span>) -> io::Result<()> {
+        for s in spans {
+            self.send_span(&s.region, s.offset, s.len)?;
+        }
+        Ok(())
+    }
+}
+
+fn spawn_or_close(inner: &Arc<Inner>, conn: &Arc<Conn>, f: impl FnOnce() + Send + 'static) -> bool {
+    match inner.spawn(f) {
+        Ok(()) => true,
+        Err(e) => {
+            inner.conn_lost(conn, &format!("cannot start a thread: {e}"));
+            false
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer (both ends).
+
+fn writer_loop(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, mut tx: Tx) {
+    let keepalive = inner.cfg.keepalive;
+    loop {
+        let job = match jobs.recv_timeout(keepalive) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) => {
+                if conn.is_closed() {
+                    break;
+                }
+                if let Err(e) = tx.send(&[wire::PING]) {
+                    inner.conn_lost(&conn, &format!("sending: {e}"));
+                    break;
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
+        let res = match job {
+            Job::Stop => break,
+            Job::Goodbye => {
+                let _ = tx.send(&[wire::GOODBYE]);
+                break;
+            }
+            _ if conn.is_closed() => continue,
+            Job::Read(x) => {
+                if x.is_aborted() {
+                    continue;
+                }
+                tx.send(&wire::read_req(x.id, &x.remote))
+            }
+            Job::Write(x) => {
+                if x.is_aborted() {
+                    continue;
+                }
+                tx.send(&wire::write_req(
+                    x.id,
+                    &x.remote,
+                    x.notification.as_deref(),
+                ))
+                .and_then(|()| tx.send_spans(&x.local))
+            }
+            Job::Notify(m) => tx.send(&wire::notify(&m)),
+            Job::ReadData { xfer, total, spans } => tx
+                .send(&wire::read_data(xfer, total))
+                .and_then(|()| tx.send_spans(&spans)),
+            Job::XferErr { kind, xfer, msg } => tx.send(&wire::xfer_err(kind, xfer, &msg)),
+            Job::WriteDone { xfer } => tx.send(&wire::write_done(xfer)),
+        };
+        if let Err(e) = res {
+            inner.conn_lost(&conn, &format!("sending: {e}"));
+            break;
+        }
+    }
+    conn.shutdown_socket();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Initiator side.
+
+/// Thread body of an outbound connection: connects, then writes.
+pub(super) fn outbound(
+    inner: Arc<Inner>,
+    conn: Arc<Conn>,
+    jobs: Receiver<Job>,
+    host: String,
+    port: u16,
+) {
+    let peer = conn.peer.get().cloned().unwrap_or_default();
+    match connect(&inner, &conn, &host, port, &peer) {
+        Ok(tx) => writer_loop(inner, conn, jobs, tx),
+        Err(e) => inner.conn_lost(
+            &conn,
+            &format!("cannot reach {peer:?} at {host}:{port}: {e}"),
+        ),
+    }
+}
+
+fn connect(
+    inner: &Arc<Inner>,
+    conn: &Arc<Conn>,
+    host: &str,
+    port: u16,
+    peer: &str,
+) -> io::Result<Tx> {
+    let dead_after = inner.cfg.dead_after;
+    let mut last_err = io::Error::new(io::ErrorKind::NotFound, "no address");
+    let mut stream = None;
+    for addr in (host, port).to_socket_addrs()? {
+        if conn.is_closed() {
+            return Err(io::Error::other("connection closed"));
+        }
+        match TcpStream::connect_timeout(&addr, dead_after) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last_err = e,
+        }
+    }
+    let stream = stream.ok_or(last_err)?;
+    configure(&stream, inner.tick())?;
+    conn.set_stream(stream.try_clone()?)?;
+    let mut tx = Tx::new(stream.try_clone()?, inner, conn.clone());
+    let mut rx = Rx::new(stream, inner, conn.clone());
+    tx.send(&wire::hello(&inner.name, peer))?;
+    let head: [u8; 6] = rx.array()?;
+    if head[..4] != wire::ACK_MAGIC || head[4] != wire::VERSION {
+        return Err(invalid("not a handoff tcp agent (bad handshake)".into()));
+    }
+    let status = head[5];
+    let len = rx.u16()? as usize;
+    let text = rx.string(len, wire::MAX_ERROR_BYTES)?;
+    if status != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            format!("refused: {text}"),
+        ));
+    }
+    if text != peer {
+        return Err(invalid(format!("the agent there is {text:?}")));
+    }
+    let (i, c) = (inner.clone(), conn.clone());
+    if !spawn_or_close(inner, conn, move || outbound_reader(i, c, rx)) {
+        return Err(io::Error::other("cannot start the reader"));
+    }
+    Ok(tx)
+}
+
+fn outbound_reader(inner: Arc<Inner>, conn: Arc<Conn>, mut rx: Rx) {
+    let e = match outbound_frames(&conn, &mut rx) {
+        Ok(never) => match never {},
+        Err(e) => e,
+    };
+    inner.conn_lost(&conn, &format!("receiving: {e}"));
+}
+
+fn outbound_frames(conn: &Conn, rx: &mut Rx) -> io::Result<std::convert::Infallible> {
+    loop {
+        match rx.u8()? {
+            wire::PING => {}
+            wire::READ_DATA => {
+                let id = rx.u64()?;
+                let total = rx.u64()?;
+                match conn.get_inflight(id) {
+                    Some(x) if x.op == XferOp::Read => {
+                        if total != x.total {
+                            return Err(invalid(format!(
+                                "read reply of {total} bytes for a {}-byte transfer",
+                                x.total
+                            )));
+                        }
+                        land(rx, &x)?;
+                        conn.complete_read(&x);
+                    }
+                    // Released (or unknown): the bytes are dropped, never landed.
+                    _ => rx.discard(total)?,
+                }
+            }
+            t @ (wire::READ_ERR | wire::WRITE_ERR) => {
+                let id = rx.u64()?;
+                let len = rx.u32()? as usize;
+                let msg = rx.string(len, wire::MAX_ERROR_BYTES)?;
+                if let Some(x) = conn.take_inflight(id) {
+                    let what = if t == wire::READ_ERR { "read" } else { "write" };
+                    x.finish(XferStatus::Failed(format!("peer refused the {what}: {msg}")));
+                }
+            }
+            wire::WRITE_DONE => {
+                let id = rx.u64()?;
+                if let Some(x) = conn.take_inflight(id) {
+                    x.finish(XferStatus::Done);
+                }
+            }
+            t => return Err(invalid(format!("unexpected frame type {t}"))),
+        }
+    }
+}
+
+/// Lands the bytes of a READ reply in the transfer's local spans, straight from the socket.
+fn land(rx: &mut Rx, x: &Xfer) -> io::Result<()> {
+    rx.landing(true)?;
+    for s in &x.local {
+        rx.land_span(&s.region, s.offset, s.len, &|| x.is_aborted())?;
+    }
+    rx.landing(false)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Target side.
+
+/// Thread body of an accepted connection: handshake, then serve requests.
+pub(super) fn inbound(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, stream: TcpStream) {
+    match serve(&inner, &conn, jobs, stream) {
+        Ok(()) => {
+            conn.close("the peer closed the connection", false);
+        }
+        Err(e) if conn.peer.get().is_some() => inner.conn_lost(&conn, &format!("{e}")),
+        Err(_) => {
+            conn.close("handshake failed", false);
+        }
+    }
+    inner.inbound.lock().remove(&conn.id);
+}
+
+fn serve(inner: &Arc<Inner>, conn: &Arc<Conn>, jobs: Receiver<Job>, stream: TcpStream) -> io::Result<()> {
+    configure(&stream, inner.tick())?;
+    conn.set_stream(stream.try_clone()?)?;
+    let mut rx = Rx::new(stream.try_clone()?, inner, conn.clone());
+    let mut tx = Tx::new(stream, inner, conn.clone());
+
+    let head: [u8; 5] = rx.array()?;
+    if head[..4] != wire::HELLO_MAGIC || head[4] != wire::VERSION {
+        return Err(invalid("bad hello".into()));
+    }
+    let len = rx.u16()? as usize;
+    let from = rx.string(len, wire::MAX_NAME_BYTES)?;
+    let len = rx.u16()? as usize;
+    let to = rx.string(len, wire::MAX_NAME_BYTES)?;
+    let refused = if to != inner.name || from.is_empty() {
+        Some(format!("this agent is {:?}, not {to:?}", inner.name))
+    } else if !inner.peer_connected(&from, conn.id) {
+        Some(format!("{from:?} was found dead; connect again"))
+    } else {
+        None
+    };
+    if let Some(why) = refused {
+        let _ = tx.send(&wire::ack(false, &why));
+        return Err(invalid(why));
+    }
+    tx.send(&wire::ack(true, &inner.name))?;
+    let _ = conn.peer.set(from.clone());
+    let (i, c) = (inner.clone(), conn.clone());
+    if !spawn_or_close(inner, conn, move || writer_loop(i, c, jobs, tx)) {
+        return Err(io::Error::other("cannot start the writer"));
+    }
+
+    loop {
+        match rx.u8()? {
+            wire::PING => {}
+            wire::READ_REQ => {
+                let xfer = rx.u64()?;
+                let descs = rx.descs()?;
+                let job = match inner.resolve(&descs) {
+                    Ok((spans, total)) => Job::ReadData { xfer, total, spans },
+                    Err(e) => Job::XferErr {
+                        kind: wire::READ_ERR,
+                        xfer,
+                        msg: e.to_string(),
+                    },
+                };
+                let _ = conn.tx.send(job);
+            }
+            wire::WRITE_REQ => {
+                let xfer = rx.u64()?;
+                let n = rx.u32()? as usize;
+                let nlen = rx.u32()?;
+                if n > wire::MAX_DESCS {
+                    return Err(invalid(format!("{n} descriptors")));
+                }
+                let descs = wire::parse_descs(&rx.bytes(n * wire::DESC_BYTES)?);
+                let note = match nlen {
+                    wire::NO_NOTIFICATION => None,
+                    l if l as usize <= MAX_NOTIFICATION_BYTES => Some(rx.bytes(l as usize)?),
+                    l => return Err(invalid(format!("notification of {l} bytes"))),
+                };
+                let total = descs
+                    .iter()
+                    .try_fold(0u64, |t, d| t.checked_add(d.len))
+                    .ok_or_else(|| invalid("write length overflows".into()))?;
+                let job = match inner.resolve(&descs) {
+                    Ok((spans, _)) => {
+                        rx.landing(true)?;
+                        for s in &spans {
+                            rx.land_span(&s.region, s.offset, s.len, &|| false)?;
+                        }
+                        rx.landing(false)?;
+                        if let Some(msg) = note {
+                            inner.push_notification(&from, msg);
+                        }
+                        Job::WriteDone { xfer }
+                    }
+                    Err(e) => {
+                        rx.discard(total)?;
+                        Job::XferErr {
+                            kind: wire::WRITE_ERR,
+                            xfer,
+                            msg: e.to_string(),
+                        }
+                    }
+                };
+                let _ = conn.tx.send(job);
+            }
+            wire::NOTIFY => {
+                let len = rx.u32()? as usize;
+                if len > MAX_NOTIFICATION_BYTES {
+                    return Err(invalid(format!("notification of {len} bytes")));
+                }
+                let msg = rx.bytes(len)?;
+                inner.push_notification(&from, msg);
+            }
+            wire::GOODBYE => return Ok(()),
+            t => return Err(invalid(format!("unexpected frame type {t}"))),
+        }
+    }
+}

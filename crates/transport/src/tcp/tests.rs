@@ -1,0 +1,859 @@
+//! Two (or more) tcp agents in one process, on 127.0.0.1. Every wait is bounded.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::wire::{self, Meta};
+use super::{TcpConfig, TcpTransport};
+use crate::{
+    KvRegion, Transport, TransportError, XferDesc, XferId, XferOp, XferStatus,
+    MAX_NOTIFICATION_BYTES,
+};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn fast() -> TcpConfig {
+    TcpConfig {
+        keepalive: Duration::from_millis(50),
+        dead_after: Duration::from_millis(400),
+        ..TcpConfig::default()
+    }
+}
+
+fn agent(name: &str, cfg: TcpConfig) -> Arc<TcpTransport> {
+    TcpTransport::new(name, cfg).expect("bind on loopback")
+}
+
+/// Registers `lens` as regions 0.. (odd chunk sizes, so pieces straddle chunks).
+fn regions(t: &TcpTransport, lens: &[usize], rng: &mut Rng) -> Vec<Arc<KvRegion>> {
+    lens.iter()
+        .enumerate()
+        .map(|(i, len)| {
+            let r = Arc::new(KvRegion::new(*len, 3000 + 1000 * i));
+            r.write(0, &rng.bytes(*len)).unwrap();
+            t.register(i as u32, r.clone()).unwrap();
+            r
+        })
+        .collect()
+}
+
+/// Loads each agent's metadata into the other.
+fn pair(a: &TcpTransport, b: &TcpTransport) {
+    assert_eq!(a.load_remote(&b.local_metadata().unwrap()).unwrap(), b.name());
+    assert_eq!(b.load_remote(&a.local_metadata().unwrap()).unwrap(), a.name());
+}
+
+fn wait(t: &dyn Transport, id: XferId, limit: Duration) -> XferStatus {
+    let start = Instant::now();
+    loop {
+        let s = t.status(id).unwrap();
+        if s != XferStatus::InProgress || start.elapsed() > limit {
+            return s;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn snapshot(r: &KvRegion) -> Vec<u8> {
+    let mut v = vec![0; r.len()];
+    r.read(0, &mut v).unwrap();
+    v
+}
+
+/// Random descriptors whose *destinations* never overlap (sources may), so the expected result
+/// does not depend on order. `dst_local`: the destination is the local side (READ).
+fn random_descs(
+    rng: &mut Rng,
+    local_lens: &[usize],
+    remote_lens: &[usize],
+    dst_local: bool,
+    n: usize,
+) -> Vec<XferDesc> {
+    let dst_lens = if dst_local { local_lens } else { remote_lens };
+    // Cut each destination region into slots of 1..=slot bytes and pick some of them.
+    let slot = 1 + rng.below(70_000) as usize;
+    let mut slots: Vec<(u32, u64)> = Vec::new();
+    for (r, len) in dst_lens.iter().enumerate() {
+        let mut o = 0;
+        while o + slot <= *len {
+            slots.push((r as u32, o as u64));
+            o += slot;
+        }
+    }
+    let mut out = Vec::new();
+    for _ in 0..n.min(slots.len()) {
+        let (dr, doff) = slots.swap_remove(rng.below(slots.len() as u64) as usize);
+        let len = 1 + rng.below(slot as u64);
+        let doff = doff + rng.below(slot as u64 - len + 1);
+        let src_lens = if dst_local { remote_lens } else { local_lens };
+        let sr = rng.below(src_lens.len() as u64) as u32;
+        let soff = rng.below(src_lens[sr as usize] as u64 - len + 1);
+        let (lr, lo, rr, ro) = if dst_local {
+            (dr, doff, sr, soff)
+        } else {
+            (sr, soff, dr, doff)
+        };
+        out.push(XferDesc {
+            local_region: lr,
+            local_offset: lo,
+            remote_region: rr,
+            remote_offset: ro,
+            len,
+        });
+    }
+    out
+}
+
+/// Applies `descs` to snapshots, as the transfer should.
+fn apply(op: XferOp, descs: &[XferDesc], local: &mut [Vec<u8>], remote: &mut [Vec<u8>]) {
+    for d in descs {
+        let (lo, ro, n) = (
+            d.local_offset as usize,
+            d.remote_offset as usize,
+            d.len as usize,
+        );
+        match op {
+            XferOp::Read => {
+                let src = remote[d.remote_region as usize][ro..ro + n].to_vec();
+                local[d.local_region as usize][lo..lo + n].copy_from_slice(&src);
+            }
+            XferOp::Write => {
+                let src = local[d.local_region as usize][lo..lo + n].to_vec();
+                remote[d.remote_region as usize][ro..ro + n].copy_from_slice(&src);
+            }
+        }
+    }
+}
+
+#[test]
+fn read_and_write_random_descriptor_lists_byte_exact() {
+    let mut rng = Rng(0x5eed);
+    let a = agent("a", TcpConfig::default());
+    let b = agent("b", TcpConfig::default());
+    let (la, lb) = ([1 << 20, 700_000], [900_000, 1 << 20]);
+    let ra = regions(&a, &la, &mut rng);
+    let rb = regions(&b, &lb, &mut rng);
+    pair(&a, &b);
+    for round in 0..40 {
+        let op = if round % 2 == 0 {
+            XferOp::Read
+        } else {
+            XferOp::Write
+        };
+        // Alternate the initiator so both directions (two connections) are used.
+        let (init, tgt, li, lt, ri, rt) = if round % 4 < 2 {
+            (&a, &b, &la[..], &lb[..], &ra, &rb)
+        } else {
+            (&b, &a, &lb[..], &la[..], &rb, &ra)
+        };
+        let n = 1 + rng.below(40) as usize;
+        let descs = random_descs(&mut rng, li, lt, op == XferOp::Read, n);
+        let mut want_i: Vec<Vec<u8>> = ri.iter().map(|r| snapshot(r)).collect();
+        let mut want_t: Vec<Vec<u8>> = rt.iter().map(|r| snapshot(r)).collect();
+        apply(op, &descs, &mut want_i, &mut want_t);
+        let id = init.post(op, tgt.name(), &descs, None).unwrap();
+        assert_eq!(wait(&**init, id, Duration::from_secs(20)), XferStatus::Done);
+        init.release(id).unwrap();
+        assert_eq!(init.status(id), Err(TransportError::UnknownXfer(id)));
+        for (r, w) in ri.iter().zip(&want_i) {
+            assert!(snapshot(r) == *w, "round {round}: initiator memory differs");
+        }
+        for (r, w) in rt.iter().zip(&want_t) {
+            assert!(snapshot(r) == *w, "round {round}: target memory differs");
+        }
+    }
+    // An empty descriptor list completes too.
+    let id = a.post(XferOp::Read, "b", &[], Some(b"empty")).unwrap();
+    assert_eq!(wait(&*a, id, Duration::from_secs(5)), XferStatus::Done);
+}
+
+#[test]
+fn many_transfers_in_flight_from_several_threads_both_ways() {
+    let a = agent("ma", TcpConfig::default());
+    let b = agent("mb", TcpConfig::default());
+    let mut rng = Rng(77);
+    // Each thread owns a disjoint 256 KiB slice of every region.
+    let threads = 4usize;
+    let slice = 256 * 1024;
+    regions(&a, &[threads * slice], &mut rng);
+    regions(&b, &[threads * slice], &mut rng);
+    pair(&a, &b);
+    let mut handles = Vec::new();
+    for t in 0..threads {
+        for (init, tgt) in [(a.clone(), b.clone()), (b.clone(), a.clone())] {
+            // Each direction uses its own half of the slice (byte-exactness is checked elsewhere:
+            // this is about many transfers at once, both ways, without a hang).
+            let half = slice / 2;
+            let base = (t * slice + if init.name() == "ma" { 0 } else { half }) as u64;
+            handles.push(std::thread::spawn(move || {
+                let mut ids = Vec::new();
+                for k in 0..30u64 {
+                    let op = if k % 2 == 0 {
+                        XferOp::Read
+                    } else {
+                        XferOp::Write
+                    };
+                    let off = base + (k % 8) * 16 * 1024;
+                    let d = XferDesc {
+                        local_region: 0,
+                        local_offset: off,
+                        remote_region: 0,
+                        remote_offset: off,
+                        len: 16 * 1024,
+                    };
+                    ids.push(init.post(op, tgt.name(), &[d], None).unwrap());
+                }
+                for id in ids {
+                    assert_eq!(wait(&*init, id, Duration::from_secs(30)), XferStatus::Done);
+                    init.release(id).unwrap();
+                }
+            }));
+        }
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(a.drain_dead_peers().is_empty() && b.drain_dead_peers().is_empty());
+}
+
+#[test]
+fn notification_reaches_the_peer_only_after_the_data() {
+    let mut rng = Rng(4242);
+    let a = agent("na", TcpConfig::default());
+    let b = agent("nb", TcpConfig::default());
+    let len = 4 << 20;
+    let ra = regions(&a, &[len], &mut rng);
+    let rb = regions(&b, &[len], &mut rng);
+    pair(&a, &b);
+    let whole = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: len as u64,
+    }];
+    for round in 0..6u8 {
+        // READ: on the notification, b checks that a's memory already holds b's bytes.
+        rb[0].write(0, &rng.bytes(len)).unwrap();
+        let want = snapshot(&rb[0]);
+        let id = a
+            .post(XferOp::Read, "nb", &whole, Some(&[b'R', round]))
+            .unwrap();
+        let n = wait_for(Duration::from_secs(20), || b.drain_notifications().pop())
+            .expect("READ notification");
+        assert!(snapshot(&ra[0]) == want, "READ notification before its data");
+        assert_eq!((n.from.as_str(), &n.msg[..]), ("na", &[b'R', round][..]));
+        assert_eq!(wait(&*a, id, Duration::from_secs(5)), XferStatus::Done);
+
+        // WRITE: on the notification, b checks its own memory holds a's bytes.
+        ra[0].write(0, &rng.bytes(len)).unwrap();
+        let want = snapshot(&ra[0]);
+        let id = a
+            .post(XferOp::Write, "nb", &whole, Some(&[b'W', round]))
+            .unwrap();
+        let n = wait_for(Duration::from_secs(20), || b.drain_notifications().pop())
+            .expect("WRITE notification");
+        assert!(snapshot(&rb[0]) == want, "WRITE notification before its data");
+        assert_eq!(n.msg, vec![b'W', round]);
+        assert_eq!(wait(&*a, id, Duration::from_secs(5)), XferStatus::Done);
+    }
+}
+
+#[test]
+fn notifications_arrive_in_order_with_the_sender_name_and_are_bounded() {
+    let a = agent("sa", TcpConfig::default());
+    let b = agent("sb", TcpConfig::default());
+    pair(&a, &b);
+    for i in 0..100u32 {
+        a.send_notification("sb", &i.to_le_bytes()).unwrap();
+    }
+    let biggest = vec![7u8; MAX_NOTIFICATION_BYTES];
+    a.send_notification("sb", &biggest).unwrap();
+    let too_big = vec![7u8; MAX_NOTIFICATION_BYTES + 1];
+    assert_eq!(
+        a.send_notification("sb", &too_big),
+        Err(TransportError::NotificationTooLarge {
+            len: MAX_NOTIFICATION_BYTES + 1,
+            max: MAX_NOTIFICATION_BYTES
+        })
+    );
+    assert!(matches!(
+        a.post(XferOp::Read, "sb", &[], Some(&too_big)),
+        Err(TransportError::NotificationTooLarge { .. })
+    ));
+    let mut got = Vec::new();
+    wait_for(Duration::from_secs(10), || {
+        got.extend(b.drain_notifications());
+        (got.len() >= 101).then_some(())
+    })
+    .expect("all notifications");
+    assert_eq!(got.len(), 101);
+    for (i, n) in got[..100].iter().enumerate() {
+        assert_eq!(n.from, "sa");
+        assert_eq!(n.msg, (i as u32).to_le_bytes());
+    }
+    assert_eq!(got[100].msg, biggest);
+    assert_eq!(
+        a.send_notification("nobody", b"x"),
+        Err(TransportError::UnknownPeer("nobody".into()))
+    );
+}
+
+#[test]
+fn local_descriptors_are_checked_at_post() {
+    let mut rng = Rng(1);
+    let a = agent("la", TcpConfig::default());
+    let b = agent("lb", TcpConfig::default());
+    regions(&a, &[1000], &mut rng);
+    regions(&b, &[1000], &mut rng);
+    pair(&a, &b);
+    let d = |lr, lo, rr, ro, len| XferDesc {
+        local_region: lr,
+        local_offset: lo,
+        remote_region: rr,
+        remote_offset: ro,
+        len,
+    };
+    for op in [XferOp::Read, XferOp::Write] {
+        assert_eq!(
+            a.post(op, "lb", &[d(5, 0, 0, 0, 1)], None),
+            Err(TransportError::UnknownRegion { region: 5 })
+        );
+        assert!(matches!(
+            a.post(op, "lb", &[d(0, 990, 0, 0, 11)], None),
+            Err(TransportError::OutOfBounds { region: 0, .. })
+        ));
+        assert!(matches!(
+            a.post(op, "lb", &[d(0, u64::MAX - 5, 0, 0, 64)], None),
+            Err(TransportError::OutOfBounds { .. })
+        ));
+        // Remote descriptors are checked against the peer's metadata too.
+        assert!(matches!(
+            a.post(op, "lb", &[d(0, 0, 0, 995, 6)], None),
+            Err(TransportError::OutOfBounds { .. })
+        ));
+        assert_eq!(
+            a.post(op, "lb", &[d(0, 0, 9, 0, 1)], None),
+            Err(TransportError::UnknownRegion { region: 9 })
+        );
+        assert_eq!(
+            a.post(op, "nobody", &[], None),
+            Err(TransportError::UnknownPeer("nobody".into()))
+        );
+    }
+}
+
+#[test]
+fn the_peer_refuses_what_it_did_not_register() {
+    let mut rng = Rng(9);
+    let a = agent("ra", TcpConfig::default());
+    let b = agent("rb", TcpConfig::default());
+    regions(&a, &[1 << 20], &mut rng);
+    let rb = regions(&b, &[10_000], &mut rng);
+    // Metadata that lies: region 0 is bigger, and region 7 exists.
+    let mut meta = wire::decode_meta(&b.local_metadata().unwrap()).unwrap();
+    meta.regions = vec![(0, 1 << 20), (7, 1 << 20)];
+    a.load_remote(&wire::encode_meta(&meta).unwrap()).unwrap();
+    let before = snapshot(&rb[0]);
+    let bad = [
+        (0, 9_990, 64),
+        (0, 10_000, 1),
+        (0, 0, 10_001),
+        (7, 0, 1),
+        (0, 1 << 19, 1 << 19),
+    ];
+    for (region, offset, len) in bad {
+        for op in [XferOp::Write, XferOp::Read] {
+            // A good descriptor first: the whole request is refused, not only the bad piece.
+            let descs = [
+                XferDesc {
+                    local_region: 0,
+                    local_offset: 0,
+                    remote_region: 0,
+                    remote_offset: 0,
+                    len: 100,
+                },
+                XferDesc {
+                    local_region: 0,
+                    local_offset: 1000,
+                    remote_region: region,
+                    remote_offset: offset,
+                    len,
+                },
+            ];
+            let id = a.post(op, "rb", &descs, Some(b"never")).unwrap();
+            match wait(&*a, id, Duration::from_secs(10)) {
+                XferStatus::Failed(msg) => assert!(msg.contains("refused"), "{msg}"),
+                s => panic!("{op:?} of {region}:{offset}+{len} ended {s:?}"),
+            }
+        }
+    }
+    assert!(snapshot(&rb[0]) == before, "a refused WRITE changed memory");
+    assert!(b.drain_notifications().is_empty(), "refused transfers notified");
+    // The connection is still in step: a good transfer goes through.
+    let ok = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 5,
+        len: 9_995,
+    }];
+    let id = a.post(XferOp::Write, "rb", &ok, Some(b"fine")).unwrap();
+    assert_eq!(wait(&*a, id, Duration::from_secs(10)), XferStatus::Done);
+    let n = wait_for(Duration::from_secs(5), || b.drain_notifications().pop()).unwrap();
+    assert_eq!(n.msg, b"fine");
+    assert!(b.drain_dead_peers().is_empty() && a.drain_dead_peers().is_empty());
+}
+
+#[test]
+fn a_peer_that_is_not_who_the_metadata_says_is_refused() {
+    let a = agent("wa", fast());
+    let b = agent("wb", fast());
+    let mut meta = wire::decode_meta(&b.local_metadata().unwrap()).unwrap();
+    meta.name = "impostor".into();
+    a.load_remote(&wire::encode_meta(&meta).unwrap()).unwrap();
+    let dead = wait_for(Duration::from_secs(5), || {
+        let d = a.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(dead, Some(vec!["impostor".to_string()]));
+    assert_eq!(
+        a.post(XferOp::Read, "impostor", &[], None),
+        Err(TransportError::PeerDead("impostor".into()))
+    );
+}
+
+#[test]
+fn bad_metadata_is_rejected_without_panic() {
+    let a = agent("ma0", TcpConfig::default());
+    let good = a.local_metadata().unwrap();
+    let meta = wire::decode_meta(&good).unwrap();
+    let mut wrong_version = good.clone();
+    wrong_version[wire::META_MAGIC.len()] = 99;
+    let mut trailing = good.clone();
+    trailing.push(0);
+    let mut oversized = good.clone();
+    oversized.resize(wire::MAX_METADATA_BYTES + 1, 0);
+    let enc = |m: &Meta| wire::encode_meta(m).unwrap();
+    let cases = vec![
+        vec![],
+        b"HOTCPM".to_vec(),
+        b"garbage".to_vec(),
+        wrong_version,
+        trailing,
+        oversized,
+        good[..good.len() - 1].to_vec(),
+        enc(&Meta {
+            name: String::new(),
+            ..meta.clone()
+        }),
+        enc(&Meta {
+            port: 0,
+            ..meta.clone()
+        }),
+        enc(&Meta {
+            regions: vec![(1, 5), (1, 6)],
+            ..meta.clone()
+        }),
+        enc(&Meta {
+            host: "h".repeat(300),
+            ..meta.clone()
+        }),
+    ];
+    for c in &cases {
+        assert!(
+            matches!(a.load_remote(c), Err(TransportError::BadMetadata(_))),
+            "accepted {:?}",
+            &c[..c.len().min(12)]
+        );
+    }
+    // Random bytes and bit flips: errors or peers, never a panic.
+    let mut rng = Rng(3);
+    for _ in 0..2000 {
+        let n = rng.below(64) as usize;
+        let mut m = if rng.below(2) == 0 {
+            rng.bytes(n)
+        } else {
+            good.clone()
+        };
+        if !m.is_empty() {
+            let i = rng.below(m.len() as u64) as usize;
+            m[i] ^= 1 << rng.below(8);
+        }
+        if m.len() > 8 && rng.below(4) == 0 {
+            m[7..].iter_mut().for_each(|b| *b = rng.next() as u8);
+        }
+        let _ = wire::decode_meta(&m);
+    }
+}
+
+#[test]
+fn a_dropped_peer_is_reported_dead_and_its_transfers_fail() {
+    let mut rng = Rng(5);
+    let a = agent("da", fast());
+    let b = agent("db", fast());
+    regions(&a, &[1 << 16], &mut rng);
+    regions(&b, &[1 << 16], &mut rng);
+    pair(&a, &b);
+    let d = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: 1 << 16,
+    }];
+    let id = a.post(XferOp::Read, "db", &d, None).unwrap();
+    assert_eq!(wait(&*a, id, Duration::from_secs(5)), XferStatus::Done);
+    drop(b);
+    let start = Instant::now();
+    let dead = wait_for(Duration::from_secs(3), || {
+        let d = a.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(dead, Some(vec!["db".to_string()]));
+    assert!(start.elapsed() < fast().dead_after + Duration::from_millis(1500));
+    assert_eq!(
+        a.post(XferOp::Read, "db", &d, None),
+        Err(TransportError::PeerDead("db".into()))
+    );
+    assert_eq!(
+        a.send_notification("db", b"x"),
+        Err(TransportError::PeerDead("db".into()))
+    );
+    // Reported once.
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(a.drain_dead_peers().is_empty());
+}
+
+#[test]
+fn forgetting_a_peer_is_not_a_death() {
+    let a = agent("fa", fast());
+    let b = agent("fb", fast());
+    pair(&a, &b);
+    a.send_notification("fb", b"hi").unwrap();
+    wait_for(Duration::from_secs(5), || b.drain_notifications().pop()).unwrap();
+    a.forget_remote("fb");
+    assert_eq!(
+        a.post(XferOp::Read, "fb", &[], None),
+        Err(TransportError::UnknownPeer("fb".into()))
+    );
+    std::thread::sleep(fast().dead_after + Duration::from_millis(200));
+    assert!(b.drain_dead_peers().is_empty());
+    assert!(a.drain_dead_peers().is_empty());
+    // b's own connection to a still works.
+    b.send_notification("fa", b"still here").unwrap();
+    let n = wait_for(Duration::from_secs(5), || a.drain_notifications().pop()).unwrap();
+    assert_eq!(n.msg, b"still here");
+}
+
+/// A fake peer that completes the handshake and then never says or reads anything.
+fn silent_peer(name: &'static str) -> (Meta, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut head = [0u8; 7];
+        s.read_exact(&mut head).unwrap();
+        let mut from = vec![0; u16::from_le_bytes([head[5], head[6]]) as usize];
+        s.read_exact(&mut from).unwrap();
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len).unwrap();
+        let mut to = vec![0; u16::from_le_bytes(len) as usize];
+        s.read_exact(&mut to).unwrap();
+        s.write_all(&wire::ack(true, name)).unwrap();
+        // Silence, until the other side gives up and closes.
+        let mut buf = [0u8; 1];
+        let _ = wait_for(Duration::from_secs(5), || match s.peek(&mut buf) {
+            Ok(0) | Err(_) => Some(()),
+            Ok(_) => {
+                std::thread::sleep(Duration::from_millis(20));
+                None
+            }
+        });
+    });
+    let meta = Meta {
+        name: name.into(),
+        host: "127.0.0.1".into(),
+        port,
+        regions: vec![(0, 1 << 20)],
+    };
+    (meta, h)
+}
+
+#[test]
+fn a_silent_peer_is_reported_dead_after_dead_after() {
+    let mut rng = Rng(6);
+    let a = agent("qa", fast());
+    regions(&a, &[1 << 16], &mut rng);
+    let (meta, h) = silent_peer("quiet");
+    a.load_remote(&wire::encode_meta(&meta).unwrap()).unwrap();
+    let d = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: 100,
+    }];
+    let start = Instant::now();
+    let id = a.post(XferOp::Read, "quiet", &d, Some(b"n")).unwrap();
+    let dead = wait_for(Duration::from_secs(5), || {
+        let d = a.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    let took = start.elapsed();
+    assert_eq!(dead, Some(vec!["quiet".to_string()]));
+    assert!(took >= fast().dead_after - Duration::from_millis(50), "{took:?}");
+    assert!(took < fast().dead_after + Duration::from_millis(1500), "{took:?}");
+    assert!(matches!(a.status(id), Ok(XferStatus::Failed(_))));
+    h.join().unwrap();
+}
+
+#[test]
+fn a_silent_initiator_is_reported_dead_by_the_target() {
+    let b = agent("tb", fast());
+    let mut s = std::net::TcpStream::connect(b.local_addr()).unwrap();
+    s.write_all(&wire::hello("mute", "tb")).unwrap();
+    let start = Instant::now();
+    let dead = wait_for(Duration::from_secs(5), || {
+        let d = b.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(dead, Some(vec!["mute".to_string()]));
+    assert!(start.elapsed() < fast().dead_after + Duration::from_millis(1500));
+    // And a connection that never says hello is dropped without a report.
+    let _t = std::net::TcpStream::connect(b.local_addr()).unwrap();
+    std::thread::sleep(fast().dead_after + Duration::from_millis(300));
+    assert!(b.drain_dead_peers().is_empty());
+}
+
+#[test]
+fn an_unreachable_peer_is_reported_dead() {
+    let a = agent("ua", fast());
+    // A port nobody listens on.
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let meta = Meta {
+        name: "gone".into(),
+        host: "127.0.0.1".into(),
+        port,
+        regions: vec![],
+    };
+    a.load_remote(&wire::encode_meta(&meta).unwrap()).unwrap();
+    let dead = wait_for(Duration::from_secs(5), || {
+        let d = a.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(dead, Some(vec!["gone".to_string()]));
+}
+
+#[test]
+fn release_aborts_and_the_connection_stays_usable() {
+    let mut rng = Rng(8);
+    let a = agent("xa", TcpConfig::default());
+    let b = agent("xb", TcpConfig::default());
+    let len = 8 << 20;
+    let ra = regions(&a, &[len], &mut rng);
+    let rb = regions(&b, &[len], &mut rng);
+    pair(&a, &b);
+    let whole = [XferDesc {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: len as u64,
+    }];
+    for _ in 0..5 {
+        let r = a.post(XferOp::Read, "xb", &whole, None).unwrap();
+        let w = a.post(XferOp::Write, "xb", &whole, None).unwrap();
+        a.release(r).unwrap();
+        a.release(w).unwrap();
+        assert_eq!(a.status(r), Err(TransportError::UnknownXfer(r)));
+        assert_eq!(a.release(r), Err(TransportError::UnknownXfer(r)));
+    }
+    // Later transfers still land byte-exact.
+    rb[0].write(0, &rng.bytes(len)).unwrap();
+    let id = a.post(XferOp::Read, "xb", &whole, None).unwrap();
+    assert_eq!(wait(&*a, id, Duration::from_secs(20)), XferStatus::Done);
+    assert!(snapshot(&ra[0]) == snapshot(&rb[0]));
+    assert!(a.drain_dead_peers().is_empty());
+}
+
+#[test]
+fn shutdown_stops_every_thread_and_fails_what_is_in_flight() {
+    let mut rng = Rng(10);
+    let a = agent("za", fast());
+    let b = agent("zb", fast());
+    regions(&a, &[1 << 20], &mut rng);
+    regions(&b, &[1 << 20], &mut rng);
+    pair(&a, &b);
+    a.send_notification("zb", b"x").unwrap();
+    wait_for(Duration::from_secs(5), || b.drain_notifications().pop()).unwrap();
+    a.shutdown();
+    assert_eq!(a.live_threads(), 0);
+    assert!(matches!(
+        a.post(XferOp::Read, "zb", &[], None),
+        Err(TransportError::Io(_))
+    ));
+    let dead = wait_for(Duration::from_secs(3), || {
+        let d = b.drain_dead_peers();
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(dead, Some(vec!["za".to_string()]));
+    assert!(a.drain_dead_peers().is_empty(), "its own shutdown is no death");
+    drop(b);
+}
+
+#[test]
+fn config_is_checked_and_defaults_match_the_spec() {
+    let c = TcpConfig::default();
+    assert_eq!(c.bind.to_string(), "127.0.0.1:0");
+    assert_eq!(c.keepalive, Duration::from_millis(250));
+    assert_eq!(c.dead_after, Duration::from_millis(1500));
+    let bad = TcpConfig {
+        dead_after: Duration::from_millis(100),
+        keepalive: Duration::from_millis(100),
+        ..TcpConfig::default()
+    };
+    assert!(TcpTransport::new("x", bad).is_err());
+    assert!(TcpTransport::new("", TcpConfig::default()).is_err());
+    let t = agent("adv", TcpConfig {
+        advertise_host: Some("localhost".into()),
+        ..TcpConfig::default()
+    });
+    let m = wire::decode_meta(&t.local_metadata().unwrap()).unwrap();
+    assert_eq!((m.host.as_str(), m.port), ("localhost", t.local_addr().port()));
+    assert_eq!(t.backend(), "tcp");
+}
+
+/// Throughput against a raw std TCP loopback stream, same run. Not a pass/fail test:
+/// `cargo test --release -p handoff-transport --lib tcp::tests::throughput -- --ignored --nocapture`
+#[test]
+#[ignore = "benchmark"]
+fn throughput() {
+    const TOTAL: usize = 2 << 30;
+    let raw = |buf_len: usize| {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let rx = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut buf = vec![0u8; buf_len];
+            let mut got = 0;
+            while got < TOTAL {
+                s.read_exact(&mut buf).unwrap();
+                got += buf_len;
+            }
+        });
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        let buf = vec![1u8; buf_len];
+        let start = Instant::now();
+        let mut sent = 0;
+        while sent < TOTAL {
+            s.write_all(&buf).unwrap();
+            sent += buf_len;
+        }
+        rx.join().unwrap();
+        TOTAL as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let region_len = 256 << 20;
+    let a = agent("ba", TcpConfig::default());
+    let b = agent("bb", TcpConfig::default());
+    let mut rng = Rng(11);
+    for block in [64 << 10, 1 << 20] {
+        let ra = Arc::new(KvRegion::new(region_len, block));
+        let rb = Arc::new(KvRegion::new(region_len, block));
+        rb.write(0, &rng.bytes(region_len)).unwrap();
+        let id = (block >> 10) as u32;
+        a.register(id, ra.clone()).unwrap();
+        b.register(id, rb.clone()).unwrap();
+    }
+    pair(&a, &b);
+    for block in [64usize << 10, 1 << 20] {
+        let blocks = region_len / block;
+        let id = (block >> 10) as u32;
+        let r_raw = raw(block);
+        for op in [XferOp::Read, XferOp::Write] {
+            // Scattered blocks (a random permutation), 16 MiB per transfer, 4 in flight.
+            let per_xfer = (16 << 20) / block;
+            let mut perm: Vec<usize> = (0..blocks).collect();
+            for i in (1..perm.len()).rev() {
+                perm.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let xfers: Vec<Vec<XferDesc>> = perm
+                .chunks(per_xfer)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .map(|(k, &src)| XferDesc {
+                            local_region: id,
+                            local_offset: (perm[(src + k) % blocks] * block) as u64,
+                            remote_region: id,
+                            remote_offset: (src * block) as u64,
+                            len: block as u64,
+                        })
+                        .collect()
+                })
+                .collect();
+            let start = Instant::now();
+            let mut moved = 0usize;
+            let mut inflight = std::collections::VecDeque::new();
+            while moved < TOTAL {
+                for descs in &xfers {
+                    while inflight.len() >= 4 {
+                        let x = inflight.pop_front().unwrap();
+                        assert_eq!(wait(&*a, x, Duration::from_secs(60)), XferStatus::Done);
+                        a.release(x).unwrap();
+                    }
+                    inflight.push_back(a.post(op, "bb", descs, None).unwrap());
+                    moved += descs.len() * block;
+                    if moved >= TOTAL {
+                        break;
+                    }
+                }
+            }
+            for x in inflight {
+                assert_eq!(wait(&*a, x, Duration::from_secs(60)), XferStatus::Done);
+            }
+            let gbps = moved as f64 / start.elapsed().as_secs_f64() / 1e9;
+            println!(
+                "block {:>5} KiB  {op:?}: {gbps:.2} GB/s  raw std tcp ({} KiB writes): {r_raw:.2} GB/s  ratio {:.2}",
+                block >> 10,
+                block >> 10,
+                gbps / r_raw
+            );
+        }
+    }
+}
