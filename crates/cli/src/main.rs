@@ -1,6 +1,11 @@
 //! `handoff`: the one binary. It only parses flags and wires the crates together.
 
 mod bench;
+mod demo;
+mod engine_cmd;
+
+use std::net::SocketAddr;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -17,11 +22,37 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// A P/D cluster on loopback under a faulty workload, with a report (the first command to try).
+    Demo(demo::DemoArgs),
+    /// The reference engine (prefill, decode or both).
+    Engine(engine_cmd::EngineArgs),
+    /// The P/D router.
+    Proxy(ProxyArgs),
     /// Benchmarks that print ratios against a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+}
+
+#[derive(clap::Args)]
+struct ProxyArgs {
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    bind: SocketAddr,
+    /// Prefill engine base URL (repeatable).
+    #[arg(long)]
+    prefill: Vec<String>,
+    /// Decode engine base URL (repeatable).
+    #[arg(long)]
+    decode: Vec<String>,
+    /// round-robin or least-loaded.
+    #[arg(long, default_value = "round-robin")]
+    policy: String,
+    /// pull (push is not implemented yet).
+    #[arg(long, default_value = "pull")]
+    mode: String,
+    #[arg(long, default_value_t = 1000)]
+    health_interval_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,5 +66,44 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Bench { which } => bench::run(which),
+        Command::Demo(args) => demo::run(args),
+        Command::Engine(args) => {
+            let cfg = args.resolve()?;
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(handoff_engine::run(cfg))
+        }
+        Command::Proxy(a) => {
+            let policy = match a.policy.as_str() {
+                "round-robin" => handoff_proxy::Policy::RoundRobin,
+                "least-loaded" => handoff_proxy::Policy::LeastLoaded,
+                other => anyhow::bail!("--policy {other:?}: expected round-robin or least-loaded"),
+            };
+            let mode = match a.mode.as_str() {
+                "pull" => handoff_proxy::TransferMode::Pull,
+                "push" => handoff_proxy::TransferMode::Push,
+                other => anyhow::bail!("--mode {other:?}: expected pull or push"),
+            };
+            let cfg = handoff_proxy::ProxyConfig {
+                bind: a.bind,
+                prefill: a.prefill,
+                decode: a.decode,
+                policy,
+                mode,
+                health_interval: Duration::from_millis(a.health_interval_ms),
+                ..Default::default()
+            };
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(async {
+                    let p = handoff_proxy::start(cfg).await?;
+                    println!("handoff proxy listening on {}", p.url());
+                    p.wait().await
+                })
+        }
     }
 }

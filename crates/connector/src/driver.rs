@@ -57,6 +57,10 @@ pub(crate) struct Peers {
 }
 
 impl Peers {
+    pub fn engines(&self) -> impl Iterator<Item = (&str, PeerId)> {
+        self.by_engine.iter().map(|(e, p)| (e.as_str(), *p))
+    }
+
     pub fn peer_of_engine(&self, engine: &str) -> Option<PeerId> {
         self.by_engine.get(engine).copied()
     }

@@ -450,6 +450,19 @@ impl Connector {
         )
     }
 
+    /// Blocks P holds per D engine that reads them (handoffs no D claimed yet are not listed).
+    pub fn held_blocks_by_engine(&self) -> Vec<(String, usize)> {
+        let inner = self.inner.lock();
+        let Some(p) = inner.producer.as_ref() else {
+            return Vec::new();
+        };
+        inner
+            .peers
+            .engines()
+            .map(|(engine, peer)| (engine.to_string(), p.held_blocks_for(peer)))
+            .collect()
+    }
+
     /// Handoffs P still holds per end reason so far, and live ones.
     pub fn producer_stats(&self) -> Option<(usize, HashMap<&'static str, u64>)> {
         let inner = self.inner.lock();

@@ -58,7 +58,19 @@ async fn models(State(s): State<Arc<ApiState>>) -> Json<Value> {
 
 async fn health(State(s): State<Arc<ApiState>>) -> Json<Value> {
     let held = s.connector.as_ref().map(|c| c.held_blocks());
-    Json(json!({"status": "ok", "held_blocks": held.map(|(p, d)| json!({"prefill": p, "decode": d}))}))
+    let by_engine: serde_json::Map<String, Value> = s
+        .connector
+        .as_ref()
+        .map(|c| c.held_blocks_by_engine())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(e, n)| (e, json!(n)))
+        .collect();
+    Json(json!({
+        "status": "ok",
+        "held_blocks": held.map(|(p, d)| json!({"prefill": p, "decode": d})),
+        "prefill_blocks_held_for": by_engine,
+    }))
 }
 
 async fn metrics(State(s): State<Arc<ApiState>>) -> Response {

@@ -326,6 +326,16 @@ impl ProducerLedger {
         out
     }
 
+    /// Blocks held by handoffs that `peer` reads (or registered for).
+    pub fn held_blocks_for(&self, peer: PeerId) -> usize {
+        self.by_peer.get(&peer).map_or(0, |ids| {
+            ids.iter()
+                .filter_map(|id| self.handoffs.get(id))
+                .map(|h| h.blocks.len())
+                .sum()
+        })
+    }
+
     /// Messages kept for handoffs not created yet (bounded by the staging capacity).
     pub fn staged_messages(&self) -> usize {
         self.staging.len()

@@ -1,0 +1,551 @@
+//! `handoff demo`: a P/D cluster on loopback under a mixed, faulty workload, and a report.
+//!
+//! Starts 1 prefill and 2 decode engines and a monolithic engine (child processes, free ports)
+//! and the proxy (in this process); drives prompts of 16–4096 tokens, some with n=4, some that D
+//! rejects before admission, some whose client disconnects mid-stream; kills one decode engine
+//! with SIGKILL mid-run; then checks every successful output against the monolithic engine and
+//! every block against the pools. Exit status 1 when a block leaked or an output differs.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::{Mutex, Semaphore};
+
+#[derive(Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Print the report as one JSON object on the last line.
+    #[arg(long)]
+    pub json: bool,
+    /// Requests to send.
+    #[arg(long, default_value_t = 160)]
+    pub requests: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Seed of the workload.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Transport between engines: tcp or nixl.
+    #[arg(long, default_value = "tcp")]
+    pub transport: String,
+    #[arg(long, default_value_t = 1)]
+    pub prefill_tp: u32,
+    #[arg(long, default_value_t = 1)]
+    pub decode_tp: u32,
+    #[arg(long, default_value_t = 16)]
+    pub prefill_block_size: u32,
+    #[arg(long, default_value_t = 16)]
+    pub decode_block_size: u32,
+    /// Skip killing a decode engine.
+    #[arg(long)]
+    pub no_kill: bool,
+}
+
+/// A child engine, killed when dropped.
+struct Engine {
+    child: Child,
+    url: String,
+    id: String,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
+    let exe = std::env::current_exe().context("cannot find the handoff binary")?;
+    let mut child = Command::new(exe)
+        .args(["engine", "--role", role, "--port", "0", "--engine-id", id])
+        .args(extra)
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("cannot start an engine")?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .context("engine did not start")?;
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http://"))
+        .with_context(|| format!("engine {id} said {line:?}"))?
+        .to_string();
+    Ok(Engine {
+        child,
+        url,
+        id: id.to_string(),
+    })
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    idx: usize,
+    prompt: String,
+    max_tokens: u32,
+    n: u32,
+    /// What the client does.
+    fate: Fate,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Normal,
+    /// max_tokens beyond D's limit: D refuses before admission.
+    RejectedByD,
+    /// Reads two chunks, then hangs up.
+    Disconnect,
+}
+
+#[derive(Debug, Clone)]
+struct Outcome {
+    ok: bool,
+    reason: String,
+    texts: Vec<String>,
+    ttft: Option<Duration>,
+    e2e: Duration,
+}
+
+#[derive(Serialize, Default)]
+struct Report {
+    requests_ok: usize,
+    requests_failed: usize,
+    requests_disconnected: usize,
+    failed_reasons: BTreeMap<String, usize>,
+    ttft_p50_ms: f64,
+    ttft_p99_ms: f64,
+    e2e_p50_ms: f64,
+    e2e_p99_ms: f64,
+    kv_bytes_moved: f64,
+    kv_gb_per_s: f64,
+    handoffs_ended: BTreeMap<String, f64>,
+    descriptors: f64,
+    descriptors_per_handoff: f64,
+    killed_engine: Option<String>,
+    blocks_held_by_killed_engine_at_kill: usize,
+    reclaim_after_kill_s: Option<f64>,
+    leaked_blocks: usize,
+    outputs_compared: usize,
+    output_mismatches: usize,
+    prefill_tp: u32,
+    decode_tp: u32,
+    prefill_block_size: u32,
+    decode_block_size: u32,
+    transport: String,
+    cost_model: String,
+    kv_shape: String,
+    wall_s: f64,
+}
+
+fn words(rng: &mut StdRng, n: usize) -> String {
+    (0..n)
+        .map(|_| format!("t{}", rng.gen_range(0..20_000)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Sum of a metric's samples (all label sets) in Prometheus text, per label value of `label`.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        if l.split(['{', ' ']).next() != Some(name) {
+            continue;
+        }
+        let key = format!("{label}=\"");
+        let Some(start) = l.find(&key) else { continue };
+        let rest = &l[start + key.len()..];
+        let Some(end) = rest.find('"') else { continue };
+        if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *out.entry(rest[..end].to_string()).or_default() += v;
+        }
+    }
+    out
+}
+
+async fn get_text(client: &reqwest::Client, url: &str) -> String {
+    match client.get(url).timeout(Duration::from_secs(3)).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+async fn run_job(client: reqwest::Client, proxy: String, job: Job) -> Outcome {
+    let start = Instant::now();
+    let body = json!({"model": "handoff", "prompt": job.prompt, "max_tokens": job.max_tokens, "n": job.n, "stream": true});
+    let fail = |reason: String| Outcome {
+        ok: false,
+        reason,
+        texts: vec![],
+        ttft: None,
+        e2e: start.elapsed(),
+    };
+    let resp = match client
+        .post(format!("{proxy}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return fail(format!("proxy unreachable: {e}")),
+    };
+    if !resp.status().is_success() {
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap_or_default();
+        let reason = if text.contains("max_model_len") {
+            "rejected by decode before admission".to_string()
+        } else if status == 502 || status == 503 || status == 504 {
+            format!("decode unavailable ({status})")
+        } else {
+            format!("http {status}")
+        };
+        return fail(reason);
+    }
+    let mut texts = vec![String::new(); job.n as usize];
+    let mut ttft = None;
+    let mut chunks = 0;
+    let mut buf = Vec::new();
+    let mut stream = resp.bytes_stream();
+    let mut done = false;
+    while let Some(item) = stream.next().await {
+        let Ok(bytes) = item else {
+            return fail("stream broken (decode engine died)".into());
+        };
+        buf.extend_from_slice(&bytes);
+        while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..pos + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            for line in text.lines() {
+                let Some(data) = line.strip_prefix("data: ") else { continue };
+                if data.trim() == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                if v.get("error").is_some() {
+                    return fail(format!("error in stream: {}", v["error"]["message"]));
+                }
+                for c in v["choices"].as_array().into_iter().flatten() {
+                    let i = c["index"].as_u64().unwrap_or(0) as usize;
+                    if let (Some(t), Some(s)) = (texts.get_mut(i), c["text"].as_str()) {
+                        if !s.is_empty() && ttft.is_none() {
+                            ttft = Some(start.elapsed());
+                        }
+                        t.push_str(s);
+                    }
+                }
+                chunks += 1;
+            }
+        }
+        if job.fate == Fate::Disconnect && chunks >= 2 {
+            // Hang up mid-stream: the proxy and D must release everything.
+            return Outcome {
+                ok: false,
+                reason: "client disconnected".into(),
+                texts: vec![],
+                ttft,
+                e2e: start.elapsed(),
+            };
+        }
+    }
+    if !done {
+        return fail("stream ended early (decode engine died)".into());
+    }
+    Outcome {
+        ok: true,
+        reason: String::new(),
+        texts,
+        ttft,
+        e2e: start.elapsed(),
+    }
+}
+
+async fn monolithic_texts(client: &reqwest::Client, url: &str, job: &Job) -> anyhow::Result<Vec<String>> {
+    let body = json!({"prompt": job.prompt, "max_tokens": job.max_tokens, "n": job.n});
+    let v: Value = client
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await?
+        .json()
+        .await?;
+    Ok(v["choices"]
+        .as_array()
+        .context("no choices")?
+        .iter()
+        .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+        .collect())
+}
+
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let report = rt.block_on(demo(args.clone()))?;
+    print_report(&report);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if report.leaked_blocks > 0 || report.output_mismatches > 0 {
+        bail!(
+            "{} leaked blocks, {} mismatched outputs",
+            report.leaked_blocks,
+            report.output_mismatches
+        );
+    }
+    Ok(())
+}
+
+async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
+    let wall = Instant::now();
+    let common = |tp: u32, bs: u32| -> Vec<String> {
+        vec![
+            "--transport".into(),
+            args.transport.clone(),
+            "--tp".into(),
+            tp.to_string(),
+            "--block-size".into(),
+            bs.to_string(),
+            "--num-blocks".into(),
+            (32768 / bs).to_string(),
+        ]
+    };
+    eprintln!("starting 1 prefill, 2 decode and 1 monolithic engine, and the proxy ...");
+    let p = spawn_engine("prefill-0", "prefill", &common(args.prefill_tp, args.prefill_block_size))?;
+    let d1 = spawn_engine("decode-1", "decode", &common(args.decode_tp, args.decode_block_size))?;
+    let d2 = spawn_engine("decode-2", "decode", &common(args.decode_tp, args.decode_block_size))?;
+    let mono = spawn_engine("mono", "both", &common(1, 16))?;
+    let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
+        bind: "127.0.0.1:0".parse()?,
+        prefill: vec![p.url.clone()],
+        decode: vec![d1.url.clone(), d2.url.clone()],
+        health_interval: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .await?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()?;
+
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let jobs: Vec<Job> = (0..args.requests)
+        .map(|idx| {
+            // Log-uniform prompt lengths 16..4096: mostly short, some long.
+            let len = (16.0 * (256f64).powf(rng.gen::<f64>())) as usize;
+            let roll = rng.gen_range(0..100);
+            let fate = match roll {
+                0..=4 => Fate::RejectedByD,
+                5..=9 => Fate::Disconnect,
+                _ => Fate::Normal,
+            };
+            Job {
+                idx,
+                prompt: words(&mut rng, len.clamp(16, 4096)),
+                max_tokens: if fate == Fate::RejectedByD { 8192 } else { rng.gen_range(8..48) },
+                n: if rng.gen_range(0..10) == 0 { 4 } else { 1 },
+                fate,
+            }
+        })
+        .collect();
+
+    let bar = ProgressBar::new(jobs.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let sem = Arc::new(Semaphore::new(args.concurrency.max(1)));
+    let results: Arc<Mutex<Vec<(Job, Outcome)>>> = Arc::new(Mutex::new(Vec::new()));
+    let kill_at = if args.no_kill { usize::MAX } else { jobs.len() * 2 / 5 };
+    let mut report = Report::default();
+    let mut handles = Vec::new();
+    let mut d2 = Some(d2);
+    let mut d2_metrics = String::new();
+    let mut kill_check = None;
+    for job in jobs {
+        if job.idx == kill_at {
+            if let Some(mut e) = d2.take() {
+                let held: Value = client
+                    .get(format!("{}/health", p.url))
+                    .send()
+                    .await?
+                    .json()
+                    .await
+                    .unwrap_or_default();
+                report.blocks_held_by_killed_engine_at_kill =
+                    held["prefill_blocks_held_for"][&e.id].as_u64().unwrap_or(0) as usize;
+                d2_metrics = get_text(&client, &format!("{}/metrics", e.url)).await;
+                bar.set_message(format!("killing {} with SIGKILL", e.id));
+                let _ = e.child.kill();
+                let killed = Instant::now();
+                report.killed_engine = Some(e.id.clone());
+                let (client, purl, id) = (client.clone(), p.url.clone(), e.id.clone());
+                // Time until P no longer holds a single block for the dead engine.
+                kill_check = Some(tokio::spawn(async move {
+                    loop {
+                        let v: Value = match client.get(format!("{purl}/health")).send().await {
+                            Ok(r) => r.json().await.unwrap_or_default(),
+                            Err(_) => Value::Null,
+                        };
+                        if v["prefill_blocks_held_for"][&id].as_u64().unwrap_or(0) == 0 {
+                            return Some(killed.elapsed().as_secs_f64());
+                        }
+                        if killed.elapsed() > Duration::from_secs(60) {
+                            return None;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }));
+                drop(e);
+            }
+        }
+        let permit = sem.clone().acquire_owned().await?;
+        let (client, url, results, bar) = (client.clone(), proxy.url(), results.clone(), bar.clone());
+        handles.push(tokio::spawn(async move {
+            let out = run_job(client, url, job.clone()).await;
+            results.lock().await.push((job, out));
+            bar.inc(1);
+            drop(permit);
+        }));
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    bar.finish_with_message("workload done");
+    if let Some(k) = kill_check {
+        report.reclaim_after_kill_s = k.await.ok().flatten();
+    }
+
+    // Let in-flight releases land, then look for blocks still out of the pools.
+    let settle = Instant::now();
+    let engines = [&p, &d1];
+    loop {
+        let mut held = 0usize;
+        for e in engines {
+            let m = get_text(&client, &format!("{}/metrics", e.url)).await;
+            held += metric(&m, "handoff_kv_blocks_held") as usize + metric(&m, "engine_kv_blocks_used") as usize;
+        }
+        report.leaked_blocks = held;
+        if held == 0 || settle.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let results = results.lock().await.clone();
+    let mut ttft = Vec::new();
+    let mut e2e = Vec::new();
+    for (job, out) in &results {
+        if out.ok {
+            report.requests_ok += 1;
+            e2e.push(out.e2e.as_secs_f64() * 1000.0);
+            if let Some(t) = out.ttft {
+                ttft.push(t.as_secs_f64() * 1000.0);
+            }
+            match monolithic_texts(&client, &mono.url, job).await {
+                Ok(t) => {
+                    report.outputs_compared += 1;
+                    if t != out.texts {
+                        report.output_mismatches += 1;
+                    }
+                }
+                Err(e) => eprintln!("monolithic engine failed on request {}: {e}", job.idx),
+            }
+        } else if out.reason == "client disconnected" {
+            report.requests_disconnected += 1;
+        } else {
+            report.requests_failed += 1;
+            *report.failed_reasons.entry(out.reason.clone()).or_default() += 1;
+        }
+    }
+    report.ttft_p50_ms = percentile(&mut ttft, 0.5);
+    report.ttft_p99_ms = percentile(&mut ttft, 0.99);
+    report.e2e_p50_ms = percentile(&mut e2e, 0.5);
+    report.e2e_p99_ms = percentile(&mut e2e, 0.99);
+    let pm = get_text(&client, &format!("{}/metrics", p.url)).await;
+    report.handoffs_ended = metric_by_label(&pm, "handoff_handoffs_ended_total", "reason");
+    let dm = get_text(&client, &format!("{}/metrics", d1.url)).await;
+    for m in [&dm, &d2_metrics] {
+        report.kv_bytes_moved += metric(m, "handoff_transfer_bytes_total");
+        report.descriptors += metric(m, "handoff_transfer_descriptors_sum");
+    }
+    let secs = metric(&dm, "handoff_transfer_duration_seconds_sum") + metric(&d2_metrics, "handoff_transfer_duration_seconds_sum");
+    let transfers = metric(&dm, "handoff_transfer_duration_seconds_count") + metric(&d2_metrics, "handoff_transfer_duration_seconds_count");
+    report.kv_gb_per_s = if secs > 0.0 { report.kv_bytes_moved / secs / 1e9 } else { 0.0 };
+    report.descriptors_per_handoff = if transfers > 0.0 { report.descriptors / transfers } else { 0.0 };
+    report.prefill_tp = args.prefill_tp;
+    report.decode_tp = args.decode_tp;
+    report.prefill_block_size = args.prefill_block_size;
+    report.decode_block_size = args.decode_block_size;
+    report.transport = args.transport.clone();
+    let d = handoff_engine::EngineConfig::default();
+    report.cost_model = format!(
+        "prefill {} us/token, decode {} ms/step + {} us/seq",
+        d.prefill_us_per_token, d.decode_step_ms, d.decode_us_per_seq
+    );
+    report.kv_shape = format!(
+        "{} layers, {} KV heads, head dim {}, {}",
+        d.num_layers, d.num_kv_heads, d.head_dim, d.dtype
+    );
+    report.wall_s = wall.elapsed().as_secs_f64();
+    proxy.shutdown().await.ok();
+    drop((p, d1, d2, mono));
+    Ok(report)
+}
+
+fn print_report(r: &Report) {
+    println!();
+    println!("handoff demo — {} transport, P tp {} / block {}, D tp {} / block {}", r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size);
+    println!("  model: {}; cost model: {}", r.kv_shape, r.cost_model);
+    println!("  requests ok {}, failed {}, client disconnects {}", r.requests_ok, r.requests_failed, r.requests_disconnected);
+    for (reason, n) in &r.failed_reasons {
+        println!("    failed: {n} × {reason}");
+    }
+    println!("  TTFT p50 {:.1} ms, p99 {:.1} ms; end to end p50 {:.1} ms, p99 {:.1} ms", r.ttft_p50_ms, r.ttft_p99_ms, r.e2e_p50_ms, r.e2e_p99_ms);
+    println!("  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff", r.kv_bytes_moved / (1 << 20) as f64, r.kv_gb_per_s, r.descriptors_per_handoff);
+    let ended: Vec<String> = r.handoffs_ended.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("  handoffs ended on P: {}", ended.join(", "));
+    match (&r.killed_engine, r.reclaim_after_kill_s) {
+        (Some(e), Some(s)) => println!("  killed {e} holding {} P blocks: all back in P's pool {:.3} s after the kill", r.blocks_held_by_killed_engine_at_kill, s),
+        (Some(e), None) => println!("  killed {e}: its blocks were NOT all reclaimed"),
+        _ => println!("  no engine killed"),
+    }
+    println!("  blocks still held at the end: {}", r.leaked_blocks);
+    println!("  outputs compared with a monolithic engine: {}, mismatches: {}", r.outputs_compared, r.output_mismatches);
+    println!("  wall time {:.1} s", r.wall_s);
+}
