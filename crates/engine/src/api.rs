@@ -223,9 +223,9 @@ async fn serve(s: Arc<ApiState>, headers: HeaderMap, body: Value, prompt: String
         Err(r) => {
             // Refused before admission: if this was a remote prefill, P must release now.
             if let (Some(c), Some(v)) = (&s.connector, body.get("kv_transfer_params")) {
-                if let Ok(params) = KvTransferParams::from_json(v) {
-                    if params.do_remote_prefill {
-                        let _ = c.reject(&params);
+                if v.get("do_remote_prefill").and_then(Value::as_bool) == Some(true) {
+                    if let Some(target) = KvTransferParams::release_target(v) {
+                        let _ = c.reject(&target);
                     }
                 }
             }

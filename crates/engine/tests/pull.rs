@@ -107,3 +107,235 @@ async fn disaggregated_output_equals_monolithic() {
         e.stop().await;
     }
 }
+
+async fn p_leg(client: &reqwest::Client, p: &RunningEngine, text: &str) -> Value {
+    let (s, pr) = post(
+        client,
+        &p.url(),
+        json!({"prompt": text, "max_tokens": 1, "stream": false,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+                 "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{pr}");
+    pr["kv_transfer_params"].clone()
+}
+
+/// Waits until P has released everything; returns how long that took.
+async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
+    let c = e.connector.as_ref().expect("connector");
+    let start = std::time::Instant::now();
+    while c.held_blocks() != (0, 0) {
+        assert!(start.elapsed() < limit, "{} still holds {:?}", e.engine_id, c.held_blocks());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejection_before_admission_releases_p_at_once() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(EngineConfig {
+        max_model_len: 256,
+        ..cfg("decode")
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    // Oversized for D (prompt + max_tokens > D's max_model_len), fine for P.
+    let text = prompt(1, 200);
+    let params = p_leg(&client, &p, &text).await;
+    let (s, body) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 100, "kv_transfer_params": params})).await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("max_model_len"));
+    // The lease is 10 s: a release within a second can only be the rejection's.
+    released_within(&p, Duration::from_secs(1)).await;
+    // Invalid params (a handoff id that is not one) are refused too, and name the problem.
+    let mut bad = p_leg(&client, &p, &text).await;
+    bad["remote_block_ids"] = json!("many");
+    let (s, body) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": bad})).await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("kv_transfer_params"), "{body}");
+    released_within(&p, Duration::from_secs(1)).await;
+    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    assert_eq!(ended.get("rejected"), Some(&2), "{ended:?}");
+    for e in [p, d] {
+        e.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_mid_stream_releases_everything() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(EngineConfig {
+        decode_step_ms: 20.0,
+        ..cfg("decode")
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let text = prompt(2, 300);
+    let params = p_leg(&client, &p, &text).await;
+    let resp = client
+        .post(format!("{}/v1/completions", d.url()))
+        .json(&json!({"prompt": text, "max_tokens": 200, "stream": true, "kv_transfer_params": params}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    use futures_util::StreamExt;
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("data:"));
+    drop(stream);
+    released_within(&p, Duration::from_secs(2)).await;
+    // D's pool is whole again once the abandoned sequence is reaped.
+    let start_t = std::time::Instant::now();
+    loop {
+        let m = client.get(format!("{}/metrics", d.url())).send().await.unwrap().text().await.unwrap();
+        if metric(&m, "engine_kv_blocks_used") == 0.0 && metric(&m, "handoff_kv_blocks_held") == 0.0 {
+            break;
+        }
+        assert!(start_t.elapsed() < Duration::from_secs(5), "D still holds blocks:\n{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for e in [p, d] {
+        e.stop().await;
+    }
+}
+
+/// The JSON vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py)
+/// sends, byte for byte in its keys, drives a handoff P and D: wire compatibility.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_toy_proxy_json_drives_p_and_d() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(cfg("decode")).await.unwrap();
+    let mono = start(cfg("both")).await.unwrap();
+    let client = reqwest::Client::new();
+    let messages = json!([{"role": "user", "content": prompt(3, 64)}]);
+    // Leg 1, as the toy proxy builds it from the client's request.
+    let req_id = "0b9c1e0e-6f7a-4d3b-9a51-2f4f1c7e8d21";
+    let p_req = json!({
+        "model": "handoff-synthetic-8b", "messages": messages, "max_tokens": 1,
+        "max_completion_tokens": 1, "stream": false,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}
+    });
+    let pr: Value = client
+        .post(format!("{}/v1/chat/completions", p.url()))
+        .header("X-Request-Id", req_id)
+        .json(&p_req)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let params = pr["kv_transfer_params"].clone();
+    for key in ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "remote_request_id"] {
+        assert!(params.get(key).is_some(), "P's params lack vLLM key {key}: {params}");
+    }
+    assert_eq!(params["remote_request_id"], req_id);
+    // Leg 2: the client's request, streamed, with P's params.
+    let d_req = json!({"model": "handoff-synthetic-8b", "messages": messages, "max_tokens": 10, "stream": true, "kv_transfer_params": params});
+    let body = client
+        .post(format!("{}/v1/chat/completions", d.url()))
+        .header("X-Request-Id", req_id)
+        .json(&d_req)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut text = String::new();
+    for line in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert!(body.trim_end().ends_with("data: [DONE]"));
+    let m: Value = client
+        .post(format!("{}/v1/chat/completions", mono.url()))
+        .json(&json!({"messages": messages, "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(text, m["choices"][0]["message"]["content"].as_str().unwrap());
+    released_within(&p, Duration::from_secs(2)).await;
+    for e in [p, d, mono] {
+        e.stop().await;
+    }
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Checks the exposition format: every sample is `name{labels} value` with a declared family.
+fn assert_prometheus_text(text: &str) {
+    assert!(text.trim_end().ends_with("# EOF"), "missing # EOF");
+    let mut families = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            families.insert(rest.split(' ').next().unwrap().to_string());
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (name_labels, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+        assert!(value.parse::<f64>().is_ok(), "bad value in {line:?}");
+        let name = name_labels.split('{').next().unwrap();
+        if name_labels.contains('{') {
+            assert!(name_labels.ends_with('}'), "bad labels in {line:?}");
+        }
+        let family = ["_total", "_bucket", "_sum", "_count", "_created"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        assert!(families.contains(family) || families.contains(name), "sample {name} has no # TYPE");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_and_held_gauge_returns_to_zero() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(cfg("decode")).await.unwrap();
+    let client = reqwest::Client::new();
+    let text = prompt(4, 120);
+    let params = p_leg(&client, &p, &text).await;
+    let held = client.get(format!("{}/metrics", p.url())).send().await.unwrap().text().await.unwrap();
+    assert_prometheus_text(&held);
+    assert!(metric(&held, "handoff_kv_blocks_held") > 0.0, "P holds the handoff's blocks while D has not read:\n{held}");
+    let (s, _) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 3, "kv_transfer_params": params})).await;
+    assert_eq!(s, 200);
+    released_within(&p, Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for e in [&p, &d] {
+        let m = client.get(format!("{}/metrics", e.url())).send().await.unwrap().text().await.unwrap();
+        assert_prometheus_text(&m);
+        assert_eq!(metric(&m, "handoff_kv_blocks_held"), 0.0, "{m}");
+    }
+    let dm = client.get(format!("{}/metrics", d.url())).send().await.unwrap().text().await.unwrap();
+    assert!(metric(&dm, "handoff_transfer_bytes_total") > 0.0);
+    assert!(metric(&dm, "handoff_heartbeats_total") > 0.0);
+    let pm = client.get(format!("{}/metrics", p.url())).send().await.unwrap().text().await.unwrap();
+    assert_eq!(
+        pm.lines().find(|l| l.starts_with("handoff_handoffs_ended_total{reason=\"done\"}")).map(|l| l.rsplit(' ').next().unwrap().to_string()),
+        Some("1".to_string())
+    );
+    for e in [p, d] {
+        e.stop().await;
+    }
+}

@@ -96,6 +96,25 @@ impl KvTransferParams {
         serde_json::from_value(v.clone()).map_err(|e| ParamsError::Invalid(e.to_string()))
     }
 
+    /// Only what is needed to tell P to release (engine, side channel, handoff id, epoch), read
+    /// key by key so that params invalid elsewhere still let D release P's blocks at once.
+    pub fn release_target(v: &Value) -> Option<Self> {
+        let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+        let handoff_id = s("handoff_id")?.parse().ok()?;
+        Some(KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some(s("remote_engine_id")?),
+            remote_host: Some(s("remote_host")?),
+            remote_port: Some(u16::try_from(v.get("remote_port")?.as_u64()?).ok()?),
+            handoff_id: Some(handoff_id),
+            epoch: v
+                .get("epoch")
+                .and_then(Value::as_u64)
+                .and_then(|e| u32::try_from(e).ok()),
+            ..Default::default()
+        })
+    }
+
     pub fn to_json(&self) -> Value {
         // Serializing this struct cannot fail: every field is a plain JSON type.
         serde_json::to_value(self).unwrap_or(Value::Null)
