@@ -27,7 +27,7 @@ pub struct DemoArgs {
     #[arg(long)]
     pub json: bool,
     /// Requests to send.
-    #[arg(long, default_value_t = 160)]
+    #[arg(long, default_value_t = 140)]
     pub requests: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8)]
@@ -349,7 +349,14 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     eprintln!("starting 1 prefill, 2 decode and 1 monolithic engine, and the proxy ...");
     let p = spawn_engine("prefill-0", "prefill", &common(args.prefill_tp, args.prefill_block_size))?;
     let d1 = spawn_engine("decode-1", "decode", &common(args.decode_tp, args.decode_block_size))?;
-    let d2 = spawn_engine("decode-2", "decode", &common(args.decode_tp, args.decode_block_size))?;
+    // decode-2 is busy (a small pool): requests wait in its queue, heartbeating, while P holds
+    // their blocks — the case where a crash strands memory in other systems.
+    let mut busy = common(args.decode_tp, args.decode_block_size);
+    if let Some(i) = busy.iter().position(|a| a == "--num-blocks") {
+        busy[i + 1] = (4096 / args.decode_block_size).to_string();
+    }
+    busy.extend(["--set".to_string(), "max_batch=4".to_string()]);
+    let d2 = spawn_engine("decode-2", "decode", &busy)?;
     let mono = spawn_engine("mono", "both", &common(1, 16))?;
     let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
         bind: "127.0.0.1:0".parse()?,
@@ -400,6 +407,18 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     for job in jobs {
         if job.idx == kill_at {
             if let Some(mut e) = d2.take() {
+                // Kill it while P holds blocks for it (wait up to 5 s for that moment).
+                let wait = Instant::now();
+                while wait.elapsed() < Duration::from_secs(5) {
+                    let v: Value = match client.get(format!("{}/health", p.url)).send().await {
+                        Ok(r) => r.json().await.unwrap_or_default(),
+                        Err(_) => Value::Null,
+                    };
+                    if v["prefill_blocks_held_for"][&e.id].as_u64().unwrap_or(0) > 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
                 let held: Value = client
                     .get(format!("{}/health", p.url))
                     .send()
@@ -470,6 +489,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let results = results.lock().await.clone();
     let mut ttft = Vec::new();
     let mut e2e = Vec::new();
+    let mut to_compare = Vec::new();
     for (job, out) in &results {
         if out.ok {
             report.requests_ok += 1;
@@ -477,20 +497,34 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             if let Some(t) = out.ttft {
                 ttft.push(t.as_secs_f64() * 1000.0);
             }
-            match monolithic_texts(&client, &mono.url, job).await {
-                Ok(t) => {
-                    report.outputs_compared += 1;
-                    if t != out.texts {
-                        report.output_mismatches += 1;
-                    }
-                }
-                Err(e) => eprintln!("monolithic engine failed on request {}: {e}", job.idx),
-            }
+            to_compare.push((job.clone(), out.texts.clone()));
         } else if out.reason == "client disconnected" {
             report.requests_disconnected += 1;
         } else {
             report.requests_failed += 1;
             *report.failed_reasons.entry(out.reason.clone()).or_default() += 1;
+        }
+    }
+    // Every successful output against a monolithic engine given the same prompt.
+    let compared = futures_util::stream::iter(to_compare.into_iter().map(|(job, texts)| {
+        let (client, url) = (client.clone(), mono.url.clone());
+        async move {
+            match monolithic_texts(&client, &url, &job).await {
+                Ok(t) => Some(t == texts),
+                Err(e) => {
+                    eprintln!("monolithic engine failed on request {}: {e}", job.idx);
+                    None
+                }
+            }
+        }
+    }))
+    .buffer_unordered(8)
+    .collect::<Vec<_>>()
+    .await;
+    for same in compared.into_iter().flatten() {
+        report.outputs_compared += 1;
+        if !same {
+            report.output_mismatches += 1;
         }
     }
     report.ttft_p50_ms = percentile(&mut ttft, 0.5);

@@ -71,6 +71,8 @@ impl Peers {
 }
 
 struct ActiveRead {
+    dst_blocks: Vec<u32>,
+    num_tokens: u32,
     started: Instant,
     bytes: u64,
     descs: usize,
@@ -676,18 +678,26 @@ impl Connector {
             return fail_all(inner, "P not connected".into());
         }
         let d_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        // Move whole blocks where both sides have them: the tail of the last block costs a
+        // descriptor per head and layer when cut at the last token, and nothing when moved with
+        // the rest of its run. The bytes past the prompt are zeroed on arrival (`zero_tail`).
+        let p_cap = r.src_blocks.len() as u64 * peer.layouts[0].spec.block_size as u64;
+        let d_cap = r.dst_blocks.len() as u64 * self.spec.block_size as u64;
+        let planned_tokens = p_cap.min(d_cap).max(r.num_tokens as u64) as u32;
         let plan = match handoff_plan::plan(
             &peer.layouts,
             &d_layouts,
             &r.src_blocks,
             &r.dst_blocks,
-            r.num_tokens,
+            planned_tokens,
         ) {
             Ok(p) => p,
             Err(e) => return fail_all(inner, e.to_string()),
         };
         let agents = peer.agents.clone();
         let mut active = ActiveRead {
+            dst_blocks: r.dst_blocks.clone(),
+            num_tokens: r.num_tokens,
             started: Instant::now(),
             bytes: 0,
             descs: 0,
@@ -786,7 +796,8 @@ impl Connector {
                 .collect();
             for rank in ended {
                 if let Some((_, failed)) = read.ranks.remove(&rank) {
-                    finished.push((*handoff, rank, !failed));
+                    let ok = !failed && self.zero_tail(rank, &read.dst_blocks, read.num_tokens);
+                    finished.push((*handoff, rank, ok));
                 }
             }
             if read.ranks.is_empty() {
@@ -806,6 +817,32 @@ impl Connector {
                 c.on_read_done(handoff, rank, ok, now);
             }
         }
+    }
+
+    /// Zeroes the bytes of the destination blocks past the prompt's last token, so no stale
+    /// byte (P's or a previous request's) stays in a partially filled block.
+    fn zero_tail(&self, rank: u16, dst_blocks: &[u32], num_tokens: u32) -> bool {
+        let Some(r) = self.ranks.get(rank as usize) else {
+            return false;
+        };
+        let spans = match handoff_plan::uncovered_dst(&r.layout, dst_blocks, num_tokens) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot compute the tail to zero");
+                return false;
+            }
+        };
+        let zeros = vec![0u8; spans.iter().map(|s| s.len).max().unwrap_or(0) as usize];
+        spans.iter().all(|s| {
+            r.regions
+                .iter()
+                .find(|(id, _)| *id == s.region)
+                .is_some_and(|(_, region)| {
+                    region
+                        .write(s.offset as usize, &zeros[..s.len as usize])
+                        .is_ok()
+                })
+        })
     }
 
     fn update_gauges(&self, inner: &Inner) {

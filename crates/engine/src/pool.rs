@@ -1,11 +1,13 @@
 //! The paged KV pool: block ids `0..num_blocks`, each given out once until returned.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 
 #[derive(Debug)]
 pub struct BlockPool {
     total: u32,
-    free: Vec<u32>,
+    /// Lowest ids first, so a request's blocks are contiguous whenever the pool allows: one
+    /// descriptor moves a whole run.
+    free: BTreeSet<u32>,
     used: HashSet<u32>,
     /// Frees of blocks that were not out (a bug somewhere): counted, never applied twice.
     pub double_frees: u64,
@@ -15,7 +17,7 @@ impl BlockPool {
     pub fn new(total: u32) -> Self {
         BlockPool {
             total,
-            free: (0..total).rev().collect(),
+            free: (0..total).collect(),
             used: HashSet::new(),
             double_frees: 0,
         }
@@ -38,8 +40,9 @@ impl BlockPool {
         if self.free.len() < n {
             return None;
         }
-        let out: Vec<u32> = self.free.split_off(self.free.len() - n);
+        let out: Vec<u32> = self.free.iter().take(n).copied().collect();
         for b in &out {
+            self.free.remove(b);
             self.used.insert(*b);
         }
         Some(out)
@@ -48,7 +51,7 @@ impl BlockPool {
     pub fn free(&mut self, blocks: &[u32]) {
         for b in blocks {
             if self.used.remove(b) {
-                self.free.push(*b);
+                self.free.insert(*b);
             } else {
                 self.double_frees += 1;
                 tracing::error!(block = b, "block freed twice or never allocated");

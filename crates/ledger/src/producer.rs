@@ -657,7 +657,23 @@ impl ProducerLedger {
             self.stats.stale_epoch += 1;
             return;
         }
-        // The sender promises no READ is in flight; push writes of ours are waited for.
+        // A release from someone other than the D that reads the handoff (the proxy, when it
+        // believes D never got the request) cannot promise that no READ is in flight: it only
+        // ends the lease, and the fence protects a read that may still be running (rule 2).
+        if h.reader.is_some_and(|reader| reader != from) {
+            if h.phase == Phase::Leased {
+                let until = now + self.cfg.fence_grace;
+                let h = self.handoffs.get_mut(&r.handoff).expect("checked above");
+                h.lease_end = now;
+                h.phase = Phase::Fencing {
+                    until,
+                    reason: r.reason.into(),
+                };
+                h.timer.arm(&mut self.timers, r.handoff, until);
+            }
+            return;
+        }
+        // The reader promises no READ is in flight; push writes of ours are waited for.
         let reason = match h.phase {
             Phase::Leased => r.reason.into(),
             Phase::Fencing { reason, .. } | Phase::Draining { reason, .. } => reason,

@@ -876,3 +876,38 @@ fn a_delayed_grant_is_anchored_at_the_heartbeat_send_time() {
     };
     assert_eq!(read.deadline, t0 + lease + d_cfg.read_grace);
 }
+
+#[test]
+fn a_release_from_someone_other_than_the_reader_only_ends_the_lease() {
+    // The proxy thinks D never got the request, but D did and is reading: P must fence.
+    let mut pair = Pair::default_pair();
+    let id = hid(80);
+    let read = start_pull(&mut pair, id, 1);
+    let proxy = PeerId(99);
+    pair.p.handle_message(
+        proxy,
+        Message::Release(Release {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            reason: ReleaseReason::Aborted,
+        }),
+        pair.now,
+    );
+    assert!(pair.p.poll_release().is_none(), "a READ may be in flight");
+    // The read completes: now nothing is in flight.
+    pair.complete_read(&read);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Aborted);
+    // Without a reader, the same release frees at once.
+    let other = hid(81);
+    pair.p.create_handoff(other, vec![50], TransferMode::Pull, pair.now).unwrap();
+    pair.p.handle_message(
+        proxy,
+        Message::Release(Release {
+            handoff: other,
+            epoch: Epoch::FIRST,
+            reason: ReleaseReason::Aborted,
+        }),
+        pair.now,
+    );
+    assert_eq!(pair.p.poll_release().unwrap().handoff, other);
+}

@@ -17,9 +17,15 @@ pub(crate) struct ProxyError {
     pub(crate) status: StatusCode,
     pub(crate) outcome: Outcome,
     pub(crate) kind: &'static str,
+    pub(crate) message: String,
+    // Boxed: most errors carry few details, and a small error keeps every Result small.
+    pub(crate) detail: Box<Detail>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Detail {
     pub(crate) role: Option<Role>,
     pub(crate) instance: Option<String>,
-    pub(crate) message: String,
     /// The upstream's own status and body, when it answered.
     pub(crate) upstream_status: Option<u16>,
     pub(crate) upstream_body: Option<Value>,
@@ -39,13 +45,8 @@ impl ProxyError {
             status,
             outcome,
             kind,
-            role: None,
-            instance: None,
             message: msg,
-            upstream_status: None,
-            upstream_body: None,
-            prefill_released: None,
-            request_id: None,
+            detail: Box::default(),
         }
     }
 
@@ -69,11 +70,11 @@ impl ProxyError {
             "no_healthy_instance",
             format!("no healthy {role} instance"),
         );
-        e.role = Some(role);
+        e.detail.role = Some(role);
         e
     }
 
-    /// An upstream call failed: `what` says how ("unreachable", "timed out", ...).
+    /// An upstream call failed; `reason` completes "{role} instance {url} ..." ("is unreachable: ...").
     pub(crate) fn upstream(
         role: Role,
         instance: &str,
@@ -91,8 +92,8 @@ impl ProxyError {
             kind,
             format!("{role} instance {instance} {reason}"),
         );
-        e.role = Some(role);
-        e.instance = Some(instance.to_string());
+        e.detail.role = Some(role);
+        e.detail.instance = Some(instance.to_string());
         e
     }
 
@@ -164,8 +165,8 @@ impl ProxyError {
             "upstream_status",
             format!("{verb}: HTTP {status}: {}", snippet(body)),
         );
-        e.upstream_status = Some(status.as_u16());
-        e.upstream_body = Some(
+        e.detail.upstream_status = Some(status.as_u16());
+        e.detail.upstream_body = Some(
             serde_json::from_slice(body)
                 .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned())),
         );
@@ -181,22 +182,22 @@ impl IntoResponse for ProxyError {
             "code": self.status.as_u16(),
         });
         let obj = err.as_object_mut().expect("object literal");
-        if let Some(role) = self.role {
+        if let Some(role) = self.detail.role {
             obj.insert("role".into(), json!(role));
         }
-        if let Some(instance) = self.instance {
+        if let Some(instance) = self.detail.instance {
             obj.insert("instance".into(), json!(instance));
         }
-        if let Some(s) = self.upstream_status {
+        if let Some(s) = self.detail.upstream_status {
             obj.insert("upstream_status".into(), json!(s));
         }
-        if let Some(b) = self.upstream_body {
+        if let Some(b) = self.detail.upstream_body {
             obj.insert("upstream_body".into(), b);
         }
-        if let Some(r) = self.prefill_released {
+        if let Some(r) = self.detail.prefill_released {
             obj.insert("prefill_released".into(), json!(r));
         }
-        if let Some(id) = self.request_id {
+        if let Some(id) = self.detail.request_id {
             obj.insert("request_id".into(), json!(id));
         }
         (self.status, axum::Json(json!({ "error": err }))).into_response()

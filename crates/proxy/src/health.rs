@@ -15,7 +15,11 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
     let url = format!("{}/health", inst.url);
     let verdict = match tokio::time::timeout(
         shared.cfg.health_timeout,
-        shared.http.get(&url).timeout(shared.cfg.health_timeout).send(),
+        shared
+            .http
+            .get(&url)
+            .timeout(shared.cfg.health_timeout)
+            .send(),
     )
     .await
     {

@@ -55,8 +55,9 @@
 //!   first-byte timeout (`request_timeout` until the head of a streamed D answer), and a relayed
 //!   stream is cut after `stream_idle_timeout` without a chunk.
 //! - Once D's answer has begun, D owns the handoff (its connector releases P when it has pulled,
-//!   or aborts). A D stream that breaks is not hidden: an SSE client gets an `error` event, then
-//!   the connection is aborted (no clean end of the chunked body).
+//!   or aborts). A D stream that breaks or stalls is not hidden: an SSE client gets a final
+//!   `data: {"error": {...}}` event naming D (and no `[DONE]`), as vLLM reports mid-stream errors;
+//!   any other body is aborted, so the client sees a truncated answer rather than a short one.
 //! - **Client disconnect**: dropping the client's stream drops the upstream D response at once,
 //!   which closes the connection to D, so D sees the disconnect and aborts the request (and its
 //!   connector gives the handoff back). The proxy never keeps reading D for nobody.
@@ -244,7 +245,11 @@ impl RunningProxy {
 
     /// Adds an instance (as `POST /admin/instances`): returns whether it was new and how it
     /// stands after its first health check.
-    pub async fn add_instance(&self, role: Role, url: &str) -> anyhow::Result<(bool, InstanceInfo)> {
+    pub async fn add_instance(
+        &self,
+        role: Role,
+        url: &str,
+    ) -> anyhow::Result<(bool, InstanceInfo)> {
         self.shared
             .add_instance(role, url)
             .await

@@ -289,7 +289,13 @@ mod tests {
         let pool = pool_with(&["http://a", "http://b", "http://c"], &m);
         pool.snapshot()[1].set_healthy(false);
         let picks: Vec<String> = (0..4)
-            .map(|_| pool.pick(Policy::RoundRobin).unwrap().instance().url.clone())
+            .map(|_| {
+                pool.pick(Policy::RoundRobin)
+                    .unwrap()
+                    .instance()
+                    .url
+                    .clone()
+            })
             .collect();
         assert!(!picks.contains(&"http://b".to_string()));
         assert_ne!(picks[0], picks[1]);
@@ -322,7 +328,10 @@ mod tests {
 
     #[test]
     fn parse_policy_and_role() {
-        assert_eq!("least-loaded".parse::<Policy>().unwrap(), Policy::LeastLoaded);
+        assert_eq!(
+            "least-loaded".parse::<Policy>().unwrap(),
+            Policy::LeastLoaded
+        );
         assert_eq!("round_robin".parse::<Policy>().unwrap(), Policy::RoundRobin);
         assert_eq!("Decode".parse::<Role>().unwrap(), Role::Decode);
         assert!("x".parse::<Policy>().is_err());

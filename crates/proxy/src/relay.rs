@@ -23,8 +23,6 @@ struct Relay {
     idle: Duration,
     /// `None` while running; how it ended otherwise.
     end: Option<StreamEnd>,
-    /// An error to yield after the SSE error event, so the connection is aborted.
-    pending: Option<io::Error>,
 }
 
 impl Relay {
@@ -33,11 +31,10 @@ impl Relay {
         tracing::warn!(request_id = %self.request_id, decode = %url, %reason, "decode stream broke");
         self.end = Some(end);
         let message = format!("decode instance {url} stream broke: {reason}");
-        let err = io::Error::other(message.clone());
         if self.sse {
-            // Tell an SSE client in-band why its stream stops, then abort the connection so that
-            // the stream does not look complete either.
-            self.pending = Some(err);
+            // Tell an SSE client in-band why its stream stops, as vLLM and OpenAI do (OpenAI
+            // clients raise on an `error` event), and send no `[DONE]`. Aborting the connection
+            // after it would be louder but loses the event: hyper drops its unflushed buffer.
             let event = json!({"error": {
                 "message": message,
                 "type": "upstream_stream_error",
@@ -47,7 +44,8 @@ impl Relay {
             }});
             Some(Ok(Bytes::from(format!("data: {event}\n\n"))))
         } else {
-            Some(Err(err))
+            // Not SSE: abort the connection, so the client sees a truncated body, not a short one.
+            Some(Err(io::Error::other(message)))
         }
     }
 }
@@ -86,12 +84,8 @@ pub(crate) fn relay(
         sse,
         idle,
         end: None,
-        pending: None,
     };
     futures_util::stream::unfold(state, |mut st| async move {
-        if let Some(err) = st.pending.take() {
-            return Some((Err(err), st));
-        }
         if st.end.is_some() {
             return None;
         }

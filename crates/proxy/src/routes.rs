@@ -102,11 +102,11 @@ async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: By
             tracing::warn!(
                 request_id = %rid,
                 status = e.status.as_u16(),
-                prefill_released = ?e.prefill_released,
+                prefill_released = ?e.detail.prefill_released,
                 "{}",
                 e.message
             );
-            e.request_id = Some(rid.clone());
+            e.detail.request_id = Some(rid.clone());
             e.into_response()
         }
     };
@@ -240,7 +240,7 @@ async fn pull(
     };
     let Some(d_guard) = s.decode.pick(policy) else {
         let mut e = ProxyError::no_instance(Role::Decode);
-        e.prefill_released = Some(release.release_now("no healthy decode instance").await);
+        e.detail.prefill_released = Some(release.release_now("no healthy decode instance").await);
         return Err(e);
     };
     let d = d_guard.instance().clone();
@@ -261,12 +261,12 @@ async fn pull(
         Ok(Err(err)) => {
             mark_down_if_unreachable(&d, &err);
             let mut e = ProxyError::transport(Role::Decode, &d.url, &err);
-            e.prefill_released = Some(release.release_now(&e.message).await);
+            e.detail.prefill_released = Some(release.release_now(&e.message).await);
             return Err(e);
         }
         Err(_) => {
             let mut e = ProxyError::timeout(Role::Decode, &d.url, "no response head", t);
-            e.prefill_released = Some(release.release_now(&e.message).await);
+            e.detail.prefill_released = Some(release.release_now(&e.message).await);
             return Err(e);
         }
     };
@@ -274,7 +274,7 @@ async fn pull(
     if !status.is_success() {
         let body = read_capped(resp, deadline).await;
         let mut e = ProxyError::upstream_status(Role::Decode, &d.url, status, &body);
-        e.prefill_released = Some(release.release_now(&e.message).await);
+        e.detail.prefill_released = Some(release.release_now(&e.message).await);
         return Err(e);
     }
     // D has accepted the request: it owns the handoff now (its connector releases P after the

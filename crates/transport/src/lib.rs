@@ -177,8 +177,14 @@ pub(crate) fn check_bounds(
 pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, TransportError> {
     let _ = name;
     match kind {
-        // tcp: the tcp backend's constructor goes here (arm for the tcp engineer).
-        // nixl: the nixl backend's constructor goes here (arm for the nixl engineer).
+        "tcp" => {
+            let t = tcp::TcpTransport::new(name, tcp::TcpConfig::default())?;
+            Ok(t as Arc<dyn Transport>)
+        }
+        "nixl" => {
+            let t = nixl::NixlTransport::open(name, nixl::NixlConfig::from_env())?;
+            Ok(t as Arc<dyn Transport>)
+        }
         other => Err(TransportError::Unavailable {
             backend: "unknown",
             reason: format!("no backend named {other:?} (expected tcp or nixl)"),

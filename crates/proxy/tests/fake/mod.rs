@@ -82,7 +82,7 @@ static NEXT_HANDOFF: AtomicU64 = AtomicU64::new(1);
 pub struct Fake {
     pub url: String,
     pub state: Arc<FakeState>,
-    server: JoinHandle<()>,
+    server: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Fake {
@@ -123,7 +123,11 @@ impl Fake {
         let server = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
-        Fake { url, state, server }
+        Fake {
+            url,
+            state,
+            server: Mutex::new(Some(server)),
+        }
     }
 
     pub async fn prefill(name: &str, log: &Log) -> Fake {
@@ -136,8 +140,11 @@ impl Fake {
 
     /// Stops the server: later connections are refused.
     pub async fn kill(&self) {
-        self.server.abort();
-        let _ = (&self.server).await;
+        let server = self.server.lock().unwrap().take();
+        if let Some(server) = server {
+            server.abort();
+            let _ = server.await;
+        }
         // Let the runtime close the listener.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -178,7 +185,9 @@ impl Fake {
 
 impl Drop for Fake {
     fn drop(&mut self) {
-        self.server.abort();
+        if let Some(server) = self.server.lock().unwrap().take() {
+            server.abort();
+        }
     }
 }
 
@@ -280,7 +289,11 @@ impl Drop for StreamState {
 }
 
 fn sse(s: Arc<FakeState>) -> Response {
-    let state = StreamState { s, i: 0, done: false };
+    let state = StreamState {
+        s,
+        i: 0,
+        done: false,
+    };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;

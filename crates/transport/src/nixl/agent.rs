@@ -30,7 +30,11 @@ impl std::fmt::Display for CallError {
             sys::ERROR_NOT_FOUND => "not found",
             _ => "error",
         };
-        write!(f, "nixl_capi_{} returned {} ({what})", self.call, self.status)
+        write!(
+            f,
+            "nixl_capi_{} returned {} ({what})",
+            self.call, self.status
+        )
     }
 }
 
@@ -140,8 +144,10 @@ impl Agent {
 
         let mut map: sys::NotifMap = ptr::null_mut();
         // SAFETY: valid out pointer.
-        check("create_notif_map", unsafe { (api.create_notif_map)(&mut map) })
-            .map_err(|e| e.to_string())?;
+        check("create_notif_map", unsafe {
+            (api.create_notif_map)(&mut map)
+        })
+        .map_err(|e| e.to_string())?;
         agent.notifs = map;
         Ok(agent)
     }
@@ -170,7 +176,9 @@ impl Agent {
             if unsafe { (self.api.string_list_get)(list, i, &mut s) } == sys::SUCCESS
                 && !s.is_null()
             {
-                out.push(unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned());
+                // SAFETY: NIXL returned a NUL-terminated string owned by the live list.
+                let name = unsafe { CStr::from_ptr(s) };
+                out.push(name.to_string_lossy().into_owned());
             }
         }
         // SAFETY: destroyed once; no borrowed string outlives this point.
@@ -189,9 +197,9 @@ impl Agent {
         if data.is_null() {
             return Ok(Vec::new());
         }
-        // SAFETY: on success `data` points to `len` bytes NIXL malloc'ed for us; they are copied
-        // out, then freed exactly once with libc free.
+        // SAFETY: on success `data` points to `len` bytes NIXL malloc'ed for us.
         let out = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
+        // SAFETY: copied out above; freed exactly once, with the allocator that made it.
         unsafe { sys::free(data) };
         Ok(out)
     }
@@ -218,11 +226,11 @@ impl Agent {
         if name.is_null() {
             return Ok(String::new());
         }
-        // SAFETY: on success `name` is a NUL-terminated string NIXL strdup'ed for us: copied,
-        // then freed exactly once.
+        // SAFETY: on success `name` is a NUL-terminated string NIXL strdup'ed for us.
         let out = unsafe { CStr::from_ptr(name) }
             .to_string_lossy()
             .into_owned();
+        // SAFETY: copied out above; freed exactly once, with the allocator that made it.
         unsafe { sys::free(name as *mut c_void) };
         Ok(out)
     }
@@ -257,18 +265,6 @@ impl Agent {
         }
     }
 
-    /// Connects to a loaded peer now (otherwise the first transfer does).
-    pub fn make_connection(&self, peer: &str) -> Result<(), CallError> {
-        let c = CString::new(peer).map_err(|_| CallError {
-            call: "agent_make_connection",
-            status: sys::ERROR_INVALID_PARAM,
-        })?;
-        // SAFETY: live agent, C string, null opt args (every backend).
-        check("agent_make_connection", unsafe {
-            (self.api.agent_make_connection)(self.raw, c.as_ptr(), ptr::null_mut())
-        })
-    }
-
     /// Registers `region` (DRAM, one descriptor: its whole allocation) with this agent's backend.
     pub fn register(&self, region: Arc<KvRegion>) -> Result<Registration, CallError> {
         let dlist = RegDlist::new(self.api)?;
@@ -291,7 +287,7 @@ impl Agent {
         Ok(Registration {
             agent: self.raw,
             dlist,
-            region,
+            _region: region,
         })
     }
 
@@ -376,13 +372,14 @@ impl Agent {
         if req.agent != self.raw {
             return Err(req);
         }
-        // SAFETY: live request of this agent; after a successful release NIXL has deleted the
-        // C++ request and nulled the wrapper's pointer, so `destroy_xfer_req` only frees the
-        // wrapper, exactly once (`req` is forgotten, its Drop does not run).
+        // SAFETY: live request of this agent.
         let st = unsafe { (self.api.release_xfer_req)(self.raw, req.raw) };
         if st != sys::SUCCESS {
             return Err(req);
         }
+        // SAFETY: after a successful release NIXL has deleted the C++ request and nulled the
+        // wrapper's pointer, so this frees only the wrapper, exactly once (`req` is forgotten
+        // below, its Drop does not run).
         unsafe { (self.api.destroy_xfer_req)(req.raw) };
         std::mem::forget(req);
         Ok(())
@@ -408,6 +405,7 @@ impl Agent {
             {
                 continue;
             }
+            // SAFETY: NUL-terminated string owned by the (unmodified) map.
             let from = unsafe { CStr::from_ptr(name) }
                 .to_string_lossy()
                 .into_owned();
@@ -490,13 +488,8 @@ pub(crate) fn op_code(op: XferOp) -> sys::XferOp {
 pub(crate) struct Registration {
     agent: sys::Agent,
     dlist: RegDlist,
-    region: Arc<KvRegion>,
-}
-
-impl Registration {
-    pub fn region(&self) -> &Arc<KvRegion> {
-        &self.region
-    }
+    /// Held (never read) so the registered memory is referenced while registered.
+    _region: Arc<KvRegion>,
 }
 
 // SAFETY: holds a descriptor list (a plain heap object, see `RegDlist`) and the agent's address
@@ -572,7 +565,9 @@ impl OptArgs {
     pub(crate) fn new(api: &'static Api) -> Result<OptArgs, CallError> {
         let mut raw: sys::OptArgs = ptr::null_mut();
         // SAFETY: valid out pointer.
-        check("create_opt_args", unsafe { (api.create_opt_args)(&mut raw) })?;
+        check("create_opt_args", unsafe {
+            (api.create_opt_args)(&mut raw)
+        })?;
         Ok(OptArgs { api, raw })
     }
 

@@ -26,6 +26,9 @@
 //!   ([`TransportError::Io`]) instead of waiting (the same thread may be the one that would
 //!   release it): give each KV block its own chunk. Remote memory is not locked: the peer's
 //!   ledger fences cover it.
+//! - **Release** of a transfer still in progress asks NIXL to abort it; its locks go when NIXL
+//!   accepts, and until then (NIXL may refuse while the backend still runs it) the transfer is
+//!   kept aside and retried on every later call.
 //! - **Registrations** keep their `Arc<KvRegion>`; a region deregistered while a posted transfer
 //!   still uses it stays registered with NIXL until that transfer is released.
 //! - **Metadata** is NIXL's agent metadata plus a small header listing this agent's regions
@@ -418,7 +421,11 @@ impl Inner {
             Some(_) => match self.agent.gen_notif(peer, PROBE) {
                 Ok(()) => false,
                 Err(e) => {
-                    tracing::info!(agent = self.agent.name(), peer, "nixl: peer unreachable ({e})");
+                    tracing::info!(
+                        agent = self.agent.name(),
+                        peer,
+                        "nixl: peer unreachable ({e})"
+                    );
                     self.mark_dead(peer);
                     true
                 }
@@ -499,7 +506,10 @@ impl Inner {
     }
 
     fn status_of(&mut self, id: XferId) -> Result<XferStatus, TransportError> {
-        let x = self.xfers.get_mut(&id).ok_or(TransportError::UnknownXfer(id))?;
+        let x = self
+            .xfers
+            .get_mut(&id)
+            .ok_or(TransportError::UnknownXfer(id))?;
         if x.state != XferStatus::InProgress {
             return Ok(x.state.clone());
         }
@@ -545,7 +555,10 @@ impl Drop for Inner {
         for x in std::mem::take(&mut self.zombies) {
             // NIXL still runs it: leak the request and keep its chunks locked forever rather than
             // let Rust touch memory a DMA may still write.
-            tracing::warn!(peer = x.peer, "nixl: leaking a transfer NIXL could not abort");
+            tracing::warn!(
+                peer = x.peer,
+                "nixl: leaking a transfer NIXL could not abort"
+            );
             std::mem::forget(x);
         }
         let uids: Vec<u64> = self.regs.keys().copied().collect();
@@ -694,7 +707,7 @@ impl Transport for NixlTransport {
                 body.name
             )));
         }
-        g.dead_pending.retain(|p| *p != name);
+        // A death reported but not yet drained stays reported: it was the old incarnation.
         g.peers.insert(
             name.clone(),
             Peer {
@@ -750,9 +763,12 @@ impl Transport for NixlTransport {
             let mut spans: Vec<(Arc<KvRegion>, usize, usize)> = Vec::new();
             let mut regs: Vec<u64> = Vec::new();
             for d in descs {
-                let uid = *g.by_id.get(&d.local_region).ok_or(TransportError::UnknownRegion {
-                    region: d.local_region,
-                })?;
+                let uid = *g
+                    .by_id
+                    .get(&d.local_region)
+                    .ok_or(TransportError::UnknownRegion {
+                        region: d.local_region,
+                    })?;
                 let region = &g.regs[&uid].region;
                 check_bounds(d.local_region, d.local_offset, d.len, region.len() as u64)?;
                 let &(raddr, rlen) =

@@ -125,9 +125,11 @@ impl RawAgent {
             registered: false,
             notifs: ptr::null_mut(),
             name,
+            // Every page is written (faulted in) before it is registered, as the transport's
+            // regions are when the engine fills them.
             buf: match fill {
                 Some(f) => (0..len).map(f).collect(),
-                None => vec![0u8; len],
+                None => vec![0x5a; len],
             },
         };
         // SAFETY: C string name, valid config and out pointer.
@@ -138,9 +140,8 @@ impl RawAgent {
         // SAFETY: valid out pointer.
         ok("create_params", unsafe { (api.create_params)(&mut params) })?;
         // SAFETY: live agent and params, C string, valid out pointer.
-        let st = unsafe {
-            (api.create_backend)(a.agent, backend_name.as_ptr(), params, &mut a.backend)
-        };
+        let st =
+            unsafe { (api.create_backend)(a.agent, backend_name.as_ptr(), params, &mut a.backend) };
         // SAFETY: `params` is not used after this.
         unsafe { (api.destroy_params)(params) };
         ok("create_backend", st)?;
@@ -287,7 +288,13 @@ fn prep<'a>(
             }
         }
         let mut h: sys::XferDlistHandle = ptr::null_mut();
-        let st = (api.prep_xfer_dlist)(owner.agent, agent_name.as_ptr(), list, &mut h, ptr::null_mut());
+        let st = (api.prep_xfer_dlist)(
+            owner.agent,
+            agent_name.as_ptr(),
+            list,
+            &mut h,
+            ptr::null_mut(),
+        );
         (api.destroy_xfer_dlist)(list);
         ok("prep_xfer_dlist", st)?;
         Ok(Prepped { owner, raw: h })
@@ -299,18 +306,32 @@ fn prep<'a>(
 pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportError> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     if spec.blocks == 0 || spec.block_size == 0 || spec.blocks > c_int::MAX as usize {
-        return Err(TransportError::Io("raw nixl: empty or too large spec".into()));
+        return Err(TransportError::Io(
+            "raw nixl: empty or too large spec".into(),
+        ));
     }
     let api = load_api(&locate(cfg)?)?;
     let len = region_len(spec.blocks, spec.block_size);
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     let pid = std::process::id();
-    // The source of the copy is filled with a pattern before registration; the destination
-    // stays zeroed.
+    // The source of the copy is filled with a pattern before registration, the destination
+    // with a constant.
     let pattern: fn(usize) -> u8 = |i| (i % 251) as u8;
     let src_is_a = spec.op == XferOp::Write;
-    let a = RawAgent::new(api, format!("raw-a-{pid}-{seq}"), cfg, len, src_is_a.then_some(pattern))?;
-    let b = RawAgent::new(api, format!("raw-b-{pid}-{seq}"), cfg, len, (!src_is_a).then_some(pattern))?;
+    let a = RawAgent::new(
+        api,
+        format!("raw-a-{pid}-{seq}"),
+        cfg,
+        len,
+        src_is_a.then_some(pattern),
+    )?;
+    let b = RawAgent::new(
+        api,
+        format!("raw-b-{pid}-{seq}"),
+        cfg,
+        len,
+        (!src_is_a).then_some(pattern),
+    )?;
     a.load(&b.local_md()?)?;
     b.load(&a.local_md()?)?;
 
@@ -393,7 +414,9 @@ pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportE
             let (s_off, d_off) = (s_off as usize, d_off as usize);
             // The transfer is complete and released: nothing writes these buffers any more.
             if src[s_off..s_off + spec.block_size] != dst[d_off..d_off + spec.block_size] {
-                return Err(TransportError::Io("raw nixl: bytes differ after warm-up".into()));
+                return Err(TransportError::Io(
+                    "raw nixl: bytes differ after warm-up".into(),
+                ));
             }
         }
         let mut secs = Vec::with_capacity(spec.iters);

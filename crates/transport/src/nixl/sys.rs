@@ -23,6 +23,7 @@ pub const ERROR_INVALID_PARAM: Status = -1;
 pub const ERROR_BACKEND: Status = -2;
 pub const ERROR_INVALID_STATE: Status = -3;
 pub const ERROR_EXCEPTION: Status = -4;
+#[allow(dead_code)]
 pub const ERROR_NO_TELEMETRY: Status = -5;
 /// Agent metadata not loaded (or invalidated), or no backend serves the request.
 pub const ERROR_NOT_FOUND: Status = -6;
@@ -39,7 +40,9 @@ pub const XFER_OP_WRITE: XferOp = 1;
 /// `nixl_capi_thread_sync_t`.
 pub type ThreadSync = c_int;
 pub const THREAD_SYNC_NONE: ThreadSync = 0;
+#[allow(dead_code)]
 pub const THREAD_SYNC_STRICT: ThreadSync = 1;
+#[allow(dead_code)]
 pub const THREAD_SYNC_RW: ThreadSync = 2;
 
 /// `nixl_capi_agent_config_t`.
@@ -158,7 +161,6 @@ api! {
     fn invalidate_remote_md(agent: Agent, remote_agent: *const c_char) -> Status;
     /// With `descs` null: whether the peer's metadata is (still) loaded.
     fn check_remote_md(agent: Agent, remote_name: *const c_char, descs: XferDlist) -> Status;
-    fn agent_make_connection(agent: Agent, remote_agent: *const c_char, opt_args: OptArgs) -> Status;
 
     // Plugins, parameters, backends.
     fn get_available_plugins(agent: Agent, plugins: *mut StringList) -> Status;
@@ -176,7 +178,6 @@ api! {
     // Optional arguments.
     fn create_opt_args(args: *mut OptArgs) -> Status;
     fn destroy_opt_args(args: OptArgs) -> Status;
-    fn opt_args_add_backend(args: OptArgs, backend: Backend) -> Status;
     fn opt_args_set_notif_msg(args: OptArgs, data: *const c_void, len: usize) -> Status;
     fn opt_args_set_has_notif(args: OptArgs, has_notif: bool) -> Status;
 

@@ -591,12 +591,8 @@ fn writer_loop(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, mut tx: 
                 if x.is_aborted() {
                     continue;
                 }
-                tx.send(&wire::write_req(
-                    x.id,
-                    &x.remote,
-                    x.notification.as_deref(),
-                ))
-                .and_then(|()| tx.send_spans(&x.local))
+                tx.send(&wire::write_req(x.id, &x.remote, x.notification.as_deref()))
+                    .and_then(|()| tx.send_spans(&x.local))
             }
             Job::Notify(m) => tx.send(&wire::notify(&m)),
             Job::ReadData { xfer, total, spans } => tx
@@ -721,7 +717,9 @@ fn outbound_frames(conn: &Conn, rx: &mut Rx) -> io::Result<std::convert::Infalli
                 let msg = rx.string(len, wire::MAX_ERROR_BYTES)?;
                 if let Some(x) = conn.take_inflight(id) {
                     let what = if t == wire::READ_ERR { "read" } else { "write" };
-                    x.finish(XferStatus::Failed(format!("peer refused the {what}: {msg}")));
+                    x.finish(XferStatus::Failed(format!(
+                        "peer refused the {what}: {msg}"
+                    )));
                 }
             }
             wire::WRITE_DONE => {
@@ -761,7 +759,12 @@ pub(super) fn inbound(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, s
     inner.inbound.lock().remove(&conn.id);
 }
 
-fn serve(inner: &Arc<Inner>, conn: &Arc<Conn>, jobs: Receiver<Job>, stream: TcpStream) -> io::Result<()> {
+fn serve(
+    inner: &Arc<Inner>,
+    conn: &Arc<Conn>,
+    jobs: Receiver<Job>,
+    stream: TcpStream,
+) -> io::Result<()> {
     configure(&stream, inner.tick())?;
     conn.set_stream(stream.try_clone()?)?;
     let mut rx = Rx::new(stream.try_clone()?, inner, conn.clone());

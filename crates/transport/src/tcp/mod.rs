@@ -81,11 +81,14 @@ impl Default for TcpConfig {
     }
 }
 
+/// A peer's regions as its metadata published them: id → length.
+type RegionTable = Arc<HashMap<RegionId, u64>>;
+
 /// A peer loaded with `load_remote`.
 struct Peer {
     host: String,
     port: u16,
-    regions: Arc<HashMap<RegionId, u64>>,
+    regions: RegionTable,
     conn: Arc<Conn>,
 }
 
@@ -318,7 +321,8 @@ impl TcpTransport {
             )));
         }
         let io = |what: &str, e: std::io::Error| TransportError::Io(format!("{what}: {e}"));
-        let listener = TcpListener::bind(cfg.bind).map_err(|e| io(&format!("bind {}", cfg.bind), e))?;
+        let listener =
+            TcpListener::bind(cfg.bind).map_err(|e| io(&format!("bind {}", cfg.bind), e))?;
         let local_addr = listener.local_addr().map_err(|e| io("local address", e))?;
         let host = match &cfg.advertise_host {
             Some(h) if h.is_empty() || h.len() > wire::MAX_NAME_BYTES => {
@@ -371,7 +375,12 @@ impl TcpTransport {
             });
         }
         let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(500));
-        let outs: Vec<Arc<Conn>> = inner.peers.lock().values().map(|p| p.conn.clone()).collect();
+        let outs: Vec<Arc<Conn>> = inner
+            .peers
+            .lock()
+            .values()
+            .map(|p| p.conn.clone())
+            .collect();
         let ins: Vec<Arc<Conn>> = inner.inbound.lock().values().cloned().collect();
         for c in outs.iter().chain(&ins) {
             c.close("transport shut down", false);
@@ -431,7 +440,7 @@ fn check_notification(msg: &[u8]) -> Result<(), TransportError> {
 
 impl TcpTransport {
     /// The live connection to a loaded peer and the regions it published.
-    fn peer(&self, peer: &str) -> Result<(Arc<Conn>, Arc<HashMap<RegionId, u64>>), TransportError> {
+    fn peer(&self, peer: &str) -> Result<(Arc<Conn>, RegionTable), TransportError> {
         let peers = self.inner.peers.lock();
         let p = peers
             .get(peer)
@@ -490,7 +499,7 @@ impl Transport for TcpTransport {
     fn load_remote(&self, metadata: &[u8]) -> Result<String, TransportError> {
         let meta = wire::decode_meta(metadata)?;
         self.inner.check_running()?;
-        let regions: Arc<HashMap<RegionId, u64>> = Arc::new(meta.regions.iter().copied().collect());
+        let regions: RegionTable = Arc::new(meta.regions.iter().copied().collect());
         let name = meta.name;
         let mut peers = self.inner.peers.lock();
         if let Some(p) = peers.get_mut(&name) {
