@@ -70,7 +70,10 @@ fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine
     let mut child = Command::new(exe)
         .args(["engine", "--role", role, "--port", "0", "--engine-id", id])
         .args(extra)
-        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -250,12 +253,16 @@ async fn run_job(client: reqwest::Client, proxy: String, job: Job) -> Outcome {
             let event: Vec<u8> = buf.drain(..pos + 2).collect();
             let text = String::from_utf8_lossy(&event);
             for line in text.lines() {
-                let Some(data) = line.strip_prefix("data: ") else { continue };
+                let Some(data) = line.strip_prefix("data: ") else {
+                    continue;
+                };
                 if data.trim() == "[DONE]" {
                     done = true;
                     continue;
                 }
-                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
                 if v.get("error").is_some() {
                     return fail(format!("error in stream: {}", v["error"]["message"]));
                 }
@@ -294,7 +301,11 @@ async fn run_job(client: reqwest::Client, proxy: String, job: Job) -> Outcome {
     }
 }
 
-async fn monolithic_texts(client: &reqwest::Client, url: &str, job: &Job) -> anyhow::Result<Vec<String>> {
+async fn monolithic_texts(
+    client: &reqwest::Client,
+    url: &str,
+    job: &Job,
+) -> anyhow::Result<Vec<String>> {
     let body = json!({"prompt": job.prompt, "max_tokens": job.max_tokens, "n": job.n});
     let v: Value = client
         .post(format!("{url}/v1/completions"))
@@ -347,8 +358,16 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         ]
     };
     eprintln!("starting 1 prefill, 2 decode and 1 monolithic engine, and the proxy ...");
-    let p = spawn_engine("prefill-0", "prefill", &common(args.prefill_tp, args.prefill_block_size))?;
-    let d1 = spawn_engine("decode-1", "decode", &common(args.decode_tp, args.decode_block_size))?;
+    let p = spawn_engine(
+        "prefill-0",
+        "prefill",
+        &common(args.prefill_tp, args.prefill_block_size),
+    )?;
+    let d1 = spawn_engine(
+        "decode-1",
+        "decode",
+        &common(args.decode_tp, args.decode_block_size),
+    )?;
     // decode-2 is busy (a small pool): requests wait in its queue, heartbeating, while P holds
     // their blocks — the case where a crash strands memory in other systems.
     let mut busy = common(args.decode_tp, args.decode_block_size);
@@ -384,7 +403,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             Job {
                 idx,
                 prompt: words(&mut rng, len.clamp(16, 4096)),
-                max_tokens: if fate == Fate::RejectedByD { 8192 } else { rng.gen_range(8..48) },
+                max_tokens: if fate == Fate::RejectedByD {
+                    8192
+                } else {
+                    rng.gen_range(8..48)
+                },
                 n: if rng.gen_range(0..10) == 0 { 4 } else { 1 },
                 fate,
             }
@@ -398,7 +421,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     );
     let sem = Arc::new(Semaphore::new(args.concurrency.max(1)));
     let results: Arc<Mutex<Vec<(Job, Outcome)>>> = Arc::new(Mutex::new(Vec::new()));
-    let kill_at = if args.no_kill { usize::MAX } else { jobs.len() * 2 / 5 };
+    let kill_at = if args.no_kill {
+        usize::MAX
+    } else {
+        jobs.len() * 2 / 5
+    };
     let mut report = Report::default();
     let mut handles = Vec::new();
     let mut d2 = Some(d2);
@@ -454,7 +481,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             }
         }
         let permit = sem.clone().acquire_owned().await?;
-        let (client, url, results, bar) = (client.clone(), proxy.url(), results.clone(), bar.clone());
+        let (client, url, results, bar) =
+            (client.clone(), proxy.url(), results.clone(), bar.clone());
         handles.push(tokio::spawn(async move {
             let out = run_job(client, url, job.clone()).await;
             results.lock().await.push((job, out));
@@ -477,7 +505,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         let mut held = 0usize;
         for e in engines {
             let m = get_text(&client, &format!("{}/metrics", e.url)).await;
-            held += metric(&m, "handoff_kv_blocks_held") as usize + metric(&m, "engine_kv_blocks_used") as usize;
+            held += metric(&m, "handoff_kv_blocks_held") as usize
+                + metric(&m, "engine_kv_blocks_used") as usize;
         }
         report.leaked_blocks = held;
         if held == 0 || settle.elapsed() > Duration::from_secs(5) {
@@ -538,10 +567,20 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         report.kv_bytes_moved += metric(m, "handoff_transfer_bytes_total");
         report.descriptors += metric(m, "handoff_transfer_descriptors_sum");
     }
-    let secs = metric(&dm, "handoff_transfer_duration_seconds_sum") + metric(&d2_metrics, "handoff_transfer_duration_seconds_sum");
-    let transfers = metric(&dm, "handoff_transfer_duration_seconds_count") + metric(&d2_metrics, "handoff_transfer_duration_seconds_count");
-    report.kv_gb_per_s = if secs > 0.0 { report.kv_bytes_moved / secs / 1e9 } else { 0.0 };
-    report.descriptors_per_handoff = if transfers > 0.0 { report.descriptors / transfers } else { 0.0 };
+    let secs = metric(&dm, "handoff_transfer_duration_seconds_sum")
+        + metric(&d2_metrics, "handoff_transfer_duration_seconds_sum");
+    let transfers = metric(&dm, "handoff_transfer_duration_seconds_count")
+        + metric(&d2_metrics, "handoff_transfer_duration_seconds_count");
+    report.kv_gb_per_s = if secs > 0.0 {
+        report.kv_bytes_moved / secs / 1e9
+    } else {
+        0.0
+    };
+    report.descriptors_per_handoff = if transfers > 0.0 {
+        report.descriptors / transfers
+    } else {
+        0.0
+    };
     report.prefill_tp = args.prefill_tp;
     report.decode_tp = args.decode_tp;
     report.prefill_block_size = args.prefill_block_size;
@@ -564,22 +603,46 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
 
 fn print_report(r: &Report) {
     println!();
-    println!("handoff demo — {} transport, P tp {} / block {}, D tp {} / block {}", r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size);
+    println!(
+        "handoff demo — {} transport, P tp {} / block {}, D tp {} / block {}",
+        r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size
+    );
     println!("  model: {}; cost model: {}", r.kv_shape, r.cost_model);
-    println!("  requests ok {}, failed {}, client disconnects {}", r.requests_ok, r.requests_failed, r.requests_disconnected);
+    println!(
+        "  requests ok {}, failed {}, client disconnects {}",
+        r.requests_ok, r.requests_failed, r.requests_disconnected
+    );
     for (reason, n) in &r.failed_reasons {
         println!("    failed: {n} × {reason}");
     }
-    println!("  TTFT p50 {:.1} ms, p99 {:.1} ms; end to end p50 {:.1} ms, p99 {:.1} ms", r.ttft_p50_ms, r.ttft_p99_ms, r.e2e_p50_ms, r.e2e_p99_ms);
-    println!("  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff", r.kv_bytes_moved / (1 << 20) as f64, r.kv_gb_per_s, r.descriptors_per_handoff);
-    let ended: Vec<String> = r.handoffs_ended.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!(
+        "  TTFT p50 {:.1} ms, p99 {:.1} ms; end to end p50 {:.1} ms, p99 {:.1} ms",
+        r.ttft_p50_ms, r.ttft_p99_ms, r.e2e_p50_ms, r.e2e_p99_ms
+    );
+    println!(
+        "  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff",
+        r.kv_bytes_moved / (1 << 20) as f64,
+        r.kv_gb_per_s,
+        r.descriptors_per_handoff
+    );
+    let ended: Vec<String> = r
+        .handoffs_ended
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
     println!("  handoffs ended on P: {}", ended.join(", "));
     match (&r.killed_engine, r.reclaim_after_kill_s) {
-        (Some(e), Some(s)) => println!("  killed {e} holding {} P blocks: all back in P's pool {:.3} s after the kill", r.blocks_held_by_killed_engine_at_kill, s),
+        (Some(e), Some(s)) => println!(
+            "  killed {e} holding {} P blocks: all back in P's pool {:.3} s after the kill",
+            r.blocks_held_by_killed_engine_at_kill, s
+        ),
         (Some(e), None) => println!("  killed {e}: its blocks were NOT all reclaimed"),
         _ => println!("  no engine killed"),
     }
     println!("  blocks still held at the end: {}", r.leaked_blocks);
-    println!("  outputs compared with a monolithic engine: {}, mismatches: {}", r.outputs_compared, r.output_mismatches);
+    println!(
+        "  outputs compared with a monolithic engine: {}, mismatches: {}",
+        r.outputs_compared, r.output_mismatches
+    );
     println!("  wall time {:.1} s", r.wall_s);
 }

@@ -1,0 +1,281 @@
+//! Engines as separate processes on loopback (the `handoff` binary, tcp transport): crashes of
+//! either side, and the demo itself. Every test is bounded in time.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Engine {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn engine(id: &str, role: &str, extra: &[&str]) -> Engine {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args([
+            "engine",
+            "--role",
+            role,
+            "--port",
+            "0",
+            "--engine-id",
+            id,
+            "--transport",
+            "tcp",
+        ])
+        .args([
+            "--set",
+            "prefill_us_per_token=2",
+            "--set",
+            "decode_step_ms=1",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn engine");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("engine banner");
+    let url = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(url.starts_with("http://"), "engine said {line:?}");
+    Engine { child, url }
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+fn prompt(words: usize) -> String {
+    (0..words)
+        .map(|i| format!("x{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn p_leg(c: &reqwest::blocking::Client, p: &Engine, text: &str) -> Value {
+    let r: Value = c
+        .post(format!("{}/v1/completions", p.url))
+        .json(&json!({"prompt": text, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    r["kv_transfer_params"].clone()
+}
+
+fn held_for(c: &reqwest::blocking::Client, p: &Engine, d: &str) -> u64 {
+    let v: Value = c
+        .get(format!("{}/health", p.url))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    v["prefill_blocks_held_for"][d].as_u64().unwrap_or(0)
+}
+
+fn p_held(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
+    let v: Value = c
+        .get(format!("{}/health", p.url))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    v["held_blocks"]["prefill"].as_u64().unwrap_or(u64::MAX)
+}
+
+#[test]
+fn d_killed_before_it_pulls_is_reclaimed_at_once() {
+    let c = client();
+    let p = engine("p-kill-d", "prefill", &[]);
+    // D's pool holds one request: a long one occupies it, so ours waits in D's queue.
+    let mut d = engine(
+        "d-killed",
+        "decode",
+        &["--num-blocks", "40", "--set", "decode_step_ms=50"],
+    );
+    let hog = prompt(300);
+    let hog_params = p_leg(&c, &p, &hog);
+    let (url, body) = (
+        d.url.clone(),
+        json!({"prompt": hog, "max_tokens": 300, "stream": true, "kv_transfer_params": hog_params}),
+    );
+    let _hog = std::thread::spawn(move || {
+        // Keep reading, or D sees the client leave and frees the pool.
+        let r = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send();
+        let _ = r.and_then(|r| r.text());
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let text = prompt(200);
+    let params = p_leg(&c, &p, &text);
+    let (url, body) = (
+        d.url.clone(),
+        json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": params}),
+    );
+    std::thread::spawn(move || {
+        let _ = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send();
+    });
+    // P holds the queued request's blocks for D (D heartbeats them while they wait).
+    let start = Instant::now();
+    while held_for(&c, &p, "d-killed") == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "D never claimed the handoff"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = d.child.kill();
+    let killed = Instant::now();
+    while p_held(&c, &p) != 0 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(2),
+            "P still holds blocks for a dead D"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let took = killed.elapsed();
+    eprintln!("P reclaimed a dead D's blocks {took:?} after SIGKILL (lease: 10 s)");
+    let m = c
+        .get(format!("{}/metrics", p.url))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert!(
+        m.contains("handoff_handoffs_ended_total{reason=\"peer_dead\"}"),
+        "{m}"
+    );
+}
+
+#[test]
+fn d_killed_while_it_pulls_is_reclaimed_at_once() {
+    let c = client();
+    // A bigger KV shape so that a read takes long enough to be killed in the middle.
+    let shape = [
+        "--set",
+        "num_layers=32",
+        "--set",
+        "head_dim=128",
+        "--set",
+        "num_kv_heads=8",
+        "--num-blocks",
+        "512",
+    ];
+    let p = engine("p-kill-read", "prefill", &shape);
+    let mut d = engine("d-killed-reading", "decode", &shape);
+    let text = prompt(4000);
+    let params = p_leg(&c, &p, &text);
+    let (url, body) = (
+        d.url.clone(),
+        json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": params}),
+    );
+    std::thread::spawn(move || {
+        let _ = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send();
+    });
+    let start = Instant::now();
+    while held_for(&c, &p, "d-killed-reading") == 0 {
+        if start.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = d.child.kill();
+    let killed = Instant::now();
+    while p_held(&c, &p) != 0 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(2),
+            "P still holds blocks for a dead D"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn p_killed_makes_d_recompute_or_fail_per_policy() {
+    let c = client();
+    let mut p = engine("p-dies", "prefill", &[]);
+    let d_recompute = engine("d-recompute", "decode", &[]);
+    let d_fail = engine("d-fail", "decode", &["--set", "failure_policy=fail"]);
+    let mono = engine("mono-p-dies", "both", &[]);
+    let text = prompt(100);
+    let params = p_leg(&c, &p, &text);
+    let params2 = p_leg(&c, &p, &text);
+    let _ = p.child.kill();
+    let _ = p.child.wait();
+    let start = Instant::now();
+    let r: Value = c
+        .post(format!("{}/v1/completions", d_recompute.url))
+        .json(&json!({"prompt": text, "max_tokens": 6, "kv_transfer_params": params}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let m: Value = c
+        .post(format!("{}/v1/completions", mono.url))
+        .json(&json!({"prompt": text, "max_tokens": 6}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(
+        r["choices"][0]["text"], m["choices"][0]["text"],
+        "recomputed locally: {r}"
+    );
+    let resp = c
+        .post(format!("{}/v1/completions", d_fail.url))
+        .json(&json!({"prompt": text, "max_tokens": 6, "kv_transfer_params": params2}))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 502);
+    let e: Value = resp.json().unwrap();
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV transfer"),
+        "{e}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10), "no hang");
+}
+
+#[test]
+fn demo_reclaims_leaks_nothing_and_matches_monolithic() {
+    let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["demo", "--json", "--requests", "48", "--seed", "3"])
+        .stderr(Stdio::null())
+        .output()
+        .expect("demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().expect("report");
+    let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(r["leaked_blocks"], 0, "{stdout}");
+    assert_eq!(r["output_mismatches"], 0, "{stdout}");
+    assert!(r["requests_ok"].as_u64().unwrap() > 20, "{stdout}");
+    assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
+    let reclaim = r["reclaim_after_kill_s"].as_f64().expect("reclaimed");
+    assert!(reclaim < 2.0, "{stdout}");
+}
