@@ -5,8 +5,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use handoff_ledger::{
-    ConsumerAction, ConsumerLedger, Outcome, PeerId, ProducerAction, ProducerLedger,
-    StartRead,
+    ConsumerAction, ConsumerLedger, Outcome, PeerId, ProducerAction, ProducerLedger, StartRead,
 };
 use handoff_plan::RankLayout;
 use handoff_proto::{decode, encode, HandoffId, Hello, HelloReply, Message};
@@ -30,7 +29,9 @@ const POLL: Duration = Duration::from_millis(1);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PeerState {
     /// `started`: a connect attempt is under way.
-    Connecting { started: bool },
+    Connecting {
+        started: bool,
+    },
     Ready,
     /// Refused or unreachable; the reason is what requests fail with.
     Failed(String),
@@ -181,7 +182,12 @@ impl Connector {
                 return;
             }
         };
-        side_channel::connect(p.engine.clone(), addr, Message::Hello(hello), self.wake.clone());
+        side_channel::connect(
+            p.engine.clone(),
+            addr,
+            Message::Hello(hello),
+            self.wake.clone(),
+        );
     }
 
     fn hello(&self) -> Result<Hello, String> {
@@ -207,8 +213,8 @@ impl Connector {
         }
         let layouts: Vec<RankLayout> =
             postcard::from_bytes(&h.layout).map_err(|e| format!("bad layout: {e}"))?;
-        let mds: Vec<Vec<u8>> =
-            postcard::from_bytes(&h.agent_metadata).map_err(|e| format!("bad agent metadata: {e}"))?;
+        let mds: Vec<Vec<u8>> = postcard::from_bytes(&h.agent_metadata)
+            .map_err(|e| format!("bad agent metadata: {e}"))?;
         if layouts.len() != h.tp as usize || mds.len() != h.tp as usize || h.tp == 0 {
             return Err(format!(
                 "peer announces tp {} with {} layouts and {} agents",
@@ -725,7 +731,8 @@ impl Connector {
                 .find(|n| n.consumer_rank == d_rank && n.p_rank == p_rank)
                 .and_then(|n| encode(&Message::PullDone(*n)).ok());
             let entry = active.ranks.entry(d_rank).or_default();
-            let (Some(rank), Some(agent)) = (self.ranks.get(d_rank as usize), agents.get(p_rank as usize))
+            let (Some(rank), Some(agent)) =
+                (self.ranks.get(d_rank as usize), agents.get(p_rank as usize))
             else {
                 entry.1 = true;
                 continue;
@@ -741,7 +748,9 @@ impl Connector {
                 }
             }
         }
-        self.metrics.transfer_descriptors.observe(active.descs as f64);
+        self.metrics
+            .transfer_descriptors
+            .observe(active.descs as f64);
         inner.reads.insert(r.handoff, active);
         self.poll_reads(inner, now);
     }
@@ -850,7 +859,10 @@ impl Connector {
         let block_bytes = self.spec.block_bytes() * self.spec.shape.num_layers as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {
             let l = HeldLabels { side, state };
-            self.metrics.blocks_held.get_or_create(&l).set(blocks as i64);
+            self.metrics
+                .blocks_held
+                .get_or_create(&l)
+                .set(blocks as i64);
             self.metrics
                 .bytes_held
                 .get_or_create(&l)
@@ -866,4 +878,3 @@ impl Connector {
         }
     }
 }
-

@@ -23,13 +23,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_ledger::{
-    ConsumerConfig, ConsumerLedger, IncomingHandoff, ProducerConfig, ProducerLedger,
-    RequestId,
+    ConsumerConfig, ConsumerLedger, IncomingHandoff, ProducerConfig, ProducerLedger, RequestId,
 };
 use handoff_plan::{KvSpec, RankLayout};
 use handoff_proto::{
-    Epoch, Fingerprint, HandoffId, KvTransferParams, Message, Release, ReleaseReason,
-    TransferMode,
+    Epoch, Fingerprint, HandoffId, KvTransferParams, Message, Release, ReleaseReason, TransferMode,
 };
 use handoff_transport::{KvRegion, RegionId, Transport};
 use parking_lot::Mutex;
@@ -78,7 +76,10 @@ pub enum ConnectorEvent {
     /// These blocks are the pool's again (P: handoff ended; D: a transfer that will not be used).
     BlocksReleased { blocks: Vec<u32>, reason: String },
     /// The KV of these requests is in `blocks`, which now belong to the requests.
-    Ready { requests: Vec<u64>, blocks: Vec<u32> },
+    Ready {
+        requests: Vec<u64>,
+        blocks: Vec<u32>,
+    },
     /// Transfer failed: prefill these requests locally.
     Recompute { requests: Vec<u64>, reason: String },
     /// Transfer failed: fail these requests with `reason`.
@@ -179,8 +180,10 @@ impl Connector {
         let mut consumer_cfg = cfg.consumer.clone();
         consumer_cfg.tp = spec.tp as u16;
         let inner = Inner::new(
-            matches!(cfg.role, Role::Prefill | Role::Both).then(|| ProducerLedger::new(producer_cfg)),
-            matches!(cfg.role, Role::Decode | Role::Both).then(|| ConsumerLedger::new(consumer_cfg)),
+            matches!(cfg.role, Role::Prefill | Role::Both)
+                .then(|| ProducerLedger::new(producer_cfg)),
+            matches!(cfg.role, Role::Decode | Role::Both)
+                .then(|| ConsumerLedger::new(consumer_cfg)),
         );
         let metrics = Metrics::new(registry);
         let c = Arc::new(Connector {
@@ -318,7 +321,9 @@ impl Connector {
             params.remote_port,
             params.handoff_id,
         ) else {
-            return Err(ConnectorError::BadParams("incomplete remote prefill".into()));
+            return Err(ConnectorError::BadParams(
+                "incomplete remote prefill".into(),
+            ));
         };
         if params.mode() != self.cfg.mode {
             return Err(ConnectorError::BadParams(format!(
@@ -378,7 +383,11 @@ impl Connector {
     }
 
     /// The request was admitted and `blocks` allocated for its prompt's KV.
-    pub fn on_blocks_allocated(&self, request: u64, blocks: Vec<u32>) -> Result<(), ConnectorError> {
+    pub fn on_blocks_allocated(
+        &self,
+        request: u64,
+        blocks: Vec<u32>,
+    ) -> Result<(), ConnectorError> {
         let now = self.now();
         {
             let mut inner = self.inner.lock();

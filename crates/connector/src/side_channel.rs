@@ -27,7 +27,11 @@ pub enum SideEvent {
     /// A message on an established connection.
     Message { conn: ConnId, msg: Message },
     /// We connected to `engine` (D side) and it answered our hello.
-    Connected { engine: String, conn: Conn, reply: Message },
+    Connected {
+        engine: String,
+        conn: Conn,
+        reply: Message,
+    },
     /// Connecting to `engine` failed.
     ConnectFailed { engine: String, error: String },
     /// The connection closed or broke.
@@ -64,7 +68,11 @@ impl Conn {
 
     pub fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
-        let _ = self.stream.lock().get_ref().shutdown(std::net::Shutdown::Both);
+        let _ = self
+            .stream
+            .lock()
+            .get_ref()
+            .shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -102,7 +110,10 @@ fn read_loop(conn: Conn, reader: TcpStream, events: Sender<SideEvent>) {
     loop {
         match read_frame(&mut r) {
             Ok(msg) => {
-                if events.send(SideEvent::Message { conn: conn.id, msg }).is_err() {
+                if events
+                    .send(SideEvent::Message { conn: conn.id, msg })
+                    .is_err()
+                {
                     break;
                 }
             }

@@ -53,7 +53,9 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 async fn models(State(s): State<Arc<ApiState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": s.model, "object": "model", "owned_by": "handoff"}]}))
+    Json(
+        json!({"object": "list", "data": [{"id": s.model, "object": "model", "owned_by": "handoff"}]}),
+    )
 }
 
 async fn health(State(s): State<Arc<ApiState>>) -> Json<Value> {
@@ -79,7 +81,10 @@ async fn metrics(State(s): State<Arc<ApiState>>) -> Response {
         return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     }
     (
-        [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         out,
     )
         .into_response()
@@ -112,7 +117,12 @@ struct Parsed {
     request_id: String,
 }
 
-fn parse(s: &ApiState, body: &Value, headers: &HeaderMap, prompt_text: String) -> Result<Parsed, Response> {
+fn parse(
+    s: &ApiState,
+    body: &Value,
+    headers: &HeaderMap,
+    prompt_text: String,
+) -> Result<Parsed, Response> {
     let get_u32 = |k: &str, default: u32, max: u32| -> Result<u32, Response> {
         match body.get(k) {
             None | Some(Value::Null) => Ok(default),
@@ -120,7 +130,12 @@ fn parse(s: &ApiState, body: &Value, headers: &HeaderMap, prompt_text: String) -
                 .as_u64()
                 .filter(|x| *x >= 1 && *x <= max as u64)
                 .map(|x| x as u32)
-                .ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("`{k}` must be an integer in 1..={max}"))),
+                .ok_or_else(|| {
+                    error(
+                        StatusCode::BAD_REQUEST,
+                        format!("`{k}` must be an integer in 1..={max}"),
+                    )
+                }),
         }
     };
     let max_tokens = match body.get("max_completion_tokens") {
@@ -132,22 +147,32 @@ fn parse(s: &ApiState, body: &Value, headers: &HeaderMap, prompt_text: String) -
     let params = match body.get("kv_transfer_params") {
         None | Some(Value::Null) => None,
         Some(v) => Some(
-            KvTransferParams::from_json(v).map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))?,
+            KvTransferParams::from_json(v)
+                .map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))?,
         ),
     };
     let kind = match params {
         Some(p) if p.do_remote_prefill => {
             if s.role == handoff_connector::Role::Prefill {
-                return Err(error(StatusCode::BAD_REQUEST, "a prefill engine cannot decode a remote prefill"));
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "a prefill engine cannot decode a remote prefill",
+                ));
             }
             Kind::RemotePrefill(Box::new(p))
         }
         Some(p) if p.do_remote_decode => {
             if s.role == handoff_connector::Role::Decode {
-                return Err(error(StatusCode::BAD_REQUEST, "a decode engine cannot prefill for a remote decode"));
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "a decode engine cannot prefill for a remote decode",
+                ));
             }
             if n != 1 {
-                return Err(error(StatusCode::BAD_REQUEST, "n>1 fans out on the decode engine: send n=1 to prefill"));
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "n>1 fans out on the decode engine: send n=1 to prefill",
+                ));
             }
             Kind::RemoteDecode
         }
@@ -171,14 +196,19 @@ fn parse(s: &ApiState, body: &Value, headers: &HeaderMap, prompt_text: String) -
 fn prompt_of_completion(body: &Value) -> Result<String, Response> {
     match body.get("prompt") {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(a[0].as_str().unwrap_or_default().to_string()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(a[0].as_str().unwrap_or_default().to_string())
+        }
         _ => Err(error(StatusCode::BAD_REQUEST, "`prompt` must be a string")),
     }
 }
 
 fn prompt_of_chat(body: &Value) -> Result<String, Response> {
     let Some(Value::Array(msgs)) = body.get("messages") else {
-        return Err(error(StatusCode::BAD_REQUEST, "`messages` must be an array"));
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "`messages` must be an array",
+        ));
     };
     let mut text = String::new();
     for m in msgs {
@@ -190,14 +220,23 @@ fn prompt_of_chat(body: &Value) -> Result<String, Response> {
                 .filter_map(|p| p.get("text").and_then(Value::as_str))
                 .collect::<Vec<_>>()
                 .join(" "),
-            _ => return Err(error(StatusCode::BAD_REQUEST, "message `content` must be text")),
+            _ => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "message `content` must be text",
+                ))
+            }
         };
         text.push_str(&format!("<{role}> {content} "));
     }
     Ok(text)
 }
 
-async fn completions(State(s): State<Arc<ApiState>>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+async fn completions(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
     let prompt = match prompt_of_completion(&body) {
         Ok(p) => p,
         Err(r) => return r,
@@ -205,7 +244,11 @@ async fn completions(State(s): State<Arc<ApiState>>, headers: HeaderMap, Json(bo
     serve(s, headers, body, prompt, false).await
 }
 
-async fn chat_completions(State(s): State<Arc<ApiState>>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+async fn chat_completions(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
     let prompt = match prompt_of_chat(&body) {
         Ok(p) => p,
         Err(r) => return r,
@@ -214,10 +257,18 @@ async fn chat_completions(State(s): State<Arc<ApiState>>, headers: HeaderMap, Js
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
-async fn serve(s: Arc<ApiState>, headers: HeaderMap, body: Value, prompt: String, chat: bool) -> Response {
+async fn serve(
+    s: Arc<ApiState>,
+    headers: HeaderMap,
+    body: Value,
+    prompt: String,
+    chat: bool,
+) -> Response {
     let p = match parse(&s, &body, &headers, prompt) {
         Ok(p) => p,
         Err(r) => {
@@ -280,7 +331,10 @@ async fn collect_response(
             }
             SeqEvent::KvParams(p) => params = Some(p.to_json()),
             SeqEvent::Error { status, message } => {
-                return error(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), message)
+                return error(
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    message,
+                )
             }
             SeqEvent::Done {
                 prompt_tokens,
@@ -292,7 +346,10 @@ async fn collect_response(
         }
     }
     if usage.is_null() {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request");
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine dropped the request",
+        );
     }
     let choices: Vec<Value> = texts
         .into_iter()
@@ -320,18 +377,35 @@ async fn collect_response(
     Json(out).into_response()
 }
 
-async fn stream_response(mut rx: UnboundedReceiver<SeqEvent>, model: String, id: String, chat: bool) -> Response {
+async fn stream_response(
+    mut rx: UnboundedReceiver<SeqEvent>,
+    model: String,
+    id: String,
+    chat: bool,
+) -> Response {
     // An error before the first token is an HTTP error, not a stream (the proxy must see it).
     let first = match rx.recv().await {
         Some(SeqEvent::Error { status, message }) => {
-            return error(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), message)
+            return error(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                message,
+            )
         }
         Some(ev) => ev,
-        None => return error(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request"),
+        None => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the engine dropped the request",
+            )
+        }
     };
     let created = now_secs();
     let chunk = move |ev: &SeqEvent| -> Option<Value> {
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let choice = match ev {
             SeqEvent::Token { choice, text } => {
                 if chat {
@@ -349,7 +423,9 @@ async fn stream_response(mut rx: UnboundedReceiver<SeqEvent>, model: String, id:
             }
             _ => return None,
         };
-        Some(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]}))
+        Some(
+            json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]}),
+        )
     };
     let events = stream::unfold((Some(first), rx, false), move |(pending, mut rx, done)| {
         let chunk = chunk.clone();
@@ -364,7 +440,10 @@ async fn stream_response(mut rx: UnboundedReceiver<SeqEvent>, model: String, id:
             loop {
                 match &ev {
                     SeqEvent::Done { .. } => {
-                        return Some((Ok::<Event, Infallible>(Event::default().data("[DONE]")), (None, rx, true)))
+                        return Some((
+                            Ok::<Event, Infallible>(Event::default().data("[DONE]")),
+                            (None, rx, true),
+                        ))
                     }
                     SeqEvent::Error { message, .. } => {
                         let e = json!({"error": {"message": message}});
@@ -372,7 +451,10 @@ async fn stream_response(mut rx: UnboundedReceiver<SeqEvent>, model: String, id:
                     }
                     other => {
                         if let Some(v) = chunk(other) {
-                            return Some((Ok(Event::default().data(v.to_string())), (None, rx, false)));
+                            return Some((
+                                Ok(Event::default().data(v.to_string())),
+                                (None, rx, false),
+                            ));
                         }
                     }
                 }

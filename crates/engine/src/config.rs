@@ -122,7 +122,10 @@ impl EngineConfig {
     }
 
     /// Applies `HANDOFF_<FIELD>` environment variables over the current values.
-    pub fn apply_env(&mut self, vars: impl Iterator<Item = (String, String)>) -> Result<(), ConfigError> {
+    pub fn apply_env(
+        &mut self,
+        vars: impl Iterator<Item = (String, String)>,
+    ) -> Result<(), ConfigError> {
         let mut table = toml::Table::try_from(&*self).map_err(|e| bad("env", e.to_string()))?;
         for (k, v) in vars {
             let Some(field) = k.strip_prefix("HANDOFF_") else {
@@ -157,7 +160,10 @@ impl EngineConfig {
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
             "both" => Ok(Role::Both),
-            other => Err(bad("role", format!("{other:?} is not prefill, decode or both"))),
+            other => Err(bad(
+                "role",
+                format!("{other:?} is not prefill, decode or both"),
+            )),
         }
     }
 
@@ -166,7 +172,10 @@ impl EngineConfig {
             "bf16" | "fp16" => Ok(2),
             "fp32" => Ok(4),
             "fp8" => Ok(1),
-            other => Err(bad("dtype", format!("{other:?} is not bf16, fp16, fp32 or fp8"))),
+            other => Err(bad(
+                "dtype",
+                format!("{other:?} is not bf16, fp16, fp32 or fp8"),
+            )),
         }
     }
 
@@ -261,7 +270,10 @@ impl EngineConfig {
             return Err(bad("decode_us_per_seq", "must be a finite number ≥ 0"));
         }
         if !matches!(self.transport.as_str(), "tcp" | "nixl" | "mem") {
-            return Err(bad("transport", format!("{:?} is not tcp, nixl or mem", self.transport)));
+            return Err(bad(
+                "transport",
+                format!("{:?} is not tcp, nixl or mem", self.transport),
+            ));
         }
         if !matches!(self.failure_policy.as_str(), "recompute" | "fail") {
             return Err(bad(
@@ -364,7 +376,10 @@ mod tests {
         c.apply_env(
             [
                 ("HANDOFF_NUM_BLOCKS".to_string(), "99".to_string()),
-                ("HANDOFF_PREFILL_US_PER_TOKEN".to_string(), "1.5".to_string()),
+                (
+                    "HANDOFF_PREFILL_US_PER_TOKEN".to_string(),
+                    "1.5".to_string(),
+                ),
                 ("PATH".to_string(), "/bin".to_string()),
             ]
             .into_iter(),

@@ -39,7 +39,15 @@ impl KvMemory {
     }
 
     /// Offset of (local head, slot) of `layer`/`kv` in block `block` of a rank's region.
-    fn row_offset(&self, rank: usize, block: u32, layer: u32, kv: usize, head: u32, slot: u32) -> usize {
+    fn row_offset(
+        &self,
+        rank: usize,
+        block: u32,
+        layer: u32,
+        kv: usize,
+        head: u32,
+        slot: u32,
+    ) -> usize {
         let p = self.layouts[rank].layers[layer as usize];
         (p.plane(kv).offset
             + block as u64 * p.block_stride

@@ -155,7 +155,11 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
 /// Runs an engine until the process is stopped.
 pub async fn run(cfg: EngineConfig) -> anyhow::Result<()> {
     let engine = start(cfg).await?;
-    println!("handoff engine {} listening on {}", engine.engine_id, engine.url());
+    println!(
+        "handoff engine {} listening on {}",
+        engine.engine_id,
+        engine.url()
+    );
     std::future::pending::<()>().await;
     Ok(())
 }

@@ -36,16 +36,42 @@ impl EngineMetrics {
         };
         let r = registry.sub_registry_with_prefix("engine");
         r.register("requests", "Requests per outcome", m.requests.clone());
-        r.register("time_to_first_token_seconds", "From arrival to first token", m.ttft.clone());
-        r.register("kv_blocks_free", "Free blocks in the KV pool", m.blocks_free.clone());
-        r.register("kv_blocks_used", "Blocks out of the KV pool", m.blocks_used.clone());
-        r.register("requests_waiting", "Requests waiting for blocks", m.waiting.clone());
-        r.register("sequences_running", "Sequences being decoded", m.running.clone());
-        r.register("requests_awaiting_kv", "Requests waiting for a KV transfer", m.awaiting_kv.clone());
+        r.register(
+            "time_to_first_token_seconds",
+            "From arrival to first token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "kv_blocks_free",
+            "Free blocks in the KV pool",
+            m.blocks_free.clone(),
+        );
+        r.register(
+            "kv_blocks_used",
+            "Blocks out of the KV pool",
+            m.blocks_used.clone(),
+        );
+        r.register(
+            "requests_waiting",
+            "Requests waiting for blocks",
+            m.waiting.clone(),
+        );
+        r.register(
+            "sequences_running",
+            "Sequences being decoded",
+            m.running.clone(),
+        );
+        r.register(
+            "requests_awaiting_kv",
+            "Requests waiting for a KV transfer",
+            m.awaiting_kv.clone(),
+        );
         m
     }
 
     pub fn outcome(&self, outcome: &'static str) {
-        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.requests
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 }

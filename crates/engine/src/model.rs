@@ -12,9 +12,9 @@
 pub const VOCAB: u32 = 32_000;
 
 const WORDS: [&str; 64] = [
-    "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by",
-    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
-    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
+    "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
+    "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
     "been", "if", "more", "when", "will", "would", "who", "so", "no", "kv", "cache", "block",
     "lease", "grant", "epoch", "prefill", "decode", "handoff", "token", "layer", "head", "rank",
     "pool", "fence",

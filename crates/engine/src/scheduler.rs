@@ -31,13 +31,25 @@ pub enum Kind {
 /// What the scheduler streams back to a request's HTTP handler.
 #[derive(Debug, Clone)]
 pub enum SeqEvent {
-    Token { choice: u32, text: String },
-    Finished { choice: u32, reason: &'static str },
+    Token {
+        choice: u32,
+        text: String,
+    },
+    Finished {
+        choice: u32,
+        reason: &'static str,
+    },
     KvParams(Box<KvTransferParams>),
     /// The request ended with an error; `status` is the HTTP status to answer.
-    Error { status: u16, message: String },
+    Error {
+        status: u16,
+        message: String,
+    },
     /// Every choice finished.
-    Done { prompt_tokens: u32, completion_tokens: u32 },
+    Done {
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
 }
 
 pub struct Submission {
@@ -156,9 +168,7 @@ impl Scheduler {
         self.metrics.blocks_used.set(self.pool.used_count() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
         self.metrics.running.set(self.running.len() as i64);
-        self.metrics
-            .awaiting_kv
-            .set(self.awaiting_kv.len() as i64);
+        self.metrics.awaiting_kv.set(self.awaiting_kv.len() as i64);
     }
 
     fn reject(&self, sub: &Submission, status: u16, message: String) {
@@ -170,7 +180,11 @@ impl Scheduler {
                 }
             }
         }
-        self.metrics.outcome(if status == 503 { "rejected_full" } else { "rejected" });
+        self.metrics.outcome(if status == 503 {
+            "rejected_full"
+        } else {
+            "rejected"
+        });
         let _ = sub.events.send(SeqEvent::Error { status, message });
     }
 
@@ -190,23 +204,33 @@ impl Scheduler {
                 ),
             );
         }
-        let need = self.blocks_for(prompt) + sub.n as usize * self.blocks_for(sub.max_tokens as usize);
+        let need =
+            self.blocks_for(prompt) + sub.n as usize * self.blocks_for(sub.max_tokens as usize);
         if need > self.pool.total() as usize {
             return self.reject(
                 &sub,
                 400,
-                format!("request needs {need} KV blocks, the pool has {}", self.pool.total()),
+                format!(
+                    "request needs {need} KV blocks, the pool has {}",
+                    self.pool.total()
+                ),
             );
         }
         if self.waiting.len() >= self.cfg.max_waiting {
             return self.reject(
                 &sub,
                 503,
-                format!("KV pool full: {} requests already waiting", self.waiting.len()),
+                format!(
+                    "KV pool full: {} requests already waiting",
+                    self.waiting.len()
+                ),
             );
         }
         if let Kind::RemotePrefill(params) = &sub.kind {
-            if params.remote_num_tokens.is_some_and(|n| n as usize != prompt) {
+            if params
+                .remote_num_tokens
+                .is_some_and(|n| n as usize != prompt)
+            {
                 return self.reject(
                     &sub,
                     400,
@@ -225,7 +249,11 @@ impl Scheduler {
             }
         }
         if matches!(sub.kind, Kind::RemoteDecode) && self.connector.is_none() {
-            return self.reject(&sub, 400, "this engine does not prefill for remote decode".into());
+            return self.reject(
+                &sub,
+                400,
+                "this engine does not prefill for remote decode".into(),
+            );
         }
         self.waiting.push_back(Request {
             sub,
@@ -270,7 +298,9 @@ impl Scheduler {
                             self.metrics.outcome("transfer_failed");
                             let _ = r.sub.events.send(SeqEvent::Error {
                                 status: 502,
-                                message: format!("KV transfer from the prefill engine failed: {reason}"),
+                                message: format!(
+                                    "KV transfer from the prefill engine failed: {reason}"
+                                ),
                             });
                         }
                     }
@@ -322,7 +352,11 @@ impl Scheduler {
             if !is_remote && prefilled {
                 break;
             }
-            let need_gen = if front.gen_blocks.is_empty() { gen_each * n } else { 0 };
+            let need_gen = if front.gen_blocks.is_empty() {
+                gen_each * n
+            } else {
+                0
+            };
             let need = self.blocks_for(prompt) + need_gen;
             if self.pool.free_count() < need {
                 break;
@@ -334,9 +368,11 @@ impl Scheduler {
                 self.waiting.push_front(r);
                 break;
             };
-            if r.gen_blocks.is_empty() && matches!(r.sub.kind, Kind::Local | Kind::RemotePrefill(_)) {
+            if r.gen_blocks.is_empty() && matches!(r.sub.kind, Kind::Local | Kind::RemotePrefill(_))
+            {
                 for _ in 0..n {
-                    r.gen_blocks.push(self.pool.alloc(gen_each).unwrap_or_default());
+                    r.gen_blocks
+                        .push(self.pool.alloc(gen_each).unwrap_or_default());
                 }
             }
             r.prompt_blocks = prompt_blocks;
@@ -380,7 +416,10 @@ impl Scheduler {
         let layers = self.cfg.num_layers.max(1) as f64;
         // The forward pass: every layer costs its share, and the KV is written as it is made.
         let per_layer = prompt.len() as f64 * self.cfg.prefill_us_per_token / layers;
-        if let Err(e) = self.kv.write_positions(&prefix, 0..prompt.len(), &r.prompt_blocks) {
+        if let Err(e) = self
+            .kv
+            .write_positions(&prefix, 0..prompt.len(), &r.prompt_blocks)
+        {
             return self.fail_local(r, e);
         }
         for _ in 0..self.cfg.num_layers {
@@ -389,7 +428,10 @@ impl Scheduler {
         match &r.sub.kind {
             Kind::RemoteDecode => {
                 // P: sample the first token (as vLLM's P does), then hand the KV over.
-                let digest = match self.kv.digest_positions(0, 0..prompt.len(), &r.prompt_blocks) {
+                let digest = match self
+                    .kv
+                    .digest_positions(0, 0..prompt.len(), &r.prompt_blocks)
+                {
                     Ok(d) => d,
                     Err(e) => return self.fail_local(r, e),
                 };
@@ -488,7 +530,9 @@ impl Scheduler {
         let max_tokens = sh.max_tokens;
         if !sh.ttft_seen {
             sh.ttft_seen = true;
-            self.metrics.ttft.observe(sh.arrived.elapsed().as_secs_f64());
+            self.metrics
+                .ttft
+                .observe(sh.arrived.elapsed().as_secs_f64());
         }
         let alive = sh
             .events
@@ -546,14 +590,19 @@ impl Scheduler {
         );
         for mut seq in batch {
             // Append the last token's KV, read it back, and sample the next token from it.
-            let prefix = model::mix(seq.last_prefix ^ (seq.last_token as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let prefix = model::mix(
+                seq.last_prefix ^ (seq.last_token as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
             seq.last_prefix = prefix;
             seq.gen_prefix.push(prefix);
             let pos = seq.gen_prefix.len() - 1;
             let step = self
                 .kv
                 .write_positions(&seq.gen_prefix, pos..pos + 1, &seq.gen_blocks)
-                .and_then(|()| self.kv.digest_positions(seq.digest, pos..pos + 1, &seq.gen_blocks));
+                .and_then(|()| {
+                    self.kv
+                        .digest_positions(seq.digest, pos..pos + 1, &seq.gen_blocks)
+                });
             match step {
                 Ok(d) => {
                     seq.digest = d;

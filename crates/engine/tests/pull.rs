@@ -40,7 +40,13 @@ async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) 
 }
 
 /// What the proxy does: P with max_tokens 1 and do_remote_decode, then D with P's params.
-async fn disaggregated(client: &reqwest::Client, p: &RunningEngine, d: &RunningEngine, text: &str, n: u32) -> Value {
+async fn disaggregated(
+    client: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    text: &str,
+    n: u32,
+) -> Value {
     let (s, pr) = post(
         client,
         &p.url(),
@@ -52,7 +58,12 @@ async fn disaggregated(client: &reqwest::Client, p: &RunningEngine, d: &RunningE
     assert_eq!(s, 200, "{pr}");
     let params = pr["kv_transfer_params"].clone();
     assert_eq!(params["do_remote_prefill"], true);
-    let (s, dr) = post(client, &d.url(), json!({"prompt": text, "max_tokens": 12, "n": n, "kv_transfer_params": params})).await;
+    let (s, dr) = post(
+        client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 12, "n": n, "kv_transfer_params": params}),
+    )
+    .await;
     assert_eq!(s, 200, "{dr}");
     dr
 }
@@ -86,7 +97,12 @@ async fn disaggregated_output_equals_monolithic() {
     for (i, words) in [5usize, 16, 17, 100, 700].into_iter().enumerate() {
         let text = prompt(i, words);
         for n in [1u32, 4] {
-            let (s, m) = post(&client, &mono.url(), json!({"prompt": text, "max_tokens": 12, "n": n})).await;
+            let (s, m) = post(
+                &client,
+                &mono.url(),
+                json!({"prompt": text, "max_tokens": 12, "n": n}),
+            )
+            .await;
             assert_eq!(s, 200);
             let dis = disaggregated(&client, &p, &d, &text, n).await;
             assert_eq!(texts(&dis), texts(&m), "prompt of {words} words, n={n}");
@@ -94,7 +110,12 @@ async fn disaggregated_output_equals_monolithic() {
         }
     }
     // Siblings differ from each other (n>1 is not n copies of one answer).
-    let (_, m) = post(&client, &mono.url(), json!({"prompt": prompt(9, 30), "max_tokens": 8, "n": 4})).await;
+    let (_, m) = post(
+        &client,
+        &mono.url(),
+        json!({"prompt": prompt(9, 30), "max_tokens": 8, "n": 4}),
+    )
+    .await;
     let t = texts(&m);
     assert!(t.iter().skip(1).any(|x| *x != t[0]));
     wait_released(&p).await;
@@ -126,7 +147,12 @@ async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
     let c = e.connector.as_ref().expect("connector");
     let start = std::time::Instant::now();
     while c.held_blocks() != (0, 0) {
-        assert!(start.elapsed() < limit, "{} still holds {:?}", e.engine_id, c.held_blocks());
+        assert!(
+            start.elapsed() < limit,
+            "{} still holds {:?}",
+            e.engine_id,
+            c.held_blocks()
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     start.elapsed()
@@ -145,17 +171,36 @@ async fn rejection_before_admission_releases_p_at_once() {
     // Oversized for D (prompt + max_tokens > D's max_model_len), fine for P.
     let text = prompt(1, 200);
     let params = p_leg(&client, &p, &text).await;
-    let (s, body) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 100, "kv_transfer_params": params})).await;
+    let (s, body) = post(
+        &client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 100, "kv_transfer_params": params}),
+    )
+    .await;
     assert_eq!(s, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("max_model_len"));
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("max_model_len"));
     // The lease is 10 s: a release within a second can only be the rejection's.
     released_within(&p, Duration::from_secs(1)).await;
     // Invalid params (a handoff id that is not one) are refused too, and name the problem.
     let mut bad = p_leg(&client, &p, &text).await;
     bad["remote_block_ids"] = json!("many");
-    let (s, body) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": bad})).await;
+    let (s, body) = post(
+        &client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": bad}),
+    )
+    .await;
     assert_eq!(s, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("kv_transfer_params"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("kv_transfer_params"),
+        "{body}"
+    );
     released_within(&p, Duration::from_secs(1)).await;
     let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
     assert_eq!(ended.get("rejected"), Some(&2), "{ended:?}");
@@ -192,11 +237,22 @@ async fn client_disconnect_mid_stream_releases_everything() {
     // D's pool is whole again once the abandoned sequence is reaped.
     let start_t = std::time::Instant::now();
     loop {
-        let m = client.get(format!("{}/metrics", d.url())).send().await.unwrap().text().await.unwrap();
-        if metric(&m, "engine_kv_blocks_used") == 0.0 && metric(&m, "handoff_kv_blocks_held") == 0.0 {
+        let m = client
+            .get(format!("{}/metrics", d.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if metric(&m, "engine_kv_blocks_used") == 0.0 && metric(&m, "handoff_kv_blocks_held") == 0.0
+        {
             break;
         }
-        assert!(start_t.elapsed() < Duration::from_secs(5), "D still holds blocks:\n{m}");
+        assert!(
+            start_t.elapsed() < Duration::from_secs(5),
+            "D still holds blocks:\n{m}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     for e in [p, d] {
@@ -232,8 +288,20 @@ async fn vllm_toy_proxy_json_drives_p_and_d() {
         .await
         .unwrap();
     let params = pr["kv_transfer_params"].clone();
-    for key in ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "remote_request_id"] {
-        assert!(params.get(key).is_some(), "P's params lack vLLM key {key}: {params}");
+    for key in [
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "remote_request_id",
+    ] {
+        assert!(
+            params.get(key).is_some(),
+            "P's params lack vLLM key {key}: {params}"
+        );
     }
     assert_eq!(params["remote_request_id"], req_id);
     // Leg 2: the client's request, streamed, with P's params.
@@ -267,7 +335,10 @@ async fn vllm_toy_proxy_json_drives_p_and_d() {
         .json()
         .await
         .unwrap();
-    assert_eq!(text, m["choices"][0]["message"]["content"].as_str().unwrap());
+    assert_eq!(
+        text,
+        m["choices"][0]["message"]["content"].as_str().unwrap()
+    );
     released_within(&p, Duration::from_secs(2)).await;
     for e in [p, d, mono] {
         e.stop().await;
@@ -294,7 +365,9 @@ fn assert_prometheus_text(text: &str) {
         if line.starts_with('#') || line.is_empty() {
             continue;
         }
-        let (name_labels, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+        let (name_labels, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
         assert!(value.parse::<f64>().is_ok(), "bad value in {line:?}");
         let name = name_labels.split('{').next().unwrap();
         if name_labels.contains('{') {
@@ -304,7 +377,10 @@ fn assert_prometheus_text(text: &str) {
             .iter()
             .find_map(|s| name.strip_suffix(s))
             .unwrap_or(name);
-        assert!(families.contains(family) || families.contains(name), "sample {name} has no # TYPE");
+        assert!(
+            families.contains(family) || families.contains(name),
+            "sample {name} has no # TYPE"
+        );
     }
 }
 
@@ -315,24 +391,62 @@ async fn metrics_parse_and_held_gauge_returns_to_zero() {
     let client = reqwest::Client::new();
     let text = prompt(4, 120);
     let params = p_leg(&client, &p, &text).await;
-    let held = client.get(format!("{}/metrics", p.url())).send().await.unwrap().text().await.unwrap();
+    let held = client
+        .get(format!("{}/metrics", p.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert_prometheus_text(&held);
-    assert!(metric(&held, "handoff_kv_blocks_held") > 0.0, "P holds the handoff's blocks while D has not read:\n{held}");
-    let (s, _) = post(&client, &d.url(), json!({"prompt": text, "max_tokens": 3, "kv_transfer_params": params})).await;
+    assert!(
+        metric(&held, "handoff_kv_blocks_held") > 0.0,
+        "P holds the handoff's blocks while D has not read:\n{held}"
+    );
+    let (s, _) = post(
+        &client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 3, "kv_transfer_params": params}),
+    )
+    .await;
     assert_eq!(s, 200);
     released_within(&p, Duration::from_secs(2)).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     for e in [&p, &d] {
-        let m = client.get(format!("{}/metrics", e.url())).send().await.unwrap().text().await.unwrap();
+        let m = client
+            .get(format!("{}/metrics", e.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         assert_prometheus_text(&m);
         assert_eq!(metric(&m, "handoff_kv_blocks_held"), 0.0, "{m}");
     }
-    let dm = client.get(format!("{}/metrics", d.url())).send().await.unwrap().text().await.unwrap();
+    let dm = client
+        .get(format!("{}/metrics", d.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(metric(&dm, "handoff_transfer_bytes_total") > 0.0);
     assert!(metric(&dm, "handoff_heartbeats_total") > 0.0);
-    let pm = client.get(format!("{}/metrics", p.url())).send().await.unwrap().text().await.unwrap();
+    let pm = client
+        .get(format!("{}/metrics", p.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert_eq!(
-        pm.lines().find(|l| l.starts_with("handoff_handoffs_ended_total{reason=\"done\"}")).map(|l| l.rsplit(' ').next().unwrap().to_string()),
+        pm.lines()
+            .find(|l| l.starts_with("handoff_handoffs_ended_total{reason=\"done\"}"))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string()),
         Some("1".to_string())
     );
     for e in [p, d] {

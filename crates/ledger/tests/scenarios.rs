@@ -899,7 +899,9 @@ fn a_release_from_someone_other_than_the_reader_only_ends_the_lease() {
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Aborted);
     // Without a reader, the same release frees at once.
     let other = hid(81);
-    pair.p.create_handoff(other, vec![50], TransferMode::Pull, pair.now).unwrap();
+    pair.p
+        .create_handoff(other, vec![50], TransferMode::Pull, pair.now)
+        .unwrap();
     pair.p.handle_message(
         proxy,
         Message::Release(Release {

@@ -173,9 +173,7 @@ pub(crate) fn check_bounds(
 
 /// Opens a backend by name with its default settings (`mem` needs a fabric: use
 /// [`mem::MemTransport::new`]).
-#[allow(clippy::match_single_binding)] // until the tcp and nixl arms land
 pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, TransportError> {
-    let _ = name;
     match kind {
         "tcp" => {
             let t = tcp::TcpTransport::new(name, tcp::TcpConfig::default())?;

@@ -189,7 +189,6 @@ fn mem_in_one_process() {
 }
 
 #[test]
-#[ignore = "until the tcp backend lands"]
 fn tcp_in_one_process() {
     let local = open_backend("tcp", "tcp-local").expect("tcp");
     let remote_t = open_backend("tcp", "tcp-remote").expect("tcp");
@@ -204,7 +203,6 @@ fn tcp_in_one_process() {
 }
 
 #[test]
-#[ignore = "until the tcp backend lands"]
 fn tcp_across_two_processes() {
     let local = open_backend("tcp", "tcp-initiator").expect("tcp");
     let mut remote = ChildRemote::spawn("tcp", "tcp-peer").expect("peer process");

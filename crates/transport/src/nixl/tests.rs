@@ -575,7 +575,7 @@ fn nixl_raw_baseline_moves_blocks() {
 #[ignore]
 fn nixl_throughput_vs_raw() {
     let Some(cfg) = nixl() else { return };
-    let (rounds, per_round) = (5, 6);
+    let (rounds, per_round) = (8, 5);
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "progress delay {} us, 64 MiB per transfer with a notification, median of {rounds}x{per_round} \

@@ -957,12 +957,32 @@ fn throughput() {
     for &block in &blocks {
         let mut best = [0f64; 4];
         let mut cpu = [f64::MAX; 4];
+
         for rep in 0..reps {
+            // TCP_BENCH_ONLY=raw|cold|read|write runs one of them (for profiling).
+            let only = std::env::var("TCP_BENCH_ONLY").unwrap_or_default();
+            let skip = |what: &str| !only.is_empty() && only != what;
             let got = [
-                with_cpu(|| raw(block), TOTAL),
-                with_cpu(|| raw_cold(block, &mut rng), TOTAL),
-                with_cpu(|| run(XferOp::Read, block, &mut rng), TOTAL),
-                with_cpu(|| run(XferOp::Write, block, &mut rng), TOTAL),
+                if skip("raw") {
+                    (0.0, 0.0)
+                } else {
+                    with_cpu(|| raw(block), TOTAL)
+                },
+                if skip("cold") {
+                    (0.0, 0.0)
+                } else {
+                    with_cpu(|| raw_cold(block, &mut rng), TOTAL)
+                },
+                if skip("read") {
+                    (0.0, 0.0)
+                } else {
+                    with_cpu(|| run(XferOp::Read, block, &mut rng), TOTAL)
+                },
+                if skip("write") {
+                    (0.0, 0.0)
+                } else {
+                    with_cpu(|| run(XferOp::Write, block, &mut rng), TOTAL)
+                },
             ];
             println!(
                 "block {:>4} KiB rep {rep}: GB/s (CPU s per GB): raw {:.2} ({:.2})  raw-cold {:.2} \

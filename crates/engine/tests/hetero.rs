@@ -1,0 +1,256 @@
+//! Different tensor-parallel sizes and block sizes between P and D, end to end in one process:
+//! outputs equal a monolithic engine's; incompatible pairs are refused at handshake with an error
+//! that says why, and the request is recomputed or failed per policy.
+
+use std::time::Duration;
+
+use handoff_engine::{start, EngineConfig, RunningEngine};
+use serde_json::{json, Value};
+
+fn cfg(role: &str, tp: u32, block_size: u32) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "mem".into(),
+        tp,
+        block_size,
+        num_blocks: 8192 / block_size,
+        prefill_us_per_token: 1.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        ..EngineConfig::default()
+    }
+}
+
+fn prompt(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("h{}", (i * 31 + seed * 977) % 3000))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn disaggregated(
+    c: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    text: &str,
+    n: u32,
+) -> (u16, Value) {
+    let (s, pr) = post(
+        c,
+        &p.url(),
+        json!({"prompt": text, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{pr}");
+    post(c, &d.url(), json!({"prompt": text, "max_tokens": 10, "n": n, "kv_transfer_params": pr["kv_transfer_params"]})).await
+}
+
+fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_tp_and_block_sizes_match_monolithic() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", 1, 16)).await.unwrap();
+    let cases = [
+        ((1, 16), (2, 16)),
+        ((2, 16), (1, 16)),
+        ((2, 16), (4, 16)),
+        ((4, 16), (2, 16)),
+        ((1, 16), (1, 32)),
+        ((1, 32), (1, 16)),
+        ((1, 16), (1, 16)),
+        ((2, 32), (4, 16)),
+        ((4, 16), (1, 32)),
+    ];
+    for ((ptp, pbs), (dtp, dbs)) in cases {
+        let p = start(cfg("prefill", ptp, pbs)).await.unwrap();
+        let d = start(cfg("decode", dtp, dbs)).await.unwrap();
+        for (i, words) in [3usize, 16, 33, 250].into_iter().enumerate() {
+            let text = prompt(i + ptp as usize * 10 + dtp as usize, words);
+            for n in [1, 4] {
+                let (s, m) = post(
+                    &c,
+                    &mono.url(),
+                    json!({"prompt": text, "max_tokens": 10, "n": n}),
+                )
+                .await;
+                assert_eq!(s, 200);
+                let (s, dis) = disaggregated(&c, &p, &d, &text, n).await;
+                assert_eq!(s, 200, "P tp {ptp} bs {pbs} -> D tp {dtp} bs {dbs}: {dis}");
+                assert_eq!(
+                    texts(&dis),
+                    texts(&m),
+                    "P tp {ptp} bs {pbs} -> D tp {dtp} bs {dbs}, {words} words, n={n}"
+                );
+            }
+        }
+        let pc = p.connector.clone().unwrap();
+        for _ in 0..200 {
+            if pc.held_blocks() == (0, 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(pc.held_blocks(), (0, 0), "P tp {ptp} -> D tp {dtp}");
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contiguous_blocks_cost_a_constant_number_of_descriptors() {
+    // Equal TP and block size: a contiguous run is one descriptor, however long the prompt.
+    let c = reqwest::Client::new();
+    for (ptp, dtp) in [(1, 1), (2, 2)] {
+        let mut per_prompt = Vec::new();
+        for words in [64usize, 1024, 4096] {
+            let p = start(cfg("prefill", ptp, 16)).await.unwrap();
+            let d = start(cfg("decode", dtp, 16)).await.unwrap();
+            let (s, _) = disaggregated(&c, &p, &d, &prompt(1, words), 1).await;
+            assert_eq!(s, 200);
+            let m = c
+                .get(format!("{}/metrics", d.url()))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            per_prompt.push(metric(&m, "handoff_transfer_descriptors_sum"));
+            p.stop().await;
+            d.stop().await;
+        }
+        // One descriptor per (D rank, P rank) pair, for 4 blocks as for 256.
+        assert!(
+            per_prompt.iter().all(|d| *d == ptp as f64),
+            "tp {ptp}->{dtp}: {per_prompt:?}"
+        );
+    }
+}
+
+async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig, expect: &str) {
+    let c = reqwest::Client::new();
+    let p = start(p_cfg).await.unwrap();
+    let d = start(d_cfg).await.unwrap();
+    let text = prompt(5, 40);
+    let (s, body) = disaggregated(&c, &p, &d, &text, 1).await;
+    // Policy `recompute` (default): D answers anyway, from a local prefill.
+    assert_eq!(s, 200, "{body}");
+    let m = c
+        .get(format!("{}/metrics", d.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metric(&m, "handoff_handshakes_refused_total") >= 1.0, "{m}");
+    assert_eq!(metric(&m, "handoff_transfer_bytes_total"), 0.0);
+    // P refused too, and counted it.
+    let pm = c
+        .get(format!("{}/metrics", p.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(&pm, "handoff_handshakes_refused_total") >= 1.0,
+        "{pm}"
+    );
+    p.stop().await;
+    d.stop().await;
+    let _ = expect;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incompatible_pairs_are_refused_with_a_reason() {
+    let c = reqwest::Client::new();
+    let cases: Vec<(EngineConfig, EngineConfig, &str)> = vec![
+        (
+            EngineConfig {
+                num_kv_heads: 12,
+                ..cfg("prefill", 2, 16)
+            },
+            EngineConfig {
+                num_kv_heads: 12,
+                ..cfg("decode", 3, 16)
+            },
+            "divide",
+        ),
+        (
+            EngineConfig {
+                num_layers: 6,
+                ..cfg("prefill", 1, 16)
+            },
+            cfg("decode", 1, 16),
+            "layers",
+        ),
+        (
+            EngineConfig {
+                model: "other-model".into(),
+                ..cfg("prefill", 1, 16)
+            },
+            cfg("decode", 1, 16),
+            "model",
+        ),
+        (
+            EngineConfig {
+                block_layout: "token-major".into(),
+                ..cfg("prefill", 1, 16)
+            },
+            cfg("decode", 1, 16),
+            "major",
+        ),
+    ];
+    for (p_cfg, d_cfg, expect) in cases {
+        refused(p_cfg.clone(), d_cfg.clone(), expect).await;
+        // With policy `fail`, the client sees why.
+        let p = start(p_cfg).await.unwrap();
+        let d = start(EngineConfig {
+            failure_policy: "fail".into(),
+            ..d_cfg
+        })
+        .await
+        .unwrap();
+        let (s, body) = disaggregated(&c, &p, &d, &prompt(6, 40), 1).await;
+        assert_eq!(s, 502, "{body}");
+        let msg = body["error"]["message"].as_str().unwrap().to_lowercase();
+        assert!(msg.contains(expect), "expected {expect:?} in {msg:?}");
+        p.stop().await;
+        d.stop().await;
+    }
+    // More ranks than KV heads: refused at start, naming the field.
+    let e = start(cfg("decode", 8, 16)).await.err().expect("refused");
+    assert!(e.to_string().contains("tp"), "{e}");
+}
