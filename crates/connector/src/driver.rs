@@ -8,7 +8,9 @@ use handoff_ledger::{
     ConsumerAction, ConsumerLedger, Outcome, PeerId, ProducerAction, ProducerLedger, StartRead,
 };
 use handoff_plan::RankLayout;
-use handoff_proto::{decode, encode, HandoffId, Hello, HelloReply, Message};
+use handoff_proto::{
+    decode, encode, HandoffId, Hello, HelloReply, Message, PushDone, TransferMode,
+};
 use handoff_transport::{XferDesc, XferId, XferOp, XferStatus};
 
 use crate::side_channel::{self, Conn, ConnId, SideEvent};
@@ -71,6 +73,37 @@ impl Peers {
     }
 }
 
+/// P, push mode: one handoff's prefill and the writes into each registered D rank.
+pub(crate) struct PushState {
+    blocks: Vec<u32>,
+    num_tokens: u32,
+    pub layers_saved: u32,
+    writes: HashMap<u16, ActiveWrite>,
+}
+
+impl PushState {
+    pub fn new(blocks: Vec<u32>, num_tokens: u32) -> Self {
+        PushState {
+            blocks,
+            num_tokens,
+            layers_saved: 0,
+            writes: HashMap::new(),
+        }
+    }
+}
+
+struct ActiveWrite {
+    d_peer: PeerId,
+    d_blocks: Vec<u32>,
+    done: Vec<PushDone>,
+    layers_posted: u32,
+    xfers: Vec<(u16, XferId)>,
+    failed: bool,
+    aborted: bool,
+    started: Instant,
+    bytes: u64,
+}
+
 struct ActiveRead {
     dst_blocks: Vec<u32>,
     num_tokens: u32,
@@ -89,6 +122,9 @@ pub(crate) struct Inner {
     /// Which P each tracked handoff comes from (to explain a failure).
     pub handoff_peer: HashMap<HandoffId, PeerId>,
     reads: HashMap<HandoffId, ActiveRead>,
+    pub pushes: HashMap<HandoffId, PushState>,
+    /// D: each tracked handoff's prompt length and mode (to zero a pushed block's tail).
+    pub handoff_tokens: HashMap<HandoffId, (u32, TransferMode)>,
     /// Why requests of a peer failed (incompatible handshake, unreachable).
     refusals: HashMap<PeerId, String>,
     anon_conns: HashMap<ConnId, Conn>,
@@ -103,6 +139,8 @@ impl Inner {
             requests: HashMap::new(),
             handoff_peer: HashMap::new(),
             reads: HashMap::new(),
+            pushes: HashMap::new(),
+            handoff_tokens: HashMap::new(),
             refusals: HashMap::new(),
             anon_conns: HashMap::new(),
         }
@@ -311,6 +349,7 @@ impl Connector {
             }
         }
         self.poll_reads(&mut inner, now);
+        self.advance_pushes(&mut inner, now);
         self.flush(&mut inner, now);
         self.update_gauges(&inner);
     }
@@ -515,6 +554,8 @@ impl Connector {
 
     /// Moves every ledger output to where it goes.
     fn flush(&self, inner: &mut Inner, now: Duration) {
+        let mut p_actions = Vec::new();
+        let mut released_pushes = Vec::new();
         loop {
             let mut progressed = false;
             let mut out = Vec::new();
@@ -555,6 +596,7 @@ impl Connector {
                     self.metrics
                         .lease_age_at_release
                         .observe(rel.held_for.as_secs_f64());
+                    released_pushes.push(rel.handoff);
                     let _ = self.out.send(ConnectorEvent::BlocksReleased {
                         blocks: rel.blocks,
                         reason: rel.reason.as_str().into(),
@@ -562,13 +604,61 @@ impl Connector {
                 }
                 while let Some(a) = p.poll_action() {
                     progressed = true;
-                    match a {
-                        // Push mode's writes are driven elsewhere; until then, a write that
-                        // cannot happen must end rather than hang.
-                        ProducerAction::PushWrite(w) => {
-                            p.on_push_write_done(w.handoff, w.d_rank, false, now)
+                    p_actions.push(a);
+                }
+            }
+            for h in released_pushes.drain(..) {
+                if let Some(st) = inner.pushes.remove(&h) {
+                    // Writes still posted are aborted: the ledger only releases after they
+                    // ended or were fenced, so this only cleans up.
+                    for w in st.writes.values() {
+                        for (rank, id) in &w.xfers {
+                            if let Some(r) = self.ranks.get(*rank as usize) {
+                                let _ = r.transport.release(*id);
+                            }
                         }
-                        ProducerAction::AbortWrite { .. } => {}
+                    }
+                }
+            }
+            for a in p_actions.drain(..) {
+                match a {
+                    ProducerAction::PushWrite(w) => {
+                        let accepted = inner.pushes.get_mut(&w.handoff).map(|st| {
+                            st.writes.insert(
+                                w.d_rank,
+                                ActiveWrite {
+                                    d_peer: w.d_peer,
+                                    d_blocks: w.dst_blocks.clone(),
+                                    done: w.done.clone(),
+                                    layers_posted: 0,
+                                    xfers: Vec::new(),
+                                    failed: false,
+                                    aborted: false,
+                                    started: Instant::now(),
+                                    bytes: 0,
+                                },
+                            )
+                        });
+                        if accepted.is_none() {
+                            if let Some(p) = inner.producer.as_mut() {
+                                p.on_push_write_done(w.handoff, w.d_rank, false, now);
+                            }
+                        }
+                    }
+                    ProducerAction::AbortWrite { handoff, d_rank } => {
+                        if let Some(w) = inner
+                            .pushes
+                            .get_mut(&handoff)
+                            .and_then(|st| st.writes.get_mut(&d_rank))
+                        {
+                            w.aborted = true;
+                            for (rank, id) in &w.xfers {
+                                if let Some(r) = self.ranks.get(*rank as usize) {
+                                    let _ = r.transport.release(*id);
+                                }
+                            }
+                            w.xfers.clear();
+                        }
                     }
                 }
             }
@@ -598,6 +688,13 @@ impl Connector {
                         handoff,
                     } => {
                         inner.handoff_peer.remove(&handoff);
+                        if let Some((n, TransferMode::Push)) = inner.handoff_tokens.remove(&handoff)
+                        {
+                            // P wrote exactly the prompt's tokens: clear what it did not.
+                            for rank in 0..self.spec.tp as u16 {
+                                self.zero_tail(rank, &blocks, n);
+                            }
+                        }
                         ConnectorEvent::Ready {
                             requests: requests.iter().map(|r| r.0).collect(),
                             blocks,
@@ -608,6 +705,7 @@ impl Connector {
                         reason,
                         handoff,
                     } => {
+                        inner.handoff_tokens.remove(&handoff);
                         self.count_failure(reason.as_str());
                         let why = self.reason_text(inner.refusal(handoff), reason.as_str());
                         inner.handoff_peer.remove(&handoff);
@@ -621,6 +719,7 @@ impl Connector {
                         reason,
                         handoff,
                     } => {
+                        inner.handoff_tokens.remove(&handoff);
                         self.count_failure(reason.as_str());
                         let why = self.reason_text(inner.refusal(handoff), reason.as_str());
                         inner.handoff_peer.remove(&handoff);
@@ -824,6 +923,148 @@ impl Connector {
         if let Some(c) = inner.consumer.as_mut() {
             for (handoff, rank, ok) in finished {
                 c.on_read_done(handoff, rank, ok, now);
+            }
+        }
+    }
+
+    /// P, push mode: posts the layers that are ready into every granted registration, and
+    /// reports each registration's writes to the ledger once they all ended.
+    fn advance_pushes(&self, inner: &mut Inner, now: Duration) {
+        let num_layers = self.spec.shape.num_layers;
+        let my_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        let mut ended: Vec<(HandoffId, u16, bool)> = Vec::new();
+        let handoffs: Vec<HandoffId> = inner.pushes.keys().copied().collect();
+        for h in handoffs {
+            let Some(st) = inner.pushes.get_mut(&h) else {
+                continue;
+            };
+            for (d_rank, w) in st.writes.iter_mut() {
+                // Progress of posted writes.
+                w.xfers.retain(|(rank, id)| {
+                    let Some(r) = self.ranks.get(*rank as usize) else {
+                        return false;
+                    };
+                    match r.transport.status(*id) {
+                        Ok(XferStatus::InProgress) => true,
+                        Ok(XferStatus::Done) => {
+                            let _ = r.transport.release(*id);
+                            false
+                        }
+                        Ok(XferStatus::Failed(e)) => {
+                            tracing::warn!(handoff = %h, error = %e, "WRITE failed");
+                            let _ = r.transport.release(*id);
+                            w.failed = true;
+                            false
+                        }
+                        Err(_) => {
+                            w.failed = true;
+                            false
+                        }
+                    }
+                });
+                if w.aborted || w.failed {
+                    if w.xfers.is_empty() {
+                        ended.push((h, *d_rank, false));
+                    }
+                    continue;
+                }
+                if w.layers_posted == num_layers {
+                    if w.xfers.is_empty() {
+                        self.metrics.transfer_bytes.inc_by(w.bytes);
+                        self.metrics
+                            .transfer_duration
+                            .observe(w.started.elapsed().as_secs_f64());
+                        ended.push((h, *d_rank, true));
+                    }
+                    continue;
+                }
+                let Some(peer) = inner.peers.by_id.get(&w.d_peer) else {
+                    w.failed = true;
+                    continue;
+                };
+                while w.layers_posted < st.layers_saved.min(num_layers) {
+                    let layer = w.layers_posted;
+                    let last = layer + 1 == num_layers;
+                    // The completion rides on the last layer's WRITE, posted only once every
+                    // earlier one landed (a backend may complete transfers out of order).
+                    if last && !w.xfers.is_empty() {
+                        break;
+                    }
+                    // Rule 3: post only on a registration grant that is still valid.
+                    let permitted = inner
+                        .producer
+                        .as_ref()
+                        .is_some_and(|p| p.write_permit(h, *d_rank, now).is_ok());
+                    if !permitted {
+                        break;
+                    }
+                    let plan = match handoff_plan::plan_layers(
+                        &my_layouts,
+                        &peer.layouts,
+                        &st.blocks,
+                        &w.d_blocks,
+                        st.num_tokens,
+                        layer..layer + 1,
+                    ) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::warn!(handoff = %h, error = %e, "push plan failed");
+                            w.failed = true;
+                            break;
+                        }
+                    };
+                    for pair in plan.pairs.iter().filter(|p| p.d_rank as u16 == *d_rank) {
+                        let p_rank = pair.p_rank as u16;
+                        let descs: Vec<XferDesc> = pair
+                            .descriptors
+                            .iter()
+                            .map(|d| XferDesc {
+                                local_region: d.src_region,
+                                local_offset: d.src_offset,
+                                remote_region: d.dst_region,
+                                remote_offset: d.dst_offset,
+                                len: d.len,
+                            })
+                            .collect();
+                        w.bytes += descs.iter().map(|d| d.len).sum::<u64>();
+                        let note = if last {
+                            w.done
+                                .iter()
+                                .find(|n| n.p_rank == p_rank && n.d_rank == *d_rank)
+                                .and_then(|n| encode(&Message::PushDone(*n)).ok())
+                        } else {
+                            None
+                        };
+                        let (Some(r), Some(agent)) = (
+                            self.ranks.get(p_rank as usize),
+                            peer.agents.get(*d_rank as usize),
+                        ) else {
+                            w.failed = true;
+                            continue;
+                        };
+                        match r
+                            .transport
+                            .post(XferOp::Write, agent, &descs, note.as_deref())
+                        {
+                            Ok(id) => w.xfers.push((p_rank, id)),
+                            Err(e) => {
+                                tracing::warn!(handoff = %h, error = %e, "WRITE post failed");
+                                w.failed = true;
+                            }
+                        }
+                    }
+                    w.layers_posted += 1;
+                }
+            }
+            for (hh, d_rank, _) in ended.iter().filter(|(x, _, _)| *x == h) {
+                if let Some(st) = inner.pushes.get_mut(hh) {
+                    st.writes.remove(d_rank);
+                }
+            }
+        }
+        if let Some(p) = inner.producer.as_mut() {
+            for (h, d_rank, ok) in ended {
+                p.on_push_write_done(h, d_rank, ok, now);
             }
         }
     }

@@ -259,11 +259,30 @@ impl Connector {
                 .producer
                 .as_mut()
                 .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
-            p.create_handoff(handoff, blocks.clone(), self.cfg.mode, now)
+            p.create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)
                 .map_err(|e| ConnectorError::Ledger(e.to_string()))?
         };
         self.kick();
-        Ok(KvTransferParams {
+        Ok(self.params_for(
+            handoff,
+            request_id,
+            blocks,
+            num_tokens,
+            grant.lease_ms,
+            TransferMode::Pull,
+        ))
+    }
+
+    fn params_for(
+        &self,
+        handoff: HandoffId,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        lease_ms: u32,
+        mode: TransferMode,
+    ) -> KvTransferParams {
+        KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
             remote_engine_id: Some(self.cfg.engine_id.clone()),
@@ -274,12 +293,88 @@ impl Connector {
             tp_size: Some(self.spec.tp as u16),
             remote_num_tokens: Some(num_tokens),
             remote_block_size: Some(self.spec.block_size),
-            transfer_mode: Some(self.cfg.mode),
+            transfer_mode: Some(mode),
             handoff_id: Some(handoff),
-            lease_ms: Some(grant.lease_ms),
-            epoch: Some(grant.epoch.0),
+            lease_ms: Some(lease_ms),
+            epoch: Some(1),
             extra: Default::default(),
+        }
+    }
+
+    /// What a proxy needs to send D a push request for this P (`GET /v1/handoff/info`).
+    pub fn info(&self) -> serde_json::Value {
+        serde_json::json!({
+            "engine_id": self.cfg.engine_id,
+            "remote_host": self.cfg.advertise_host,
+            "remote_port": self.side_addr.port(),
+            "tp_size": self.spec.tp,
+            "block_size": self.spec.block_size,
+            "transfer_mode": self.cfg.mode.as_str(),
+            "role": match self.cfg.role {
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+                Role::Both => "both",
+            },
         })
+    }
+
+    /// P, push mode: the request (handoff id chosen by the proxy) got `blocks` and its prefill
+    /// starts now. D's registration may already be waiting (staged) or come later.
+    pub fn on_push_prefill_start(
+        &self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<(), ConnectorError> {
+        let handoff = params
+            .handoff_id
+            .ok_or_else(|| ConnectorError::BadParams("push without handoff_id".into()))?;
+        let now = self.now();
+        {
+            let mut inner = self.inner.lock();
+            let p = inner
+                .producer
+                .as_mut()
+                .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            p.create_handoff(handoff, blocks.clone(), TransferMode::Push, now)
+                .map_err(|e| ConnectorError::Ledger(e.to_string()))?;
+            inner
+                .pushes
+                .insert(handoff, driver::PushState::new(blocks, num_tokens));
+        }
+        self.kick();
+        Ok(())
+    }
+
+    /// P, push mode (worker side): layer `layer` of the handoff's KV is in its blocks; it is
+    /// written to D as soon as D's registration holds a valid grant.
+    pub fn on_layer_saved(&self, handoff: HandoffId, layer: u32) {
+        {
+            let mut inner = self.inner.lock();
+            if let Some(p) = inner.pushes.get_mut(&handoff) {
+                p.layers_saved = p.layers_saved.max(layer + 1);
+            }
+        }
+        self.kick();
+    }
+
+    /// P, push mode: the prefill ended; the parameters for the response.
+    pub fn on_push_prefill_finished(
+        &self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> KvTransferParams {
+        let handoff = params.handoff_id.unwrap_or(HandoffId(0));
+        self.params_for(
+            handoff,
+            request_id,
+            blocks,
+            num_tokens,
+            self.cfg.producer.initial_lease.as_millis() as u32,
+            TransferMode::Push,
+        )
     }
 
     /// The proxy says D never got the request: release at once.
@@ -355,6 +450,7 @@ impl Connector {
         &self,
         request: u64,
         params: &KvTransferParams,
+        prompt_tokens: u32,
     ) -> Result<(), ConnectorError> {
         let now = self.now();
         {
@@ -362,7 +458,13 @@ impl Connector {
             if inner.consumer.is_none() {
                 return Err(ConnectorError::WrongRole("decode remote prefills"));
             }
-            let inc = self.incoming(&mut inner, params)?;
+            let mut inc = self.incoming(&mut inner, params)?;
+            if inc.num_tokens == 0 {
+                inc.num_tokens = prompt_tokens;
+            }
+            inner
+                .handoff_tokens
+                .insert(inc.handoff, (inc.num_tokens, inc.mode));
             let handoff = inc.handoff;
             inner
                 .consumer

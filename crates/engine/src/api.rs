@@ -40,6 +40,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/handoff/release", post(release))
+        .route("/v1/handoff/info", get(info))
         .with_state(state)
 }
 
@@ -88,6 +89,13 @@ async fn metrics(State(s): State<Arc<ApiState>>) -> Response {
         out,
     )
         .into_response()
+}
+
+async fn info(State(s): State<Arc<ApiState>>) -> Response {
+    match &s.connector {
+        Some(c) => Json(c.info()).into_response(),
+        None => error(StatusCode::NOT_FOUND, "this engine has no connector"),
+    }
 }
 
 async fn release(State(s): State<Arc<ApiState>>, body: Json<Value>) -> Response {
@@ -174,7 +182,7 @@ fn parse(
                     "n>1 fans out on the decode engine: send n=1 to prefill",
                 ));
             }
-            Kind::RemoteDecode
+            Kind::RemoteDecode(Some(Box::new(p)))
         }
         _ => Kind::Local,
     };

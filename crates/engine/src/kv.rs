@@ -62,6 +62,17 @@ impl KvMemory {
         range: std::ops::Range<usize>,
         blocks: &[u32],
     ) -> Result<(), String> {
+        self.write_positions_layers(prefix, range, blocks, 0..self.spec.shape.num_layers)
+    }
+
+    /// [`Self::write_positions`] for some layers only (a forward pass produces one at a time).
+    pub fn write_positions_layers(
+        &self,
+        prefix: &[u64],
+        range: std::ops::Range<usize>,
+        blocks: &[u32],
+        layers: std::ops::Range<u32>,
+    ) -> Result<(), String> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
@@ -81,7 +92,7 @@ impl KvMemory {
                     .map_err(|e| e.to_string())?;
                 for (i, p) in prefix.iter().enumerate().take(end).skip(pos) {
                     let slot = (i % bs) as u32;
-                    for layer in 0..self.spec.shape.num_layers {
+                    for layer in layers.clone() {
                         for kv in 0..2 {
                             for h in 0..hpr {
                                 let global = rank as u32 * hpr + h;

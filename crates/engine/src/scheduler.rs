@@ -22,8 +22,9 @@ use crate::pool::BlockPool;
 pub enum Kind {
     /// Prefill and decode here.
     Local,
-    /// P: prefill, answer one token and `kv_transfer_params`, keep the blocks for D.
-    RemoteDecode,
+    /// P: prefill, answer one token and `kv_transfer_params`, keep the blocks for D. With
+    /// push-mode params, write the KV into D's registered blocks layer by layer meanwhile.
+    RemoteDecode(Option<Box<KvTransferParams>>),
     /// D: the KV comes from P.
     RemotePrefill(Box<KvTransferParams>),
 }
@@ -244,11 +245,14 @@ impl Scheduler {
                 return self.reject(&sub, 400, "this engine has no connector".into());
             };
             // Tracking (and heartbeats) start now, while the request still waits in the queue.
-            if let Err(e) = c.on_request_arrived(sub.id, params) {
+            if let Err(e) = c.on_request_arrived(sub.id, params, prompt as u32) {
                 return self.reject(&sub, 400, e.to_string());
             }
+            if params.mode() == handoff_proto::TransferMode::Push {
+                return self.reserve_for_push(sub);
+            }
         }
-        if matches!(sub.kind, Kind::RemoteDecode) && self.connector.is_none() {
+        if matches!(sub.kind, Kind::RemoteDecode(_)) && self.connector.is_none() {
             return self.reject(
                 &sub,
                 400,
@@ -262,6 +266,54 @@ impl Scheduler {
             prompt_blocks: vec![],
             recompute: false,
         });
+    }
+
+    /// D, push mode: reserve the blocks on arrival so P can write as soon as its KV exists. A
+    /// full pool answers at once (never an unbounded wait: P is told to release).
+    fn reserve_for_push(&mut self, sub: Submission) {
+        let prompt_blocks = self.blocks_for(sub.prompt.len());
+        let gen_each = self.blocks_for(sub.max_tokens as usize);
+        let need = prompt_blocks + gen_each * sub.n as usize;
+        let Some(c) = self.connector.clone() else {
+            return;
+        };
+        if self.pool.free_count() < need {
+            c.on_request_ended(sub.id, ReleaseReason::Rejected);
+            self.metrics.outcome("rejected_full");
+            let _ = sub.events.send(SeqEvent::Error {
+                status: 503,
+                message: format!(
+                    "KV pool full: {need} blocks needed, {} free",
+                    self.pool.free_count()
+                ),
+            });
+            return;
+        }
+        let prompt = self.pool.alloc(prompt_blocks).unwrap_or_default();
+        let gen_blocks: Vec<Vec<u32>> = (0..sub.n)
+            .map(|_| self.pool.alloc(gen_each).unwrap_or_default())
+            .collect();
+        let r = Request {
+            arrived: Instant::now(),
+            gen_blocks,
+            prompt_blocks: prompt.clone(),
+            recompute: false,
+            sub,
+        };
+        match c.on_blocks_allocated(r.sub.id, prompt) {
+            Ok(()) => {
+                self.awaiting_kv.insert(r.sub.id, r);
+            }
+            Err(e) => {
+                // The handoff already ended (P gone): prefill here instead.
+                tracing::info!(request = %r.sub.external_id, error = %e, "recomputing");
+                let mut r = r;
+                self.pool.free(&r.prompt_blocks);
+                r.prompt_blocks.clear();
+                r.recompute = true;
+                self.waiting.push_back(r);
+            }
+        }
     }
 
     fn connector_events(&mut self) {
@@ -414,19 +466,40 @@ impl Scheduler {
         let prompt = &r.sub.prompt;
         let prefix = model::prefix_hashes(prompt, 0);
         let layers = self.cfg.num_layers.max(1) as f64;
-        // The forward pass: every layer costs its share, and the KV is written as it is made.
         let per_layer = prompt.len() as f64 * self.cfg.prefill_us_per_token / layers;
-        if let Err(e) = self
-            .kv
-            .write_positions(&prefix, 0..prompt.len(), &r.prompt_blocks)
-        {
-            return self.fail_local(r, e);
+        let push = match &r.sub.kind {
+            Kind::RemoteDecode(Some(p)) if p.mode() == handoff_proto::TransferMode::Push => {
+                Some(p.clone())
+            }
+            _ => None,
+        };
+        if let (Some(params), Some(c)) = (&push, &self.connector) {
+            if let Err(e) =
+                c.on_push_prefill_start(params, r.prompt_blocks.clone(), prompt.len() as u32)
+            {
+                return self.fail_local(r, e.to_string());
+            }
         }
-        for _ in 0..self.cfg.num_layers {
+        // The forward pass, layer by layer: each layer's KV exists once its share of the cost is
+        // spent, and in push mode it leaves for D at once, overlapping the rest of the prefill.
+        for layer in 0..self.cfg.num_layers {
+            if let Err(e) = self.kv.write_positions_layers(
+                &prefix,
+                0..prompt.len(),
+                &r.prompt_blocks,
+                layer..layer + 1,
+            ) {
+                return self.fail_local(r, e);
+            }
             self.sleep_cost(per_layer);
+            if let (Some(params), Some(c)) = (&push, &self.connector) {
+                if let Some(h) = params.handoff_id {
+                    c.on_layer_saved(h, layer);
+                }
+            }
         }
         match &r.sub.kind {
-            Kind::RemoteDecode => {
+            Kind::RemoteDecode(_) => {
                 // P: sample the first token (as vLLM's P does), then hand the KV over.
                 let digest = match self
                     .kv
@@ -439,11 +512,20 @@ impl Scheduler {
                 let Some(c) = self.connector.clone() else {
                     return self.fail_local(r, "no connector".into());
                 };
-                match c.on_prefill_finished(
-                    &r.sub.external_id,
-                    r.prompt_blocks.clone(),
-                    prompt.len() as u32,
-                ) {
+                let params = match &push {
+                    Some(p) => Ok(c.on_push_prefill_finished(
+                        p,
+                        &r.sub.external_id,
+                        r.prompt_blocks.clone(),
+                        prompt.len() as u32,
+                    )),
+                    None => c.on_prefill_finished(
+                        &r.sub.external_id,
+                        r.prompt_blocks.clone(),
+                        prompt.len() as u32,
+                    ),
+                };
+                match params {
                     Ok(params) => {
                         self.metrics.ttft.observe(r.arrived.elapsed().as_secs_f64());
                         self.metrics.outcome("prefilled_for_remote");

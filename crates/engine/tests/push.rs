@@ -1,0 +1,197 @@
+//! Push mode end to end in one process (mem transport): D reserves and registers its blocks,
+//! P writes its KV layer by layer while its prefill runs, and the output equals a monolithic
+//! engine's, whichever leg arrives first.
+
+use std::time::Duration;
+
+use handoff_engine::{start, EngineConfig, RunningEngine};
+use serde_json::{json, Value};
+
+fn cfg(role: &str, tp: u32) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "mem".into(),
+        mode: "push".into(),
+        tp,
+        num_blocks: 512,
+        prefill_us_per_token: 20.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        ..EngineConfig::default()
+    }
+}
+
+fn prompt(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("p{}", (i * 131 + seed * 71) % 4000))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn handoff_id(n: u64) -> String {
+    format!(
+        "{:032x}",
+        0x7075_7368_0000_0000_0000_0000_0000_0000u128 | n as u128
+    )
+}
+
+async fn info(c: &reqwest::Client, e: &RunningEngine) -> Value {
+    c.get(format!("{}/v1/handoff/info", e.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Both legs as the push proxy sends them; `d_first` delays the P leg.
+async fn push(
+    c: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    text: &str,
+    n: u32,
+    id: u64,
+    d_first: bool,
+) -> (u16, Value) {
+    let pi = info(c, p).await;
+    let hid = handoff_id(id);
+    let p_body = json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push", "handoff_id": hid}});
+    let d_body = json!({"prompt": text, "max_tokens": 8, "n": n, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push", "handoff_id": hid,
+        "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
+        "tp_size": pi["tp_size"]}});
+    let (purl, durl) = (p.url(), d.url());
+    let (c1, c2) = (c.clone(), c.clone());
+    let p_leg = tokio::spawn(async move {
+        if d_first {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let r = c1
+            .post(format!("{purl}/v1/completions"))
+            .json(&p_body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    });
+    let d_leg = tokio::spawn(async move {
+        if !d_first {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let r = c2
+            .post(format!("{durl}/v1/completions"))
+            .json(&d_body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    });
+    let (ps, pv) = p_leg.await.unwrap();
+    assert_eq!(ps, 200, "{pv}");
+    assert_eq!(pv["kv_transfer_params"]["transfer_mode"], "push");
+    d_leg.await.unwrap()
+}
+
+fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+async fn settle(e: &RunningEngine) {
+    let c = e.connector.as_ref().unwrap();
+    for _ in 0..400 {
+        if c.held_blocks() == (0, 0) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{} still holds {:?}", e.engine_id, c.held_blocks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_output_equals_monolithic_in_both_orders() {
+    let c = reqwest::Client::new();
+    let mono = start(EngineConfig {
+        mode: "pull".into(),
+        ..cfg("both", 1)
+    })
+    .await
+    .unwrap();
+    let mut id = 0;
+    for (ptp, dtp) in [(1, 1), (1, 2), (2, 1)] {
+        let p = start(cfg("prefill", ptp)).await.unwrap();
+        let d = start(cfg("decode", dtp)).await.unwrap();
+        for (i, words) in [7usize, 16, 200, 900].into_iter().enumerate() {
+            for d_first in [true, false] {
+                for n in [1, 3] {
+                    id += 1;
+                    let text = prompt(i * 10 + ptp as usize, words);
+                    let m: Value = c
+                        .post(format!("{}/v1/completions", mono.url()))
+                        .json(&json!({"prompt": text, "max_tokens": 8, "n": n}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    let (s, v) = push(&c, &p, &d, &text, n, id, d_first).await;
+                    assert_eq!(s, 200, "{v}");
+                    assert_eq!(
+                        texts(&v),
+                        texts(&m),
+                        "P tp {ptp} D tp {dtp}, {words} words, d_first {d_first}"
+                    );
+                }
+            }
+        }
+        settle(&p).await;
+        settle(&d).await;
+        let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+        assert_eq!(ended.get("done").copied().unwrap_or(0), 16, "{ended:?}");
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_d_pool_full_answers_at_once_and_releases_p() {
+    let c = reqwest::Client::new();
+    let p = start(cfg("prefill", 1)).await.unwrap();
+    let d = start(EngineConfig {
+        num_blocks: 30,
+        decode_step_ms: 20.0,
+        ..cfg("decode", 1)
+    })
+    .await
+    .unwrap();
+    // A long local request holds most of D's pool.
+    let hog = c
+        .post(format!("{}/v1/completions", d.url()))
+        .json(&json!({"prompt": prompt(2, 100), "max_tokens": 300, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(hog.status(), 200);
+    let start_t = std::time::Instant::now();
+    let (s, v) = push(&c, &p, &d, &prompt(1, 400), 1, 999, true).await;
+    assert_eq!(s, 503, "{v}");
+    assert!(start_t.elapsed() < Duration::from_secs(5));
+    let held = p.connector.as_ref().unwrap().held_blocks();
+    settle(&p).await;
+    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    assert_eq!(ended.get("rejected"), Some(&1), "{ended:?} (held {held:?})");
+    drop(hog);
+    p.stop().await;
+    d.stop().await;
+}
