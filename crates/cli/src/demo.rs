@@ -49,13 +49,16 @@ pub struct DemoArgs {
     /// Skip killing a decode engine.
     #[arg(long)]
     pub no_kill: bool,
+    /// pull (D reads P's blocks) or push (P writes into blocks D reserved, layer by layer).
+    #[arg(long, default_value = "pull")]
+    pub mode: String,
 }
 
 /// A child engine, killed when dropped.
-struct Engine {
-    child: Child,
-    url: String,
-    id: String,
+pub(crate) struct Engine {
+    pub(crate) child: Child,
+    pub(crate) url: String,
+    pub(crate) id: String,
 }
 
 impl Drop for Engine {
@@ -65,7 +68,7 @@ impl Drop for Engine {
     }
 }
 
-fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
+pub(crate) fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
     let exe = std::env::current_exe().context("cannot find the handoff binary")?;
     let mut child = Command::new(exe)
         .args(["engine", "--role", role, "--port", "0", "--engine-id", id])
@@ -152,6 +155,7 @@ struct Report {
     prefill_block_size: u32,
     decode_block_size: u32,
     transport: String,
+    mode: String,
     cost_model: String,
     kv_shape: String,
     wall_s: f64,
@@ -349,6 +353,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         vec![
             "--transport".into(),
             args.transport.clone(),
+            "--mode".into(),
+            args.mode.clone(),
             "--tp".into(),
             tp.to_string(),
             "--block-size".into(),
@@ -376,11 +382,20 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     }
     busy.extend(["--set".to_string(), "max_batch=4".to_string()]);
     let d2 = spawn_engine("decode-2", "decode", &busy)?;
-    let mono = spawn_engine("mono", "both", &common(1, 16))?;
+    let mut mono_args = common(1, 16);
+    if let Some(i) = mono_args.iter().position(|a| a == "--mode") {
+        mono_args[i + 1] = "pull".into();
+    }
+    let mono = spawn_engine("mono", "both", &mono_args)?;
     let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
         bind: "127.0.0.1:0".parse()?,
         prefill: vec![p.url.clone()],
         decode: vec![d1.url.clone(), d2.url.clone()],
+        mode: match args.mode.as_str() {
+            "push" => handoff_proxy::TransferMode::Push,
+            "pull" => handoff_proxy::TransferMode::Pull,
+            other => bail!("--mode {other:?}: expected pull or push"),
+        },
         health_interval: Duration::from_millis(200),
         ..Default::default()
     })
@@ -563,6 +578,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let pm = get_text(&client, &format!("{}/metrics", p.url)).await;
     report.handoffs_ended = metric_by_label(&pm, "handoff_handoffs_ended_total", "reason");
     let dm = get_text(&client, &format!("{}/metrics", d1.url)).await;
+    // Pull: D posts the READs; push: P posts the WRITEs. Each side counts what it posted.
+    let dm = format!("{dm}\n{pm}");
     for m in [&dm, &d2_metrics] {
         report.kv_bytes_moved += metric(m, "handoff_transfer_bytes_total");
         report.descriptors += metric(m, "handoff_transfer_descriptors_sum");
@@ -586,6 +603,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     report.prefill_block_size = args.prefill_block_size;
     report.decode_block_size = args.decode_block_size;
     report.transport = args.transport.clone();
+    report.mode = args.mode.clone();
     let d = handoff_engine::EngineConfig::default();
     report.cost_model = format!(
         "prefill {} us/token, decode {} ms/step + {} us/seq",
@@ -604,8 +622,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
 fn print_report(r: &Report) {
     println!();
     println!(
-        "handoff demo — {} transport, P tp {} / block {}, D tp {} / block {}",
-        r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size
+        "handoff demo — {} mode, {} transport, P tp {} / block {}, D tp {} / block {}",
+        r.mode, r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size
     );
     println!("  model: {}; cost model: {}", r.kv_shape, r.cost_model);
     println!(

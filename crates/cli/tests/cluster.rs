@@ -279,3 +279,123 @@ fn demo_reclaims_leaks_nothing_and_matches_monolithic() {
     let reclaim = r["reclaim_after_kill_s"].as_f64().expect("reclaimed");
     assert!(reclaim < 2.0, "{stdout}");
 }
+
+fn info(c: &reqwest::blocking::Client, e: &Engine) -> Value {
+    c.get(format!("{}/v1/handoff/info", e.url))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap()
+}
+
+fn push_d_body(pi: &Value, hid: &str, text: &str) -> Value {
+    json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push", "handoff_id": hid,
+        "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"],
+        "remote_port": pi["remote_port"], "tp_size": pi["tp_size"]}})
+}
+
+fn push_p_body(hid: &str, text: &str) -> Value {
+    json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push", "handoff_id": hid}})
+}
+
+#[test]
+fn push_d_killed_after_registering_releases_p_at_once() {
+    let c = client();
+    let p = engine("p-push-dkill", "prefill", &["--mode", "push"]);
+    let mut d = engine("d-push-killed", "decode", &["--mode", "push"]);
+    let pi = info(&c, &p);
+    let hid = "00000000000000000000000000c0ffee";
+    let text = prompt(300);
+    let (url, body) = (d.url.clone(), push_d_body(&pi, hid, &text));
+    std::thread::spawn(move || {
+        let _ = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send();
+    });
+    // D registered with P (P staged it: its prefill has not started), then dies.
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = d.child.kill();
+    let _ = d.child.wait();
+    std::thread::sleep(Duration::from_millis(100));
+    let r: Value = c
+        .post(format!("{}/v1/completions", p.url))
+        .json(&push_p_body(hid, &text))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert!(r["choices"].is_array(), "{r}");
+    let start = Instant::now();
+    while p_held(&c, &p) != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "P holds blocks for a dead D (lease is 10 s)"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn push_p_killed_during_prefill_makes_d_recompute() {
+    let c = client();
+    // Slow prefill: P dies while writing layer by layer.
+    let mut p = engine(
+        "p-push-dies",
+        "prefill",
+        &["--mode", "push", "--set", "prefill_us_per_token=400"],
+    );
+    let d = engine("d-push-survives", "decode", &["--mode", "push"]);
+    let mono = engine("mono-push", "both", &[]);
+    let pi = info(&c, &p);
+    let hid = "00000000000000000000000000decade";
+    let text = prompt(2000);
+    let (url, body) = (p.url.clone(), push_p_body(hid, &text));
+    std::thread::spawn(move || {
+        let _ = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send();
+    });
+    let (durl, dbody) = (d.url.clone(), push_d_body(&pi, hid, &text));
+    let d_leg = std::thread::spawn(move || {
+        let r = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap()
+            .post(format!("{durl}/v1/completions"))
+            .json(&dbody)
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().unwrap())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = p.child.kill();
+    let killed = Instant::now();
+    let (status, r) = d_leg.join().unwrap();
+    assert_eq!(status, 200, "{r}");
+    assert!(killed.elapsed() < Duration::from_secs(10), "no hang");
+    let m: Value = c
+        .post(format!("{}/v1/completions", mono.url))
+        .json(&json!({"prompt": text, "max_tokens": 4}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(r["choices"][0]["text"], m["choices"][0]["text"]);
+    // D's pool is whole again: nothing written after P died is kept.
+    let dm = c
+        .get(format!("{}/metrics", d.url))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    let held: f64 = dm
+        .lines()
+        .filter(|l| l.starts_with("handoff_kv_blocks_held"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(held, 0.0, "{dm}");
+}

@@ -176,6 +176,25 @@ impl Inner {
         id
     }
 
+    /// Tells the producer again that every peer whose connection is gone is dead: a handoff
+    /// created after the death may have bound such a peer through a staged message.
+    pub fn redeclare_dead(&mut self, now: Duration) {
+        let dead: Vec<PeerId> = self
+            .peers
+            .by_id
+            .iter()
+            .filter(|(_, p)| matches!(p.state, PeerState::Closed | PeerState::Failed(_)))
+            .map(|(id, _)| *id)
+            .collect();
+        if let Some(p) = self.producer.as_mut() {
+            for peer in dead {
+                if p.held_blocks_for(peer) > 0 {
+                    p.handle_peer_dead(peer, now);
+                }
+            }
+        }
+    }
+
     /// Why the P of `handoff` refused or could not be reached, if it did.
     pub fn refusal(&self, handoff: HandoffId) -> Option<String> {
         self.handoff_peer

@@ -259,8 +259,11 @@ impl Connector {
                 .producer
                 .as_mut()
                 .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
-            p.create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)
-                .map_err(|e| ConnectorError::Ledger(e.to_string()))?
+            let grant = p
+                .create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)
+                .map_err(|e| ConnectorError::Ledger(e.to_string()))?;
+            inner.redeclare_dead(now);
+            grant
         };
         self.kick();
         Ok(self.params_for(
@@ -341,6 +344,9 @@ impl Connector {
             inner
                 .pushes
                 .insert(handoff, driver::PushState::new(blocks, num_tokens));
+            // A registration staged before the handoff existed may come from a D that died
+            // since: its death was reported when nothing was bound to it yet.
+            inner.redeclare_dead(now);
         }
         self.kick();
         Ok(())

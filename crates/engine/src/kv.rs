@@ -66,6 +66,8 @@ impl KvMemory {
     }
 
     /// [`Self::write_positions`] for some layers only (a forward pass produces one at a time).
+    /// A block filled from its first slot is written a whole plane at a time (the slots past the
+    /// range are zeroed: nothing of this sequence lives there); otherwise row by row.
     pub fn write_positions_layers(
         &self,
         prefix: &[u64],
@@ -76,36 +78,51 @@ impl KvMemory {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
-        let stride = self.layouts[0].layers[0].block_stride as usize;
+        let plane = self.spec.plane_bytes() as usize;
         let mut buf = vec![0u8; row];
-        // Block by block, so each block of each rank is assembled once and written with one lock.
+        let mut plane_buf = vec![0u8; plane];
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
             let block = *blocks.get(bi).ok_or("position past the allocated blocks")?;
             let end = ((bi + 1) * bs).min(range.end);
+            let whole = pos % bs == 0;
             for rank in 0..self.spec.tp as usize {
-                let base = self.row_offset(rank, block, 0, 0, 0, 0);
-                let mut blk = vec![0u8; stride];
-                self.regions[rank]
-                    .read(base, &mut blk)
-                    .map_err(|e| e.to_string())?;
-                for (i, p) in prefix.iter().enumerate().take(end).skip(pos) {
-                    let slot = (i % bs) as u32;
-                    for layer in layers.clone() {
-                        for kv in 0..2 {
-                            for h in 0..hpr {
-                                let global = rank as u32 * hpr + h;
-                                model::kv_row(*p, layer, kv as u32, global, &mut buf);
-                                let off = self.row_offset(rank, block, layer, kv, h, slot) - base;
-                                blk[off..off + row].copy_from_slice(&buf);
+                for layer in layers.clone() {
+                    for kv in 0..2 {
+                        if whole {
+                            plane_buf.fill(0);
+                        }
+                        for h in 0..hpr {
+                            let global = rank as u32 * hpr + h;
+                            for (i, p) in prefix.iter().enumerate().take(end).skip(pos) {
+                                let slot = (i % bs) as u32;
+                                let in_plane = self.spec.row_index(h, slot) as usize * row;
+                                if whole {
+                                    model::kv_row(
+                                        *p,
+                                        layer,
+                                        kv as u32,
+                                        global,
+                                        &mut plane_buf[in_plane..in_plane + row],
+                                    );
+                                } else {
+                                    model::kv_row(*p, layer, kv as u32, global, &mut buf);
+                                    let off = self.row_offset(rank, block, layer, kv, h, slot);
+                                    self.regions[rank]
+                                        .write(off, &buf)
+                                        .map_err(|e| e.to_string())?;
+                                }
                             }
+                        }
+                        if whole {
+                            let off = self.row_offset(rank, block, layer, kv, 0, 0);
+                            self.regions[rank]
+                                .write(off, &plane_buf)
+                                .map_err(|e| e.to_string())?;
                         }
                     }
                 }
-                self.regions[rank]
-                    .write(base, &blk)
-                    .map_err(|e| e.to_string())?;
             }
             pos = end;
         }

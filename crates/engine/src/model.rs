@@ -59,10 +59,15 @@ pub fn prefix_hashes(tokens: &[u32], seed: u64) -> Vec<u64> {
 }
 
 /// Fills `out` (one head's row: head_dim × dtype bytes) for (prefix hash, layer, plane, head).
+/// One strong mix per row, then xorshift: cheap enough that the synthetic forward pass keeps up
+/// with the cost model at a real model's KV size.
 pub fn kv_row(prefix: u64, layer: u32, kv: u32, head: u32, out: &mut [u8]) {
-    let mut s = mix(prefix ^ ((layer as u64) << 40) ^ ((kv as u64) << 36) ^ ((head as u64) << 20));
+    let mut s =
+        mix(prefix ^ ((layer as u64) << 40) ^ ((kv as u64) << 36) ^ ((head as u64) << 20)) | 1;
     for chunk in out.chunks_mut(8) {
-        s = mix(s.wrapping_add(0x9e37_79b9_7f4a_7c15));
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
         let b = s.to_le_bytes();
         chunk.copy_from_slice(&b[..chunk.len()]);
     }

@@ -1,4 +1,5 @@
-//! Periodic health checks: GET `{url}/health` of every instance.
+//! Periodic health checks: GET `{url}/health` of every instance, and in push mode
+//! `{url}/v1/handoff/info` of every P as well.
 
 use std::sync::Arc;
 
@@ -7,8 +8,8 @@ use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 
 use crate::error::chain;
-use crate::pool::Instance;
-use crate::Shared;
+use crate::pool::{Instance, Role};
+use crate::{push, Shared, TransferMode};
 
 /// Checks one instance and records the verdict (logging changes).
 pub(crate) async fn check(shared: &Shared, inst: &Instance) {
@@ -27,6 +28,28 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
         Ok(Ok(resp)) => Err(format!("HTTP {}", resp.status())),
         Ok(Err(e)) => Err(chain(&e)),
         Err(_) => Err(format!("no answer within {:?}", shared.cfg.health_timeout)),
+    };
+    // A push P is of use only with its side channel known and in push mode: one that cannot
+    // say where it is, or says it pulls, gets no traffic (each request would only fail).
+    let verdict = if shared.cfg.mode == TransferMode::Push && inst.role == Role::Prefill {
+        let fetched = match verdict {
+            Ok(()) => push::fetch_info(shared, inst, shared.cfg.health_timeout)
+                .await
+                .map_err(|e| e.message),
+            Err(reason) => Err(reason),
+        };
+        match fetched {
+            Ok(info) => {
+                push::store_info(inst, info);
+                Ok(())
+            }
+            Err(reason) => {
+                inst.set_handoff_info(None);
+                Err(reason)
+            }
+        }
+    } else {
+        verdict
     };
     let healthy = verdict.is_ok();
     let was = inst.set_healthy(healthy);

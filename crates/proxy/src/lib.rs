@@ -1,6 +1,6 @@
-//! handoff's P/D router: an OpenAI-compatible HTTP front that sends each completion request
-//! first to a prefill engine (P), then to a decode engine (D), carrying the KV handoff between
-//! them in `kv_transfer_params`.
+//! handoff's P/D router: an OpenAI-compatible HTTP front that sends each completion request to a
+//! prefill engine (P) and a decode engine (D) — one after the other in pull mode, both at once in
+//! push mode — carrying the KV handoff between them in `kv_transfer_params`.
 //!
 //! # The pull flow
 //!
@@ -25,8 +25,33 @@
 //! ([`Policy::RoundRobin`] or [`Policy::LeastLoaded`], the latter counting the requests this proxy
 //! has in flight to each instance, a D stream until it ends). Any number of Ps and Ds (xPyD).
 //!
-//! Push mode ([`TransferMode::Push`]) is not implemented yet: [`start`] refuses it, and the
-//! request path dispatches on the mode so that it slots in beside pull.
+//! # The push flow
+//!
+//! With [`ProxyConfig::mode`] = [`TransferMode::Push`], P writes the KV into blocks D reserved,
+//! so D need not wait for P's answer to learn where the KV is: both legs go out **at once**.
+//!
+//! 1. P and D are picked up front (same policies), and the request gets one request id (as in
+//!    pull, the same `X-Request-Id` on both legs) and a fresh **handoff id**: 128 random bits,
+//!    32 hex digits in JSON, a capability only the two legs know.
+//! 2. P's side channel comes from its `GET /v1/handoff/info`
+//!    (`{"engine_id", "remote_host", "remote_port", "tp_size", "block_size", "transfer_mode",
+//!    "role"}`), cached per instance: fetched by every health check (a P that does not answer it,
+//!    or says it is in pull mode or decode-only, is unhealthy: push and pull engines cannot
+//!    pair), fetched on demand when not cached, and forgotten when a request through that P fails
+//!    (it may have restarted with another engine id). If it cannot be had, the request fails
+//!    naming P before either leg is sent.
+//! 3. **P leg**, sent in a task of its own: the pull P leg's body with `kv_transfer_params` =
+//!    `{"do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push",
+//!    "handoff_id": H}`. P prefills, writes the KV into D's registered blocks and answers one
+//!    token plus its `kv_transfer_params` (which must not name another handoff or mode).
+//! 4. **D leg**, at the same time: the client's JSON with `kv_transfer_params` =
+//!    `{"do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push",
+//!    "handoff_id": H, "remote_engine_id", "remote_host", "remote_port", "tp_size"}` (P's, from
+//!    its info; no `remote_block_ids`). D reserves blocks at once, registers them with P and
+//!    answers once the writes land; its answer is relayed to the client exactly as in pull.
+//!
+//! Which of P's write and D's registration comes first does not matter to the engines; the
+//! proxy only makes sure neither leg waits on the other.
 //!
 //! # Failure policy: fail loudly, release at once
 //!
@@ -39,7 +64,7 @@
 //!   no D can decode would only pin P's blocks until its lease runs out).
 //! - **P fails** (unreachable → 502, timeout → 504, 503 → 503, other 5xx → 502, 4xx → the same
 //!   4xx, 200 without `kv_transfer_params` → 502): the client gets that status and a JSON error
-//!   that names the P instance and the reason. D is never called.
+//!   that names the P instance and the reason. In pull mode D is never called.
 //! - **D cannot take the request** (unreachable, any error status such as 503 "pool full", or no
 //!   response head within `request_timeout`): the client gets an error naming D, **and the proxy
 //!   tells P to release the handoff at once**: `POST {P}/v1/handoff/release` with
@@ -49,7 +74,8 @@
 //!   released handoff does nothing), so releasing when D did see the request is harmless. The
 //!   same release is sent if the client goes away after P answered and before D's answer began.
 //!   The error body says `prefill_released: true|false`.
-//! - There is **never** a decode-only fallback: D is always called with P's params.
+//! - There is **never** a decode-only fallback: D is always called with P's params (push: with
+//!   P's side channel and the handoff id P writes under).
 //! - **Nothing hangs**: every upstream call has a connect timeout (`connect_timeout`) and either an
 //!   overall timeout (P leg, non-streaming D, `/v1/models`, health checks, releases) or a
 //!   first-byte timeout (`request_timeout` until the head of a streamed D answer), and a relayed
@@ -63,6 +89,28 @@
 //!   connector gives the handoff back). The proxy never keeps reading D for nobody.
 //! - An instance that refuses connections is marked unhealthy at once (it is down; waiting for
 //!   the next health check would fail more requests); a timeout does not (it may just be busy).
+//!
+//! That is the pull flow, where D is called only once P has answered. In push mode both legs run
+//! at once, so each watches the other (timeouts, the never-hang rule, statuses and mid-stream
+//! errors as above):
+//!
+//! - **D cannot take the request** (unreachable, error status such as 503 "pool full", no head
+//!   within `request_timeout`): error naming D, P's leg is cancelled (its connection closed, so
+//!   P aborts the prefill), and P is told to release at once, with P's params if it already
+//!   answered, else `{"do_remote_decode": true, "do_remote_prefill": false, "transfer_mode":
+//!   "push", "handoff_id": H, "epoch": 1}`. The release is sent even while P is still
+//!   prefilling: P stages an early release until the handoff exists.
+//! - **P fails** (unreachable, timeout, error status, or an answer that is not for this push)
+//!   at any time before D's answer is complete: the client gets P's error (statuses as in pull,
+//!   the message saying D's leg was cancelled) and D's request is dropped, closing the connection
+//!   to D, so D aborts and cancels its registration: D is never left waiting for KV that will
+//!   not come (D has its own watchdog; the proxy does not rely on it). If D's stream had begun, an
+//!   SSE client gets a final `error` event naming P (a non-SSE body is aborted). P is also told
+//!   to release unless it was unreachable (it may have prefilled or be prefilling still).
+//! - **D's answer completes first**: P's answer, if still to come, is awaited in the background
+//!   and only logged (D decoded from KV that landed).
+//! - **Client disconnect**: both legs are dropped (both connections closed) and, if D had not
+//!   answered yet, P is told to release.
 //!
 //! # Admin API
 //!
@@ -84,6 +132,8 @@
 //! `health_timeout`); a success status makes it healthy, anything else unhealthy. Instances start
 //! unhealthy: [`start`] runs one round of checks before it returns, and an added instance is
 //! checked before the admin answer, so traffic never goes to an instance no check has seen.
+//! In push mode a P must also answer `GET {url}/v1/handoff/info` as a push-capable prefill engine
+//! to be healthy (the answer is cached for the push flow).
 //!
 //! # Other endpoints
 //!
@@ -95,6 +145,7 @@ mod error;
 mod health;
 mod metrics;
 mod pool;
+mod push;
 mod relay;
 mod routes;
 
@@ -124,7 +175,7 @@ pub struct ProxyConfig {
     /// Base URLs of the decode instances at start.
     pub decode: Vec<String>,
     pub policy: Policy,
-    /// Only [`TransferMode::Pull`] is implemented.
+    /// Pull (P first, then D with P's params) or push (both legs at once); see the crate docs.
     pub mode: TransferMode,
     /// Time between two health checks of every instance.
     pub health_interval: Duration,
@@ -306,10 +357,6 @@ impl Drop for RunningProxy {
 /// Starts the proxy in this runtime and returns once it listens and has health-checked its
 /// instances once.
 pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
-    match cfg.mode {
-        TransferMode::Pull => {}
-        TransferMode::Push => bail!("the proxy does not implement push mode yet: use pull"),
-    }
     if cfg.health_interval.is_zero() {
         bail!("health_interval must be greater than zero");
     }

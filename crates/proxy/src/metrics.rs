@@ -37,7 +37,6 @@ pub(crate) enum Outcome {
     NoDecode,
     PrefillFailed,
     DecodeFailed,
-    Unsupported,
     /// The client went away before the answer's head was sent.
     Cancelled,
 }
@@ -51,7 +50,6 @@ impl Outcome {
             Outcome::NoDecode => "no_decode",
             Outcome::PrefillFailed => "prefill_failed",
             Outcome::DecodeFailed => "decode_failed",
-            Outcome::Unsupported => "unsupported",
             Outcome::Cancelled => "cancelled",
         }
     }
@@ -64,6 +62,8 @@ pub(crate) enum StreamEnd {
     ClientDisconnect,
     UpstreamError,
     IdleTimeout,
+    /// Push: P's leg failed while D was streaming, so D's stream was cut.
+    PrefillFailed,
 }
 
 impl StreamEnd {
@@ -73,6 +73,7 @@ impl StreamEnd {
             StreamEnd::ClientDisconnect => "client_disconnect",
             StreamEnd::UpstreamError => "upstream_error",
             StreamEnd::IdleTimeout => "idle_timeout",
+            StreamEnd::PrefillFailed => "prefill_failed",
         }
     }
 }
@@ -111,7 +112,7 @@ impl Metrics {
         );
         registry.register(
             "releases",
-            "Release requests sent to P because D never got a request, by result",
+            "Release requests sent to P because D never got a request (or, in push mode, a leg failed), by result",
             releases.clone(),
         );
         registry.register(

@@ -3,12 +3,13 @@
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use prometheus_client::metrics::gauge::Gauge;
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::{InstanceLabels, Metrics};
+use crate::push::EngineInfo;
 
 /// Which leg an instance serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -113,6 +114,9 @@ pub(crate) struct Instance {
     in_flight: AtomicUsize,
     in_flight_gauge: Gauge,
     healthy_gauge: Gauge,
+    /// Push mode, P only: its `GET /v1/handoff/info`, cached; refreshed by every health check,
+    /// dropped when a request through it fails (it may have restarted with another engine id).
+    handoff_info: Mutex<Option<Arc<EngineInfo>>>,
 }
 
 impl Instance {
@@ -128,6 +132,24 @@ impl Instance {
 
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn handoff_info(&self) -> Option<Arc<EngineInfo>> {
+        self.handoff_info
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Stores (or with `None` forgets) the instance's handoff info; returns the previous one.
+    pub(crate) fn set_handoff_info(
+        &self,
+        info: Option<Arc<EngineInfo>>,
+    ) -> Option<Arc<EngineInfo>> {
+        std::mem::replace(
+            &mut *self.handoff_info.lock().unwrap_or_else(|e| e.into_inner()),
+            info,
+        )
     }
 
     pub(crate) fn info(&self) -> InstanceInfo {
@@ -204,6 +226,7 @@ impl Pool {
             in_flight: AtomicUsize::new(0),
             in_flight_gauge: metrics.in_flight.get_or_create(&labels).clone(),
             healthy_gauge,
+            handoff_info: Mutex::new(None),
         });
         list.push(inst.clone());
         Some(inst)

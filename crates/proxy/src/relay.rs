@@ -1,4 +1,4 @@
-//! Relays a streamed D answer to the client chunk by chunk.
+//! Relays a streamed D answer to the client chunk by chunk (in push mode, while watching P's leg).
 
 use std::io;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use serde_json::json;
 use crate::error::chain;
 use crate::metrics::StreamEnd;
 use crate::pool::InFlight;
+use crate::push::{PrefillFailure, PrefillLeg};
 use crate::Shared;
 
 struct Relay {
@@ -21,8 +22,16 @@ struct Relay {
     request_id: String,
     sse: bool,
     idle: Duration,
+    /// Push: P's leg while its answer is still to come. If it fails, D's stream is cut: D would
+    /// wait for KV that never comes (or decode from KV whose writer failed).
+    prefill: Option<PrefillLeg>,
     /// `None` while running; how it ended otherwise.
     end: Option<StreamEnd>,
+}
+
+enum Next {
+    Prefill(Result<serde_json::Value, PrefillFailure>),
+    Decode(Result<Option<reqwest::Result<Bytes>>, tokio::time::error::Elapsed>),
 }
 
 impl Relay {
@@ -48,6 +57,40 @@ impl Relay {
             Some(Err(io::Error::other(message)))
         }
     }
+
+    /// P's leg failed mid-stream: cut D (by ending this stream, which drops D's response) and
+    /// tell the client, naming P; P is told to release unless it never got the request.
+    fn fail_prefill(
+        &mut self,
+        leg: PrefillLeg,
+        f: PrefillFailure,
+    ) -> Option<Result<Bytes, io::Error>> {
+        let decode = &self.guard.instance().url;
+        tracing::warn!(
+            request_id = %self.request_id, prefill = %leg.url(), %decode,
+            "prefill leg failed; cutting the decode stream: {}", f.error.message
+        );
+        self.end = Some(StreamEnd::PrefillFailed);
+        if let Some(release) = leg.after_failure(&f) {
+            tokio::spawn(release);
+        }
+        let message = format!(
+            "{}; the decode stream from {decode} was cut",
+            f.error.message
+        );
+        if self.sse {
+            let event = json!({"error": {
+                "message": message,
+                "type": f.error.kind,
+                "role": "prefill",
+                "instance": leg.url(),
+                "request_id": self.request_id,
+            }});
+            Some(Ok(Bytes::from(format!("data: {event}\n\n"))))
+        } else {
+            Some(Err(io::Error::other(message)))
+        }
+    }
 }
 
 impl Drop for Relay {
@@ -67,13 +110,14 @@ impl Drop for Relay {
 
 /// The client-facing body for D's streamed answer. Nothing is buffered: each chunk is passed on
 /// as D sends it, and when the client goes away hyper drops this stream, which drops D's response
-/// and with it the connection to D.
+/// and with it the connection to D (and P's leg, if still running).
 pub(crate) fn relay(
     resp: reqwest::Response,
     shared: Arc<Shared>,
     guard: InFlight,
     request_id: String,
     sse: bool,
+    prefill: Option<PrefillLeg>,
 ) -> impl Stream<Item = Result<Bytes, io::Error>> + Send + 'static {
     let idle = shared.cfg.stream_idle_timeout;
     let state = Relay {
@@ -83,22 +127,45 @@ pub(crate) fn relay(
         request_id,
         sse,
         idle,
+        prefill,
         end: None,
     };
     futures_util::stream::unfold(state, |mut st| async move {
         if st.end.is_some() {
             return None;
         }
-        let item = match tokio::time::timeout(st.idle, st.body.next()).await {
-            Ok(Some(Ok(chunk))) => Some(Ok(chunk)),
-            Ok(None) => {
-                st.end = Some(StreamEnd::Complete);
-                None
-            }
-            Ok(Some(Err(e))) => st.fail(StreamEnd::UpstreamError, chain(&e)),
-            Err(_) => {
-                let idle = st.idle;
-                st.fail(StreamEnd::IdleTimeout, format!("no data for {idle:?}"))
+        let deadline = tokio::time::Instant::now() + st.idle;
+        let item = loop {
+            let next = match st.prefill.as_mut() {
+                // P first: once it failed, no chunk of D's is worth passing on.
+                Some(leg) => tokio::select! {
+                    biased;
+                    r = leg => Next::Prefill(r),
+                    c = tokio::time::timeout_at(deadline, st.body.next()) => Next::Decode(c),
+                },
+                None => Next::Decode(tokio::time::timeout_at(deadline, st.body.next()).await),
+            };
+            match next {
+                Next::Prefill(Ok(_)) => st.prefill = None,
+                Next::Prefill(Err(f)) => {
+                    let leg = st.prefill.take().expect("watched leg");
+                    break st.fail_prefill(leg, f);
+                }
+                Next::Decode(Ok(Some(Ok(chunk)))) => break Some(Ok(chunk)),
+                Next::Decode(Ok(None)) => {
+                    st.end = Some(StreamEnd::Complete);
+                    if let Some(leg) = st.prefill.take() {
+                        leg.detach();
+                    }
+                    break None;
+                }
+                Next::Decode(Ok(Some(Err(e)))) => {
+                    break st.fail(StreamEnd::UpstreamError, chain(&e))
+                }
+                Next::Decode(Err(_)) => {
+                    let idle = st.idle;
+                    break st.fail(StreamEnd::IdleTimeout, format!("no data for {idle:?}"));
+                }
             }
         };
         item.map(|i| (i, st))

@@ -1,4 +1,4 @@
-//! HTTP endpoints and the pull flow.
+//! HTTP endpoints and the pull flow (the push flow is in `push.rs`).
 
 use std::sync::Arc;
 
@@ -17,9 +17,9 @@ use crate::error::{chain, ProxyError};
 use crate::metrics::Outcome;
 use crate::pool::{Instance, Role};
 use crate::relay::relay;
-use crate::{Shared, TransferMode};
+use crate::{push, Shared, TransferMode};
 
-const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// How much of an upstream error body is read to quote it to the client.
 const ERROR_BODY_CAP: usize = 16 << 10;
 
@@ -81,15 +81,10 @@ async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: By
     };
     let result = match parse_object(&body) {
         Err(e) => Err(e),
-        // Each mode is its own flow; push slots in here when it exists (start() refuses it now).
+        // Each mode is its own flow.
         Ok(client) => match s.cfg.mode {
             TransferMode::Pull => pull(&s, path, &rid, &headers, client).await,
-            TransferMode::Push => Err(ProxyError::new(
-                StatusCode::NOT_IMPLEMENTED,
-                Outcome::Unsupported,
-                "unsupported",
-                "push mode is not implemented by this proxy".into(),
-            )),
+            TransferMode::Push => push::push(&s, path, &rid, &headers, client).await,
         },
     };
     let mut resp = match result {
@@ -153,7 +148,7 @@ fn request_id(headers: &HeaderMap) -> String {
 
 /// Headers sent to both legs: the shared request id and the client's credentials (engines may
 /// check an API key, as vLLM's `--api-key` does).
-fn forward_headers(client: &HeaderMap, rid: &str) -> HeaderMap {
+pub(crate) fn forward_headers(client: &HeaderMap, rid: &str) -> HeaderMap {
     let mut h = HeaderMap::new();
     if let Ok(v) = HeaderValue::from_str(rid) {
         h.insert(X_REQUEST_ID, v);
@@ -199,7 +194,7 @@ pub(crate) fn prefill_leg_body(client: &Map<String, Value>) -> Value {
 /// A connection refused means the instance is down: stop sending it requests now rather than at
 /// its next health check (which will bring it back once it answers). A timeout does not: a busy
 /// instance is not a dead one.
-fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
+pub(crate) fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
     if err.is_connect() && inst.set_healthy(false) {
         tracing::warn!(
             role = %inst.role,
@@ -227,17 +222,18 @@ async fn pull(
         .pick(policy)
         .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
     let p = p_guard.instance().clone();
-    let params = prefill_leg(s, &p, path, rid, headers, &client).await?;
+    let params = prefill_leg(
+        s,
+        &p,
+        path,
+        forward_headers(headers, rid),
+        &prefill_leg_body(&client),
+    )
+    .await?;
     drop(p_guard);
 
     // From here P holds blocks for this request: every way out until D accepts it releases them.
-    let mut release = ReleaseGuard {
-        shared: s.clone(),
-        p: p.clone(),
-        params: params.clone(),
-        rid: rid.to_string(),
-        armed: true,
-    };
+    let mut release = ReleaseGuard::new(s.clone(), p.clone(), params.clone(), rid);
     let Some(d_guard) = s.decode.pick(policy) else {
         let mut e = ProxyError::no_instance(Role::Decode);
         e.detail.prefill_released = Some(release.release_now("no healthy decode instance").await);
@@ -294,7 +290,7 @@ async fn pull(
             .as_ref()
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
-        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse));
+        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse, None));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
     let bytes = match timeout_at(deadline, resp.bytes()).await {
@@ -315,7 +311,7 @@ async fn pull(
         .map_err(|e| internal(e.to_string()))
 }
 
-fn internal(msg: String) -> ProxyError {
+pub(crate) fn internal(msg: String) -> ProxyError {
     ProxyError::new(
         StatusCode::INTERNAL_SERVER_ERROR,
         Outcome::DecodeFailed,
@@ -324,22 +320,22 @@ fn internal(msg: String) -> ProxyError {
     )
 }
 
-/// Leg 1: returns P's `kv_transfer_params`.
-async fn prefill_leg(
+/// The P leg (pull's leg 1, push's concurrent leg): POSTs `body` to P within `request_timeout`
+/// and returns P's `kv_transfer_params`.
+pub(crate) async fn prefill_leg(
     s: &Shared,
     p: &Instance,
     path: &str,
-    rid: &str,
-    headers: &HeaderMap,
-    client: &Map<String, Value>,
+    headers: HeaderMap,
+    body: &Value,
 ) -> Result<Value, ProxyError> {
     let t = s.cfg.request_timeout;
     let call = async {
         let resp = s
             .http
             .post(format!("{}{}", p.url, path))
-            .headers(forward_headers(headers, rid))
-            .json(&prefill_leg_body(client))
+            .headers(headers)
+            .json(body)
             .send()
             .await?;
         let status = resp.status();
@@ -392,7 +388,7 @@ async fn prefill_leg(
 }
 
 /// Reads at most [`ERROR_BODY_CAP`] bytes of an error answer, before `deadline`; best effort.
-async fn read_capped(mut resp: reqwest::Response, deadline: Instant) -> Vec<u8> {
+pub(crate) async fn read_capped(mut resp: reqwest::Response, deadline: Instant) -> Vec<u8> {
     let mut out = Vec::new();
     while out.len() < ERROR_BODY_CAP {
         match timeout_at(deadline, resp.chunk()).await {
@@ -404,10 +400,11 @@ async fn read_capped(mut resp: reqwest::Response, deadline: Instant) -> Vec<u8> 
     out
 }
 
-/// Tells P to release a handoff that D never got. Armed from the moment P answered; disarmed once
-/// D accepted. On an error path the flow calls [`ReleaseGuard::release_now`] and awaits it; if
-/// the client goes away meanwhile (the handler future is dropped) the release is sent from a task.
-struct ReleaseGuard {
+/// Tells P to release a handoff that D never got. Armed from the moment P answered (pull) or the
+/// legs were sent (push); disarmed once D accepted. On an error path the flow calls
+/// [`ReleaseGuard::release_now`] and awaits it; if the client goes away meanwhile (the handler
+/// future is dropped) the release is sent from a task.
+pub(crate) struct ReleaseGuard {
     shared: Arc<Shared>,
     p: Arc<Instance>,
     params: Value,
@@ -416,11 +413,26 @@ struct ReleaseGuard {
 }
 
 impl ReleaseGuard {
-    fn disarm(&mut self) {
+    pub(crate) fn new(shared: Arc<Shared>, p: Arc<Instance>, params: Value, rid: &str) -> Self {
+        ReleaseGuard {
+            shared,
+            p,
+            params,
+            rid: rid.to_string(),
+            armed: true,
+        }
+    }
+
+    /// The params the release will carry (push: P's own, once it answered).
+    pub(crate) fn set_params(&mut self, params: Value) {
+        self.params = params;
+    }
+
+    pub(crate) fn disarm(&mut self) {
         self.armed = false;
     }
 
-    async fn release_now(&mut self, reason: &str) -> bool {
+    pub(crate) async fn release_now(&mut self, reason: &str) -> bool {
         self.armed = false;
         release(
             self.shared.clone(),
@@ -453,7 +465,7 @@ impl Drop for ReleaseGuard {
 /// POST `{P}/v1/handoff/release` with `{"kv_transfer_params": params}`, within `release_timeout`.
 /// Returns whether P acknowledged it; a failure is logged and counted, nothing more can be done
 /// (P's lease will reclaim the blocks).
-async fn release(
+pub(crate) async fn release(
     s: Arc<Shared>,
     p: Arc<Instance>,
     params: Value,

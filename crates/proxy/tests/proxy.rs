@@ -802,16 +802,6 @@ async fn models_health_and_metrics_endpoints() {
 }
 
 #[tokio::test]
-async fn push_mode_is_refused_at_start() {
-    let cfg = ProxyConfig {
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        mode: handoff_proxy::TransferMode::Push,
-        ..ProxyConfig::default()
-    };
-    assert!(start(cfg).await.is_err());
-}
-
-#[tokio::test]
 async fn a_stalled_decode_stream_is_cut_loudly() {
     bounded(async {
         let log = Log::default();

@@ -2,6 +2,7 @@
 //! JSON object on the last line.
 
 mod ledger;
+mod transfer;
 
 use clap::Subcommand;
 
@@ -16,10 +17,18 @@ pub enum BenchCommand {
         #[arg(long, value_delimiter = ',', default_values_t = vec![1_000usize, 10_000, 100_000])]
         sizes: Vec<usize>,
     },
+    /// tcp and nixl throughput (READ and WRITE, scattered 4 KiB / 64 KiB / 1 MiB blocks and a
+    /// real model's blocks, two processes) against raw TCP, raw NIXL and memcpy.
+    Transfer(transfer::TransferArgs),
+    /// The peer process of `bench transfer` (serves until stdin closes).
+    #[command(hide = true)]
+    TransferPeer(transfer::PeerArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Ledger { json, sizes } => ledger::run(&sizes, json),
+        BenchCommand::Transfer(args) => transfer::run(args),
+        BenchCommand::TransferPeer(args) => transfer::peer(args),
     }
 }

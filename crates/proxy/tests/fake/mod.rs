@@ -75,6 +75,13 @@ pub struct FakeState {
     pub stream_finished: AtomicBool,
     /// Set when a streamed answer was dropped before its end (the client went away).
     pub stream_dropped: AtomicBool,
+    /// Set when a completion request was dropped before its answer's head (the caller closed
+    /// the connection while the fake waited `head_delay_ms`).
+    pub request_dropped: AtomicBool,
+    /// The answer to GET /v1/handoff/info.
+    pub info: Mutex<Value>,
+    /// GET /v1/handoff/info requests received.
+    pub info_requests: AtomicU64,
 }
 
 static NEXT_HANDOFF: AtomicU64 = AtomicU64::new(1);
@@ -101,11 +108,23 @@ impl Fake {
             chunks: AtomicU64::new(3),
             stream_finished: AtomicBool::new(false),
             stream_dropped: AtomicBool::new(false),
+            request_dropped: AtomicBool::new(false),
+            info: Mutex::new(json!({
+                "engine_id": format!("engine-{name}"),
+                "remote_host": "10.1.2.3",
+                "remote_port": 7100,
+                "tp_size": 2,
+                "block_size": 16,
+                "transfer_mode": "push",
+                "role": if kind == Kind::Prefill { "prefill" } else { "decode" },
+            })),
+            info_requests: AtomicU64::new(0),
         });
         let app = Router::new()
             .route("/v1/completions", post(completion))
             .route("/v1/chat/completions", post(completion))
             .route("/v1/handoff/release", post(release))
+            .route("/v1/handoff/info", get(info))
             .route("/v1/models", get(models))
             .route("/health", get(health))
             // No keep-alive: once the server task is aborted nothing of it is left, so `kill`
@@ -157,6 +176,14 @@ impl Fake {
         self.state.issued.lock().unwrap().clone()
     }
 
+    pub fn set_info(&self, info: Value) {
+        *self.state.info.lock().unwrap() = info;
+    }
+
+    pub fn info_requests(&self) -> u64 {
+        self.state.info_requests.load(Ordering::SeqCst)
+    }
+
     pub fn releases(&self) -> Vec<Value> {
         self.state.releases.lock().unwrap().clone()
     }
@@ -199,6 +226,26 @@ async fn models(State(s): State<Arc<FakeState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": [{"id": "fake-model", "owned_by": s.name}]}))
 }
 
+async fn info(State(s): State<Arc<FakeState>>) -> Json<Value> {
+    s.info_requests.fetch_add(1, Ordering::SeqCst);
+    Json(s.info.lock().unwrap().clone())
+}
+
+/// Marks the request as dropped unless the handler reached its answer.
+struct Pending {
+    s: Arc<FakeState>,
+    answered: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.s.request_dropped.store(true, Ordering::SeqCst);
+            self.s.log.push(&format!("{}:dropped", self.s.name));
+        }
+    }
+}
+
 async fn release(State(s): State<Arc<FakeState>>, Json(body): Json<Value>) -> Json<Value> {
     s.log.push(&format!("{}:release", s.name));
     s.releases.lock().unwrap().push(body);
@@ -218,10 +265,16 @@ async fn completion(
         headers,
         body: body.clone(),
     });
+    let mut pending = Pending {
+        s: s.clone(),
+        answered: false,
+    };
     let delay = s.head_delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
+    pending.answered = true;
+    s.log.push(&format!("{}:answer", s.name));
     let status = StatusCode::from_u16(s.status.load(Ordering::SeqCst)).unwrap();
     if status != StatusCode::OK {
         let msg = if status == StatusCode::SERVICE_UNAVAILABLE {
@@ -233,21 +286,40 @@ async fn completion(
     }
     match s.kind {
         Kind::Prefill => {
-            let n = NEXT_HANDOFF.fetch_add(1, Ordering::SeqCst);
-            let params = json!({
-                "do_remote_prefill": true,
-                "do_remote_decode": false,
-                "remote_engine_id": format!("engine-{}", s.name),
-                "remote_request_id": "p-internal-1",
-                "remote_block_ids": [[1, 2, 3]],
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 1,
-                "handoff_id": format!("{n:032x}"),
-                "lease_ms": 30000,
-                "epoch": 1,
-                "transfer_mode": "pull",
-            });
+            let asked = &body["kv_transfer_params"];
+            let params = if asked["transfer_mode"] == "push" {
+                // A push P answers under the proxy's handoff id, with its info.
+                let info = s.info.lock().unwrap().clone();
+                json!({
+                    "do_remote_prefill": true,
+                    "do_remote_decode": false,
+                    "remote_engine_id": info["engine_id"],
+                    "remote_request_id": "p-internal-1",
+                    "remote_host": info["remote_host"],
+                    "remote_port": info["remote_port"],
+                    "tp_size": info["tp_size"],
+                    "handoff_id": asked["handoff_id"],
+                    "lease_ms": 30000,
+                    "epoch": 1,
+                    "transfer_mode": "push",
+                })
+            } else {
+                let n = NEXT_HANDOFF.fetch_add(1, Ordering::SeqCst);
+                json!({
+                    "do_remote_prefill": true,
+                    "do_remote_decode": false,
+                    "remote_engine_id": format!("engine-{}", s.name),
+                    "remote_request_id": "p-internal-1",
+                    "remote_block_ids": [[1, 2, 3]],
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5600,
+                    "tp_size": 1,
+                    "handoff_id": format!("{n:032x}"),
+                    "lease_ms": 30000,
+                    "epoch": 1,
+                    "transfer_mode": "pull",
+                })
+            };
             s.issued.lock().unwrap().push(params.clone());
             Json(json!({
                 "id": "cmpl-p",

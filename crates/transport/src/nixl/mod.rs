@@ -26,6 +26,11 @@
 //!   ([`TransportError::Io`]) instead of waiting (the same thread may be the one that would
 //!   release it): give each KV block its own chunk. Remote memory is not locked: the peer's
 //!   ledger fences cover it.
+//! - **Notifications of transfers leave from status checks.** NIXL's UCX backend sends the
+//!   notification of a transfer that was not complete at post time from the initiator's next
+//!   status check of it, so the initiator must keep calling [`Transport::status`] (or
+//!   `drain_notifications` / `drain_dead_peers`, which check every transfer in progress) until
+//!   the transfer is done; one released while still in progress never notifies.
 //! - **Release** of a transfer still in progress asks NIXL to abort it; its locks go when NIXL
 //!   accepts, and until then (NIXL may refuse while the backend still runs it) the transfer is
 //!   kept aside and retried on every later call.
@@ -505,6 +510,21 @@ impl Inner {
         }
     }
 
+    /// Checks every transfer still in progress. Besides updating their state, this is what
+    /// sends their notifications: NIXL's UCX backend defers the notification of a transfer that
+    /// was not done at post time to the initiator's next status check of it.
+    fn progress_all(&mut self) {
+        let pending: Vec<XferId> = self
+            .xfers
+            .iter()
+            .filter(|(_, x)| x.state == XferStatus::InProgress)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in pending {
+            let _ = self.status_of(id);
+        }
+    }
+
     fn status_of(&mut self, id: XferId) -> Result<XferStatus, TransportError> {
         let x = self
             .xfers
@@ -953,7 +973,8 @@ impl Transport for NixlTransport {
     }
 
     fn drain_notifications(&self) -> Vec<Notification> {
-        let g = self.lock();
+        let mut g = self.lock();
+        g.progress_all();
         let mut out = Vec::new();
         if let Err(e) = g.agent.take_notifications(&mut out) {
             tracing::debug!("nixl: {e}");
@@ -965,6 +986,7 @@ impl Transport for NixlTransport {
     fn drain_dead_peers(&self) -> Vec<String> {
         let mut g = self.lock();
         g.reap_zombies();
+        g.progress_all();
         std::mem::take(&mut g.dead_pending)
     }
 }

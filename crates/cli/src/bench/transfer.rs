@@ -1,0 +1,1019 @@
+//! Transfer throughput: the tcp and nixl backends against baselines measured in the same run, on
+//! the same bytes, the same memory and the same process layout.
+//!
+//! - **Cases.** 4 KiB, 64 KiB and 1 MiB blocks in scattered order (block ids shuffled on both
+//!   sides, so no two descriptors are adjacent and nothing merges), and a real model's blocks:
+//!   32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks, one region per rank laid out
+//!   block-outermost ([`RankLayout::cross_layer`], 2 MiB per block), allocated contiguously
+//!   (block ids `0..n` on both sides: the planner coalesces them into one descriptor) and
+//!   fragmented (shuffled ids: one descriptor per block). Every case moves the whole region
+//!   (256 MiB by default) in one post per repetition.
+//! - **Two processes.** The peer is this binary (`handoff bench transfer-peer`), spawned as a
+//!   child: it registers one region per block size, prints its metadata and a raw TCP port on
+//!   stdout, then serves until stdin closes. This process posts every transfer (READ pulls from
+//!   the peer, WRITE pushes to it).
+//! - **Baselines.** `raw-tcp`: std TCP over loopback between the same two processes, reading and
+//!   writing the same regions block by block (one `read_exact`/`write_all` per block). `memcpy`:
+//!   one thread copying the same scattered blocks between two buffers of this process.
+//!   `raw-nixl`: [`raw::measure`], the bare C API (prepped lists, `make_xfer_req`, post, poll,
+//!   release) with the same agent settings. It runs two agents in *one* process with its own
+//!   block mapping ([`raw::scattered_pairs`]), so `nixl_vs_raw_nixl` compares it with the nixl
+//!   transport run the same way (two transports in this process, the same mapping).
+//! - **Timing.** From post to done and released (polling status every 50 µs; raw NIXL spins),
+//!   after one untimed warm-up whose bytes are checked on both sides; median of the repetitions.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use handoff_plan::{plan_pair, BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_transport::conformance::{from_hex, to_hex};
+use handoff_transport::nixl::{raw, NixlConfig, NixlTransport};
+use handoff_transport::tcp::{TcpConfig, TcpTransport};
+use handoff_transport::{KvRegion, RegionId, Transport, XferDesc, XferOp, XferStatus};
+use serde_json::{json, Value};
+
+const MIB: usize = 1 << 20;
+const SCATTERED_BLOCKS: [usize; 3] = [4 << 10, 64 << 10, 1 << 20];
+/// The block size the ratios are taken at.
+const RATIO_CASE: &str = "64k";
+const TARGET_TCP_VS_RAW: f64 = 0.9;
+const TARGET_NIXL_VS_RAW: f64 = 0.95;
+const TARGET_NIXL_VS_MEMCPY: f64 = 0.6;
+const POLL: Duration = Duration::from_micros(50);
+const XFER_DEADLINE: Duration = Duration::from_secs(60);
+/// Fill seed of the peer's regions (this process uses a fresh one before every warm-up).
+const PEER_SEED: u64 = 0x5eed_f00d_9ee7;
+
+#[derive(clap::Args)]
+pub struct TransferArgs {
+    /// Print the report as one JSON object on the last line.
+    #[arg(long)]
+    json: bool,
+    /// Timed repetitions per backend, op and case (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// MiB moved per case and repetition (the issue asks for at least 256).
+    #[arg(long, default_value_t = 256)]
+    total_mib: usize,
+    /// NIXL progress-thread delay in µs, for the transport and raw NIXL alike (default: NIXL
+    /// config from the environment, 100 unless HANDOFF_NIXL_PROGRESS_DELAY_US is set).
+    #[arg(long)]
+    progress_delay_us: Option<u64>,
+}
+
+#[derive(clap::Args)]
+pub struct PeerArgs {
+    /// tcp or nixl.
+    #[arg(long)]
+    backend: String,
+    #[arg(long)]
+    total_mib: usize,
+    #[arg(long)]
+    progress_delay_us: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases: deterministic, so the peer process builds the same ones.
+
+struct Case {
+    key: &'static str,
+    label: &'static str,
+    /// Index of the region (one per block size) the case uses, on both sides.
+    class: usize,
+    /// Granularity of the blocks.
+    block: usize,
+    descs: Vec<XferDesc>,
+    /// What raw NIXL moves for the comparison: (block size, blocks).
+    raw: (usize, usize),
+}
+
+impl Case {
+    fn bytes(&self) -> u64 {
+        self.descs.iter().map(|d| d.len).sum()
+    }
+}
+
+struct Layout {
+    /// Chunk (= block) size of each region class.
+    chunks: Vec<usize>,
+    /// Length of each region class.
+    lens: Vec<usize>,
+    cases: Vec<Case>,
+    model_block: usize,
+    model_layer_block: u64,
+}
+
+fn model_spec() -> KvSpec {
+    KvSpec {
+        shape: ModelShape {
+            num_layers: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            dtype_size: 2,
+        },
+        tp: 1,
+        block_size: 16,
+        block_layout: BlockLayout::HeadMajor,
+    }
+}
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mix(self.0)
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = Rng(seed);
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        p.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    p
+}
+
+fn build(total_mib: usize) -> anyhow::Result<Layout> {
+    let total = total_mib * MIB;
+    let mut chunks = Vec::new();
+    let mut lens = Vec::new();
+    let mut cases = Vec::new();
+    let keys = [("4k", "4 KiB"), ("64k", "64 KiB"), ("1m", "1 MiB")];
+    for (class, (&b, (key, label))) in SCATTERED_BLOCKS.iter().zip(keys).enumerate() {
+        let n = total / b;
+        let (l, r) = (
+            shuffled(n, 11 + class as u64),
+            shuffled(n, 101 + class as u64),
+        );
+        let descs = l
+            .iter()
+            .zip(&r)
+            .map(|(&l, &r)| XferDesc {
+                local_region: class as RegionId,
+                local_offset: (l * b) as u64,
+                remote_region: class as RegionId,
+                remote_offset: (r * b) as u64,
+                len: b as u64,
+            })
+            .collect();
+        chunks.push(b);
+        lens.push(n * b);
+        cases.push(Case {
+            key,
+            label,
+            class,
+            block: b,
+            descs,
+            raw: (b, n),
+        });
+    }
+
+    // The model: one region per rank, block-outermost, as the engine lays it out.
+    let spec = model_spec();
+    let probe = RankLayout::cross_layer(spec, 0, 1, 0)?;
+    let block = probe.layers[0].block_stride as usize;
+    let n = (total / block).max(1);
+    let layout = RankLayout::cross_layer(spec, 0, n as u32, 0)?;
+    let class = chunks.len();
+    chunks.push(block);
+    lens.push(n * block);
+    let tokens = n as u32 * spec.block_size;
+    let contiguous: Vec<u32> = (0..n as u32).collect();
+    let (p_frag, d_frag): (Vec<u32>, Vec<u32>) = (
+        shuffled(n, 7).into_iter().map(|b| b as u32).collect(),
+        shuffled(n, 8).into_iter().map(|b| b as u32).collect(),
+    );
+    // P is the peer, D this process: a READ is D's pull, a WRITE pushes the same bytes back.
+    let to_descs = |p: &[u32], d: &[u32]| -> anyhow::Result<Vec<XferDesc>> {
+        let plan = plan_pair(&layout, &layout, p, d, tokens)?;
+        Ok(plan
+            .descriptors
+            .iter()
+            .map(|x| XferDesc {
+                local_region: class as RegionId,
+                local_offset: x.dst_offset,
+                remote_region: class as RegionId,
+                remote_offset: x.src_offset,
+                len: x.len,
+            })
+            .collect())
+    };
+    cases.push(Case {
+        key: "model_contig",
+        label: "model contig",
+        class,
+        block,
+        descs: to_descs(&contiguous, &contiguous)?,
+        raw: (n * block, 1),
+    });
+    cases.push(Case {
+        key: "model_frag",
+        label: "model frag",
+        class,
+        block,
+        descs: to_descs(&p_frag, &d_frag)?,
+        raw: (block, n),
+    });
+    Ok(Layout {
+        chunks,
+        lens,
+        cases,
+        model_block: block,
+        model_layer_block: spec.block_bytes(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Filling and checking memory.
+
+/// Writes `mix(seed ^ offset)` into every 8-byte word.
+fn fill(region: &KvRegion, seed: u64) -> anyhow::Result<()> {
+    let mut pos = 0u64;
+    region
+        .with_span_mut(0, region.len(), |piece| {
+            for w in piece.chunks_exact_mut(8) {
+                w.copy_from_slice(&mix(seed ^ pos).to_le_bytes());
+                pos += 8;
+            }
+            Ok::<(), ()>(())
+        })?
+        .map_err(|_| anyhow!("fill"))
+}
+
+fn fill_slice(buf: &mut [u8], seed: u64) {
+    for (i, w) in buf.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&mix(seed ^ (i as u64 * 8)).to_le_bytes());
+    }
+}
+
+/// A word-wise FNV over the ranges, in order (every range is a multiple of 8 bytes long).
+fn hash_ranges(region: &KvRegion, ranges: impl Iterator<Item = (u64, u64)>) -> anyhow::Result<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for (off, len) in ranges {
+        region
+            .with_span(off as usize, len as usize, |piece| {
+                for w in piece.chunks_exact(8) {
+                    let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+                    h = (h ^ w).wrapping_mul(0x100_0000_01b3);
+                }
+                Ok::<(), ()>(())
+            })?
+            .map_err(|_| anyhow!("hash"))?;
+    }
+    Ok(h)
+}
+
+fn local_hash(region: &KvRegion, case: &Case) -> anyhow::Result<u64> {
+    hash_ranges(region, case.descs.iter().map(|d| (d.local_offset, d.len)))
+}
+
+fn remote_hash(region: &KvRegion, case: &Case) -> anyhow::Result<u64> {
+    hash_ranges(region, case.descs.iter().map(|d| (d.remote_offset, d.len)))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn gbps(bytes: u64, secs: Vec<f64>) -> f64 {
+    bytes as f64 / median(secs) / 1e9
+}
+
+// ---------------------------------------------------------------------------------------------
+// The peer process.
+
+fn open_transport(
+    backend: &str,
+    name: &str,
+    nixl: &NixlConfig,
+) -> anyhow::Result<Arc<dyn Transport>> {
+    Ok(match backend {
+        "tcp" => TcpTransport::new(name, TcpConfig::default())? as Arc<dyn Transport>,
+        "nixl" => NixlTransport::open(name, nixl.clone())? as Arc<dyn Transport>,
+        other => bail!("unknown backend {other:?} (tcp or nixl)"),
+    })
+}
+
+/// `handoff bench transfer-peer`: prints `READY <raw tcp port> <hex metadata>`, then answers
+/// `LOAD <hex>` (→ `OK <name>`) and `HASH <case>` (→ `HASH <u64>`) until stdin closes.
+pub fn peer(args: PeerArgs) -> anyhow::Result<()> {
+    let r = serve_peer(&args);
+    if let Err(e) = &r {
+        println!("ERR {e:#}");
+    }
+    // Leave without tearing the agent down (NIXL's threads may still run).
+    let _ = std::io::stdout().flush();
+    std::process::exit(if r.is_ok() { 0 } else { 1 });
+}
+
+fn serve_peer(args: &PeerArgs) -> anyhow::Result<()> {
+    let layout = Arc::new(build(args.total_mib)?);
+    let cfg = NixlConfig {
+        progress_delay_us: args.progress_delay_us,
+        ..NixlConfig::from_env()
+    };
+    let name = format!("bench-peer-{}", std::process::id());
+    let t = open_transport(&args.backend, &name, &cfg)?;
+    let mut regions = Vec::new();
+    for (class, (&len, &chunk)) in layout.lens.iter().zip(&layout.chunks).enumerate() {
+        let r = Arc::new(KvRegion::new(len, chunk));
+        fill(&r, PEER_SEED ^ class as u64)?;
+        t.register(class as RegionId, r.clone())?;
+        regions.push(r);
+    }
+    let regions = Arc::new(regions);
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    {
+        let (regions, layout) = (regions.clone(), layout.clone());
+        std::thread::spawn(move || {
+            for s in listener.incoming().flatten() {
+                let (regions, layout) = (regions.clone(), layout.clone());
+                std::thread::spawn(move || {
+                    if let Err(e) = serve_raw_tcp(s, &regions, &layout) {
+                        eprintln!("transfer-peer: raw tcp: {e:#}");
+                    }
+                });
+            }
+        });
+    }
+    let md = t.local_metadata()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {port} {}", to_hex(&md))?;
+    out.flush()?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let reply = match words.as_slice() {
+            ["LOAD", hex] => match from_hex(hex).map(|md| t.load_remote(&md)) {
+                Some(Ok(name)) => format!("OK {name}"),
+                Some(Err(e)) => format!("ERR {e}"),
+                None => "ERR bad hex".into(),
+            },
+            ["HASH", i] => match i.parse::<usize>().ok().and_then(|i| layout.cases.get(i)) {
+                Some(case) => match remote_hash(&regions[case.class], case) {
+                    Ok(h) => format!("HASH {h}"),
+                    Err(e) => format!("ERR {e:#}"),
+                },
+                None => "ERR no such case".into(),
+            },
+            _ => format!("ERR unknown command {line:?}"),
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// Raw TCP, target side: `[op, case]` then, for READ (0), the case's remote blocks in order;
+/// for WRITE (1), receive them in order and answer one byte.
+fn serve_raw_tcp(
+    mut s: TcpStream,
+    regions: &[Arc<KvRegion>],
+    layout: &Layout,
+) -> anyhow::Result<()> {
+    s.set_nodelay(true)?;
+    loop {
+        let mut hdr = [0u8; 2];
+        match s.read_exact(&mut hdr) {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            r => r?,
+        }
+        let case = layout
+            .cases
+            .get(hdr[1] as usize)
+            .ok_or_else(|| anyhow!("no case {}", hdr[1]))?;
+        let region = &regions[case.class];
+        for d in &case.descs {
+            let (off, len) = (d.remote_offset as usize, d.len as usize);
+            if hdr[0] == 0 {
+                region.with_span(off, len, |p| s.write_all(p))??;
+            } else {
+                region.with_span_mut(off, len, |p| s.read_exact(p))??;
+            }
+        }
+        if hdr[0] == 1 {
+            s.write_all(&[1])?;
+        }
+    }
+}
+
+/// The child process, from this side.
+struct Peer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    raw_port: u16,
+    md: Vec<u8>,
+}
+
+impl Peer {
+    fn spawn(backend: &str, total_mib: usize, delay_us: u64) -> anyhow::Result<Peer> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["bench", "transfer-peer", "--backend", backend])
+            .args(["--total-mib", &total_mib.to_string()])
+            .args(["--progress-delay-us", &delay_us.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning the transfer peer")?;
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut p = Peer {
+            child,
+            stdin,
+            stdout,
+            raw_port: 0,
+            md: Vec::new(),
+        };
+        let line = p.line()?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["READY", port, hex] => {
+                p.raw_port = port.parse()?;
+                p.md = from_hex(hex).ok_or_else(|| anyhow!("peer sent bad hex"))?;
+            }
+            _ => bail!("{backend} peer: {line}"),
+        }
+        Ok(p)
+    }
+
+    fn line(&mut self) -> anyhow::Result<String> {
+        let mut s = String::new();
+        if self.stdout.read_line(&mut s)? == 0 {
+            bail!("the peer exited");
+        }
+        Ok(s.trim_end().to_string())
+    }
+
+    fn cmd(&mut self, cmd: &str) -> anyhow::Result<String> {
+        let stdin = self.stdin.as_mut().expect("open until drop");
+        writeln!(stdin, "{cmd}")?;
+        stdin.flush()?;
+        let reply = self.line()?;
+        if reply.starts_with("ERR") {
+            bail!("peer: {reply}");
+        }
+        Ok(reply)
+    }
+
+    fn hash(&mut self, case: usize) -> anyhow::Result<u64> {
+        let r = self.cmd(&format!("HASH {case}"))?;
+        r.strip_prefix("HASH ")
+            .and_then(|h| h.parse().ok())
+            .ok_or_else(|| anyhow!("peer: {r}"))
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurements.
+
+/// One transfer through a transport, from post to done and released.
+fn time_xfer(t: &dyn Transport, peer: &str, op: XferOp, descs: &[XferDesc]) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let id = t.post(op, peer, descs, None)?;
+    loop {
+        match t.status(id)? {
+            XferStatus::Done => break,
+            XferStatus::InProgress if t0.elapsed() < XFER_DEADLINE => std::thread::sleep(POLL),
+            XferStatus::InProgress => bail!("transfer still in progress after {XFER_DEADLINE:?}"),
+            XferStatus::Failed(e) => bail!("transfer failed: {e}"),
+        }
+    }
+    t.release(id)?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Warm-up (checked on both sides), then `reps` timed transfers.
+#[allow(clippy::too_many_arguments)]
+fn through_peer(
+    t: &dyn Transport,
+    peer_name: &str,
+    peer: &mut Peer,
+    idx: usize,
+    case: &Case,
+    op: XferOp,
+    local: &KvRegion,
+    reps: usize,
+    seed: &mut u64,
+) -> anyhow::Result<f64> {
+    *seed += 1;
+    fill(local, *seed)?;
+    time_xfer(t, peer_name, op, &case.descs)?;
+    check(peer, idx, case, local, t.backend())?;
+    let secs = (0..reps)
+        .map(|_| time_xfer(t, peer_name, op, &case.descs))
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    Ok(gbps(case.bytes(), secs))
+}
+
+fn check(
+    peer: &mut Peer,
+    idx: usize,
+    case: &Case,
+    local: &KvRegion,
+    what: &str,
+) -> anyhow::Result<()> {
+    let (mine, theirs) = (local_hash(local, case)?, peer.hash(idx)?);
+    if mine != theirs {
+        bail!("{what} {}: the bytes differ after the warm-up", case.label);
+    }
+    Ok(())
+}
+
+/// Raw TCP, initiator side (see [`serve_raw_tcp`]).
+fn raw_tcp_xfer(
+    s: &mut TcpStream,
+    idx: usize,
+    case: &Case,
+    op: XferOp,
+    local: &KvRegion,
+) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let read = op == XferOp::Read;
+    s.write_all(&[u8::from(!read), idx as u8])?;
+    for d in &case.descs {
+        let (off, len) = (d.local_offset as usize, d.len as usize);
+        if read {
+            local.with_span_mut(off, len, |p| s.read_exact(p))??;
+        } else {
+            local.with_span(off, len, |p| s.write_all(p))??;
+        }
+    }
+    if !read {
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack)?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn raw_tcp(
+    s: &mut TcpStream,
+    peer: &mut Peer,
+    idx: usize,
+    case: &Case,
+    op: XferOp,
+    local: &KvRegion,
+    reps: usize,
+    seed: &mut u64,
+) -> anyhow::Result<f64> {
+    *seed += 1;
+    fill(local, *seed)?;
+    raw_tcp_xfer(s, idx, case, op, local)?;
+    check(peer, idx, case, local, "raw tcp")?;
+    let secs = (0..reps)
+        .map(|_| raw_tcp_xfer(s, idx, case, op, local))
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    Ok(gbps(case.bytes(), secs))
+}
+
+fn memcpy(case: &Case, src: &[u8], dst: &mut [u8], reps: usize) -> f64 {
+    let once = |dst: &mut [u8]| {
+        let t0 = Instant::now();
+        for d in &case.descs {
+            let (l, r, n) = (
+                d.local_offset as usize,
+                d.remote_offset as usize,
+                d.len as usize,
+            );
+            dst[l..l + n].copy_from_slice(&src[r..r + n]);
+        }
+        std::hint::black_box(&mut *dst);
+        t0.elapsed().as_secs_f64()
+    };
+    once(dst);
+    let secs = (0..reps).map(|_| once(dst)).collect();
+    gbps(case.bytes(), secs)
+}
+
+/// The nixl transport the way raw NIXL runs: two agents of this process, raw's block mapping.
+fn nixl_in_process(
+    cfg: &NixlConfig,
+    case: &Case,
+    regions: &(Arc<KvRegion>, Arc<KvRegion>),
+    op: XferOp,
+    reps: usize,
+    seed: &mut u64,
+) -> anyhow::Result<f64> {
+    let pid = std::process::id();
+    let a = NixlTransport::open(&format!("bench-ia-{pid}-{seed}"), cfg.clone())?;
+    let b = NixlTransport::open(&format!("bench-ib-{pid}-{seed}"), cfg.clone())?;
+    a.register(0, regions.0.clone())?;
+    b.register(0, regions.1.clone())?;
+    let b_name = a.load_remote(&b.local_metadata()?)?;
+    b.load_remote(&a.local_metadata()?)?;
+    let (block, blocks) = case.raw;
+    let descs: Vec<XferDesc> = raw::scattered_pairs(blocks, block)
+        .into_iter()
+        .map(|(l, r)| XferDesc {
+            local_region: 0,
+            local_offset: l,
+            remote_region: 0,
+            remote_offset: r,
+            len: block as u64,
+        })
+        .collect();
+    *seed += 1;
+    fill(&regions.0, *seed)?;
+    *seed += 1;
+    fill(&regions.1, *seed)?;
+    time_xfer(&*a, &b_name, op, &descs)?;
+    let mine = hash_ranges(&regions.0, descs.iter().map(|d| (d.local_offset, d.len)))?;
+    let theirs = hash_ranges(&regions.1, descs.iter().map(|d| (d.remote_offset, d.len)))?;
+    if mine != theirs {
+        bail!(
+            "nixl (one process) {}: bytes differ after the warm-up",
+            case.label
+        );
+    }
+    let secs = (0..reps)
+        .map(|_| time_xfer(&*a, &b_name, op, &descs))
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    Ok(gbps((block * blocks) as u64, secs))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+const OPS: [(XferOp, &str); 2] = [(XferOp::Read, "read"), (XferOp::Write, "write")];
+
+/// GB/s by row (backend and op) and case.
+#[derive(Default)]
+struct Results(Vec<(String, &'static str, f64)>);
+
+impl Results {
+    fn put(&mut self, row: &str, case: &'static str, v: f64) {
+        self.0.push((row.to_string(), case, v));
+    }
+
+    fn get(&self, row: &str, case: &str) -> Option<f64> {
+        self.0
+            .iter()
+            .find(|(r, c, _)| r == row && *c == case)
+            .map(|x| x.2)
+    }
+}
+
+fn progress(what: &str, case: &Case, v: f64) {
+    eprintln!("  {what:<18} {:<13} {v:6.2} GB/s", case.label);
+}
+
+pub fn run(args: TransferArgs) -> anyhow::Result<()> {
+    if args.reps == 0 || args.total_mib < 2 {
+        bail!("--reps must be at least 1 and --total-mib at least 2");
+    }
+    let started = Instant::now();
+    let mut cfg = NixlConfig::from_env();
+    if let Some(d) = args.progress_delay_us {
+        cfg.progress_delay_us = d;
+    }
+    let layout = build(args.total_mib)?;
+    let reps = args.reps;
+    let mut res = Results::default();
+    let mut seed = 1u64;
+    let pid = std::process::id();
+
+    // Probe NIXL once; everything NIXL is skipped with this note when it is missing.
+    let nixl_lib = match raw::measure(
+        &cfg,
+        &raw::RawSpec {
+            op: XferOp::Read,
+            block_size: 4096,
+            blocks: 1,
+            iters: 1,
+            notify: false,
+        },
+    ) {
+        Ok(_) => Ok(handoff_transport::nixl::locate(&cfg)?),
+        Err(e) => Err(e.to_string()),
+    };
+
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load1: f64 = load
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0.0);
+    println!("handoff bench transfer");
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "  {cores} cores, load average {load1:.2} at start{}",
+        if load1 > 0.5 {
+            " (other work is running: numbers will be noisy)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "  {} MiB per case and repetition, one post per repetition, {reps} timed repetitions after a checked warm-up (median)",
+        args.total_mib
+    );
+    println!(
+        "  scattered blocks {} (shuffled ids on both sides); model: 32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks = {} KiB per block per layer, {} KiB per cross-layer block, {} blocks",
+        SCATTERED_BLOCKS.map(|b| format!("{} KiB", b >> 10)).join(", "),
+        layout.model_layer_block >> 10,
+        layout.model_block >> 10,
+        layout.lens[3] / layout.model_block
+    );
+    println!(
+        "  descriptors per case: {}",
+        layout
+            .cases
+            .iter()
+            .map(|c| format!("{} {}", c.label, c.descs.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    match &nixl_lib {
+        Ok(p) => println!(
+            "  nixl: {} (backend {}, progress delay {} µs, no notification)",
+            p.display(),
+            cfg.backend,
+            cfg.progress_delay_us
+        ),
+        Err(e) => println!("  nixl: SKIPPED, not available: {e}"),
+    }
+
+    // This side's regions, one per block size (the peer has the same).
+    let local: Vec<Arc<KvRegion>> = layout
+        .lens
+        .iter()
+        .zip(&layout.chunks)
+        .map(|(&len, &chunk)| Arc::new(KvRegion::new(len, chunk)))
+        .collect();
+
+    // tcp and raw TCP, against one peer process.
+    eprintln!("tcp and raw tcp (two processes)");
+    {
+        let mut peer = Peer::spawn("tcp", args.total_mib, cfg.progress_delay_us)?;
+        let t = open_transport("tcp", &format!("bench-tcp-{pid}"), &cfg)?;
+        for (i, r) in local.iter().enumerate() {
+            t.register(i as RegionId, r.clone())?;
+        }
+        let peer_name = t.load_remote(&peer.md)?;
+        peer.cmd(&format!("LOAD {}", to_hex(&t.local_metadata()?)))?;
+        let mut raw_conn = TcpStream::connect(("127.0.0.1", peer.raw_port))?;
+        raw_conn.set_nodelay(true)?;
+        for (idx, case) in layout.cases.iter().enumerate() {
+            for (op, opn) in OPS {
+                let region = &local[case.class];
+                let v = through_peer(
+                    &*t, &peer_name, &mut peer, idx, case, op, region, reps, &mut seed,
+                )?;
+                progress(&format!("tcp {opn}"), case, v);
+                res.put(&format!("tcp_{opn}"), case.key, v);
+                let v = raw_tcp(
+                    &mut raw_conn,
+                    &mut peer,
+                    idx,
+                    case,
+                    op,
+                    region,
+                    reps,
+                    &mut seed,
+                )?;
+                progress(&format!("raw-tcp {opn}"), case, v);
+                res.put(&format!("raw_tcp_{opn}"), case.key, v);
+            }
+        }
+    }
+
+    if nixl_lib.is_ok() {
+        eprintln!("nixl (two processes)");
+        {
+            let mut peer = Peer::spawn("nixl", args.total_mib, cfg.progress_delay_us)?;
+            let t = open_transport("nixl", &format!("bench-nixl-{pid}"), &cfg)?;
+            for (i, r) in local.iter().enumerate() {
+                t.register(i as RegionId, r.clone())?;
+            }
+            let peer_name = t.load_remote(&peer.md)?;
+            peer.cmd(&format!("LOAD {}", to_hex(&t.local_metadata()?)))?;
+            for (idx, case) in layout.cases.iter().enumerate() {
+                for (op, opn) in OPS {
+                    let v = through_peer(
+                        &*t,
+                        &peer_name,
+                        &mut peer,
+                        idx,
+                        case,
+                        op,
+                        &local[case.class],
+                        reps,
+                        &mut seed,
+                    )?;
+                    progress(&format!("nixl {opn}"), case, v);
+                    res.put(&format!("nixl_{opn}"), case.key, v);
+                }
+            }
+        }
+        eprintln!("nixl transport vs raw nixl (one process, raw's block mapping)");
+        // Two regions per block size, each of raw's length (two slots per block).
+        let pairs: Vec<(Arc<KvRegion>, Arc<KvRegion>)> = layout
+            .lens
+            .iter()
+            .zip(&layout.chunks)
+            .map(|(&len, &chunk)| {
+                (
+                    Arc::new(KvRegion::new(2 * len, chunk)),
+                    Arc::new(KvRegion::new(2 * len, chunk)),
+                )
+            })
+            .collect();
+        for case in &layout.cases {
+            for (op, opn) in OPS {
+                let v = nixl_in_process(&cfg, case, &pairs[case.class], op, reps, &mut seed)?;
+                progress(&format!("nixl-1proc {opn}"), case, v);
+                res.put(&format!("nixl_1proc_{opn}"), case.key, v);
+                let (block_size, blocks) = case.raw;
+                let r = raw::measure(
+                    &cfg,
+                    &raw::RawSpec {
+                        op,
+                        block_size,
+                        blocks,
+                        iters: reps,
+                        notify: false,
+                    },
+                )?;
+                progress(&format!("raw-nixl {opn}"), case, r.gbps);
+                res.put(&format!("raw_nixl_{opn}"), case.key, r.gbps);
+            }
+        }
+    }
+
+    eprintln!("memcpy (one thread)");
+    {
+        let len = *layout.lens.iter().max().expect("cases");
+        let mut src = vec![0u8; len];
+        let mut dst = vec![0u8; len];
+        fill_slice(&mut src, 3);
+        fill_slice(&mut dst, 4);
+        for case in &layout.cases {
+            let v = memcpy(case, &src, &mut dst, reps);
+            progress("memcpy", case, v);
+            res.put("memcpy", case.key, v);
+        }
+    }
+
+    report(&args, &cfg, &layout, &res, &nixl_lib, started, load1)
+}
+
+fn report(
+    args: &TransferArgs,
+    cfg: &NixlConfig,
+    layout: &Layout,
+    res: &Results,
+    nixl_lib: &Result<std::path::PathBuf, String>,
+    started: Instant,
+    load1: f64,
+) -> anyhow::Result<()> {
+    let rows: [(&str, &str); 11] = [
+        ("tcp_read", "tcp READ"),
+        ("tcp_write", "tcp WRITE"),
+        ("raw_tcp_read", "raw-tcp READ"),
+        ("raw_tcp_write", "raw-tcp WRITE"),
+        ("nixl_read", "nixl READ"),
+        ("nixl_write", "nixl WRITE"),
+        ("nixl_1proc_read", "nixl 1-proc READ"),
+        ("nixl_1proc_write", "nixl 1-proc WRITE"),
+        ("raw_nixl_read", "raw-nixl READ"),
+        ("raw_nixl_write", "raw-nixl WRITE"),
+        ("memcpy", "memcpy"),
+    ];
+    println!();
+    print!("{:<19}", "GB/s");
+    for c in &layout.cases {
+        print!("{:>14}", c.label);
+    }
+    println!();
+    let mut gb = serde_json::Map::new();
+    for (key, label) in rows {
+        print!("{label:<19}");
+        let mut per = serde_json::Map::new();
+        for c in &layout.cases {
+            let v = res.get(key, c.key);
+            match v {
+                Some(v) => print!("{v:>14.2}"),
+                None => print!("{:>14}", "-"),
+            }
+            per.insert(c.key.to_string(), json!(v));
+        }
+        println!();
+        gb.insert(key.to_string(), Value::Object(per));
+    }
+    println!("(nixl and the tcp rows: two processes, shuffled blocks; nixl 1-proc and raw-nixl: one process, raw's interleaved mapping; memcpy: one thread)");
+
+    let ratio = |a: &str, b: &str| -> Option<f64> {
+        Some(res.get(a, RATIO_CASE)? / res.get(b, RATIO_CASE)?)
+    };
+    let pair = |a: &str, b: &str| -> (Option<f64>, Option<f64>) {
+        (
+            ratio(&format!("{a}_read"), &format!("{b}_read")),
+            ratio(&format!("{a}_write"), &format!("{b}_write")),
+        )
+    };
+    let min = |(r, w): (Option<f64>, Option<f64>)| Some(r?.min(w?));
+    let tcp = pair("tcp", "raw_tcp");
+    let nixl = pair("nixl_1proc", "raw_nixl");
+    let mem = (ratio("nixl_read", "memcpy"), ratio("nixl_write", "memcpy"));
+    let mut ratios = serde_json::Map::new();
+    println!();
+    println!("ratios at 64 KiB blocks (the worse of READ and WRITE):");
+    for (name, (r, w), target) in [
+        ("tcp_vs_raw_tcp", tcp, TARGET_TCP_VS_RAW),
+        ("nixl_vs_raw_nixl", nixl, TARGET_NIXL_VS_RAW),
+        ("nixl_vs_memcpy", mem, TARGET_NIXL_VS_MEMCPY),
+    ] {
+        let worst = min((r, w));
+        let verdict = match worst {
+            None => "n/a (NIXL not available)".to_string(),
+            Some(v) if v >= target => "meets target".to_string(),
+            Some(v) => format!("MISSES target by {:.1}%", (target - v) / target * 100.0),
+        };
+        let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.3}"));
+        println!(
+            "  {name:<17} {:>6}  (READ {}, WRITE {})  target >= {target}: {verdict}",
+            f(worst),
+            f(r),
+            f(w)
+        );
+        ratios.insert(name.into(), json!(worst));
+        ratios.insert(format!("{name}_read"), json!(r));
+        ratios.insert(format!("{name}_write"), json!(w));
+        ratios.insert(format!("{name}_target"), json!(target));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("total run time {secs:.0} s");
+    if args.json {
+        let report = json!({
+            "bench": "transfer",
+            "settings": {
+                "total_bytes_per_case": args.total_mib * MIB,
+                "repetitions": args.reps,
+                "scattered_block_bytes": SCATTERED_BLOCKS,
+                "model": {
+                    "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
+                    "block_tokens": 16,
+                    "block_bytes_per_layer": layout.model_layer_block,
+                    "cross_layer_block_bytes": layout.model_block,
+                },
+                "descriptors": layout.cases.iter()
+                    .map(|c| (c.key.to_string(), json!(c.descs.len())))
+                    .collect::<serde_json::Map<_, _>>(),
+                "block_bytes": layout.cases.iter()
+                    .map(|c| (c.key.to_string(), json!(c.block)))
+                    .collect::<serde_json::Map<_, _>>(),
+                "nixl_progress_delay_us": cfg.progress_delay_us,
+                "nixl_backend": cfg.backend,
+                "nixl": match nixl_lib {
+                    Ok(p) => json!(p.display().to_string()),
+                    Err(e) => json!(format!("skipped: {e}")),
+                },
+                "ratio_case": RATIO_CASE,
+                "load_average_at_start": load1,
+            },
+            "gbps": gb,
+            "ratios": ratios,
+            "run_seconds": secs,
+        });
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(())
+}
