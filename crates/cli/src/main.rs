@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // The demo's faults are expected: its report says what happened, the log only what broke.
     let default_level = match cli.command {
-        Command::Demo(_) => "error",
+        Command::Demo(_) | Command::Bench { .. } => "error",
         _ => "warn",
     };
     tracing_subscriber::fmt()

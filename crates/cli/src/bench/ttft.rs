@@ -140,7 +140,15 @@ async fn run_cases(path: &'static str, url: &str, seed_base: usize) -> Vec<Case>
 
 async fn cluster(mode: &'static str) -> anyhow::Result<Vec<Case>> {
     let p = spawn_engine(&format!("bench-p-{mode}"), "prefill", &engine_args(mode))?;
-    let d = spawn_engine(&format!("bench-d-{mode}"), "decode", &engine_args(mode))?;
+    // Push reserves D's blocks on arrival (a full pool answers 503 at once): D gets room for
+    // every request in flight (8 × 8192 tokens), as a push deployment must provision.
+    let mut d_args = engine_args(mode);
+    if mode == "push" {
+        if let Some(i) = d_args.iter().position(|a| a == "--num-blocks") {
+            d_args[i + 1] = "4200".into();
+        }
+    }
+    let d = spawn_engine(&format!("bench-d-{mode}"), "decode", &d_args)?;
     let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
         bind: "127.0.0.1:0".parse()?,
         prefill: vec![p.url.clone()],
