@@ -349,7 +349,8 @@ mod tests {
 
     #[test]
     fn invalid_values_name_their_field() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut EngineConfig)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut EngineConfig)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("role", Box::new(|c| c.role = "router".into())),
             ("block_size", Box::new(|c| c.block_size = 12)),
             ("tp", Box::new(|c| c.tp = 3)),

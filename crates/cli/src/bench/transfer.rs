@@ -19,7 +19,7 @@
 //!   release) with the same agent settings. It runs two agents in *one* process with its own
 //!   block mapping ([`raw::scattered_pairs`]), so `nixl_vs_raw_nixl` compares it with the nixl
 //!   transport run the same way (two transports in this process, the same mapping).
-//! - **Timing.** From post to done and released (polling status every 50 µs; raw NIXL spins),
+//! - **Timing.** From post to done and released (polling status every `--poll-us`, 200 µs by default; raw NIXL spins),
 //!   after one untimed warm-up whose bytes are checked on both sides; median of the repetitions.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -43,7 +43,8 @@ const RATIO_CASE: &str = "64k";
 const TARGET_TCP_VS_RAW: f64 = 0.9;
 const TARGET_NIXL_VS_RAW: f64 = 0.95;
 const TARGET_NIXL_VS_MEMCPY: f64 = 0.6;
-const POLL: Duration = Duration::from_micros(50);
+/// Status poll interval (set once from `--poll-us`).
+static POLL_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(200);
 const XFER_DEADLINE: Duration = Duration::from_secs(60);
 /// Fill seed of the peer's regions (this process uses a fresh one before every warm-up).
 const PEER_SEED: u64 = 0x5eed_f00d_9ee7;
@@ -63,6 +64,13 @@ pub struct TransferArgs {
     /// config from the environment, 100 unless HANDOFF_NIXL_PROGRESS_DELAY_US is set).
     #[arg(long)]
     progress_delay_us: Option<u64>,
+    /// How often a transfer's status is polled while it runs, in µs (the connector polls every
+    /// 1000; a shorter poll takes CPU from the tcp backend's threads on a small host).
+    #[arg(long, default_value_t = 200)]
+    poll_us: u64,
+    /// Cases to run (comma separated: 4k, 64k, 1m, model_contig, model_frag); all by default.
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -506,55 +514,19 @@ impl Drop for Peer {
 
 /// One transfer through a transport, from post to done and released.
 fn time_xfer(t: &dyn Transport, peer: &str, op: XferOp, descs: &[XferDesc]) -> anyhow::Result<f64> {
+    let poll = Duration::from_micros(POLL_US.load(std::sync::atomic::Ordering::Relaxed));
     let t0 = Instant::now();
     let id = t.post(op, peer, descs, None)?;
     loop {
         match t.status(id)? {
             XferStatus::Done => break,
-            XferStatus::InProgress if t0.elapsed() < XFER_DEADLINE => std::thread::sleep(POLL),
+            XferStatus::InProgress if t0.elapsed() < XFER_DEADLINE => std::thread::sleep(poll),
             XferStatus::InProgress => bail!("transfer still in progress after {XFER_DEADLINE:?}"),
             XferStatus::Failed(e) => bail!("transfer failed: {e}"),
         }
     }
     t.release(id)?;
     Ok(t0.elapsed().as_secs_f64())
-}
-
-/// Warm-up (checked on both sides), then `reps` timed transfers.
-#[allow(clippy::too_many_arguments)]
-fn through_peer(
-    t: &dyn Transport,
-    peer_name: &str,
-    peer: &mut Peer,
-    idx: usize,
-    case: &Case,
-    op: XferOp,
-    local: &KvRegion,
-    reps: usize,
-    seed: &mut u64,
-) -> anyhow::Result<f64> {
-    *seed += 1;
-    fill(local, *seed)?;
-    time_xfer(t, peer_name, op, &case.descs)?;
-    check(peer, idx, case, local, t.backend())?;
-    let secs = (0..reps)
-        .map(|_| time_xfer(t, peer_name, op, &case.descs))
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    Ok(gbps(case.bytes(), secs))
-}
-
-fn check(
-    peer: &mut Peer,
-    idx: usize,
-    case: &Case,
-    local: &KvRegion,
-    what: &str,
-) -> anyhow::Result<()> {
-    let (mine, theirs) = (local_hash(local, case)?, peer.hash(idx)?);
-    if mine != theirs {
-        bail!("{what} {}: the bytes differ after the warm-up", case.label);
-    }
-    Ok(())
 }
 
 /// Raw TCP, initiator side (see [`serve_raw_tcp`]).
@@ -583,29 +555,103 @@ fn raw_tcp_xfer(
     Ok(t0.elapsed().as_secs_f64())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn raw_tcp(
-    s: &mut TcpStream,
-    peer: &mut Peer,
-    idx: usize,
-    case: &Case,
-    op: XferOp,
-    local: &KvRegion,
-    reps: usize,
-    seed: &mut u64,
-) -> anyhow::Result<f64> {
-    *seed += 1;
-    fill(local, *seed)?;
-    raw_tcp_xfer(s, idx, case, op, local)?;
-    check(peer, idx, case, local, "raw tcp")?;
-    let secs = (0..reps)
-        .map(|_| raw_tcp_xfer(s, idx, case, op, local))
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    Ok(gbps(case.bytes(), secs))
+/// The two-process runs: the peer process, this side's transport and regions.
+struct TwoProc<'a> {
+    peer: Peer,
+    t: Arc<dyn Transport>,
+    peer_name: String,
+    local: &'a [Arc<KvRegion>],
+    seed: u64,
 }
 
-fn memcpy(case: &Case, src: &[u8], dst: &mut [u8], reps: usize) -> f64 {
-    let once = |dst: &mut [u8]| {
+impl<'a> TwoProc<'a> {
+    fn start(
+        backend: &str,
+        args: &TransferArgs,
+        cfg: &NixlConfig,
+        local: &'a [Arc<KvRegion>],
+    ) -> anyhow::Result<Self> {
+        let peer = Peer::spawn(backend, args.total_mib, cfg.progress_delay_us)?;
+        let name = format!("bench-{backend}-{}", std::process::id());
+        let t = open_transport(backend, &name, cfg)?;
+        for (i, r) in local.iter().enumerate() {
+            t.register(i as RegionId, r.clone())?;
+        }
+        let peer_name = t.load_remote(&peer.md)?;
+        let mut tp = TwoProc {
+            peer,
+            t,
+            peer_name,
+            local,
+            seed: 1,
+        };
+        let md = tp.t.local_metadata()?;
+        tp.peer.cmd(&format!("LOAD {}", to_hex(&md)))?;
+        Ok(tp)
+    }
+
+    /// Fresh bytes on this side, so the warm-up's check proves the bytes moved.
+    fn refill(&mut self, case: &Case) -> anyhow::Result<()> {
+        self.seed += 1;
+        fill(&self.local[case.class], self.seed)
+    }
+
+    fn check(&mut self, idx: usize, case: &Case, what: &str) -> anyhow::Result<()> {
+        let mine = local_hash(&self.local[case.class], case)?;
+        if mine != self.peer.hash(idx)? {
+            bail!("{what} {}: the bytes differ after the warm-up", case.label);
+        }
+        Ok(())
+    }
+
+    fn xfer(&self, case: &Case, op: XferOp) -> anyhow::Result<f64> {
+        time_xfer(&*self.t, &self.peer_name, op, &case.descs)
+    }
+
+    fn warm(&mut self, idx: usize, case: &Case, op: XferOp) -> anyhow::Result<()> {
+        self.refill(case)?;
+        self.xfer(case, op)?;
+        self.check(idx, case, self.t.backend())
+    }
+
+    fn raw_tcp(
+        &self,
+        s: &mut TcpStream,
+        idx: usize,
+        case: &Case,
+        op: XferOp,
+    ) -> anyhow::Result<f64> {
+        raw_tcp_xfer(s, idx, case, op, &self.local[case.class])
+    }
+
+    fn warm_raw_tcp(
+        &mut self,
+        s: &mut TcpStream,
+        idx: usize,
+        case: &Case,
+        op: XferOp,
+    ) -> anyhow::Result<()> {
+        self.refill(case)?;
+        self.raw_tcp(s, idx, case, op)?;
+        self.check(idx, case, "raw tcp")
+    }
+}
+
+/// Single-thread memcpy of a case's blocks between two buffers of this process.
+struct Memcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Memcpy {
+    fn new(len: usize) -> Memcpy {
+        let (mut src, mut dst) = (vec![0u8; len], vec![0u8; len]);
+        fill_slice(&mut src, 3);
+        fill_slice(&mut dst, 4);
+        Memcpy { src, dst }
+    }
+
+    fn once(&mut self, case: &Case) -> f64 {
         let t0 = Instant::now();
         for d in &case.descs {
             let (l, r, n) = (
@@ -613,14 +659,31 @@ fn memcpy(case: &Case, src: &[u8], dst: &mut [u8], reps: usize) -> f64 {
                 d.remote_offset as usize,
                 d.len as usize,
             );
-            dst[l..l + n].copy_from_slice(&src[r..r + n]);
+            self.dst[l..l + n].copy_from_slice(&self.src[r..r + n]);
         }
-        std::hint::black_box(&mut *dst);
+        std::hint::black_box(&mut self.dst);
         t0.elapsed().as_secs_f64()
-    };
-    once(dst);
-    let secs = (0..reps).map(|_| once(dst)).collect();
-    gbps(case.bytes(), secs)
+    }
+}
+
+/// Runs `a` and `b` alternately (ABBA...), `reps` times each, so that a slow drift of the host
+/// weighs on both alike.
+fn interleaved(
+    reps: usize,
+    mut a: impl FnMut() -> anyhow::Result<f64>,
+    mut b: impl FnMut() -> anyhow::Result<f64>,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let (mut sa, mut sb) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+    for rep in 0..reps {
+        if rep % 2 == 0 {
+            sa.push(a()?);
+            sb.push(b()?);
+        } else {
+            sb.push(b()?);
+            sa.push(a()?);
+        }
+    }
+    Ok((sa, sb))
 }
 
 /// The nixl transport the way raw NIXL runs: two agents of this process, raw's block mapping.
@@ -631,8 +694,9 @@ fn nixl_in_process(
     op: XferOp,
     reps: usize,
     seed: &mut u64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Vec<f64>> {
     let pid = std::process::id();
+    *seed += 1;
     let a = NixlTransport::open(&format!("bench-ia-{pid}-{seed}"), cfg.clone())?;
     let b = NixlTransport::open(&format!("bench-ib-{pid}-{seed}"), cfg.clone())?;
     a.register(0, regions.0.clone())?;
@@ -650,10 +714,8 @@ fn nixl_in_process(
             len: block as u64,
         })
         .collect();
-    *seed += 1;
     fill(&regions.0, *seed)?;
-    *seed += 1;
-    fill(&regions.1, *seed)?;
+    fill(&regions.1, !*seed)?;
     time_xfer(&*a, &b_name, op, &descs)?;
     let mine = hash_ranges(&regions.0, descs.iter().map(|d| (d.local_offset, d.len)))?;
     let theirs = hash_ranges(&regions.1, descs.iter().map(|d| (d.remote_offset, d.len)))?;
@@ -663,10 +725,9 @@ fn nixl_in_process(
             case.label
         );
     }
-    let secs = (0..reps)
+    (0..reps)
         .map(|_| time_xfer(&*a, &b_name, op, &descs))
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    Ok(gbps((block * blocks) as u64, secs))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -679,8 +740,19 @@ const OPS: [(XferOp, &str); 2] = [(XferOp::Read, "read"), (XferOp::Write, "write
 struct Results(Vec<(String, &'static str, f64)>);
 
 impl Results {
-    fn put(&mut self, row: &str, case: &'static str, v: f64) {
-        self.0.push((row.to_string(), case, v));
+    /// Records the median of `secs` for `bytes` moved each time, and prints it with its spread.
+    fn put(&mut self, row: &str, case: &Case, bytes: u64, secs: &[f64]) {
+        let v = gbps(bytes, secs.to_vec());
+        let (lo, hi) = secs
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        eprintln!(
+            "  {row:<18} {:<13} {v:6.2} GB/s  (reps {:.2}..{:.2})",
+            case.label,
+            bytes as f64 / hi / 1e9,
+            bytes as f64 / lo / 1e9
+        );
+        self.0.push((row.to_string(), case.key, v));
     }
 
     fn get(&self, row: &str, case: &str) -> Option<f64> {
@@ -689,10 +761,6 @@ impl Results {
             .find(|(r, c, _)| r == row && *c == case)
             .map(|x| x.2)
     }
-}
-
-fn progress(what: &str, case: &Case, v: f64) {
-    eprintln!("  {what:<18} {:<13} {v:6.2} GB/s", case.label);
 }
 
 pub fn run(args: TransferArgs) -> anyhow::Result<()> {
@@ -704,11 +772,16 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     if let Some(d) = args.progress_delay_us {
         cfg.progress_delay_us = d;
     }
+    POLL_US.store(args.poll_us, std::sync::atomic::Ordering::Relaxed);
     let layout = build(args.total_mib)?;
+    for c in &args.cases {
+        if !layout.cases.iter().any(|x| x.key == c) {
+            bail!("--cases: no case {c:?}");
+        }
+    }
+    let wanted = |c: &Case| args.cases.is_empty() || args.cases.iter().any(|x| x == c.key);
     let reps = args.reps;
     let mut res = Results::default();
-    let mut seed = 1u64;
-    let pid = std::process::id();
 
     // Probe NIXL once; everything NIXL is skipped with this note when it is missing.
     let nixl_lib = match raw::measure(
@@ -761,12 +834,16 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    println!(
+        "  timed from post to done and released; status polled every {} µs",
+        args.poll_us
+    );
     match &nixl_lib {
         Ok(p) => println!(
             "  nixl: {} (backend {}, progress delay {} µs, no notification)",
             p.display(),
             cfg.backend,
-            cfg.progress_delay_us
+            cfg.progress_delay_us,
         ),
         Err(e) => println!("  nixl: SKIPPED, not available: {e}"),
     }
@@ -778,71 +855,62 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         .zip(&layout.chunks)
         .map(|(&len, &chunk)| Arc::new(KvRegion::new(len, chunk)))
         .collect();
+    let mut mem = Memcpy::new(*layout.lens.iter().max().expect("cases"));
+    let cases: Vec<(usize, &Case)> = layout
+        .cases
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| wanted(c))
+        .collect();
 
-    // tcp and raw TCP, against one peer process.
-    eprintln!("tcp and raw tcp (two processes)");
+    // tcp and raw TCP against one peer process, repetitions interleaved.
+    eprintln!("tcp and raw tcp (two processes, interleaved)");
     {
-        let mut peer = Peer::spawn("tcp", args.total_mib, cfg.progress_delay_us)?;
-        let t = open_transport("tcp", &format!("bench-tcp-{pid}"), &cfg)?;
-        for (i, r) in local.iter().enumerate() {
-            t.register(i as RegionId, r.clone())?;
-        }
-        let peer_name = t.load_remote(&peer.md)?;
-        peer.cmd(&format!("LOAD {}", to_hex(&t.local_metadata()?)))?;
-        let mut raw_conn = TcpStream::connect(("127.0.0.1", peer.raw_port))?;
-        raw_conn.set_nodelay(true)?;
-        for (idx, case) in layout.cases.iter().enumerate() {
+        let mut tp = TwoProc::start("tcp", &args, &cfg, &local)?;
+        let mut conn = TcpStream::connect(("127.0.0.1", tp.peer.raw_port))?;
+        conn.set_nodelay(true)?;
+        for &(idx, case) in &cases {
             for (op, opn) in OPS {
-                let region = &local[case.class];
-                let v = through_peer(
-                    &*t, &peer_name, &mut peer, idx, case, op, region, reps, &mut seed,
-                )?;
-                progress(&format!("tcp {opn}"), case, v);
-                res.put(&format!("tcp_{opn}"), case.key, v);
-                let v = raw_tcp(
-                    &mut raw_conn,
-                    &mut peer,
-                    idx,
-                    case,
-                    op,
-                    region,
+                tp.warm(idx, case, op)?;
+                tp.warm_raw_tcp(&mut conn, idx, case, op)?;
+                let (a, b) = interleaved(
                     reps,
-                    &mut seed,
+                    || tp.xfer(case, op),
+                    || tp.raw_tcp(&mut conn, idx, case, op),
                 )?;
-                progress(&format!("raw-tcp {opn}"), case, v);
-                res.put(&format!("raw_tcp_{opn}"), case.key, v);
+                res.put(&format!("tcp_{opn}"), case, case.bytes(), &a);
+                res.put(&format!("raw_tcp_{opn}"), case, case.bytes(), &b);
             }
         }
     }
 
+    // nixl against one peer process, interleaved with memcpy (its baseline for the ratio).
+    let mut memcpy_secs: Vec<Vec<f64>> = vec![Vec::new(); layout.cases.len()];
     if nixl_lib.is_ok() {
-        eprintln!("nixl (two processes)");
-        {
-            let mut peer = Peer::spawn("nixl", args.total_mib, cfg.progress_delay_us)?;
-            let t = open_transport("nixl", &format!("bench-nixl-{pid}"), &cfg)?;
-            for (i, r) in local.iter().enumerate() {
-                t.register(i as RegionId, r.clone())?;
-            }
-            let peer_name = t.load_remote(&peer.md)?;
-            peer.cmd(&format!("LOAD {}", to_hex(&t.local_metadata()?)))?;
-            for (idx, case) in layout.cases.iter().enumerate() {
-                for (op, opn) in OPS {
-                    let v = through_peer(
-                        &*t,
-                        &peer_name,
-                        &mut peer,
-                        idx,
-                        case,
-                        op,
-                        &local[case.class],
-                        reps,
-                        &mut seed,
-                    )?;
-                    progress(&format!("nixl {opn}"), case, v);
-                    res.put(&format!("nixl_{opn}"), case.key, v);
-                }
+        eprintln!("nixl (two processes), interleaved with memcpy (one thread)");
+        let mut tp = TwoProc::start("nixl", &args, &cfg, &local)?;
+        for &(idx, case) in &cases {
+            for (op, opn) in OPS {
+                tp.warm(idx, case, op)?;
+                mem.once(case);
+                let (a, b) = interleaved(reps, || tp.xfer(case, op), || Ok(mem.once(case)))?;
+                res.put(&format!("nixl_{opn}"), case, case.bytes(), &a);
+                memcpy_secs[idx].extend(b);
             }
         }
+    } else {
+        eprintln!("memcpy (one thread)");
+        for &(idx, case) in &cases {
+            mem.once(case);
+            memcpy_secs[idx] = (0..2 * reps).map(|_| mem.once(case)).collect();
+        }
+    }
+    drop(mem);
+    for &(idx, case) in &cases {
+        res.put("memcpy", case, case.bytes(), &memcpy_secs[idx]);
+    }
+
+    if nixl_lib.is_ok() {
         eprintln!("nixl transport vs raw nixl (one process, raw's block mapping)");
         // Two regions per block size, each of raw's length (two slots per block).
         let pairs: Vec<(Arc<KvRegion>, Arc<KvRegion>)> = layout
@@ -856,12 +924,13 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                 )
             })
             .collect();
-        for case in &layout.cases {
+        let mut seed = 1u64;
+        for &(_, case) in &cases {
+            let (block_size, blocks) = case.raw;
+            let bytes = (block_size * blocks) as u64;
             for (op, opn) in OPS {
-                let v = nixl_in_process(&cfg, case, &pairs[case.class], op, reps, &mut seed)?;
-                progress(&format!("nixl-1proc {opn}"), case, v);
-                res.put(&format!("nixl_1proc_{opn}"), case.key, v);
-                let (block_size, blocks) = case.raw;
+                let secs = nixl_in_process(&cfg, case, &pairs[case.class], op, reps, &mut seed)?;
+                res.put(&format!("nixl_1proc_{opn}"), case, bytes, &secs);
                 let r = raw::measure(
                     &cfg,
                     &raw::RawSpec {
@@ -872,23 +941,8 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                         notify: false,
                     },
                 )?;
-                progress(&format!("raw-nixl {opn}"), case, r.gbps);
-                res.put(&format!("raw_nixl_{opn}"), case.key, r.gbps);
+                res.put(&format!("raw_nixl_{opn}"), case, r.bytes_per_xfer, &r.secs);
             }
-        }
-    }
-
-    eprintln!("memcpy (one thread)");
-    {
-        let len = *layout.lens.iter().max().expect("cases");
-        let mut src = vec![0u8; len];
-        let mut dst = vec![0u8; len];
-        fill_slice(&mut src, 3);
-        fill_slice(&mut dst, 4);
-        for case in &layout.cases {
-            let v = memcpy(case, &src, &mut dst, reps);
-            progress("memcpy", case, v);
-            res.put("memcpy", case.key, v);
         }
     }
 
@@ -1008,6 +1062,7 @@ fn report(
                 },
                 "ratio_case": RATIO_CASE,
                 "load_average_at_start": load1,
+                "status_poll_us": args.poll_us,
             },
             "gbps": gb,
             "ratios": ratios,

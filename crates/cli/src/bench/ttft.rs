@@ -43,9 +43,22 @@ struct Report {
 
 fn engine_args(mode: &str) -> Vec<String> {
     [
-        "--transport", "tcp", "--mode", mode, "--num-blocks", "1536",
-        "--set", "num_layers=32", "--set", "num_kv_heads=8", "--set", "head_dim=128",
-        "--set", "max_model_len=16384", "--set", "max_waiting=1024",
+        "--transport",
+        "tcp",
+        "--mode",
+        mode,
+        "--num-blocks",
+        "1536",
+        "--set",
+        "num_layers=32",
+        "--set",
+        "num_kv_heads=8",
+        "--set",
+        "head_dim=128",
+        "--set",
+        "max_model_len=16384",
+        "--set",
+        "max_waiting=1024",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -99,7 +112,15 @@ async fn run_cases(path: &'static str, url: &str, seed_base: usize) -> Vec<Case>
     let mut out = Vec::new();
     for &len in &LENGTHS {
         for &conc in &CONCURRENCY {
-            let n = if conc == 1 { 3 } else { if len >= 8192 { 8 } else { 16 } };
+            let n = if conc == 1 {
+                3
+            } else {
+                if len >= 8192 {
+                    8
+                } else {
+                    16
+                }
+            };
             let mut times = Vec::new();
             let mut failed = 0;
             let mut next = 0;
@@ -170,7 +191,8 @@ async fn cluster(mode: &'static str) -> anyhow::Result<Vec<Case>> {
 
 pub fn run(json_out: bool) -> anyhow::Result<()> {
     let d = handoff_engine::EngineConfig::default();
-    let kv_shape = "32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks (128 KiB per token)".to_string();
+    let kv_shape = "32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks (128 KiB per token)"
+        .to_string();
     let cost_model = format!(
         "prefill {} us/token, decode {} ms/step + {} us/seq",
         d.prefill_us_per_token, d.decode_step_ms, d.decode_us_per_seq
@@ -195,9 +217,15 @@ pub fn run(json_out: bool) -> anyhow::Result<()> {
             .find(|c| c.path == path && c.prompt_tokens == 2048 && c.concurrency == 1)
             .map_or(f64::NAN, |c| c.ttft_p50_ms)
     };
-    println!("{:>7} {:>7} {:>5} {:>10} {:>10}", "path", "tokens", "conc", "p50 ms", "p99 ms");
+    println!(
+        "{:>7} {:>7} {:>5} {:>10} {:>10}",
+        "path", "tokens", "conc", "p50 ms", "p99 ms"
+    );
     for c in &cases {
-        println!("{:>7} {:>7} {:>5} {:>10.1} {:>10.1}", c.path, c.prompt_tokens, c.concurrency, c.ttft_p50_ms, c.ttft_p99_ms);
+        println!(
+            "{:>7} {:>7} {:>5} {:>10.1} {:>10.1}",
+            c.path, c.prompt_tokens, c.concurrency, c.ttft_p50_ms, c.ttft_p99_ms
+        );
     }
     let report = Report {
         bench: "ttft",
@@ -206,7 +234,10 @@ pub fn run(json_out: bool) -> anyhow::Result<()> {
         push_vs_pull_ttft_p50: p50("push") / p50("pull"),
         pull_vs_single_ttft_p50: p50("pull") / p50("single"),
         push_vs_single_ttft_p50: p50("push") / p50("single"),
-        targets: BTreeMap::from([("push_vs_pull_ttft_p50_max", 0.75), ("push_vs_single_ttft_p50_max", 1.5)]),
+        targets: BTreeMap::from([
+            ("push_vs_pull_ttft_p50_max", 0.75),
+            ("push_vs_single_ttft_p50_max", 1.5),
+        ]),
         cases,
     };
     println!(
