@@ -128,6 +128,7 @@ pub(crate) struct Inner {
     /// Why requests of a peer failed (incompatible handshake, unreachable).
     refusals: HashMap<PeerId, String>,
     anon_conns: HashMap<ConnId, Conn>,
+    late_seen: u64,
 }
 
 impl Inner {
@@ -143,6 +144,7 @@ impl Inner {
             handoff_tokens: HashMap::new(),
             refusals: HashMap::new(),
             anon_conns: HashMap::new(),
+            late_seen: 0,
         }
     }
 
@@ -370,7 +372,7 @@ impl Connector {
         self.poll_reads(&mut inner, now);
         self.advance_pushes(&mut inner, now);
         self.flush(&mut inner, now);
-        self.update_gauges(&inner);
+        self.update_gauges(&mut inner);
     }
 
     fn deliver(&self, inner: &mut Inner, peer: PeerId, msg: Message, now: Duration) {
@@ -1114,8 +1116,23 @@ impl Connector {
         })
     }
 
-    fn update_gauges(&self, inner: &Inner) {
+    fn update_gauges(&self, inner: &mut Inner) {
         use crate::metrics::HeldLabels;
+        // Late notifications are counted by the ledgers; the metric follows their total.
+        let late = inner
+            .producer
+            .as_ref()
+            .map_or(0, |p| p.stats().late_notifications)
+            + inner
+                .consumer
+                .as_ref()
+                .map_or(0, |c| c.stats().late_notifications);
+        if late > inner.late_seen {
+            self.metrics
+                .late_notifications
+                .inc_by(late - inner.late_seen);
+            inner.late_seen = late;
+        }
         let block_bytes = self.spec.block_bytes() * self.spec.shape.num_layers as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {
             let l = HeldLabels { side, state };

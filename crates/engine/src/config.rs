@@ -47,6 +47,10 @@ pub struct EngineConfig {
     pub decode_us_per_seq: f64,
     /// `tcp` (default), `nixl` or `mem` (in-process tests).
     pub transport: String,
+    /// Fault injection on this engine's transport, for tests and demos of failure handling:
+    /// `seed=N,drop=P,dup=P,delay=P,fail=P` (percentages of notifications dropped, duplicated,
+    /// delayed, and of transfers failed). Empty: none.
+    pub transport_faults: String,
     /// `pull` or `push`.
     pub mode: String,
     /// `recompute` or `fail`: what D does when a transfer fails.
@@ -87,6 +91,7 @@ impl Default for EngineConfig {
             decode_step_ms: 10.0,
             decode_us_per_seq: 50.0,
             transport: "tcp".into(),
+            transport_faults: String::new(),
             mode: "pull".into(),
             failure_policy: "recompute".into(),
             lease_ms: 10_000,
@@ -275,6 +280,7 @@ impl EngineConfig {
                 format!("{:?} is not tcp, nixl or mem", self.transport),
             ));
         }
+        self.fault_plan()?;
         if !matches!(self.failure_policy.as_str(), "recompute" | "fail") {
             return Err(bad(
                 "failure_policy",
@@ -307,6 +313,48 @@ impl EngineConfig {
             return Err(bad("wait_deadline_ms", "must be at least 1"));
         }
         Ok(())
+    }
+
+    /// The parsed `transport_faults`, if any.
+    pub fn fault_plan(&self) -> Result<Option<handoff_transport::faulty::FaultPlan>, ConfigError> {
+        if self.transport_faults.trim().is_empty() {
+            return Ok(None);
+        }
+        let mut plan = handoff_transport::faulty::FaultPlan {
+            max_delay_calls: 50,
+            ..Default::default()
+        };
+        for part in self.transport_faults.split(',') {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| bad("transport_faults", format!("{part:?} is not key=value")))?;
+            let pct = || -> Result<u8, ConfigError> {
+                v.trim()
+                    .parse::<u8>()
+                    .ok()
+                    .filter(|p| *p <= 100)
+                    .ok_or_else(|| bad("transport_faults", format!("{k}={v}: not a percentage")))
+            };
+            match k.trim() {
+                "seed" => {
+                    plan.seed = v
+                        .trim()
+                        .parse()
+                        .map_err(|_| bad("transport_faults", format!("seed={v}: not a number")))?
+                }
+                "drop" => plan.drop_notification_pct = pct()?,
+                "dup" => plan.duplicate_notification_pct = pct()?,
+                "delay" => plan.delay_notification_pct = pct()?,
+                "fail" => plan.fail_transfer_pct = pct()?,
+                other => {
+                    return Err(bad(
+                        "transport_faults",
+                        format!("unknown key {other:?} (seed, drop, dup, delay, fail)"),
+                    ))
+                }
+            }
+        }
+        Ok(Some(plan))
     }
 
     pub fn producer(&self) -> ProducerConfig {

@@ -90,11 +90,14 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     let mut ranks = Vec::new();
     for (rank, layout) in kv.layouts.iter().enumerate() {
         let name = format!("{}-r{rank}", cfg.engine_id);
-        let transport: Arc<dyn Transport> = match cfg.transport.as_str() {
+        let mut transport: Arc<dyn Transport> = match cfg.transport.as_str() {
             "mem" => MemTransport::new(&mem_fabric(), &name),
             other => open_backend(other, &name)
                 .with_context(|| format!("cannot open the {other} transport"))?,
         };
+        if let Some(plan) = cfg.fault_plan()? {
+            transport = handoff_transport::faulty::FaultyTransport::new(transport, plan);
+        }
         ranks.push(RankMemory {
             layout: layout.clone(),
             regions: vec![(0, kv.regions[rank].clone())],

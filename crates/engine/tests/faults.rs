@@ -1,0 +1,168 @@
+//! Pull and push through transports that drop, duplicate and delay completion notifications and
+//! fail transfers (the `faulty` backend over `mem`, seeded): every request still ends with the
+//! monolithic engine's output (transferred, or recomputed after a failure), every block of both
+//! pools comes back, and nothing hangs.
+
+use std::time::{Duration, Instant};
+
+use handoff_engine::{start, EngineConfig, RunningEngine};
+use serde_json::{json, Value};
+
+fn cfg(role: &str, mode: &str, faults: &str) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "mem".into(),
+        transport_faults: faults.into(),
+        mode: mode.into(),
+        num_blocks: 1024,
+        prefill_us_per_token: 5.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        // Short leases so that lost completions cost a second, not the default ten.
+        lease_ms: 1_500,
+        heartbeat_interval_ms: 100,
+        heartbeat_extension_ms: 600,
+        fence_grace_ms: 400,
+        read_grace_ms: 200,
+        read_timeout_ms: 1_000,
+        wait_deadline_ms: 2_500,
+        ..EngineConfig::default()
+    }
+}
+
+fn prompt(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("f{}", (i * 37 + seed * 1009) % 2000))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("no hang");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn one(
+    c: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    mode: &str,
+    text: &str,
+    id: u128,
+) -> (u16, Value) {
+    if mode == "pull" {
+        let (s, pr) = post(
+            c,
+            &p.url(),
+            json!({"prompt": text, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .await;
+        assert_eq!(s, 200, "{pr}");
+        return post(c, &d.url(), json!({"prompt": text, "max_tokens": 6, "kv_transfer_params": pr["kv_transfer_params"]})).await;
+    }
+    let info: Value = c
+        .get(format!("{}/v1/handoff/info", p.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let hid = format!(
+        "{:032x}",
+        0xfa17_0000_0000_0000_0000_0000_0000_0000u128 | id
+    );
+    let p_body = json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": true, "transfer_mode": "push", "handoff_id": hid}});
+    let d_body = json!({"prompt": text, "max_tokens": 6, "kv_transfer_params": {
+        "do_remote_prefill": true, "transfer_mode": "push", "handoff_id": hid,
+        "remote_engine_id": info["engine_id"], "remote_host": info["remote_host"],
+        "remote_port": info["remote_port"], "tp_size": info["tp_size"]}});
+    let (c1, purl) = (c.clone(), p.url());
+    let p_leg = tokio::spawn(async move { post(&c1, &purl, p_body).await });
+    let d = post(c, &d.url(), d_body).await;
+    let _ = p_leg.await;
+    d
+}
+
+async fn settled(e: &RunningEngine, limit: Duration) {
+    let c = e.connector.as_ref().unwrap();
+    let start = Instant::now();
+    while c.held_blocks() != (0, 0) {
+        assert!(
+            start.elapsed() < limit,
+            "{} still holds {:?}",
+            e.engine_id,
+            c.held_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_never_blocks() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", "pull", "")).await.unwrap();
+    for (mode, seed) in [("pull", 1), ("push", 2)] {
+        let faults = format!("seed={seed},drop=25,dup=20,delay=20,fail=15");
+        let p = start(cfg("prefill", mode, &faults)).await.unwrap();
+        let d = start(cfg(
+            "decode",
+            mode,
+            &format!("seed={},drop=25,dup=20,delay=20,fail=15", seed + 10),
+        ))
+        .await
+        .unwrap();
+        let mut ok = 0;
+        for i in 0..16u128 {
+            let text = prompt(i as usize, 20 + (i as usize * 37) % 300);
+            let (s, v) = one(&c, &p, &d, mode, &text, i).await;
+            assert_eq!(s, 200, "{mode} request {i}: {v}");
+            let (_, m) = post(&c, &mono.url(), json!({"prompt": text, "max_tokens": 6})).await;
+            assert_eq!(
+                v["choices"][0]["text"], m["choices"][0]["text"],
+                "{mode} request {i}"
+            );
+            ok += 1;
+        }
+        assert_eq!(ok, 16);
+        // Lost completions end by lease + fence; everything comes back.
+        settled(&p, Duration::from_secs(10)).await;
+        settled(&d, Duration::from_secs(10)).await;
+        let dm = c
+            .get(format!("{}/metrics", d.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let pm = c
+            .get(format!("{}/metrics", p.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for m in [&dm, &pm] {
+            let used: f64 = m
+                .lines()
+                .filter(|l| l.starts_with("engine_kv_blocks_used"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            assert_eq!(used, 0.0, "{mode}: a pool is not whole:\n{m}");
+        }
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
