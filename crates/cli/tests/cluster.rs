@@ -399,3 +399,70 @@ fn push_p_killed_during_prefill_makes_d_recompute() {
         .sum();
     assert_eq!(held, 0.0, "{dm}");
 }
+
+#[test]
+fn push_p_killed_before_or_after_the_write_leaves_d_whole() {
+    let c = client();
+    let d = engine("d-push-pdies", "decode", &["--mode", "push"]);
+    let mono = engine("mono-push-2", "both", &[]);
+    let text = prompt(500);
+    let m: Value = c
+        .post(format!("{}/v1/completions", mono.url))
+        .json(&json!({"prompt": text, "max_tokens": 4}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    for (i, when) in ["before", "after"].into_iter().enumerate() {
+        let mut p = engine(&format!("p-push-{when}"), "prefill", &["--mode", "push"]);
+        let pi = info(&c, &p);
+        let hid = format!("{:032x}", 0xbef0 + i);
+        let (durl, dbody) = (d.url.clone(), push_d_body(&pi, &hid, &text));
+        let d_leg = std::thread::spawn(move || {
+            let r = reqwest::blocking::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .unwrap()
+                .post(format!("{durl}/v1/completions"))
+                .json(&dbody)
+                .send()
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().unwrap())
+        });
+        if when == "after" {
+            let r: Value = c
+                .post(format!("{}/v1/completions", p.url))
+                .json(&push_p_body(&hid, &text))
+                .send()
+                .unwrap()
+                .json()
+                .unwrap();
+            assert!(r["choices"].is_array(), "{r}");
+            std::thread::sleep(Duration::from_millis(200));
+        } else {
+            // D registered; P dies before its prefill ever starts.
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let _ = p.child.kill();
+        let (status, r) = d_leg.join().unwrap();
+        assert_eq!(status, 200, "{when}: {r}");
+        assert_eq!(r["choices"][0]["text"], m["choices"][0]["text"], "{when}");
+    }
+    let start = Instant::now();
+    loop {
+        let v: Value = c
+            .get(format!("{}/health", d.url))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        if v["held_blocks"]["decode"] == 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "D holds blocks: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
