@@ -30,11 +30,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
-    split_grants, split_heartbeat, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
-    Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
+    split_grants, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry, Message,
+    PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
     ReleaseReason, TransferMode,
 };
 
+use crate::heartbeat::HeartbeatSender;
 use crate::producer::ms_floor;
 use crate::staging::Tombstones;
 use crate::timer::{TimerQueue, TimerSlot};
@@ -284,9 +285,7 @@ pub struct ConsumerLedger {
     by_peer: HashMap<PeerId, HashSet<HandoffId>>,
     timers: TimerQueue<HandoffId>,
     tombstones: Tombstones<()>,
-    hb_seq: u64,
-    hb_sent: HashMap<u64, (PeerId, Time)>,
-    hb_sent_order: VecDeque<(Time, u64)>,
+    heartbeats: HeartbeatSender,
     next_heartbeat: Option<Time>,
     urgent: HashMap<PeerId, HashSet<HandoffId>>,
     messages: VecDeque<(PeerId, Message)>,
@@ -307,9 +306,7 @@ impl ConsumerLedger {
             by_request: HashMap::new(),
             by_peer: HashMap::new(),
             timers: TimerQueue::default(),
-            hb_seq: 0,
-            hb_sent: HashMap::new(),
-            hb_sent_order: VecDeque::new(),
+            heartbeats: HeartbeatSender::default(),
             next_heartbeat: None,
             urgent: HashMap::new(),
             messages: VecDeque::new(),
@@ -345,7 +342,7 @@ impl ConsumerLedger {
             staged_messages: 0,
             tombstones: self.tombstones.len(),
             timer_entries: self.timers.len(),
-            heartbeats_awaiting_reply: self.hb_sent.len(),
+            heartbeats_awaiting_reply: self.heartbeats.awaiting(),
         }
     }
 
@@ -642,13 +639,7 @@ impl ConsumerLedger {
             self.evaluate(id, now);
         }
         self.tombstones.expire(now);
-        while let Some(&(t, seq)) = self.hb_sent_order.front() {
-            if now.saturating_sub(t) < self.cfg.wait_deadline {
-                break;
-            }
-            self.hb_sent_order.pop_front();
-            self.hb_sent.remove(&seq);
-        }
+        self.heartbeats.expire(now, self.cfg.wait_deadline);
         if self.next_heartbeat.is_some_and(|t| t <= now) {
             self.send_heartbeats(now);
         }
@@ -685,14 +676,10 @@ impl ConsumerLedger {
     // ----- message handlers -----
 
     fn on_grants(&mut self, from: PeerId, g: GrantBatch, now: Time) {
-        let Some(&(peer, sent_at)) = self.hb_sent.get(&g.seq) else {
+        let Some(sent_at) = self.heartbeats.anchor(g.seq, from) else {
             self.stats.ignored += 1;
             return;
         };
-        if peer != from {
-            self.stats.ignored += 1;
-            return;
-        }
         for grant in g.grants {
             self.stats.grants_received += 1;
             let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
@@ -1105,7 +1092,9 @@ impl ConsumerLedger {
                 continue;
             }
             any = true;
-            self.send_heartbeat(peer, &entries, now);
+            self.stats.heartbeats_sent +=
+                self.heartbeats
+                    .send(peer, &entries, now, &mut self.messages) as u64;
         }
         self.urgent.clear();
         self.next_heartbeat = any.then(|| now + self.cfg.heartbeat_interval);
@@ -1125,24 +1114,13 @@ impl ConsumerLedger {
                 })
                 .collect();
             if !entries.is_empty() {
-                self.send_heartbeat(peer, &entries, now);
+                self.stats.heartbeats_sent +=
+                    self.heartbeats
+                        .send(peer, &entries, now, &mut self.messages) as u64;
             }
         }
         if self.next_heartbeat.is_none() && !self.by_peer.is_empty() {
             self.next_heartbeat = Some(now + self.cfg.heartbeat_interval);
-        }
-    }
-
-    fn send_heartbeat(&mut self, peer: PeerId, entries: &[HeartbeatEntry], now: Time) {
-        let seq = &mut self.hb_seq;
-        for hb in split_heartbeat(entries, || {
-            *seq += 1;
-            *seq
-        }) {
-            self.hb_sent.insert(hb.seq, (peer, now));
-            self.hb_sent_order.push_back((now, hb.seq));
-            self.stats.heartbeats_sent += 1;
-            self.messages.push_back((peer, Message::Heartbeat(hb)));
         }
     }
 }

@@ -19,6 +19,7 @@
 //! - rule 7 (bounded memory, idempotent messages): [`staging`], epochs, and the duplicate checks.
 
 mod consumer;
+mod heartbeat;
 mod producer;
 mod staging;
 mod timer;

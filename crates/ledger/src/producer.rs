@@ -22,11 +22,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
-    split_grants, split_heartbeat, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
-    Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
-    TransferMode,
+    split_grants, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry, Message,
+    PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release, TransferMode,
 };
 
+use crate::heartbeat::HeartbeatSender;
 use crate::staging::{Staging, Tombstones};
 use crate::timer::{TimerQueue, TimerSlot};
 use crate::topology;
@@ -243,9 +243,7 @@ pub struct ProducerLedger {
     releases: VecDeque<BlockRelease>,
     actions: VecDeque<ProducerAction>,
     // Push: P heartbeats D's registrations so that its write grants are anchored on its own clock.
-    hb_seq: u64,
-    hb_sent: HashMap<u64, (PeerId, Time)>,
-    hb_sent_order: VecDeque<(Time, u64)>,
+    heartbeats: HeartbeatSender,
     push_waiting: HashMap<PeerId, HashSet<HandoffId>>,
     urgent: HashMap<PeerId, HashSet<HandoffId>>,
     next_push_heartbeat: Option<Time>,
@@ -270,9 +268,7 @@ impl ProducerLedger {
             messages: VecDeque::new(),
             releases: VecDeque::new(),
             actions: VecDeque::new(),
-            hb_seq: 0,
-            hb_sent: HashMap::new(),
-            hb_sent_order: VecDeque::new(),
+            heartbeats: HeartbeatSender::default(),
             push_waiting: HashMap::new(),
             urgent: HashMap::new(),
             next_push_heartbeat: None,
@@ -305,7 +301,7 @@ impl ProducerLedger {
             staged_messages: self.staging.len(),
             tombstones: self.tombstones.len(),
             timer_entries: self.timers.len(),
-            heartbeats_awaiting_reply: self.hb_sent.len(),
+            heartbeats_awaiting_reply: self.heartbeats.awaiting(),
         }
     }
 
@@ -446,13 +442,7 @@ impl ProducerLedger {
         }
         self.staging.expire(now);
         self.tombstones.expire(now);
-        while let Some(&(t, seq)) = self.hb_sent_order.front() {
-            if now.saturating_sub(t) < self.cfg.hard_cap {
-                break;
-            }
-            self.hb_sent_order.pop_front();
-            self.hb_sent.remove(&seq);
-        }
+        self.heartbeats.expire(now, self.cfg.hard_cap);
         if self.next_push_heartbeat.is_some_and(|t| t <= now) {
             self.send_push_heartbeats(now);
         }
@@ -781,14 +771,10 @@ impl ProducerLedger {
     }
 
     fn on_grants(&mut self, from: PeerId, g: GrantBatch, now: Time) {
-        let Some(&(peer, sent_at)) = self.hb_sent.get(&g.seq) else {
+        let Some(sent_at) = self.heartbeats.anchor(g.seq, from) else {
             self.stats.ignored += 1;
             return;
         };
-        if peer != from {
-            self.stats.ignored += 1;
-            return;
-        }
         for grant in g.grants {
             let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
                 continue;
@@ -1035,7 +1021,8 @@ impl ProducerLedger {
                 continue;
             }
             any = true;
-            self.send_heartbeat(peer, &entries, now);
+            self.heartbeats
+                .send(peer, &entries, now, &mut self.messages);
         }
         self.next_push_heartbeat = any.then(|| now + self.cfg.heartbeat_interval);
     }
@@ -1053,20 +1040,9 @@ impl ProducerLedger {
                 })
                 .collect();
             if !entries.is_empty() {
-                self.send_heartbeat(peer, &entries, now);
+                self.heartbeats
+                    .send(peer, &entries, now, &mut self.messages);
             }
-        }
-    }
-
-    fn send_heartbeat(&mut self, peer: PeerId, entries: &[HeartbeatEntry], now: Time) {
-        let seq = &mut self.hb_seq;
-        for hb in split_heartbeat(entries, || {
-            *seq += 1;
-            *seq
-        }) {
-            self.hb_sent.insert(hb.seq, (peer, now));
-            self.hb_sent_order.push_back((now, hb.seq));
-            self.messages.push_back((peer, Message::Heartbeat(hb)));
         }
     }
 }
