@@ -89,7 +89,8 @@ fn tp_pair() -> impl Strategy<Value = (u16, u16)> {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 400,
+        // PROPTEST_CASES=20000 for a long hunt; 400 keeps `cargo test` fast.
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400),
         ..ProptestConfig::default()
     })]
 
