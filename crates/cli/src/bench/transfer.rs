@@ -19,8 +19,11 @@
 //!   release) with the same agent settings. It runs two agents in *one* process with its own
 //!   block mapping ([`raw::scattered_pairs`]), so `nixl_vs_raw_nixl` compares it with the nixl
 //!   transport run the same way (two transports in this process, the same mapping).
-//! - **Timing.** From post to done and released (polling status every `--poll-us`, 200 µs by default; raw NIXL spins),
-//!   after one untimed warm-up whose bytes are checked on both sides; median of the repetitions.
+//! - **Timing.** From post to done and released (status polled every `--poll-us`, 200 µs by
+//!   default; raw NIXL spins), after one untimed warm-up whose bytes are checked on both sides;
+//!   median of the repetitions. tcp and raw TCP alternate repetition by repetition (ABBA), as do
+//!   nixl and memcpy, so a drift of the host weighs on backend and baseline alike; tcp gets more
+//!   repetitions (`--tcp-reps`) because loopback TCP varies far more between repetitions.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -57,6 +60,10 @@ pub struct TransferArgs {
     /// Timed repetitions per backend, op and case (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Timed repetitions for tcp and raw TCP, which vary far more from one repetition to the next
+    /// on loopback (thread placement on a small host) than NIXL or memcpy.
+    #[arg(long, default_value_t = 9)]
+    tcp_reps: usize,
     /// MiB moved per case and repetition (the issue asks for at least 256).
     #[arg(long, default_value_t = 256)]
     total_mib: usize,
@@ -714,8 +721,14 @@ fn nixl_in_process(
             len: block as u64,
         })
         .collect();
-    fill(&regions.0, *seed)?;
-    fill(&regions.1, !*seed)?;
+    // Fresh bytes at the source only: the destination still holds older ones, so the check
+    // below proves the bytes moved.
+    let src = if op == XferOp::Read {
+        &regions.1
+    } else {
+        &regions.0
+    };
+    fill(src, *seed)?;
     time_xfer(&*a, &b_name, op, &descs)?;
     let mine = hash_ranges(&regions.0, descs.iter().map(|d| (d.local_offset, d.len)))?;
     let theirs = hash_ranges(&regions.1, descs.iter().map(|d| (d.remote_offset, d.len)))?;
@@ -736,10 +749,19 @@ fn nixl_in_process(
 const OPS: [(XferOp, &str); 2] = [(XferOp::Read, "read"), (XferOp::Write, "write")];
 
 /// GB/s by row (backend and op) and case.
-#[derive(Default)]
-struct Results(Vec<(String, &'static str, f64)>);
+struct Results {
+    rows: Vec<(String, &'static str, f64)>,
+    started: Instant,
+}
 
 impl Results {
+    fn new(started: Instant) -> Results {
+        Results {
+            rows: Vec::new(),
+            started,
+        }
+    }
+
     /// Records the median of `secs` for `bytes` moved each time, and prints it with its spread.
     fn put(&mut self, row: &str, case: &Case, bytes: u64, secs: &[f64]) {
         let v = gbps(bytes, secs.to_vec());
@@ -747,16 +769,24 @@ impl Results {
             .iter()
             .fold((f64::MAX, 0f64), |(lo, hi), &s| (lo.min(s), hi.max(s)));
         eprintln!(
-            "  {row:<18} {:<13} {v:6.2} GB/s  (reps {:.2}..{:.2})",
+            "  {row:<18} {:<13} {v:6.2} GB/s  (reps {:.2}..{:.2})  [{:.0} s]",
             case.label,
             bytes as f64 / hi / 1e9,
-            bytes as f64 / lo / 1e9
+            bytes as f64 / lo / 1e9,
+            self.started.elapsed().as_secs_f64()
         );
-        self.0.push((row.to_string(), case.key, v));
+        if std::env::var_os("HANDOFF_BENCH_VERBOSE").is_some() {
+            let each: Vec<String> = secs
+                .iter()
+                .map(|s| format!("{:.2}", bytes as f64 / s / 1e9))
+                .collect();
+            eprintln!("      each rep: {}", each.join(" "));
+        }
+        self.rows.push((row.to_string(), case.key, v));
     }
 
     fn get(&self, row: &str, case: &str) -> Option<f64> {
-        self.0
+        self.rows
             .iter()
             .find(|(r, c, _)| r == row && *c == case)
             .map(|x| x.2)
@@ -764,8 +794,8 @@ impl Results {
 }
 
 pub fn run(args: TransferArgs) -> anyhow::Result<()> {
-    if args.reps == 0 || args.total_mib < 2 {
-        bail!("--reps must be at least 1 and --total-mib at least 2");
+    if args.reps == 0 || args.tcp_reps == 0 || args.total_mib < 2 {
+        bail!("--reps and --tcp-reps must be at least 1, --total-mib at least 2");
     }
     let started = Instant::now();
     let mut cfg = NixlConfig::from_env();
@@ -781,7 +811,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     }
     let wanted = |c: &Case| args.cases.is_empty() || args.cases.iter().any(|x| x == c.key);
     let reps = args.reps;
-    let mut res = Results::default();
+    let mut res = Results::new(started);
 
     // Probe NIXL once; everything NIXL is skipped with this note when it is missing.
     let nixl_lib = match raw::measure(
@@ -815,12 +845,16 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "  {} MiB per case and repetition, one post per repetition, {reps} timed repetitions after a checked warm-up (median)",
-        args.total_mib
+        "  {} MiB per case and repetition, one post per repetition; median of {reps} timed repetitions ({} for tcp and raw tcp, interleaved with each other) after a warm-up whose bytes are checked",
+        args.total_mib, args.tcp_reps
     );
     println!(
         "  scattered blocks {} (shuffled ids on both sides); model: 32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks = {} KiB per block per layer, {} KiB per cross-layer block, {} blocks",
-        SCATTERED_BLOCKS.map(|b| format!("{} KiB", b >> 10)).join(", "),
+        layout.cases[..SCATTERED_BLOCKS.len()]
+            .iter()
+            .map(|c| c.label)
+            .collect::<Vec<_>>()
+            .join(", "),
         layout.model_layer_block >> 10,
         layout.model_block >> 10,
         layout.lens[3] / layout.model_block
@@ -864,7 +898,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         .collect();
 
     // tcp and raw TCP against one peer process, repetitions interleaved.
-    eprintln!("tcp and raw tcp (two processes, interleaved)");
+    eprintln!(
+        "[{:.0} s] tcp and raw tcp (two processes, interleaved)",
+        started.elapsed().as_secs_f64()
+    );
     {
         let mut tp = TwoProc::start("tcp", &args, &cfg, &local)?;
         let mut conn = TcpStream::connect(("127.0.0.1", tp.peer.raw_port))?;
@@ -874,7 +911,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                 tp.warm(idx, case, op)?;
                 tp.warm_raw_tcp(&mut conn, idx, case, op)?;
                 let (a, b) = interleaved(
-                    reps,
+                    args.tcp_reps,
                     || tp.xfer(case, op),
                     || tp.raw_tcp(&mut conn, idx, case, op),
                 )?;
@@ -887,7 +924,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     // nixl against one peer process, interleaved with memcpy (its baseline for the ratio).
     let mut memcpy_secs: Vec<Vec<f64>> = vec![Vec::new(); layout.cases.len()];
     if nixl_lib.is_ok() {
-        eprintln!("nixl (two processes), interleaved with memcpy (one thread)");
+        eprintln!(
+            "[{:.0} s] nixl (two processes), interleaved with memcpy (one thread)",
+            started.elapsed().as_secs_f64()
+        );
         let mut tp = TwoProc::start("nixl", &args, &cfg, &local)?;
         for &(idx, case) in &cases {
             for (op, opn) in OPS {
@@ -899,7 +939,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             }
         }
     } else {
-        eprintln!("memcpy (one thread)");
+        eprintln!(
+            "[{:.0} s] memcpy (one thread)",
+            started.elapsed().as_secs_f64()
+        );
         for &(idx, case) in &cases {
             mem.once(case);
             memcpy_secs[idx] = (0..2 * reps).map(|_| mem.once(case)).collect();
@@ -911,7 +954,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     }
 
     if nixl_lib.is_ok() {
-        eprintln!("nixl transport vs raw nixl (one process, raw's block mapping)");
+        eprintln!(
+            "[{:.0} s] nixl transport vs raw nixl (one process, raw's block mapping)",
+            started.elapsed().as_secs_f64()
+        );
         // Two regions per block size, each of raw's length (two slots per block).
         let pairs: Vec<(Arc<KvRegion>, Arc<KvRegion>)> = layout
             .lens
@@ -1041,6 +1087,7 @@ fn report(
             "settings": {
                 "total_bytes_per_case": args.total_mib * MIB,
                 "repetitions": args.reps,
+                "tcp_repetitions": args.tcp_reps,
                 "scattered_block_bytes": SCATTERED_BLOCKS,
                 "model": {
                     "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
