@@ -9,6 +9,7 @@
 //! for the life of the process, and leaking it is what lets every chunk be a plain
 //! `&'static mut [u8]` behind a lock, with no `unsafe` outside the NIXL binding.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
@@ -69,6 +70,35 @@ impl KvRegion {
         crate::check_bounds(0, offset as u64, len as u64, self.len as u64)
     }
 
+    /// The pieces of an in-bounds span, one per chunk it touches: (chunk index, byte range inside
+    /// that chunk), in order.
+    fn pieces(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        let end = offset + len;
+        let mut pos = offset;
+        std::iter::from_fn(move || {
+            (pos < end).then(|| {
+                let idx = pos / self.chunk;
+                let in_chunk = pos - idx * self.chunk;
+                let take = (self.chunk - in_chunk).min(end - pos);
+                pos += take;
+                (idx, in_chunk..in_chunk + take)
+            })
+        })
+    }
+
+    /// The chunk indices a span touches, after checking its bounds.
+    fn chunks_of(&self, offset: usize, len: usize) -> Result<Range<usize>, TransportError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(0..0);
+        }
+        Ok(offset / self.chunk..(offset + len - 1) / self.chunk + 1)
+    }
+
     /// Calls `f` on each piece of `[offset, offset + len)` in order, each under its chunk's
     /// write lock.
     pub fn with_span_mut<E>(
@@ -78,17 +108,10 @@ impl KvRegion {
         mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
         self.check(offset, len)?;
-        let mut pos = offset;
-        let end = offset + len;
-        while pos < end {
-            let idx = pos / self.chunk;
-            let in_chunk = pos - idx * self.chunk;
-            let take = (self.chunk - in_chunk).min(end - pos);
-            let mut guard = self.write_chunk(idx);
-            if let Err(e) = f(&mut guard[in_chunk..in_chunk + take]) {
+        for (idx, piece) in self.pieces(offset, len) {
+            if let Err(e) = f(&mut self.write_chunk(idx)[piece]) {
                 return Ok(Err(e));
             }
-            pos += take;
         }
         Ok(Ok(()))
     }
@@ -102,17 +125,10 @@ impl KvRegion {
         mut f: impl FnMut(&[u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
         self.check(offset, len)?;
-        let mut pos = offset;
-        let end = offset + len;
-        while pos < end {
-            let idx = pos / self.chunk;
-            let in_chunk = pos - idx * self.chunk;
-            let take = (self.chunk - in_chunk).min(end - pos);
-            let guard = self.read_chunk(idx);
-            if let Err(e) = f(&guard[in_chunk..in_chunk + take]) {
+        for (idx, piece) in self.pieces(offset, len) {
+            if let Err(e) = f(&self.read_chunk(idx)[piece]) {
                 return Ok(Err(e));
             }
-            pos += take;
         }
         Ok(Ok(()))
     }
@@ -158,51 +174,18 @@ impl KvRegion {
         })?
     }
 
-    /// Holds the write locks of every chunk `[offset, offset + len)` touches, so that memory
-    /// another agent writes behind Rust's back (DMA) is never accessed meanwhile.
-    pub fn lock_span_mut(
-        &self,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<RwLockWriteGuard<'_, &'static mut [u8]>>, TransportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / self.chunk;
-        let last = (offset + len - 1) / self.chunk;
-        Ok((first..=last).map(|i| self.write_chunk(i)).collect())
-    }
-
-    /// Read locks of every chunk the span touches (the source of a DMA read or write).
-    pub fn lock_span(
-        &self,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<RwLockReadGuard<'_, &'static mut [u8]>>, TransportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / self.chunk;
-        let last = (offset + len - 1) / self.chunk;
-        Ok((first..=last).map(|i| self.read_chunk(i)).collect())
-    }
-
     /// Owned write locks of every chunk the span touches, for a transfer that outlives the call
-    /// that posted it (a DMA write into this region runs until the backend reports it done).
+    /// that posted it (a DMA write into this region runs until the backend reports it done), so
+    /// that memory another agent writes behind Rust's back is never accessed meanwhile.
     pub fn lock_span_mut_owned(
         &self,
         offset: usize,
         len: usize,
     ) -> Result<Vec<OwnedWriteGuard>, TransportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / self.chunk;
-        let last = (offset + len - 1) / self.chunk;
-        Ok((first..=last).map(|i| self.chunks[i].write_arc()).collect())
+        Ok(self
+            .chunks_of(offset, len)?
+            .map(|i| self.chunks[i].write_arc())
+            .collect())
     }
 
     /// Owned read locks of every chunk the span touches (the source of a DMA transfer).
@@ -211,13 +194,10 @@ impl KvRegion {
         offset: usize,
         len: usize,
     ) -> Result<Vec<OwnedReadGuard>, TransportError> {
-        self.check(offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / self.chunk;
-        let last = (offset + len - 1) / self.chunk;
-        Ok((first..=last).map(|i| self.chunks[i].read_arc()).collect())
+        Ok(self
+            .chunks_of(offset, len)?
+            .map(|i| self.chunks[i].read_arc())
+            .collect())
     }
 
     fn write_chunk(&self, idx: usize) -> RwLockWriteGuard<'_, &'static mut [u8]> {
@@ -251,7 +231,8 @@ mod tests {
         let r = KvRegion::new(10, 4);
         assert!(r.write(8, &[1, 2, 3]).is_err());
         assert!(r.read(usize::MAX, &mut [0]).is_err());
-        assert!(r.lock_span_mut(0, 11).is_err());
+        assert!(r.lock_span_mut_owned(0, 11).is_err());
+        assert!(r.lock_span_owned(0, 11).is_err());
     }
 
     #[test]
