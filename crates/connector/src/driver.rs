@@ -832,17 +832,8 @@ impl Connector {
         for pair in &plan.pairs {
             let d_rank = pair.d_rank as u16;
             let p_rank = pair.p_rank as u16;
-            let descs: Vec<XferDesc> = pair
-                .descriptors
-                .iter()
-                .map(|d| XferDesc {
-                    local_region: d.dst_region,
-                    local_offset: d.dst_offset,
-                    remote_region: d.src_region,
-                    remote_offset: d.src_offset,
-                    len: d.len,
-                })
-                .collect();
+            // D reads: its own memory is the destination.
+            let descs = xfer_descs(&pair.descriptors, XferOp::Read);
             active.bytes += descs.iter().map(|d| d.len).sum::<u64>();
             active.descs += descs.len();
             let note = r
@@ -891,28 +882,36 @@ impl Connector {
         }
     }
 
+    /// Progress of one posted transfer: `None` while it runs, `Some(ok)` once it ended (and was
+    /// released).
+    fn xfer_ended(&self, rank: u16, id: XferId, handoff: HandoffId, op: &str) -> Option<bool> {
+        let Some(r) = self.ranks.get(rank as usize) else {
+            return Some(false);
+        };
+        match r.transport.status(id) {
+            Ok(XferStatus::InProgress) => None,
+            Ok(XferStatus::Done) => {
+                let _ = r.transport.release(id);
+                Some(true)
+            }
+            Ok(XferStatus::Failed(e)) => {
+                tracing::warn!(%handoff, error = %e, "{op} failed");
+                let _ = r.transport.release(id);
+                Some(false)
+            }
+            Err(_) => Some(false),
+        }
+    }
+
     fn poll_reads(&self, inner: &mut Inner, now: Duration) {
         let mut finished: Vec<(HandoffId, u16, bool)> = Vec::new();
         let mut done_reads = Vec::new();
         for (handoff, read) in inner.reads.iter_mut() {
             for (rank, (ids, failed)) in read.ranks.iter_mut() {
-                let Some(r) = self.ranks.get(*rank as usize) else {
-                    continue;
-                };
-                ids.retain(|id| match r.transport.status(*id) {
-                    Ok(XferStatus::InProgress) => true,
-                    Ok(XferStatus::Done) => {
-                        let _ = r.transport.release(*id);
-                        false
-                    }
-                    Ok(XferStatus::Failed(e)) => {
-                        tracing::warn!(%handoff, error = %e, "READ failed");
-                        let _ = r.transport.release(*id);
-                        *failed = true;
-                        false
-                    }
-                    Err(_) => {
-                        *failed = true;
+                ids.retain(|id| match self.xfer_ended(*rank, *id, *handoff, "READ") {
+                    None => true,
+                    Some(ok) => {
+                        *failed |= !ok;
                         false
                     }
                 });
@@ -961,28 +960,14 @@ impl Connector {
             };
             for (d_rank, w) in st.writes.iter_mut() {
                 // Progress of posted writes.
-                w.xfers.retain(|(rank, id)| {
-                    let Some(r) = self.ranks.get(*rank as usize) else {
-                        return false;
-                    };
-                    match r.transport.status(*id) {
-                        Ok(XferStatus::InProgress) => true,
-                        Ok(XferStatus::Done) => {
-                            let _ = r.transport.release(*id);
+                w.xfers
+                    .retain(|(rank, id)| match self.xfer_ended(*rank, *id, h, "WRITE") {
+                        None => true,
+                        Some(ok) => {
+                            w.failed |= !ok;
                             false
                         }
-                        Ok(XferStatus::Failed(e)) => {
-                            tracing::warn!(handoff = %h, error = %e, "WRITE failed");
-                            let _ = r.transport.release(*id);
-                            w.failed = true;
-                            false
-                        }
-                        Err(_) => {
-                            w.failed = true;
-                            false
-                        }
-                    }
-                });
+                    });
                 if w.aborted || w.failed {
                     if w.xfers.is_empty() {
                         ended.push((h, *d_rank, false));
@@ -1036,17 +1021,8 @@ impl Connector {
                     };
                     for pair in plan.pairs.iter().filter(|p| p.d_rank as u16 == *d_rank) {
                         let p_rank = pair.p_rank as u16;
-                        let descs: Vec<XferDesc> = pair
-                            .descriptors
-                            .iter()
-                            .map(|d| XferDesc {
-                                local_region: d.src_region,
-                                local_offset: d.src_offset,
-                                remote_region: d.dst_region,
-                                remote_offset: d.dst_offset,
-                                len: d.len,
-                            })
-                            .collect();
+                        // P writes: its own memory is the source.
+                        let descs = xfer_descs(&pair.descriptors, XferOp::Write);
                         w.bytes += descs.iter().map(|d| d.len).sum::<u64>();
                         let note = if last {
                             w.done
@@ -1154,4 +1130,28 @@ impl Connector {
             set("decode", "waiting", c.held_blocks());
         }
     }
+}
+
+/// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that
+/// posts: D posts READs into its memory, P posts WRITEs from its memory.
+fn xfer_descs(descs: &[handoff_plan::Descriptor], op: XferOp) -> Vec<XferDesc> {
+    descs
+        .iter()
+        .map(|d| match op {
+            XferOp::Read => XferDesc {
+                local_region: d.dst_region,
+                local_offset: d.dst_offset,
+                remote_region: d.src_region,
+                remote_offset: d.src_offset,
+                len: d.len,
+            },
+            XferOp::Write => XferDesc {
+                local_region: d.src_region,
+                local_offset: d.src_offset,
+                remote_region: d.dst_region,
+                remote_offset: d.dst_offset,
+                len: d.len,
+            },
+        })
+        .collect()
 }
