@@ -48,32 +48,9 @@ pub(crate) async fn fetch_info(
     p: &Instance,
     t: Duration,
 ) -> Result<EngineInfo, ProxyError> {
-    let call = async {
-        let resp = s
-            .http
-            .get(format!("{}/v1/handoff/info", p.url))
-            .timeout(t)
-            .send()
-            .await?;
-        let status = resp.status();
-        let body = resp.bytes().await?;
-        Ok::<_, reqwest::Error>((status, body))
-    };
-    let (status, body) = match timeout(t, call).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(err)) => {
-            mark_down_if_unreachable(p, &err);
-            return Err(ProxyError::transport(Role::Prefill, &p.url, &err));
-        }
-        Err(_) => {
-            return Err(ProxyError::timeout(
-                Role::Prefill,
-                &p.url,
-                "no answer to GET /v1/handoff/info",
-                t,
-            ))
-        }
-    };
+    let req = s.http.get(format!("{}/v1/handoff/info", p.url)).timeout(t);
+    let (status, body) =
+        crate::routes::call_prefill(p, req, t, "no answer to GET /v1/handoff/info").await?;
     let bad = |reason: String| {
         ProxyError::upstream(
             Role::Prefill,

@@ -1,6 +1,7 @@
 //! HTTP endpoints and the pull flow (the push flow is in `push.rs`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
@@ -320,6 +321,30 @@ pub(crate) fn internal(msg: String) -> ProxyError {
     )
 }
 
+/// Sends `req` to prefill instance `p` and reads its whole answer within `t`. An unreachable
+/// instance is marked down at once; `missing` says what a timeout lacked.
+pub(crate) async fn call_prefill(
+    p: &Instance,
+    req: reqwest::RequestBuilder,
+    t: Duration,
+    missing: &str,
+) -> Result<(reqwest::StatusCode, Bytes), ProxyError> {
+    let call = async {
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body = resp.bytes().await?;
+        Ok::<_, reqwest::Error>((status, body))
+    };
+    match timeout(t, call).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(err)) => {
+            mark_down_if_unreachable(p, &err);
+            Err(ProxyError::transport(Role::Prefill, &p.url, &err))
+        }
+        Err(_) => Err(ProxyError::timeout(Role::Prefill, &p.url, missing, t)),
+    }
+}
+
 /// The P leg (pull's leg 1, push's concurrent leg): POSTs `body` to P within `request_timeout`
 /// and returns P's `kv_transfer_params`.
 pub(crate) async fn prefill_leg(
@@ -330,33 +355,12 @@ pub(crate) async fn prefill_leg(
     body: &Value,
 ) -> Result<Value, ProxyError> {
     let t = s.cfg.request_timeout;
-    let call = async {
-        let resp = s
-            .http
-            .post(format!("{}{}", p.url, path))
-            .headers(headers)
-            .json(body)
-            .send()
-            .await?;
-        let status = resp.status();
-        let body = resp.bytes().await?;
-        Ok::<_, reqwest::Error>((status, body))
-    };
-    let (status, body) = match timeout(t, call).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(err)) => {
-            mark_down_if_unreachable(p, &err);
-            return Err(ProxyError::transport(Role::Prefill, &p.url, &err));
-        }
-        Err(_) => {
-            return Err(ProxyError::timeout(
-                Role::Prefill,
-                &p.url,
-                "no complete response",
-                t,
-            ))
-        }
-    };
+    let req = s
+        .http
+        .post(format!("{}{}", p.url, path))
+        .headers(headers)
+        .json(body);
+    let (status, body) = call_prefill(p, req, t, "no complete response").await?;
     if !status.is_success() {
         return Err(ProxyError::upstream_status(
             Role::Prefill,
