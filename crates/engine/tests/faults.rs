@@ -3,7 +3,11 @@
 //! monolithic engine's output (transferred, or recomputed after a failure), every block of both
 //! pools comes back, and nothing hangs.
 
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
+
+use common::{post, released_within};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -36,17 +40,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .map(|i| format!("f{}", (i * 37 + seed * 1009) % 2000))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .expect("no hang");
-    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
 async fn one(
@@ -93,20 +86,6 @@ async fn one(
     d
 }
 
-async fn settled(e: &RunningEngine, limit: Duration) {
-    let c = e.connector.as_ref().unwrap();
-    let start = Instant::now();
-    while c.held_blocks() != (0, 0) {
-        assert!(
-            start.elapsed() < limit,
-            "{} still holds {:?}",
-            e.engine_id,
-            c.held_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_never_blocks() {
     let c = reqwest::Client::new();
@@ -135,8 +114,8 @@ async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_ne
         }
         assert_eq!(ok, 16);
         // Lost completions end by lease + fence; everything comes back.
-        settled(&p, Duration::from_secs(10)).await;
-        settled(&d, Duration::from_secs(10)).await;
+        released_within(&p, Duration::from_secs(10)).await;
+        released_within(&d, Duration::from_secs(10)).await;
         let dm = c
             .get(format!("{}/metrics", d.url()))
             .send()

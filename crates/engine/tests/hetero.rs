@@ -2,7 +2,11 @@
 //! outputs equal a monolithic engine's; incompatible pairs are refused at handshake with an error
 //! that says why, and the request is recomputed or failed per policy.
 
+mod common;
+
 use std::time::Duration;
+
+use common::{metric, post, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -29,17 +33,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .join(" ")
 }
 
-async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .unwrap();
-    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
-}
-
 async fn disaggregated(
     c: &reqwest::Client,
     p: &RunningEngine,
@@ -56,23 +49,6 @@ async fn disaggregated(
     .await;
     assert_eq!(s, 200, "{pr}");
     post(c, &d.url(), json!({"prompt": text, "max_tokens": 10, "n": n, "kv_transfer_params": pr["kv_transfer_params"]})).await
-}
-
-fn texts(v: &Value) -> Vec<String> {
-    v["choices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["text"].as_str().unwrap().to_string())
-        .collect()
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -112,14 +88,7 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
                 );
             }
         }
-        let pc = p.connector.clone().unwrap();
-        for _ in 0..200 {
-            if pc.held_blocks() == (0, 0) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(pc.held_blocks(), (0, 0), "P tp {ptp} -> D tp {dtp}");
+        released_within(&p, Duration::from_secs(1)).await;
         p.stop().await;
         d.stop().await;
     }

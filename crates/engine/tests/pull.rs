@@ -1,7 +1,11 @@
 //! P/D pull end to end inside one process (mem transport): the reference engine's output through
 //! a prefill engine and a decode engine equals a monolithic engine's, for n=1 and n=4.
 
+mod common;
+
 use std::time::Duration;
+
+use common::{metric, post, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -25,18 +29,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .map(|i| format!("w{}", (i * 7919 + seed * 104_729) % 5000))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let r = client
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .expect("request");
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 /// What the proxy does: P with max_tokens 1 and do_remote_decode, then D with P's params.
@@ -66,26 +58,6 @@ async fn disaggregated(
     .await;
     assert_eq!(s, 200, "{dr}");
     dr
-}
-
-fn texts(v: &Value) -> Vec<String> {
-    v["choices"]
-        .as_array()
-        .expect("choices")
-        .iter()
-        .map(|c| c["text"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
-async fn wait_released(e: &RunningEngine) {
-    let c = e.connector.as_ref().expect("connector");
-    for _ in 0..500 {
-        if c.held_blocks() == (0, 0) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{} still holds {:?}", e.engine_id, c.held_blocks());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,8 +90,8 @@ async fn disaggregated_output_equals_monolithic() {
     .await;
     let t = texts(&m);
     assert!(t.iter().skip(1).any(|x| *x != t[0]));
-    wait_released(&p).await;
-    wait_released(&d).await;
+    released_within(&p, Duration::from_secs(5)).await;
+    released_within(&d, Duration::from_secs(5)).await;
     // Every handoff ended because D read it, not by a lease.
     let (live, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
     assert_eq!(live, 0);
@@ -140,22 +112,6 @@ async fn p_leg(client: &reqwest::Client, p: &RunningEngine, text: &str) -> Value
     .await;
     assert_eq!(s, 200, "{pr}");
     pr["kv_transfer_params"].clone()
-}
-
-/// Waits until P has released everything; returns how long that took.
-async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
-    let c = e.connector.as_ref().expect("connector");
-    let start = std::time::Instant::now();
-    while c.held_blocks() != (0, 0) {
-        assert!(
-            start.elapsed() < limit,
-            "{} still holds {:?}",
-            e.engine_id,
-            c.held_blocks()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    start.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,14 +299,6 @@ async fn vllm_toy_proxy_json_drives_p_and_d() {
     for e in [p, d, mono] {
         e.stop().await;
     }
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// Checks the exposition format: every sample is `name{labels} value` with a declared family.

@@ -2,7 +2,11 @@
 //! P writes its KV layer by layer while its prefill runs, and the output equals a monolithic
 //! engine's, whichever leg arrives first.
 
+mod common;
+
 use std::time::Duration;
+
+use common::{released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -97,26 +101,6 @@ async fn push(
     d_leg.await.unwrap()
 }
 
-fn texts(v: &Value) -> Vec<String> {
-    v["choices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["text"].as_str().unwrap().to_string())
-        .collect()
-}
-
-async fn settle(e: &RunningEngine) {
-    let c = e.connector.as_ref().unwrap();
-    for _ in 0..400 {
-        if c.held_blocks() == (0, 0) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("{} still holds {:?}", e.engine_id, c.held_blocks());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_output_equals_monolithic_in_both_orders() {
     let c = reqwest::Client::new();
@@ -154,8 +138,8 @@ async fn push_output_equals_monolithic_in_both_orders() {
                 }
             }
         }
-        settle(&p).await;
-        settle(&d).await;
+        released_within(&p, Duration::from_secs(2)).await;
+        released_within(&d, Duration::from_secs(2)).await;
         let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
         assert_eq!(ended.get("done").copied().unwrap_or(0), 16, "{ended:?}");
         p.stop().await;
@@ -188,7 +172,7 @@ async fn push_d_pool_full_answers_at_once_and_releases_p() {
     assert_eq!(s, 503, "{v}");
     assert!(start_t.elapsed() < Duration::from_secs(5));
     let held = p.connector.as_ref().unwrap().held_blocks();
-    settle(&p).await;
+    released_within(&p, Duration::from_secs(2)).await;
     let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
     assert_eq!(ended.get("rejected"), Some(&1), "{ended:?} (held {held:?})");
     drop(hog);

@@ -1,0 +1,54 @@
+//! Helpers shared by the engine's end-to-end tests.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use handoff_engine::RunningEngine;
+use serde_json::Value;
+
+/// POSTs a completion request and returns its status and JSON body (bounded: no hang).
+pub async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("no hang");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// Each choice's text.
+pub fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// The sum of a metric's samples in Prometheus text.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits until the engine's connector holds no block; fails after `limit`. Returns the wait.
+pub async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
+    let c = e.connector.as_ref().expect("connector");
+    let start = Instant::now();
+    while c.held_blocks() != (0, 0) {
+        assert!(
+            start.elapsed() < limit,
+            "{} still holds {:?}",
+            e.engine_id,
+            c.held_blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    start.elapsed()
+}
