@@ -88,6 +88,28 @@ fn held_for(c: &reqwest::blocking::Client, p: &Engine, d: &str) -> u64 {
     v["prefill_blocks_held_for"][d].as_u64().unwrap_or(0)
 }
 
+fn staged(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
+    let v: Value = c
+        .get(format!("{}/health", p.url))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    v["staged_messages"].as_u64().unwrap_or(0)
+}
+
+/// Polls `cond` until it holds; fails the test after 10 s (a bound, not a timing assertion).
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn p_held(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
     let v: Value = c
         .get(format!("{}/health", p.url))
@@ -122,7 +144,8 @@ fn d_killed_before_it_pulls_is_reclaimed_at_once() {
             .send();
         let _ = r.and_then(|r| r.text());
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // The hog has read its KV (P holds nothing), so it is admitted and fills D's pool.
+    wait_until("the hog pulled its KV", || p_held(&c, &p) == 0);
     let text = prompt(200);
     let params = p_leg(&c, &p, &text);
     let (url, body) = (
@@ -316,7 +339,7 @@ fn push_d_killed_after_registering_releases_p_at_once() {
             .send();
     });
     // D registered with P (P staged it: its prefill has not started), then dies.
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("P staged D's registration", || staged(&c, &p) > 0);
     let _ = d.child.kill();
     let _ = d.child.wait();
     std::thread::sleep(Duration::from_millis(100));

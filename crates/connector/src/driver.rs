@@ -1092,7 +1092,7 @@ impl Connector {
         })
     }
 
-    fn update_gauges(&self, inner: &mut Inner) {
+    pub(crate) fn update_gauges(&self, inner: &mut Inner) {
         use crate::metrics::HeldLabels;
         // Late notifications are counted by the ledgers; the metric follows their total.
         let late = inner

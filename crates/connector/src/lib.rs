@@ -228,6 +228,14 @@ impl Connector {
         let _ = self.wake.send(SideEvent::Wake);
     }
 
+    /// Brings the held-blocks gauges up to the ledgers' present state. The driver refreshes them
+    /// after each of its steps; a scrape calls this first so it never sees a handoff created (or
+    /// ended) since the driver's last step as missing.
+    pub fn refresh_metrics(&self) {
+        let mut inner = self.inner.lock();
+        self.update_gauges(&mut inner);
+    }
+
     /// Every event since the last call (non-blocking).
     pub fn poll_events(&self) -> Vec<ConnectorEvent> {
         self.out_rx.lock().try_iter().collect()
@@ -565,6 +573,16 @@ impl Connector {
             inner.producer.as_ref().map_or(0, |p| p.held_blocks()),
             inner.consumer.as_ref().map_or(0, |c| c.held_blocks()),
         )
+    }
+
+    /// Messages P keeps for handoffs its prefill has not created yet (a push registration that
+    /// arrived first waits here), bounded by the ledger's staging capacity.
+    pub fn staged_messages(&self) -> usize {
+        self.inner
+            .lock()
+            .producer
+            .as_ref()
+            .map_or(0, |p| p.staged_messages())
     }
 
     /// Blocks P holds per D engine that reads them (handoffs no D claimed yet are not listed).

@@ -76,10 +76,14 @@ async fn health(State(s): State<Arc<ApiState>>) -> Json<Value> {
         "status": "ok",
         "held_blocks": held.map(|(p, d)| json!({"prefill": p, "decode": d})),
         "prefill_blocks_held_for": by_engine,
+        "staged_messages": s.connector.as_ref().map(|c| c.staged_messages()),
     }))
 }
 
 async fn metrics(State(s): State<Arc<ApiState>>) -> Response {
+    if let Some(c) = &s.connector {
+        c.refresh_metrics();
+    }
     let mut out = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &s.registry.lock()) {
         return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
