@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{post, released_within};
+use common::{pool_whole_within, post, released_within};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -116,30 +116,8 @@ async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_ne
         // Lost completions end by lease + fence; everything comes back.
         released_within(&p, Duration::from_secs(10)).await;
         released_within(&d, Duration::from_secs(10)).await;
-        let dm = c
-            .get(format!("{}/metrics", d.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let pm = c
-            .get(format!("{}/metrics", p.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        for m in [&dm, &pm] {
-            let used: f64 = m
-                .lines()
-                .filter(|l| l.starts_with("engine_kv_blocks_used"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
-            assert_eq!(used, 0.0, "{mode}: a pool is not whole:\n{m}");
-        }
+        pool_whole_within(&c, &p, Duration::from_secs(2)).await;
+        pool_whole_within(&c, &d, Duration::from_secs(2)).await;
         p.stop().await;
         d.stop().await;
     }

@@ -52,3 +52,28 @@ pub async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
     }
     start.elapsed()
 }
+
+/// Waits until every block is back in the engine's KV pool (the connector hands released blocks
+/// to the scheduler, which frees them on its next step); fails after `limit` with the metrics.
+pub async fn pool_whole_within(c: &reqwest::Client, e: &RunningEngine, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let m = c
+            .get(format!("{}/metrics", e.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if metric(&m, "engine_kv_blocks_used") == 0.0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{}: the pool is not whole:\n{m}",
+            e.engine_id
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
