@@ -226,7 +226,10 @@ pub struct PlaneLoc {
 }
 
 /// Where one layer's blocks live: block `b`'s K plane starts at `k.offset + b × block_stride` in
-/// region `k.region`, its V plane likewise from `v`.
+/// region `k.region`, its V plane likewise from `v`. With `head_stride = 0` a block's plane holds
+/// all of the rank's heads in the [`BlockLayout`] order; with `head_stride > 0` each head has its
+/// own run of blocks, local head `h`'s tokens of block `b` at
+/// `offset + h × head_stride + b × block_stride` (`[token][dim]`, head-major by construction).
 ///
 /// This covers the layouts engines use without more machinery:
 /// - one region per layer, block = `[K plane][V plane]`: `v.offset = k.offset + plane`,
@@ -234,15 +237,23 @@ pub struct PlaneLoc {
 /// - K and V as separate tensors (vLLM's FlashAttention cache): two regions per layer,
 ///   `block_stride = plane` ([`RankLayout::split_kv`]);
 /// - one region for all layers, block-outermost (vLLM's cross-layer `BLHNC`): layer `l` at
-///   `l × 2 × plane`, `block_stride = num_layers × 2 × plane` ([`RankLayout::cross_layer`]).
+///   `l × 2 × plane`, `block_stride = num_layers × 2 × plane` ([`RankLayout::cross_layer`]);
+/// - one region for all layers, heads outside blocks (`[layer][K|V][head][block][token][dim]`):
+///   `block_stride = block_size × row`, `head_stride = num_blocks × block_stride`
+///   ([`RankLayout::heads_outermost`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerPlacement {
     /// K plane of block 0.
     pub k: PlaneLoc,
     /// V plane of block 0.
     pub v: PlaneLoc,
-    /// Bytes from one block to the next, the same for K and V (≥ one plane).
+    /// Bytes from one block to the next, the same for K and V (≥ one plane, or ≥ one head's
+    /// block when `head_stride > 0`).
     pub block_stride: u64,
+    /// Bytes from one local head to the next, outside the block; 0 = the heads live inside each
+    /// block's plane (absent in a peer's JSON means 0).
+    #[serde(default)]
+    pub head_stride: u64,
 }
 
 impl LayerPlacement {
@@ -318,6 +329,25 @@ pub enum LayoutError {
         /// Plane size.
         plane_bytes: u64,
     },
+    /// A head stride with a token-major block: a head's tokens could not be contiguous.
+    #[error(
+        "layer {layer}: a head stride places each head outside the block, which needs the \
+         head-major block layout (this spec is token-major)"
+    )]
+    HeadStrideNeedsHeadMajor {
+        /// Layer index.
+        layer: u32,
+    },
+    /// Heads of one block would overlap each other.
+    #[error("layer {layer}: head stride {stride} is smaller than one head's block ({head_block_bytes} bytes)")]
+    HeadStrideTooSmall {
+        /// Layer index.
+        layer: u32,
+        /// The head stride.
+        stride: u64,
+        /// `block_size × row` bytes.
+        head_block_bytes: u64,
+    },
     /// The pool's last block does not fit in its region.
     #[error(
         "layer {layer} {plane}: the pool's blocks end at byte {end} but region {region} is only \
@@ -366,14 +396,41 @@ impl RankLayout {
             return Err(LayoutError::DuplicateRegion { id: w[0] });
         }
         let plane_bytes = self.spec.plane_bytes();
+        // One head's tokens of one block: what must fit between blocks (and between heads) when
+        // the heads live outside the block.
+        let head_block =
+            u64::from(self.spec.block_size).saturating_mul(self.spec.shape.row_bytes());
         for (layer, p) in (0u32..).zip(&self.layers) {
-            if p.block_stride < plane_bytes {
+            let min_stride = if p.head_stride == 0 {
+                plane_bytes
+            } else {
+                if self.spec.block_layout != BlockLayout::HeadMajor {
+                    return Err(LayoutError::HeadStrideNeedsHeadMajor { layer });
+                }
+                if p.head_stride < head_block {
+                    return Err(LayoutError::HeadStrideTooSmall {
+                        layer,
+                        stride: p.head_stride,
+                        head_block_bytes: head_block,
+                    });
+                }
+                head_block
+            };
+            if p.block_stride < min_stride {
                 return Err(LayoutError::StrideTooSmall {
                     layer,
                     stride: p.block_stride,
-                    plane_bytes,
+                    plane_bytes: min_stride,
                 });
             }
+            // The bytes from the plane's start to the end of block 0 (all heads).
+            let first_block_end = if p.head_stride == 0 {
+                Some(plane_bytes)
+            } else {
+                u64::from(self.spec.heads_per_rank() - 1)
+                    .checked_mul(p.head_stride)
+                    .and_then(|x| x.checked_add(head_block))
+            };
             for (plane, loc) in [("K", p.k), ("V", p.v)] {
                 let region_len = self
                     .region_len(loc.region)
@@ -387,7 +444,7 @@ impl RankLayout {
                 let end = u64::from(self.num_blocks - 1)
                     .checked_mul(p.block_stride)
                     .and_then(|x| x.checked_add(loc.offset))
-                    .and_then(|x| x.checked_add(plane_bytes));
+                    .and_then(|x| x.checked_add(first_block_end?));
                 match end {
                     Some(end) if end <= region_len => {}
                     _ => {
@@ -413,6 +470,34 @@ impl RankLayout {
     /// The global KV heads this rank owns.
     pub fn owned_heads(&self) -> Range<u32> {
         self.spec.owned_heads(self.rank)
+    }
+
+    /// Byte offset, in its plane's region, of the row of (`layer`, `kv` 0 = K / 1 = V, `block`,
+    /// local head `head`, `token` within the block). The one place a row's coordinates become an
+    /// address: the planner, the tail zeroing and an engine's own reads and writes all use it.
+    /// `None` on a layer out of range or arithmetic overflow (a validated layout with in-pool
+    /// coordinates never overflows).
+    pub fn row_offset(
+        &self,
+        layer: u32,
+        kv: usize,
+        block: u32,
+        head: u32,
+        token: u32,
+    ) -> Option<u64> {
+        let p = self.layers.get(layer as usize)?;
+        let row = self.spec.shape.row_bytes();
+        let in_block = if p.head_stride == 0 {
+            self.spec.row_index(head, token).checked_mul(row)?
+        } else {
+            u64::from(head)
+                .checked_mul(p.head_stride)?
+                .checked_add(u64::from(token).checked_mul(row)?)?
+        };
+        u64::from(block)
+            .checked_mul(p.block_stride)?
+            .checked_add(p.plane(kv).offset)?
+            .checked_add(in_block)
     }
 
     /// One region per layer (ids `first_region_id + layer`), each holding the pool's blocks back
@@ -442,6 +527,7 @@ impl RankLayout {
                     offset: plane,
                 },
                 block_stride: 2 * plane,
+                head_stride: 0,
             });
         }
         Self::checked(Self {
@@ -481,6 +567,7 @@ impl RankLayout {
                     offset: 0,
                 },
                 block_stride: plane,
+                head_stride: 0,
             });
         }
         Self::checked(Self {
@@ -519,6 +606,54 @@ impl RankLayout {
                     offset: l * layer_bytes + plane,
                 },
                 block_stride: stride,
+                head_stride: 0,
+            })
+            .collect();
+        Self::checked(Self {
+            spec,
+            rank,
+            num_blocks,
+            regions: vec![Region { id: region_id, len }],
+            layers,
+        })
+    }
+
+    /// One region (`region_id`) for all layers with the heads outside the blocks:
+    /// `[layer][K|V][head][block][token][dim]`. Each head's tokens over a run of contiguous blocks
+    /// are one contiguous range whatever the block size, so a transfer between engines of
+    /// different TP sizes or block sizes costs one descriptor per (layer, K|V, head) for a
+    /// contiguous allocation instead of one per block. Head-major specs only.
+    pub fn heads_outermost(
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        region_id: u32,
+    ) -> Result<Self, LayoutError> {
+        spec.validate()?;
+        let head_block = u64::from(spec.block_size)
+            .checked_mul(spec.shape.row_bytes())
+            .ok_or(too_large(spec))?;
+        // (An empty pool still gets a non-zero head stride: 0 would mean "heads inside blocks".)
+        let head_stride = region_len_for(num_blocks.max(1), head_block, spec)?;
+        let plane = head_stride
+            .checked_mul(u64::from(spec.heads_per_rank()))
+            .ok_or(too_large(spec))?;
+        let layer_bytes = plane.checked_mul(2).ok_or(too_large(spec))?;
+        let len = layer_bytes
+            .checked_mul(u64::from(spec.shape.num_layers))
+            .ok_or(too_large(spec))?;
+        let layers = (0..u64::from(spec.shape.num_layers))
+            .map(|l| LayerPlacement {
+                k: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes,
+                },
+                v: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes + plane,
+                },
+                block_stride: head_block,
+                head_stride,
             })
             .collect();
         Self::checked(Self {

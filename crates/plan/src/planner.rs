@@ -398,25 +398,26 @@ pub fn uncovered_dst(
         side: Side::Decode,
         rank: d.rank,
     };
+    // Head-major: every head has its own tail; token-major: the tail is one range.
+    let (pieces, piece_len) = match spec.block_layout {
+        BlockLayout::HeadMajor => (hpr, u64::from(bs - filled) * row),
+        BlockLayout::TokenMajor => (1, u64::from(bs - filled) * u64::from(hpr) * row),
+    };
     let mut out: Vec<Descriptor> = Vec::new();
-    for lp in &d.layers {
+    for (layer, lp) in (0u32..).zip(&d.layers) {
         for kv in 0..2 {
-            let loc = lp.plane(kv);
-            let base = block_base(loc.offset, last_block, lp.block_stride).ok_or(ovf.clone())?;
-            // Head-major: every head has its own tail; token-major: the tail is one range.
-            let (pieces, piece_len) = match spec.block_layout {
-                BlockLayout::HeadMajor => (hpr, u64::from(bs - filled) * row),
-                BlockLayout::TokenMajor => (1, u64::from(bs - filled) * u64::from(hpr) * row),
-            };
+            let region = lp.plane(kv).region;
             for h in 0..pieces {
-                let off = addr(base, spec.row_index(h, filled), row).ok_or(ovf.clone())?;
+                let off = d
+                    .row_offset(layer, kv, last_block, h, filled)
+                    .ok_or(ovf.clone())?;
                 // Spans reuse the descriptor merge logic with src = dst.
                 push_merge(
                     &mut out,
                     Descriptor {
-                        src_region: loc.region,
+                        src_region: region,
                         src_offset: off,
-                        dst_region: loc.region,
+                        dst_region: region,
                         dst_offset: off,
                         len: piece_len,
                     },
@@ -557,14 +558,17 @@ impl<'a> Request<'a> {
             for kv in 0..2 {
                 let (src, dst) = (pl.plane(kv), dl.plane(kv));
                 for s in &self.segs {
-                    let sbase =
-                        block_base(src.offset, s.p_block, pl.block_stride).ok_or(p_ovf.clone())?;
-                    let dbase =
-                        block_base(dst.offset, s.d_block, dl.block_stride).ok_or(d_ovf.clone())?;
-                    let mut emit = |p_row: u64, d_row: u64, rows: u64| -> Result<(), PlanError> {
+                    // Where (local head, token) of this run lives on each side.
+                    let src_at = |h: u32, t: u32| {
+                        p.row_offset(layer, kv, s.p_block, h, t)
+                            .ok_or(p_ovf.clone())
+                    };
+                    let dst_at = |h: u32, t: u32| {
+                        d.row_offset(layer, kv, s.d_block, h, t)
+                            .ok_or(d_ovf.clone())
+                    };
+                    let mut emit = |src_offset: u64, dst_offset: u64, rows: u64| {
                         let len = rows * row;
-                        let src_offset = addr(sbase, p_row, row).ok_or(p_ovf.clone())?;
-                        let dst_offset = addr(dbase, d_row, row).ok_or(d_ovf.clone())?;
                         src_offset.checked_add(len).ok_or(p_ovf.clone())?;
                         dst_offset.checked_add(len).ok_or(d_ovf.clone())?;
                         push_merge(
@@ -577,27 +581,29 @@ impl<'a> Request<'a> {
                                 len,
                             },
                         );
-                        Ok(())
+                        Ok::<(), PlanError>(())
                     };
                     match ps.block_layout {
-                        // Head-major: each head's tokens of this run are contiguous on both
-                        // sides. Heads merge with each other only when the run spans whole
-                        // blocks on both sides (push_merge finds that out).
+                        // Head-major (heads inside the block or outside it): each head's tokens
+                        // of this run are contiguous on both sides. Heads, blocks and layers
+                        // merge with each other wherever the addresses continue on both sides
+                        // (push_merge and finish find that out).
                         BlockLayout::HeadMajor => {
                             for h in 0..nh {
                                 emit(
-                                    ps.row_index(p_head + h, s.p_tok),
-                                    ds.row_index(d_head + h, s.d_tok),
+                                    src_at(p_head + h, s.p_tok)?,
+                                    dst_at(d_head + h, s.d_tok)?,
                                     u64::from(s.n),
                                 )?;
                             }
                         }
-                        // Token-major, and the pair moves every head of both ranks: the whole
-                        // run of tokens is one contiguous range on both sides.
+                        // Token-major (heads always inside the block: validate refuses a head
+                        // stride), and the pair moves every head of both ranks: the whole run
+                        // of tokens is one contiguous range on both sides.
                         BlockLayout::TokenMajor if nh == p_hpr && nh == d_hpr => {
                             emit(
-                                ps.row_index(0, s.p_tok),
-                                ds.row_index(0, s.d_tok),
+                                src_at(0, s.p_tok)?,
+                                dst_at(0, s.d_tok)?,
                                 u64::from(s.n) * u64::from(nh),
                             )?;
                         }
@@ -605,8 +611,8 @@ impl<'a> Request<'a> {
                         BlockLayout::TokenMajor => {
                             for t in 0..s.n {
                                 emit(
-                                    ps.row_index(p_head, s.p_tok + t),
-                                    ds.row_index(d_head, s.d_tok + t),
+                                    src_at(p_head, s.p_tok + t)?,
+                                    dst_at(d_head, s.d_tok + t)?,
                                     u64::from(nh),
                                 )?;
                             }
@@ -723,14 +729,6 @@ fn check_pool(
         }
     }
     Ok(())
-}
-
-fn block_base(offset: u64, block: u32, stride: u64) -> Option<u64> {
-    u64::from(block).checked_mul(stride)?.checked_add(offset)
-}
-
-fn addr(base: u64, row_index: u64, row: u64) -> Option<u64> {
-    row_index.checked_mul(row)?.checked_add(base)
 }
 
 pub(crate) fn bounds(

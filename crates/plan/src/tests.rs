@@ -620,6 +620,113 @@ fn contiguous_allocations_do_not_grow_descriptor_count() {
     }
 }
 
+/// Heads outside the blocks: for a contiguous allocation, every pair costs one descriptor per
+/// (layer, K|V, head it moves), whatever the number of blocks, the TP sizes and the block sizes
+/// (a head's tokens are one range on both sides). Whole-model ranges merge further when the
+/// request covers the whole pool.
+#[test]
+fn heads_outermost_costs_a_constant_number_of_descriptors() {
+    let shape = ModelShape {
+        num_layers: 3,
+        num_kv_heads: 8,
+        head_dim: 8,
+        dtype_size: 2,
+    };
+    for (ptp, dtp) in [(1u32, 1u32), (2, 4), (4, 2), (1, 8), (8, 1)] {
+        for (pbs, dbs) in [(16u32, 16u32), (16, 32), (32, 16)] {
+            let mk = |tp, bs| KvSpec {
+                shape,
+                tp,
+                block_size: bs,
+                block_layout: HeadMajor,
+            };
+            let (ps, ds) = (mk(ptp, pbs), mk(dtp, dbs));
+            let p: Vec<_> = (0..ptp)
+                .map(|r| RankLayout::heads_outermost(ps, r, 600, 0).unwrap())
+                .collect();
+            let d: Vec<_> = (0..dtp)
+                .map(|r| RankLayout::heads_outermost(ds, r, 600, 0).unwrap())
+                .collect();
+            let mut counts = Vec::new();
+            for tokens in [16u32 * 3, 16 * 64, 4096] {
+                let pb: Vec<u32> = (5..5 + ps.blocks_for(tokens)).collect();
+                let db: Vec<u32> = (9..9 + ds.blocks_for(tokens)).collect();
+                let plan = plan(&p, &d, &pb, &db, tokens).unwrap();
+                for pair in &plan.pairs {
+                    let heads = pair.heads.end - pair.heads.start;
+                    assert_eq!(
+                        pair.descriptors.len() as u32,
+                        3 * 2 * heads,
+                        "tp {ptp}->{dtp} bs {pbs}->{dbs} tokens {tokens} pair {}/{}",
+                        pair.p_rank,
+                        pair.d_rank
+                    );
+                }
+                counts.push(plan.descriptor_count());
+            }
+            assert!(counts.windows(2).all(|w| w[0] == w[1]), "{counts:?}");
+        }
+    }
+}
+
+#[test]
+fn heads_outermost_addresses_and_refusals() {
+    let s = layers(spec(4, 2, 16, HeadMajor), 2);
+    let l = RankLayout::heads_outermost(s, 1, 10, 7).unwrap();
+    // [layer][K|V][head][block][token][row]: 2 heads × 10 blocks × 16 tokens per plane.
+    let head_stride = 10 * 16 * ROW;
+    assert_eq!(
+        l.regions,
+        vec![Region {
+            id: 7,
+            len: 2 * 2 * 2 * head_stride
+        }]
+    );
+    assert_eq!(l.row_offset(0, 0, 0, 0, 0), Some(0));
+    assert_eq!(
+        l.row_offset(0, 0, 3, 1, 5),
+        Some(head_stride + 3 * 16 * ROW + 5 * ROW)
+    );
+    assert_eq!(
+        l.row_offset(1, 1, 0, 0, 0),
+        Some(2 * 2 * head_stride + 2 * head_stride)
+    );
+    assert_eq!(l.row_offset(2, 0, 0, 0, 0), None, "no such layer");
+    // The cross-layer layout agrees with its own formula too.
+    let cl = RankLayout::cross_layer(s, 1, 10, 7).unwrap();
+    assert_eq!(
+        cl.row_offset(1, 1, 3, 1, 5),
+        Some(3 * 4 * s.plane_bytes() + 3 * s.plane_bytes() + (16 + 5) * ROW)
+    );
+    // Token-major blocks cannot put heads outside them.
+    let tm = layers(spec(4, 2, 16, TokenMajor), 2);
+    assert!(matches!(
+        RankLayout::heads_outermost(tm, 0, 10, 0),
+        Err(LayoutError::HeadStrideNeedsHeadMajor { layer: 0 })
+    ));
+    // Heads that overlap, and a pool past its region, are refused.
+    let mut bad = l.clone();
+    bad.layers[1].head_stride = 16 * ROW - 1;
+    assert!(matches!(
+        bad.validate(),
+        Err(LayoutError::HeadStrideTooSmall { layer: 1, .. })
+    ));
+    let mut bad = l.clone();
+    bad.regions[0].len -= 1;
+    let err = bad.validate().unwrap_err();
+    assert!(
+        matches!(err, LayoutError::OutsideRegion { layer: 1, .. }),
+        "{err}"
+    );
+    // A peer that predates head strides sends no such field: it reads as 0 (heads inside).
+    let json = serde_json::to_string(&cl)
+        .unwrap()
+        .replace(",\"head_stride\":0", "");
+    assert!(!json.contains("head_stride"));
+    let back: RankLayout = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, cl);
+}
+
 /// A 4096-token prompt of a 32-layer, 8-head model (256 blocks of 16), in the costly shapes:
 /// heterogeneous TP and a block-size ratio. Linear work: this runs in milliseconds.
 #[test]

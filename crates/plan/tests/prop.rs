@@ -60,7 +60,7 @@ fn case() -> impl Strategy<Value = Case> {
         ),
         (
             any::<bool>(),
-            (0u8..4, 0u8..4),
+            (0u8..5, 0u8..5),
             (0u32..4, 0u32..4),
             (0u8..4, 0u8..4),
         ),
@@ -108,6 +108,49 @@ fn build(
         0 => RankLayout::per_layer(spec, rank, num_blocks, first_id).unwrap(),
         1 => RankLayout::split_kv(spec, rank, num_blocks, first_id).unwrap(),
         2 => RankLayout::cross_layer(spec, rank, num_blocks, first_id).unwrap(),
+        4 if spec.block_layout == BlockLayout::HeadMajor && rng.below(2) == 0 => {
+            RankLayout::heads_outermost(spec, rank, num_blocks, first_id).unwrap()
+        }
+        4 if spec.block_layout == BlockLayout::HeadMajor => {
+            // Heads outside the blocks, with padding between blocks, heads and layers.
+            let head_block = u64::from(spec.block_size) * spec.shape.row_bytes();
+            let hpr = u64::from(spec.heads_per_rank());
+            let mut regions = Vec::new();
+            let mut layers = Vec::new();
+            for l in 0..spec.shape.num_layers {
+                let block_stride = head_block + rng.below(5);
+                let head_stride = u64::from(num_blocks.max(1)) * block_stride + rng.below(7);
+                let plane = hpr * head_stride;
+                let (lead, gap) = (rng.below(9), rng.below(6));
+                let id = first_id + 7 * l;
+                regions.push(Region {
+                    id,
+                    len: lead + 2 * plane + gap + rng.below(5),
+                });
+                layers.push(LayerPlacement {
+                    k: PlaneLoc {
+                        region: id,
+                        offset: lead,
+                    },
+                    v: PlaneLoc {
+                        region: id,
+                        offset: lead + plane + gap,
+                    },
+                    block_stride,
+                    head_stride,
+                });
+            }
+            let l = RankLayout {
+                spec,
+                rank,
+                num_blocks,
+                regions,
+                layers,
+            };
+            l.validate().unwrap();
+            l
+        }
+        4 => RankLayout::cross_layer(spec, rank, num_blocks, first_id).unwrap(),
         _ => {
             let plane = spec.plane_bytes();
             let mut regions = Vec::new();
@@ -135,6 +178,7 @@ fn build(
                         offset: v,
                     },
                     block_stride: stride,
+                    head_stride: 0,
                 });
             }
             let l = RankLayout {
@@ -206,8 +250,21 @@ struct Row {
 }
 
 /// Offset of (head, token) inside one block plane, in rows.
-fn in_block(layout: BlockLayout, head: u32, token: u32, heads: u32, block_size: u32) -> u64 {
-    match layout {
+/// Byte offset of (head, token) from the start of a block's plane: heads outside the block at
+/// `head_stride` when it is set, otherwise inside the block in `layout` order.
+fn in_block(
+    layout: BlockLayout,
+    head_stride: u64,
+    head: u32,
+    token: u32,
+    heads: u32,
+    block_size: u32,
+    row: u64,
+) -> u64 {
+    if head_stride > 0 {
+        return u64::from(head) * head_stride + u64::from(token) * row;
+    }
+    row * match layout {
         BlockLayout::HeadMajor => u64::from(head) * u64::from(block_size) + u64::from(token),
         BlockLayout::TokenMajor => u64::from(token) * u64::from(heads) + u64::from(head),
     }
@@ -247,11 +304,27 @@ fn naive_rows(
                             src_region: sloc.region,
                             src: sloc.offset
                                 + u64::from(pblk) * pl.layers[l].block_stride
-                                + in_block(ps.block_layout, ph, pt, p_hpr, ps.block_size) * row,
+                                + in_block(
+                                    ps.block_layout,
+                                    pl.layers[l].head_stride,
+                                    ph,
+                                    pt,
+                                    p_hpr,
+                                    ps.block_size,
+                                    row,
+                                ),
                             dst_region: dloc.region,
                             dst: dloc.offset
                                 + u64::from(dblk) * dl.layers[l].block_stride
-                                + in_block(ds.block_layout, dh, dt, d_hpr, ds.block_size) * row,
+                                + in_block(
+                                    ds.block_layout,
+                                    dl.layers[l].head_stride,
+                                    dh,
+                                    dt,
+                                    d_hpr,
+                                    ds.block_size,
+                                    row,
+                                ),
                         });
                     }
                 }
@@ -393,12 +466,24 @@ fn check(c: &Case) {
             .map(|r| (r.id, vec![0u8; r.len as usize]))
             .collect();
         let plane = ds.plane_bytes();
+        let head_block = u64::from(ds.block_size) * ds.shape.row_bytes();
         for lp in &dl.layers {
             for loc in [lp.k, lp.v] {
                 for &b in &db {
-                    let off = (loc.offset + u64::from(b) * lp.block_stride) as usize;
-                    for x in &mut want.get_mut(&loc.region).unwrap()[off..off + plane as usize] {
-                        *x += 1;
+                    let base = loc.offset + u64::from(b) * lp.block_stride;
+                    // A block's plane: one range, or one range per head when heads are outside.
+                    let pieces: Vec<(u64, u64)> = if lp.head_stride == 0 {
+                        vec![(base, plane)]
+                    } else {
+                        (0..u64::from(ds.heads_per_rank()))
+                            .map(|h| (base + h * lp.head_stride, head_block))
+                            .collect()
+                    };
+                    for (off, len) in pieces {
+                        let (off, len) = (off as usize, len as usize);
+                        for x in &mut want.get_mut(&loc.region).unwrap()[off..off + len] {
+                            *x += 1;
+                        }
                     }
                 }
             }
