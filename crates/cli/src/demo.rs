@@ -46,6 +46,10 @@ pub struct DemoArgs {
     pub prefill_block_size: u32,
     #[arg(long, default_value_t = 16)]
     pub decode_block_size: u32,
+    /// KV pool layout of P and D: blocks-outermost, heads-outermost, or auto (heads-outermost
+    /// when P and D differ in TP or block size, so descriptors do not grow with the prompt).
+    #[arg(long, default_value = "auto")]
+    pub kv_pool_layout: String,
     /// Skip killing a decode engine.
     #[arg(long)]
     pub no_kill: bool,
@@ -144,6 +148,7 @@ struct Report {
     handoffs_ended: BTreeMap<String, f64>,
     descriptors: f64,
     descriptors_per_handoff: f64,
+    kv_pool_layout: String,
     killed_engine: Option<String>,
     blocks_held_by_killed_engine_at_kill: usize,
     reclaim_after_kill_s: Option<f64>,
@@ -347,10 +352,30 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The pool layout the demo's P and D engines use.
+fn pool_layout(args: &DemoArgs) -> anyhow::Result<String> {
+    Ok(match args.kv_pool_layout.as_str() {
+        "auto"
+            if args.prefill_tp != args.decode_tp
+                || args.prefill_block_size != args.decode_block_size =>
+        {
+            "heads-outermost".into()
+        }
+        "auto" => "blocks-outermost".into(),
+        other @ ("blocks-outermost" | "heads-outermost") => other.into(),
+        other => {
+            bail!("--kv-pool-layout {other:?}: expected auto, blocks-outermost or heads-outermost")
+        }
+    })
+}
+
 async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let wall = Instant::now();
+    let pool = pool_layout(&args)?;
     let common = |tp: u32, bs: u32| -> Vec<String> {
         vec![
+            "--set".into(),
+            format!("kv_pool_layout={pool}"),
             "--transport".into(),
             args.transport.clone(),
             "--mode".into(),
@@ -593,12 +618,19 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     } else {
         0.0
     };
-    report.descriptors_per_handoff = if transfers > 0.0 {
-        report.descriptors / transfers
+    // A pull transfer is one handoff; a push transfer is one D rank's share of one.
+    let handoffs_moved = if args.mode == "push" {
+        transfers / f64::from(args.decode_tp)
+    } else {
+        transfers
+    };
+    report.descriptors_per_handoff = if handoffs_moved > 0.0 {
+        report.descriptors / handoffs_moved
     } else {
         0.0
     };
     report.prefill_tp = args.prefill_tp;
+    report.kv_pool_layout = pool.clone();
     report.decode_tp = args.decode_tp;
     report.prefill_block_size = args.prefill_block_size;
     report.decode_block_size = args.decode_block_size;
@@ -638,10 +670,11 @@ fn print_report(r: &Report) {
         r.ttft_p50_ms, r.ttft_p99_ms, r.e2e_p50_ms, r.e2e_p99_ms
     );
     println!(
-        "  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff",
+        "  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff ({} pool)",
         r.kv_bytes_moved / (1 << 20) as f64,
         r.kv_gb_per_s,
-        r.descriptors_per_handoff
+        r.descriptors_per_handoff,
+        r.kv_pool_layout
     );
     let ended: Vec<String> = r
         .handoffs_ended

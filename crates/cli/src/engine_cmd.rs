@@ -26,6 +26,10 @@ pub struct EngineArgs {
     pub block_size: Option<u32>,
     #[arg(long)]
     pub tp: Option<u32>,
+    /// blocks-outermost (default) or heads-outermost (for P/D pairs of different TP or block
+    /// size: descriptors then do not grow with the prompt).
+    #[arg(long)]
+    pub kv_pool_layout: Option<String>,
     /// tcp or nixl.
     #[arg(long)]
     pub transport: Option<String>,
@@ -61,6 +65,7 @@ impl EngineArgs {
         put("num_blocks", self.num_blocks.map(|x| x.to_string()));
         put("block_size", self.block_size.map(|x| x.to_string()));
         put("tp", self.tp.map(|x| x.to_string()));
+        put("kv_pool_layout", self.kv_pool_layout.clone());
         put("transport", self.transport.clone());
         put("mode", self.mode.clone());
         for kv in &self.set {

@@ -102,6 +102,7 @@ struct ActiveWrite {
     aborted: bool,
     started: Instant,
     bytes: u64,
+    descs: usize,
 }
 
 struct ActiveRead {
@@ -657,6 +658,7 @@ impl Connector {
                                     aborted: false,
                                     started: Instant::now(),
                                     bytes: 0,
+                                    descs: 0,
                                 },
                             )
                         });
@@ -980,6 +982,7 @@ impl Connector {
                         self.metrics
                             .transfer_duration
                             .observe(w.started.elapsed().as_secs_f64());
+                        self.metrics.transfer_descriptors.observe(w.descs as f64);
                         ended.push((h, *d_rank, true));
                     }
                     continue;
@@ -1024,6 +1027,7 @@ impl Connector {
                         // P writes: its own memory is the source.
                         let descs = xfer_descs(&pair.descriptors, XferOp::Write);
                         w.bytes += descs.iter().map(|d| d.len).sum::<u64>();
+                        w.descs += descs.len();
                         let note = if last {
                             w.done
                                 .iter()

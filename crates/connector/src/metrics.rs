@@ -91,12 +91,13 @@ impl Metrics {
         );
         r.register(
             "transfer_duration_seconds",
-            "Duration of a handoff's transfer, from post to done",
+            "Duration of a transfer, from post to done (pull: a handoff's READs; push: the WRITEs \
+             into one D rank)",
             m.transfer_duration.clone(),
         );
         r.register(
             "transfer_descriptors",
-            "Descriptors per transfer",
+            "Descriptors per transfer (pull: a handoff's READs; push: the WRITEs into one D rank)",
             m.transfer_descriptors.clone(),
         );
         r.register(

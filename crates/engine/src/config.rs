@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use handoff_connector::Role;
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
-use handoff_plan::{BlockLayout, KvSpec, ModelShape};
+use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
 use handoff_proto::TransferMode;
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +31,11 @@ pub struct EngineConfig {
     pub block_size: u32,
     /// `head-major` (default) or `token-major`.
     pub block_layout: String,
+    /// How the KV pool is arranged in memory: `blocks-outermost` (default: a run of blocks is
+    /// one descriptor for the whole model when P and D have equal TP and block size) or
+    /// `heads-outermost` (one descriptor per layer, plane and head for a run of blocks, whatever
+    /// the two engines' TP and block sizes: the choice for heterogeneous P/D pairs).
+    pub kv_pool_layout: String,
     pub num_blocks: u32,
     pub tp: u32,
     /// Longest prompt + generation, in tokens.
@@ -81,6 +86,7 @@ impl Default for EngineConfig {
             dtype: "bf16".into(),
             block_size: 16,
             block_layout: "head-major".into(),
+            kv_pool_layout: "blocks-outermost".into(),
             num_blocks: 2048,
             tp: 1,
             max_model_len: 8192,
@@ -217,6 +223,22 @@ impl EngineConfig {
         Ok(spec)
     }
 
+    pub fn pool_layout(&self) -> Result<PoolLayout, ConfigError> {
+        match self.kv_pool_layout.as_str() {
+            "blocks-outermost" => Ok(PoolLayout::BlocksOutermost),
+            "heads-outermost" if self.block_layout == "token-major" => Err(bad(
+                "kv_pool_layout",
+                "heads-outermost keeps each head's tokens together, which needs block_layout \
+                 head-major",
+            )),
+            "heads-outermost" => Ok(PoolLayout::HeadsOutermost),
+            other => Err(bad(
+                "kv_pool_layout",
+                format!("{other:?} is not blocks-outermost or heads-outermost"),
+            )),
+        }
+    }
+
     /// Checks every field; the first problem is reported with its field name.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.role()?;
@@ -246,6 +268,7 @@ impl EngineConfig {
             ));
         }
         self.spec()?;
+        self.pool_layout()?;
         if self.num_blocks == 0 {
             return Err(bad("num_blocks", "must be at least 1"));
         }
@@ -407,6 +430,17 @@ mod tests {
             ("fence_grace_ms", Box::new(|c| c.fence_grace_ms = 100)),
             ("num_blocks", Box::new(|c| c.num_blocks = 0)),
             ("mode", Box::new(|c| c.mode = "teleport".into())),
+            (
+                "kv_pool_layout",
+                Box::new(|c| c.kv_pool_layout = "diagonal".into()),
+            ),
+            (
+                "kv_pool_layout",
+                Box::new(|c| {
+                    c.kv_pool_layout = "heads-outermost".into();
+                    c.block_layout = "token-major".into();
+                }),
+            ),
         ];
         for (field, f) in cases {
             let mut c = EngineConfig::default();

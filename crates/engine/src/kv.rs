@@ -1,13 +1,20 @@
-//! The engine's KV memory: one registered region per rank (block-outermost, all layers of a block
-//! together), and the model's reads and writes of it. Rank `r` holds KV heads
-//! `r·hpr..(r+1)·hpr` of every block, as a tensor-parallel worker would.
+//! The engine's KV memory: one registered region per rank, arranged by the configured
+//! [`PoolLayout`] (blocks outermost, or heads outermost), and the model's reads and writes of it.
+//! Rank `r` holds KV heads `r·hpr..(r+1)·hpr` of every block, as a tensor-parallel worker would.
+//! Every address comes from [`RankLayout::row_offset`], the same function the planner uses, so
+//! what the model writes is exactly what a transfer moves.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use handoff_plan::{KvSpec, RankLayout};
+use handoff_plan::{BlockLayout, KvSpec, PoolLayout, RankLayout};
 use handoff_transport::KvRegion;
 
 use crate::model;
+
+/// Lock granularity when a layout's block stride is small (heads outermost: one head's block):
+/// chunks of about this size keep a long descriptor from taking thousands of locks.
+const MIN_CHUNK: usize = 64 << 10;
 
 pub struct KvMemory {
     pub spec: KvSpec,
@@ -16,15 +23,17 @@ pub struct KvMemory {
 }
 
 impl KvMemory {
-    pub fn new(spec: KvSpec, num_blocks: u32) -> Result<Self, String> {
+    pub fn new(spec: KvSpec, num_blocks: u32, pool: PoolLayout) -> Result<Self, String> {
         let mut layouts = Vec::new();
         let mut regions = Vec::new();
         for rank in 0..spec.tp {
-            let layout =
-                RankLayout::cross_layer(spec, rank, num_blocks, 0).map_err(|e| e.to_string())?;
+            let layout = pool
+                .rank_layout(spec, rank, num_blocks, 0)
+                .map_err(|e| e.to_string())?;
             let len = layout.regions[0].len as usize;
-            let chunk = layout.layers[0].block_stride as usize;
-            regions.push(Arc::new(KvRegion::new(len, chunk.max(1))));
+            let stride = (layout.layers[0].block_stride as usize).max(1);
+            let chunk = stride * (MIN_CHUNK / stride).max(1);
+            regions.push(Arc::new(KvRegion::new(len, chunk)));
             layouts.push(layout);
         }
         Ok(KvMemory {
@@ -47,11 +56,11 @@ impl KvMemory {
         kv: usize,
         head: u32,
         slot: u32,
-    ) -> usize {
-        let p = self.layouts[rank].layers[layer as usize];
-        (p.plane(kv).offset
-            + block as u64 * p.block_stride
-            + self.spec.row_index(head, slot) * self.spec.shape.row_bytes()) as usize
+    ) -> Result<usize, String> {
+        self.layouts[rank]
+            .row_offset(layer, kv, block, head, slot)
+            .map(|o| o as usize)
+            .ok_or_else(|| format!("block {block} layer {layer} is outside the KV pool"))
     }
 
     /// Writes the KV of positions `range` (prefix hashes `prefix[i]`) into `blocks`
@@ -59,67 +68,88 @@ impl KvMemory {
     pub fn write_positions(
         &self,
         prefix: &[u64],
-        range: std::ops::Range<usize>,
+        range: Range<usize>,
         blocks: &[u32],
     ) -> Result<(), String> {
         self.write_positions_layers(prefix, range, blocks, 0..self.spec.shape.num_layers)
     }
 
     /// [`Self::write_positions`] for some layers only (a forward pass produces one at a time).
-    /// A block filled from its first slot is written a whole plane at a time (the slots past the
-    /// range are zeroed: nothing of this sequence lives there); otherwise row by row.
+    /// A block filled from its first slot also gets its slots past the range zeroed (nothing of
+    /// this sequence lives there), so no earlier sequence's bytes survive in it.
     pub fn write_positions_layers(
         &self,
         prefix: &[u64],
-        range: std::ops::Range<usize>,
+        range: Range<usize>,
         blocks: &[u32],
-        layers: std::ops::Range<u32>,
+        layers: Range<u32>,
     ) -> Result<(), String> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
-        let plane = self.spec.plane_bytes() as usize;
-        let mut buf = vec![0u8; row];
-        let mut plane_buf = vec![0u8; plane];
+        let mut buf = Vec::new();
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
             let block = *blocks.get(bi).ok_or("position past the allocated blocks")?;
             let end = ((bi + 1) * bs).min(range.end);
-            let whole = pos % bs == 0;
+            let first = pos % bs;
+            // Slots written in this block: the range's, plus the zeroed rest of a fresh block.
+            let last = if first == 0 { bs } else { end - bi * bs };
+            let slots = first..last;
+            let positions = pos..end;
             for rank in 0..self.spec.tp as usize {
+                let region = &self.regions[rank];
                 for layer in layers.clone() {
                     for kv in 0..2 {
-                        if whole {
-                            plane_buf.fill(0);
-                        }
-                        for h in 0..hpr {
-                            let global = rank as u32 * hpr + h;
-                            for (i, p) in prefix.iter().enumerate().take(end).skip(pos) {
-                                let slot = (i % bs) as u32;
-                                let in_plane = self.spec.row_index(h, slot) as usize * row;
-                                if whole {
-                                    model::kv_row(
-                                        *p,
+                        match self.spec.block_layout {
+                            // A head's slots of one block are contiguous: one write per head.
+                            BlockLayout::HeadMajor => {
+                                for h in 0..hpr {
+                                    let global = rank as u32 * hpr + h;
+                                    buf.clear();
+                                    buf.resize(slots.len() * row, 0);
+                                    for (i, p) in positions.clone().enumerate() {
+                                        model::kv_row(
+                                            prefix[p],
+                                            layer,
+                                            kv as u32,
+                                            global,
+                                            &mut buf[i * row..(i + 1) * row],
+                                        );
+                                    }
+                                    let off = self.row_offset(
+                                        rank,
+                                        block,
                                         layer,
-                                        kv as u32,
-                                        global,
-                                        &mut plane_buf[in_plane..in_plane + row],
-                                    );
-                                } else {
-                                    model::kv_row(*p, layer, kv as u32, global, &mut buf);
-                                    let off = self.row_offset(rank, block, layer, kv, h, slot);
-                                    self.regions[rank]
-                                        .write(off, &buf)
-                                        .map_err(|e| e.to_string())?;
+                                        kv,
+                                        h,
+                                        slots.start as u32,
+                                    )?;
+                                    region.write(off, &buf).map_err(|e| e.to_string())?;
                                 }
                             }
-                        }
-                        if whole {
-                            let off = self.row_offset(rank, block, layer, kv, 0, 0);
-                            self.regions[rank]
-                                .write(off, &plane_buf)
-                                .map_err(|e| e.to_string())?;
+                            // Token-major (heads always inside the block): the slots' rows of
+                            // every head are one contiguous range.
+                            BlockLayout::TokenMajor => {
+                                buf.clear();
+                                buf.resize(slots.len() * hpr as usize * row, 0);
+                                for (i, p) in positions.clone().enumerate() {
+                                    for h in 0..hpr {
+                                        let at = (i * hpr as usize + h as usize) * row;
+                                        model::kv_row(
+                                            prefix[p],
+                                            layer,
+                                            kv as u32,
+                                            rank as u32 * hpr + h,
+                                            &mut buf[at..at + row],
+                                        );
+                                    }
+                                }
+                                let off =
+                                    self.row_offset(rank, block, layer, kv, 0, slots.start as u32)?;
+                                region.write(off, &buf).map_err(|e| e.to_string())?;
+                            }
                         }
                     }
                 }
@@ -134,34 +164,76 @@ impl KvMemory {
     pub fn digest_positions(
         &self,
         mut digest: u64,
-        range: std::ops::Range<usize>,
+        range: Range<usize>,
         blocks: &[u32],
     ) -> Result<u64, String> {
         let bs = self.spec.block_size as usize;
-        let hpr = self.spec.heads_per_rank();
+        let hpr = self.spec.heads_per_rank() as usize;
+        let heads = self.spec.shape.num_kv_heads as usize;
+        let layers = self.spec.shape.num_layers as usize;
         let row = self.row_bytes();
-        let stride = self.layouts[0].layers[0].block_stride as usize;
+        let mut rows = Vec::new();
+        let mut plane = Vec::new();
         let mut pos = range.start;
-        let mut blks: Vec<Vec<u8>> = vec![vec![0u8; stride]; self.spec.tp as usize];
         while pos < range.end {
             let bi = pos / bs;
             let block = *blocks.get(bi).ok_or("position past the allocated blocks")?;
             let end = ((bi + 1) * bs).min(range.end);
-            for (rank, blk) in blks.iter_mut().enumerate() {
-                let base = self.row_offset(rank, block, 0, 0, 0, 0);
-                self.regions[rank]
-                    .read(base, blk)
-                    .map_err(|e| e.to_string())?;
-            }
-            for i in pos..end {
-                let slot = (i % bs) as u32;
-                for layer in 0..self.spec.shape.num_layers {
+            let (first, n) = (pos % bs, end - pos);
+            // This block's rows in logical order: [layer][plane][global head][slot].
+            let at = |layer: usize, kv: usize, g: usize, i: usize| {
+                (((layer * 2 + kv) * heads + g) * n + i) * row
+            };
+            rows.clear();
+            rows.resize(layers * 2 * heads * n * row, 0);
+            for (rank, region) in self.regions.iter().enumerate() {
+                for layer in 0..layers {
                     for kv in 0..2 {
-                        for g in 0..self.spec.shape.num_kv_heads {
-                            let (rank, h) = ((g / hpr) as usize, g % hpr);
-                            let base = self.row_offset(rank, block, 0, 0, 0, 0);
-                            let off = self.row_offset(rank, block, layer, kv, h, slot) - base;
-                            digest = model::fold(digest, &blks[rank][off..off + row]);
+                        let l = layer as u32;
+                        match self.spec.block_layout {
+                            BlockLayout::HeadMajor => {
+                                for h in 0..hpr {
+                                    let g = rank * hpr + h;
+                                    let off = self.row_offset(
+                                        rank,
+                                        block,
+                                        l,
+                                        kv,
+                                        h as u32,
+                                        first as u32,
+                                    )?;
+                                    region
+                                        .read(
+                                            off,
+                                            &mut rows[at(layer, kv, g, 0)..at(layer, kv, g, n)],
+                                        )
+                                        .map_err(|e| e.to_string())?;
+                                }
+                            }
+                            BlockLayout::TokenMajor => {
+                                plane.clear();
+                                plane.resize(n * hpr * row, 0);
+                                let off = self.row_offset(rank, block, l, kv, 0, first as u32)?;
+                                region.read(off, &mut plane).map_err(|e| e.to_string())?;
+                                for i in 0..n {
+                                    for h in 0..hpr {
+                                        let src = (i * hpr + h) * row;
+                                        let dst = at(layer, kv, rank * hpr + h, i);
+                                        rows[dst..dst + row]
+                                            .copy_from_slice(&plane[src..src + row]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for i in 0..n {
+                for layer in 0..layers {
+                    for kv in 0..2 {
+                        for g in 0..heads {
+                            let a = at(layer, kv, g, i);
+                            digest = model::fold(digest, &rows[a..a + row]);
                         }
                     }
                 }

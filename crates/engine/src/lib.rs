@@ -78,7 +78,9 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     }
     let role = cfg.role()?;
     let spec = cfg.spec()?;
-    let kv = Arc::new(kv::KvMemory::new(spec, cfg.num_blocks).map_err(anyhow::Error::msg)?);
+    let kv = Arc::new(
+        kv::KvMemory::new(spec, cfg.num_blocks, cfg.pool_layout()?).map_err(anyhow::Error::msg)?,
+    );
     let mut registry = Registry::default();
     let metrics = metrics::EngineMetrics::new(&mut registry);
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))

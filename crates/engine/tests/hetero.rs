@@ -26,6 +26,11 @@ fn cfg(role: &str, tp: u32, block_size: u32) -> EngineConfig {
     }
 }
 
+fn with_pool(mut c: EngineConfig, pool: &str) -> EngineConfig {
+    c.kv_pool_layout = pool.into();
+    c
+}
+
 fn prompt(seed: usize, words: usize) -> String {
     (0..words)
         .map(|i| format!("h{}", (i * 31 + seed * 977) % 3000))
@@ -66,9 +71,21 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
         ((2, 32), (4, 16)),
         ((4, 16), (1, 32)),
     ];
-    for ((ptp, pbs), (dtp, dbs)) in cases {
-        let p = start(cfg("prefill", ptp, pbs)).await.unwrap();
-        let d = start(cfg("decode", dtp, dbs)).await.unwrap();
+    // Each case on one pairing of pool layouts, so every pairing meets several shapes.
+    let pools = [
+        ("blocks-outermost", "blocks-outermost"),
+        ("heads-outermost", "heads-outermost"),
+        ("heads-outermost", "blocks-outermost"),
+        ("blocks-outermost", "heads-outermost"),
+    ];
+    for (case, ((ptp, pbs), (dtp, dbs))) in cases.into_iter().enumerate() {
+        let (p_pool, d_pool) = pools[case % pools.len()];
+        let p = start(with_pool(cfg("prefill", ptp, pbs), p_pool))
+            .await
+            .unwrap();
+        let d = start(with_pool(cfg("decode", dtp, dbs), d_pool))
+            .await
+            .unwrap();
         for (i, words) in [3usize, 16, 33, 250].into_iter().enumerate() {
             let text = prompt(i + ptp as usize * 10 + dtp as usize, words);
             for n in [1, 4] {
@@ -80,12 +97,9 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
                 .await;
                 assert_eq!(s, 200);
                 let (s, dis) = disaggregated(&c, &p, &d, &text, n).await;
-                assert_eq!(s, 200, "P tp {ptp} bs {pbs} -> D tp {dtp} bs {dbs}: {dis}");
-                assert_eq!(
-                    texts(&dis),
-                    texts(&m),
-                    "P tp {ptp} bs {pbs} -> D tp {dtp} bs {dbs}, {words} words, n={n}"
-                );
+                let case = format!("P tp {ptp} bs {pbs} {p_pool} -> D tp {dtp} bs {dbs} {d_pool}");
+                assert_eq!(s, 200, "{case}: {dis}");
+                assert_eq!(texts(&dis), texts(&m), "{case}, {words} words, n={n}");
             }
         }
         released_within(&p, Duration::from_secs(1)).await;
@@ -95,33 +109,75 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
     mono.stop().await;
 }
 
+/// Descriptors D posted for one handoff of `words` tokens, on fresh engines (so both allocations
+/// are contiguous).
+async fn descriptors_for(
+    c: &reqwest::Client,
+    p: EngineConfig,
+    d: EngineConfig,
+    words: usize,
+) -> f64 {
+    let p = start(p).await.unwrap();
+    let d = start(d).await.unwrap();
+    let (s, _) = disaggregated(c, &p, &d, &prompt(1, words), 1).await;
+    assert_eq!(s, 200);
+    let m = c
+        .get(format!("{}/metrics", d.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    p.stop().await;
+    d.stop().await;
+    metric(&m, "handoff_transfer_descriptors_sum")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contiguous_blocks_cost_a_constant_number_of_descriptors() {
-    // Equal TP and block size: a contiguous run is one descriptor, however long the prompt.
     let c = reqwest::Client::new();
+    // Blocks outermost, equal TP and block size: a contiguous run is one descriptor for the whole
+    // model, however long the prompt.
     for (ptp, dtp) in [(1, 1), (2, 2)] {
         let mut per_prompt = Vec::new();
         for words in [64usize, 1024, 4096] {
-            let p = start(cfg("prefill", ptp, 16)).await.unwrap();
-            let d = start(cfg("decode", dtp, 16)).await.unwrap();
-            let (s, _) = disaggregated(&c, &p, &d, &prompt(1, words), 1).await;
-            assert_eq!(s, 200);
-            let m = c
-                .get(format!("{}/metrics", d.url()))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            per_prompt.push(metric(&m, "handoff_transfer_descriptors_sum"));
-            p.stop().await;
-            d.stop().await;
+            per_prompt.push(
+                descriptors_for(&c, cfg("prefill", ptp, 16), cfg("decode", dtp, 16), words).await,
+            );
         }
         // One descriptor per (D rank, P rank) pair, for 4 blocks as for 256.
         assert!(
             per_prompt.iter().all(|d| *d == ptp as f64),
             "tp {ptp}->{dtp}: {per_prompt:?}"
+        );
+    }
+    // Heads outermost, any TP and block-size pairing: one descriptor per (layer, K|V, head) moved,
+    // for 4 blocks as for 256.
+    let shape = EngineConfig::default();
+    let expected = f64::from(shape.num_layers * 2 * shape.num_kv_heads);
+    for ((ptp, pbs), (dtp, dbs)) in [
+        ((1, 16), (2, 16)),
+        ((2, 16), (4, 16)),
+        ((4, 16), (2, 16)),
+        ((1, 16), (1, 32)),
+        ((2, 32), (4, 16)),
+    ] {
+        let mut per_prompt = Vec::new();
+        for words in [64usize, 1024, 4096] {
+            per_prompt.push(
+                descriptors_for(
+                    &c,
+                    with_pool(cfg("prefill", ptp, pbs), "heads-outermost"),
+                    with_pool(cfg("decode", dtp, dbs), "heads-outermost"),
+                    words,
+                )
+                .await,
+            );
+        }
+        assert!(
+            per_prompt.iter().all(|d| *d == expected),
+            "tp {ptp}->{dtp} bs {pbs}->{dbs}: {per_prompt:?}, expected {expected} each"
         );
     }
 }

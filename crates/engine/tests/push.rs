@@ -111,9 +111,27 @@ async fn push_output_equals_monolithic_in_both_orders() {
     .await
     .unwrap();
     let mut id = 0;
-    for (ptp, dtp) in [(1, 1), (1, 2), (2, 1)] {
-        let p = start(cfg("prefill", ptp)).await.unwrap();
-        let d = start(cfg("decode", dtp)).await.unwrap();
+    // The last case streams layer by layer between heads-outermost pools (and a different
+    // block size on D), the layout for heterogeneous pairs.
+    for (ptp, dtp, pool, d_bs) in [
+        (1, 1, "blocks-outermost", 16),
+        (1, 2, "blocks-outermost", 16),
+        (2, 1, "blocks-outermost", 16),
+        (1, 2, "heads-outermost", 32),
+    ] {
+        let p = start(EngineConfig {
+            kv_pool_layout: pool.into(),
+            ..cfg("prefill", ptp)
+        })
+        .await
+        .unwrap();
+        let d = start(EngineConfig {
+            kv_pool_layout: pool.into(),
+            block_size: d_bs,
+            ..cfg("decode", dtp)
+        })
+        .await
+        .unwrap();
         for (i, words) in [7usize, 16, 200, 900].into_iter().enumerate() {
             for d_first in [true, false] {
                 for n in [1, 3] {
@@ -133,7 +151,7 @@ async fn push_output_equals_monolithic_in_both_orders() {
                     assert_eq!(
                         texts(&v),
                         texts(&m),
-                        "P tp {ptp} D tp {dtp}, {words} words, d_first {d_first}"
+                        "P tp {ptp} D tp {dtp} {pool}, {words} words, d_first {d_first}"
                     );
                 }
             }

@@ -267,6 +267,40 @@ impl LayerPlacement {
     }
 }
 
+/// How an engine arranges its KV pool in one region per rank: the two layouts handoff's own
+/// engine offers (other engines describe theirs with a [`RankLayout`] directly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PoolLayout {
+    /// [`RankLayout::cross_layer`]: a block holds every layer. Between engines of equal TP and
+    /// block size a run of contiguous blocks is one descriptor for the whole model; otherwise
+    /// one per block per layer per plane.
+    BlocksOutermost,
+    /// [`RankLayout::heads_outermost`]: each (layer, plane, head) holds its blocks back to back.
+    /// One descriptor per (layer, plane, head) moved for a contiguous run, whatever the TP sizes
+    /// and block sizes of the two engines.
+    HeadsOutermost,
+}
+
+impl PoolLayout {
+    /// The layout of `rank`'s single region `region_id` holding `num_blocks` blocks.
+    pub fn rank_layout(
+        self,
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        region_id: u32,
+    ) -> Result<RankLayout, LayoutError> {
+        match self {
+            PoolLayout::BlocksOutermost => {
+                RankLayout::cross_layer(spec, rank, num_blocks, region_id)
+            }
+            PoolLayout::HeadsOutermost => {
+                RankLayout::heads_outermost(spec, rank, num_blocks, region_id)
+            }
+        }
+    }
+}
+
 /// Where one rank of one engine keeps its KV: the unit a worker registers and sends in a
 /// handshake.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

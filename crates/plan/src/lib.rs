@@ -72,8 +72,8 @@ mod planner;
 mod topology;
 
 pub use layout::{
-    BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc, RankLayout, Region,
-    Side, SpecError,
+    BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc, PoolLayout, RankLayout,
+    Region, Side, SpecError,
 };
 pub use planner::{
     plan, plan_layers, plan_pair, plan_pair_layers, uncovered_dst, Descriptor, PairPlan, Plan,
