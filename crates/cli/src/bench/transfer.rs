@@ -15,15 +15,17 @@
 //! - **Baselines.** `raw-tcp`: std TCP over loopback between the same two processes, reading and
 //!   writing the same regions block by block (one `read_exact`/`write_all` per block). `memcpy`:
 //!   one thread copying the same scattered blocks between two buffers of this process.
-//!   `raw-nixl`: [`raw::measure`], the bare C API (prepped lists, `make_xfer_req`, post, poll,
-//!   release) with the same agent settings. It runs two agents in *one* process with its own
-//!   block mapping ([`raw::scattered_pairs`]), so `nixl_vs_raw_nixl` compares it with the nixl
-//!   transport run the same way (two transports in this process, the same mapping).
+//!   `raw-nixl`: [`raw::RawSession`], the bare C API (prepped lists, `make_xfer_req`, post,
+//!   poll, release) with the same agent settings. It runs two agents in *one* process with its
+//!   own block mapping ([`raw::scattered_pairs`]), so `nixl_vs_raw_nixl` compares it with the
+//!   nixl transport run the same way (two transports in this process, the same mapping), their
+//!   repetitions interleaved.
 //! - **Timing.** From post to done and released (status polled every `--poll-us`, 200 µs by
 //!   default; raw NIXL spins), after one untimed warm-up whose bytes are checked on both sides;
 //!   median of the repetitions. tcp and raw TCP alternate repetition by repetition (ABBA), as do
-//!   nixl and memcpy, so a drift of the host weighs on backend and baseline alike; tcp gets more
-//!   repetitions (`--tcp-reps`) because loopback TCP varies far more between repetitions.
+//!   nixl and memcpy, and nixl and raw NIXL in one process, so a drift of the host weighs on
+//!   backend and baseline alike; tcp gets more repetitions (`--tcp-reps`) because loopback TCP
+//!   varies far more between repetitions.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -693,54 +695,74 @@ fn interleaved(
     Ok((sa, sb))
 }
 
-/// The nixl transport the way raw NIXL runs: two agents of this process, raw's block mapping.
-fn nixl_in_process(
-    cfg: &NixlConfig,
-    case: &Case,
-    regions: &(Arc<KvRegion>, Arc<KvRegion>),
+/// The nixl transport the way raw NIXL runs: two transports of this process, raw's block
+/// mapping, ready to time one transfer at a time (so its repetitions interleave with raw's).
+struct NixlInProcess {
+    a: Arc<NixlTransport>,
+    // Kept alive: the peer of `a`.
+    _b: Arc<NixlTransport>,
+    b_name: String,
+    descs: Vec<XferDesc>,
     op: XferOp,
-    reps: usize,
-    seed: &mut u64,
-) -> anyhow::Result<Vec<f64>> {
-    let pid = std::process::id();
-    *seed += 1;
-    let a = NixlTransport::open(&format!("bench-ia-{pid}-{seed}"), cfg.clone())?;
-    let b = NixlTransport::open(&format!("bench-ib-{pid}-{seed}"), cfg.clone())?;
-    a.register(0, regions.0.clone())?;
-    b.register(0, regions.1.clone())?;
-    let b_name = a.load_remote(&b.local_metadata()?)?;
-    b.load_remote(&a.local_metadata()?)?;
-    let (block, blocks) = case.raw;
-    let descs: Vec<XferDesc> = raw::scattered_pairs(blocks, block)
-        .into_iter()
-        .map(|(l, r)| XferDesc {
-            local_region: 0,
-            local_offset: l,
-            remote_region: 0,
-            remote_offset: r,
-            len: block as u64,
+}
+
+impl NixlInProcess {
+    /// Sets both transports up and runs one untimed transfer whose bytes are checked.
+    fn new(
+        cfg: &NixlConfig,
+        case: &Case,
+        regions: &(Arc<KvRegion>, Arc<KvRegion>),
+        op: XferOp,
+        seed: &mut u64,
+    ) -> anyhow::Result<Self> {
+        let pid = std::process::id();
+        *seed += 1;
+        let a = NixlTransport::open(&format!("bench-ia-{pid}-{seed}"), cfg.clone())?;
+        let b = NixlTransport::open(&format!("bench-ib-{pid}-{seed}"), cfg.clone())?;
+        a.register(0, regions.0.clone())?;
+        b.register(0, regions.1.clone())?;
+        let b_name = a.load_remote(&b.local_metadata()?)?;
+        b.load_remote(&a.local_metadata()?)?;
+        let (block, blocks) = case.raw;
+        let descs: Vec<XferDesc> = raw::scattered_pairs(blocks, block)
+            .into_iter()
+            .map(|(l, r)| XferDesc {
+                local_region: 0,
+                local_offset: l,
+                remote_region: 0,
+                remote_offset: r,
+                len: block as u64,
+            })
+            .collect();
+        // Fresh bytes at the source only: the destination still holds older ones, so the check
+        // below proves the bytes moved.
+        let src = if op == XferOp::Read {
+            &regions.1
+        } else {
+            &regions.0
+        };
+        fill(src, *seed)?;
+        time_xfer(&*a, &b_name, op, &descs)?;
+        let mine = hash_ranges(&regions.0, descs.iter().map(|d| (d.local_offset, d.len)))?;
+        let theirs = hash_ranges(&regions.1, descs.iter().map(|d| (d.remote_offset, d.len)))?;
+        if mine != theirs {
+            bail!(
+                "nixl (one process) {}: bytes differ after the warm-up",
+                case.label
+            );
+        }
+        Ok(NixlInProcess {
+            a,
+            _b: b,
+            b_name,
+            descs,
+            op,
         })
-        .collect();
-    // Fresh bytes at the source only: the destination still holds older ones, so the check
-    // below proves the bytes moved.
-    let src = if op == XferOp::Read {
-        &regions.1
-    } else {
-        &regions.0
-    };
-    fill(src, *seed)?;
-    time_xfer(&*a, &b_name, op, &descs)?;
-    let mine = hash_ranges(&regions.0, descs.iter().map(|d| (d.local_offset, d.len)))?;
-    let theirs = hash_ranges(&regions.1, descs.iter().map(|d| (d.remote_offset, d.len)))?;
-    if mine != theirs {
-        bail!(
-            "nixl (one process) {}: bytes differ after the warm-up",
-            case.label
-        );
     }
-    (0..reps)
-        .map(|_| time_xfer(&*a, &b_name, op, &descs))
-        .collect()
+
+    fn once(&self) -> anyhow::Result<f64> {
+        time_xfer(&*self.a, &self.b_name, self.op, &self.descs)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -975,9 +997,8 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             let (block_size, blocks) = case.raw;
             let bytes = (block_size * blocks) as u64;
             for (op, opn) in OPS {
-                let secs = nixl_in_process(&cfg, case, &pairs[case.class], op, reps, &mut seed)?;
-                res.put(&format!("nixl_1proc_{opn}"), case, bytes, &secs);
-                let r = raw::measure(
+                let ours = NixlInProcess::new(&cfg, case, &pairs[case.class], op, &mut seed)?;
+                let mut theirs = raw::RawSession::new(
                     &cfg,
                     &raw::RawSpec {
                         op,
@@ -987,7 +1008,11 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                         notify: false,
                     },
                 )?;
-                res.put(&format!("raw_nixl_{opn}"), case, r.bytes_per_xfer, &r.secs);
+                theirs.once()?;
+                theirs.check()?;
+                let (a, b) = interleaved(reps, || ours.once(), || Ok(theirs.once()?))?;
+                res.put(&format!("nixl_1proc_{opn}"), case, bytes, &a);
+                res.put(&format!("raw_nixl_{opn}"), case, theirs.bytes(), &b);
             }
         }
     }

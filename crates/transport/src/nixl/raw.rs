@@ -102,7 +102,7 @@ impl RawAgent {
         name: String,
         cfg: &NixlConfig,
         len: usize,
-        fill: Option<fn(usize) -> u8>,
+        fill: Option<fn(&mut [u8])>,
     ) -> Result<Self, TransportError> {
         let name = CString::new(name).map_err(|e| TransportError::Io(e.to_string()))?;
         let backend_name =
@@ -128,7 +128,11 @@ impl RawAgent {
             // Every page is written (faulted in) before it is registered, as the transport's
             // regions are when the engine fills them.
             buf: match fill {
-                Some(f) => (0..len).map(f).collect(),
+                Some(f) => {
+                    let mut v = vec![0u8; len];
+                    f(&mut v);
+                    v
+                }
                 None => vec![0x5a; len],
             },
         };
@@ -253,24 +257,27 @@ impl Drop for RawAgent {
     }
 }
 
-/// A prepped descriptor-list handle, released on drop.
-struct Prepped<'a> {
-    owner: &'a RawAgent,
+/// A prepped descriptor-list handle, released on drop (declared before its agent wherever both
+/// are fields, so it drops first).
+struct Prepped {
+    api: &'static Api,
+    agent: sys::Agent,
     raw: sys::XferDlistHandle,
 }
 
-impl Drop for Prepped<'_> {
+impl Drop for Prepped {
     fn drop(&mut self) {
-        // SAFETY: prepped by `owner`, which is still alive (borrowed), released once.
-        unsafe { (self.owner.api.release_xfer_dlist_handle)(self.owner.agent, self.raw) };
+        // SAFETY: prepped by `agent`, which outlives this handle (see the field order of
+        // RawSession), released once.
+        unsafe { (self.api.release_xfer_dlist_handle)(self.agent, self.raw) };
     }
 }
 
-fn prep<'a>(
-    owner: &'a RawAgent,
+fn prep(
+    owner: &RawAgent,
     agent_name: &CString,
     descs: &[(usize, usize)],
-) -> Result<Prepped<'a>, TransportError> {
+) -> Result<Prepped, TransportError> {
     let api = owner.api;
     let mut list: sys::XferDlist = ptr::null_mut();
     // SAFETY: valid out pointer; the list is filled with plain descriptors, prepped by a live
@@ -297,77 +304,117 @@ fn prep<'a>(
         );
         (api.destroy_xfer_dlist)(list);
         ok("prep_xfer_dlist", st)?;
-        Ok(Prepped { owner, raw: h })
+        Ok(Prepped {
+            api,
+            agent: owner.agent,
+            raw: h,
+        })
     }
 }
 
-/// Moves `spec.blocks` blocks of `spec.block_size` between two fresh agents of this process,
-/// `spec.iters` times after one checked warm-up, and reports the throughput.
-pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportError> {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    if spec.blocks == 0 || spec.block_size == 0 || spec.blocks > c_int::MAX as usize {
-        return Err(TransportError::Io(
-            "raw nixl: empty or too large spec".into(),
-        ));
-    }
-    let api = load_api(&locate(cfg)?)?;
-    let len = region_len(spec.blocks, spec.block_size);
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let pid = std::process::id();
-    // The source of the copy is filled with a pattern before registration, the destination
-    // with a constant.
-    let pattern: fn(usize) -> u8 = |i| (i % 251) as u8;
-    let src_is_a = spec.op == XferOp::Write;
-    let a = RawAgent::new(
-        api,
-        format!("raw-a-{pid}-{seq}"),
-        cfg,
-        len,
-        src_is_a.then_some(pattern),
-    )?;
-    let b = RawAgent::new(
-        api,
-        format!("raw-b-{pid}-{seq}"),
-        cfg,
-        len,
-        (!src_is_a).then_some(pattern),
-    )?;
-    a.load(&b.local_md()?)?;
-    b.load(&a.local_md()?)?;
+/// Two agents of this process with prepped lists for `spec`'s blocks, ready to time one transfer
+/// at a time, so a caller can interleave them with the transport's repetitions.
+pub struct RawSession {
+    // Field order is drop order: the prepped handles go before the agents that prepped them.
+    lh: Prepped,
+    rh: Prepped,
+    a: RawAgent,
+    b: RawAgent,
+    api: &'static Api,
+    spec: RawSpec,
+    pairs: Vec<(u64, u64)>,
+    idx: Vec<c_int>,
+    opt: sys::OptArgs,
+    posted: usize,
+}
 
-    let pairs = scattered_pairs(spec.blocks, spec.block_size);
-    let abase = a.buf.as_ptr() as usize;
-    let bbase = b.buf.as_ptr() as usize;
-    let local: Vec<(usize, usize)> = pairs
-        .iter()
-        .map(|&(l, _)| (abase + l as usize, spec.block_size))
-        .collect();
-    let remote: Vec<(usize, usize)> = pairs
-        .iter()
-        .map(|&(_, r)| (bbase + r as usize, spec.block_size))
-        .collect();
-    let init = CString::new("").expect("no NUL");
-    let lh = prep(&a, &init, &local)?;
-    let rh = prep(&a, &b.name, &remote)?;
-    let idx: Vec<c_int> = (0..spec.blocks as c_int).collect();
-    let opt = if spec.notify {
-        let mut o: sys::OptArgs = ptr::null_mut();
-        // SAFETY: valid out pointer; the message is copied by NIXL.
-        unsafe {
-            ok("create_opt_args", (api.create_opt_args)(&mut o))?;
-            let msg = b"raw";
-            (api.opt_args_set_notif_msg)(o, msg.as_ptr() as *const c_void, msg.len());
-            (api.opt_args_set_has_notif)(o, true);
+impl RawSession {
+    /// Sets up both agents, fills the source with a pattern (the destination with a constant)
+    /// and preps the descriptor lists.
+    pub fn new(cfg: &NixlConfig, spec: &RawSpec) -> Result<Self, TransportError> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        if spec.blocks == 0 || spec.block_size == 0 || spec.blocks > c_int::MAX as usize {
+            return Err(TransportError::Io(
+                "raw nixl: empty or too large spec".into(),
+            ));
         }
-        o
-    } else {
-        ptr::null_mut()
-    };
-    let op = super::agent::op_code(spec.op);
+        let api = load_api(&locate(cfg)?)?;
+        let len = region_len(spec.blocks, spec.block_size);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let pattern: fn(&mut [u8]) = |buf| {
+            let period: Vec<u8> = (0..251u8).collect();
+            for piece in buf.chunks_mut(period.len()) {
+                piece.copy_from_slice(&period[..piece.len()]);
+            }
+        };
+        let src_is_a = spec.op == XferOp::Write;
+        let a = RawAgent::new(
+            api,
+            format!("raw-a-{pid}-{seq}"),
+            cfg,
+            len,
+            src_is_a.then_some(pattern),
+        )?;
+        let b = RawAgent::new(
+            api,
+            format!("raw-b-{pid}-{seq}"),
+            cfg,
+            len,
+            (!src_is_a).then_some(pattern),
+        )?;
+        a.load(&b.local_md()?)?;
+        b.load(&a.local_md()?)?;
+        let pairs = scattered_pairs(spec.blocks, spec.block_size);
+        let abase = a.buf.as_ptr() as usize;
+        let bbase = b.buf.as_ptr() as usize;
+        let local: Vec<(usize, usize)> = pairs
+            .iter()
+            .map(|&(l, _)| (abase + l as usize, spec.block_size))
+            .collect();
+        let remote: Vec<(usize, usize)> = pairs
+            .iter()
+            .map(|&(_, r)| (bbase + r as usize, spec.block_size))
+            .collect();
+        let init = CString::new("").expect("no NUL");
+        let lh = prep(&a, &init, &local)?;
+        let rh = prep(&a, &b.name, &remote)?;
+        let mut opt: sys::OptArgs = ptr::null_mut();
+        if spec.notify {
+            // SAFETY: valid out pointer; the message is copied by NIXL; destroyed once in Drop.
+            unsafe {
+                ok("create_opt_args", (api.create_opt_args)(&mut opt))?;
+                let msg = b"raw";
+                (api.opt_args_set_notif_msg)(opt, msg.as_ptr() as *const c_void, msg.len());
+                (api.opt_args_set_has_notif)(opt, true);
+            }
+        }
+        Ok(RawSession {
+            lh,
+            rh,
+            a,
+            b,
+            api,
+            spec: spec.clone(),
+            pairs,
+            idx: (0..spec.blocks as c_int).collect(),
+            opt,
+            posted: 0,
+        })
+    }
 
-    let run_one = || -> Result<f64, TransportError> {
+    /// Bytes one transfer moves.
+    pub fn bytes(&self) -> u64 {
+        (self.spec.blocks * self.spec.block_size) as u64
+    }
+
+    /// One transfer, timed from request creation to release, in seconds.
+    pub fn once(&mut self) -> Result<f64, TransportError> {
+        let api = self.api;
+        let op = super::agent::op_code(self.spec.op);
         let t0 = Instant::now();
         let mut req: sys::XferReq = ptr::null_mut();
+        self.posted += 1;
         // SAFETY: live agent, prepped handles of that agent, indices valid for both lists
         // (`blocks` entries each), valid out pointer, live (or null) opt args. The request is
         // polled, released, then destroyed once.
@@ -375,68 +422,64 @@ pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportE
             ok(
                 "make_xfer_req",
                 (api.make_xfer_req)(
-                    a.agent,
+                    self.a.agent,
                     op,
-                    lh.raw,
-                    idx.as_ptr(),
-                    idx.len(),
-                    rh.raw,
-                    idx.as_ptr(),
-                    idx.len(),
+                    self.lh.raw,
+                    self.idx.as_ptr(),
+                    self.idx.len(),
+                    self.rh.raw,
+                    self.idx.as_ptr(),
+                    self.idx.len(),
                     &mut req,
-                    opt,
+                    self.opt,
                 ),
             )?;
-            let mut st = (api.post_xfer_req)(a.agent, req, ptr::null_mut());
+            let mut st = (api.post_xfer_req)(self.a.agent, req, ptr::null_mut());
             let deadline = Instant::now() + Duration::from_secs(30);
             while st == sys::IN_PROG && Instant::now() < deadline {
-                st = (api.get_xfer_status)(a.agent, req);
+                st = (api.get_xfer_status)(self.a.agent, req);
             }
-            let rel = (api.release_xfer_req)(a.agent, req);
+            let rel = (api.release_xfer_req)(self.a.agent, req);
             if rel == sys::SUCCESS {
                 (api.destroy_xfer_req)(req);
             }
             ok("post_xfer_req/get_xfer_status", st)?;
         }
         Ok(t0.elapsed().as_secs_f64())
-    };
+    }
 
-    let result = (|| {
-        run_one()?;
-        // Check the warm-up's bytes: destination block i equals source block i.
+    /// Checks that every destination block equals its source block (after a transfer).
+    pub fn check(&self) -> Result<(), TransportError> {
+        let src_is_a = self.spec.op == XferOp::Write;
         let (src, dst) = if src_is_a {
-            (&a.buf, &b.buf)
+            (&self.a.buf, &self.b.buf)
         } else {
-            (&b.buf, &a.buf)
+            (&self.b.buf, &self.a.buf)
         };
-        for &(l, r) in &pairs {
+        let bs = self.spec.block_size;
+        for &(l, r) in &self.pairs {
             let (s_off, d_off) = if src_is_a { (l, r) } else { (r, l) };
             let (s_off, d_off) = (s_off as usize, d_off as usize);
-            // The transfer is complete and released: nothing writes these buffers any more.
-            if src[s_off..s_off + spec.block_size] != dst[d_off..d_off + spec.block_size] {
+            // Every transfer is complete and released: nothing writes these buffers any more.
+            if src[s_off..s_off + bs] != dst[d_off..d_off + bs] {
                 return Err(TransportError::Io(
-                    "raw nixl: bytes differ after warm-up".into(),
+                    "raw nixl: bytes differ after a transfer".into(),
                 ));
             }
         }
-        let mut secs = Vec::with_capacity(spec.iters);
-        for _ in 0..spec.iters {
-            secs.push(run_one()?);
-        }
-        Ok(secs)
-    })();
-    if !opt.is_null() {
-        // SAFETY: created above, destroyed once, no request uses it any more.
-        unsafe { (api.destroy_opt_args)(opt) };
+        Ok(())
     }
-    let secs = result?;
-    if spec.notify {
-        // Every notification arrives (they trail the data): drain them, bounded.
-        let want = spec.iters + 1;
+
+    /// With notifications on: waits (bounded) until every posted transfer's arrived.
+    pub fn wait_notifications(&self) -> Result<(), TransportError> {
+        if !self.spec.notify {
+            return Ok(());
+        }
+        let want = self.posted;
         let mut got = 0;
         let deadline = Instant::now() + Duration::from_secs(5);
         while got < want && Instant::now() < deadline {
-            got += b.drain_notifs();
+            got += self.b.drain_notifs();
             if got < want {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -446,10 +489,31 @@ pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportE
                 "raw nixl: {got} of {want} notifications arrived"
             )));
         }
+        Ok(())
     }
-    drop(rh);
-    drop(lh);
-    let bytes = (spec.blocks * spec.block_size) as u64;
+}
+
+impl Drop for RawSession {
+    fn drop(&mut self) {
+        if !self.opt.is_null() {
+            // SAFETY: created in new, destroyed once, no request uses it any more (every
+            // request is released before `once` returns).
+            unsafe { (self.api.destroy_opt_args)(self.opt) };
+        }
+    }
+}
+
+/// Moves `spec.blocks` blocks of `spec.block_size` between two fresh agents of this process,
+/// `spec.iters` times after one checked warm-up, and reports the throughput.
+pub fn measure(cfg: &NixlConfig, spec: &RawSpec) -> Result<RawReport, TransportError> {
+    let mut s = RawSession::new(cfg, spec)?;
+    s.once()?;
+    s.check()?;
+    let secs = (0..spec.iters)
+        .map(|_| s.once())
+        .collect::<Result<Vec<f64>, _>>()?;
+    s.wait_notifications()?;
+    let bytes = s.bytes();
     Ok(RawReport {
         bytes_per_xfer: bytes,
         gbps: median_gbps(bytes, &secs),
