@@ -355,8 +355,16 @@ struct Hold {
     writer: bool,
 }
 
-/// A chunk of a region: (the region's address as an identity, chunk index).
-type ChunkKey = (usize, usize);
+/// How this agent's transfers hold the chunks of one region (keyed in [`Inner::held`] by the
+/// region's address): one entry per chunk, and how many chunks are held at all (the entry goes
+/// when that drops to 0).
+struct ChunkHolds {
+    holds: Vec<Hold>,
+    active: usize,
+}
+
+/// Chunks `first..=last` of the region at address `rp`.
+type ChunkSpan = (usize, usize, usize);
 
 enum Guards {
     Read(#[allow(dead_code)] Vec<OwnedReadGuard>),
@@ -366,7 +374,7 @@ enum Guards {
 /// What an accepted post reserves: the chunks it holds, the registrations it uses.
 struct Claim {
     write: bool,
-    chunks: Vec<ChunkKey>,
+    spans: Vec<ChunkSpan>,
     regs: Vec<u64>,
 }
 
@@ -393,7 +401,7 @@ struct Inner {
     xfers: HashMap<XferId, Xfer>,
     /// Released by the user while NIXL could not abort them yet: retried on every call.
     zombies: Vec<Xfer>,
-    held: HashMap<ChunkKey, Hold>,
+    held: HashMap<usize, ChunkHolds>,
     dead_pending: Vec<String>,
     /// Last field: dropped after everything that refers to it.
     agent: Agent,
@@ -451,16 +459,23 @@ impl Inner {
 
     /// Undoes a claim: chunk holds and registration users (deregistering retired ones).
     fn unclaim(&mut self, claim: &Claim) {
-        for key in &claim.chunks {
-            if let Some(h) = self.held.get_mut(key) {
+        for &(rp, first, last) in &claim.spans {
+            let Some(ch) = self.held.get_mut(&rp) else {
+                continue;
+            };
+            for h in ch.holds.get_mut(first..=last).into_iter().flatten() {
+                let was = h.writer || h.readers > 0;
                 if claim.write {
                     h.writer = false;
                 } else {
                     h.readers = h.readers.saturating_sub(1);
                 }
-                if !h.writer && h.readers == 0 {
-                    self.held.remove(key);
+                if was && !h.writer && h.readers == 0 {
+                    ch.active -= 1;
                 }
+            }
+            if ch.active == 0 {
+                self.held.remove(&rp);
             }
         }
         for uid in &claim.regs {
@@ -605,17 +620,19 @@ fn to_usize(v: u64) -> Result<usize, TransportError> {
 }
 
 /// Local chunks a post touches, per region, merged: (region, first chunk, last chunk).
-fn chunk_spans(spans: &mut [(Arc<KvRegion>, usize, usize)]) -> Vec<(Arc<KvRegion>, usize, usize)> {
-    spans.sort_by_key(|(r, first, _)| (Arc::as_ptr(r) as usize, *first));
-    let mut out: Vec<(Arc<KvRegion>, usize, usize)> = Vec::new();
-    for (r, first, last) in spans.iter() {
+/// Sorts `(region index, first chunk, last chunk)` spans and merges overlapping or adjacent
+/// ones of the same region.
+fn chunk_spans(spans: &mut [(usize, usize, usize)]) -> Vec<(usize, usize, usize)> {
+    spans.sort_unstable();
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    for &(r, first, last) in spans.iter() {
         if let Some((pr, _, plast)) = out.last_mut() {
-            if Arc::ptr_eq(pr, r) && *first <= *plast + 1 {
-                *plast = (*plast).max(*last);
+            if *pr == r && first <= *plast + 1 {
+                *plast = (*plast).max(last);
                 continue;
             }
         }
-        out.push((r.clone(), *first, *last));
+        out.push((r, first, last));
     }
     out
 }
@@ -780,23 +797,52 @@ impl Transport for NixlTransport {
             if p.dead {
                 return Err(TransportError::PeerDead(peer.to_string()));
             }
-            let mut spans: Vec<(Arc<KvRegion>, usize, usize)> = Vec::new();
+            // Descriptors nearly always name one or two regions: remember the last lookups
+            // instead of hashing per descriptor (a post may carry tens of thousands).
+            let mut regions: Vec<Arc<KvRegion>> = Vec::new();
             let mut regs: Vec<u64> = Vec::new();
+            let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(descs.len());
+            let mut last_local: Option<(RegionId, usize)> = None;
+            let mut last_remote: Option<(RegionId, u64, u64)> = None;
             for d in descs {
-                let uid = *g
-                    .by_id
-                    .get(&d.local_region)
-                    .ok_or(TransportError::UnknownRegion {
-                        region: d.local_region,
-                    })?;
-                let region = &g.regs[&uid].region;
+                let idx = match last_local {
+                    Some((id, idx)) if id == d.local_region => idx,
+                    _ => {
+                        let uid =
+                            *g.by_id
+                                .get(&d.local_region)
+                                .ok_or(TransportError::UnknownRegion {
+                                    region: d.local_region,
+                                })?;
+                        let region = &g.regs[&uid].region;
+                        let idx = match regions.iter().position(|r| Arc::ptr_eq(r, region)) {
+                            Some(i) => i,
+                            None => {
+                                regions.push(region.clone());
+                                regions.len() - 1
+                            }
+                        };
+                        if !regs.contains(&uid) {
+                            regs.push(uid);
+                        }
+                        last_local = Some((d.local_region, idx));
+                        idx
+                    }
+                };
+                let region = &regions[idx];
                 check_bounds(d.local_region, d.local_offset, d.len, region.len() as u64)?;
-                let &(raddr, rlen) =
-                    p.regions
-                        .get(&d.remote_region)
-                        .ok_or(TransportError::UnknownRegion {
-                            region: d.remote_region,
-                        })?;
+                let (raddr, rlen) = match last_remote {
+                    Some((id, a, l)) if id == d.remote_region => (a, l),
+                    _ => {
+                        let &(a, l) = p.regions.get(&d.remote_region).ok_or(
+                            TransportError::UnknownRegion {
+                                region: d.remote_region,
+                            },
+                        )?;
+                        last_remote = Some((d.remote_region, a, l));
+                        (a, l)
+                    }
+                };
                 check_bounds(d.remote_region, d.remote_offset, d.len, rlen)?;
                 if d.len == 0 {
                     continue;
@@ -806,32 +852,42 @@ impl Transport for NixlTransport {
                 local.push((region.base_addr() + off, len));
                 remote.push((to_usize(raddr + d.remote_offset)?, len));
                 let cs = region.chunk_size();
-                spans.push((region.clone(), off / cs, (off + len - 1) / cs));
-                if !regs.contains(&uid) {
-                    regs.push(uid);
-                }
+                spans.push((idx, off / cs, (off + len - 1) / cs));
             }
-            let spans = chunk_spans(&mut spans);
-            let mut chunks = Vec::new();
-            for (r, first, last) in &spans {
-                let rp = Arc::as_ptr(r) as usize;
-                for c in *first..=*last {
-                    let h = g.held.get(&(rp, c)).copied().unwrap_or_default();
+            let spans: Vec<(Arc<KvRegion>, usize, usize)> = chunk_spans(&mut spans)
+                .into_iter()
+                .map(|(idx, first, last)| (regions[idx].clone(), first, last))
+                .collect();
+            let claimed: Vec<ChunkSpan> = spans
+                .iter()
+                .map(|(r, first, last)| (Arc::as_ptr(r) as usize, *first, *last))
+                .collect();
+            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
+                let Some(ch) = g.held.get(&rp) else { continue };
+                for c in first..=last {
+                    let h = ch.holds.get(c).copied().unwrap_or_default();
                     if h.writer || (write && h.readers > 0) {
                         return Err(TransportError::Io(format!(
                             "local chunk {c} (bytes {}..) is held by an unreleased transfer of this agent; release it first, or give each block its own chunk",
                             c * r.chunk_size()
                         )));
                     }
-                    chunks.push((rp, c));
                 }
             }
-            for key in &chunks {
-                let h = g.held.entry(*key).or_default();
-                if write {
-                    h.writer = true;
-                } else {
-                    h.readers += 1;
+            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
+                let ch = g.held.entry(rp).or_insert_with(|| ChunkHolds {
+                    holds: vec![Hold::default(); r.len().div_ceil(r.chunk_size())],
+                    active: 0,
+                });
+                for h in ch.holds.get_mut(first..=last).into_iter().flatten() {
+                    if !h.writer && h.readers == 0 {
+                        ch.active += 1;
+                    }
+                    if write {
+                        h.writer = true;
+                    } else {
+                        h.readers += 1;
+                    }
                 }
             }
             for uid in &regs {
@@ -842,7 +898,7 @@ impl Transport for NixlTransport {
             (
                 Claim {
                     write,
-                    chunks,
+                    spans: claimed,
                     regs,
                 },
                 spans,
