@@ -534,7 +534,22 @@ impl Scheduler {
                             choice: 0,
                             text: model::detokenize(token),
                         });
-                        let _ = ev.send(SeqEvent::KvParams(Box::new(params)));
+                        let release = push.is_none().then(|| params.clone());
+                        if ev.send(SeqEvent::KvParams(Box::new(params))).is_err() {
+                            // The client left during the prefill: nobody will ever see these
+                            // params, so no D will read or release them. Pull: release now
+                            // instead of at lease end. (Push: D already holds a registration
+                            // and receives the KV anyway.)
+                            if let Some(params) = release {
+                                tracing::info!(
+                                    request = %r.sub.external_id,
+                                    "client left before its KV params were returned; releasing"
+                                );
+                                if let Err(e) = c.release_from_proxy(&params) {
+                                    tracing::warn!(error = %e, "cannot release an unclaimed handoff");
+                                }
+                            }
+                        }
                         let _ = ev.send(SeqEvent::Finished {
                             choice: 0,
                             reason: "length",

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, post, released_within, texts};
+use common::{metric, pool_whole_within, post, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -163,6 +163,47 @@ async fn rejection_before_admission_releases_p_at_once() {
     for e in [p, d] {
         e.stop().await;
     }
+}
+
+/// A client (the proxy) that leaves while P prefills never sees the params, so no D ever will:
+/// P releases the handoff as soon as the prefill ends, not at lease end (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_leaving_during_the_p_leg_releases_p_at_once() {
+    let p = start(EngineConfig {
+        prefill_us_per_token: 1000.0,
+        ..cfg("prefill")
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let text = prompt(11, 400);
+    let gone = client
+        .post(format!("{}/v1/completions", p.url()))
+        .json(&json!({"prompt": text, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}))
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(
+        gone.is_err(),
+        "the prefill takes ~400 ms; the client gave up at 100 ms"
+    );
+    let c = p.connector.clone().unwrap();
+    let start_t = std::time::Instant::now();
+    loop {
+        let (_, ended) = c.producer_stats().unwrap();
+        if ended.get("aborted").copied().unwrap_or(0) == 1 {
+            break;
+        }
+        assert!(
+            start_t.elapsed() < Duration::from_secs(3),
+            "the unclaimed handoff was not released: {ended:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    released_within(&p, Duration::from_secs(2)).await;
+    pool_whole_within(&client, &p, Duration::from_secs(2)).await;
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
