@@ -629,13 +629,11 @@ impl ConsumerLedger {
 
     pub fn handle_timeout(&mut self, now: Time) {
         self.last_now = self.last_now.max(now);
-        while let Some((id, generation)) = self.timers.pop_due(now) {
-            let Some(h) = self.handoffs.get_mut(&id) else {
-                continue;
-            };
-            if !h.timer.fired(generation) {
-                continue;
-            }
+        while let Some(id) = self.timers.pop_live(now, |id, generation| {
+            self.handoffs
+                .get_mut(&id)
+                .is_some_and(|h| h.timer.fired(generation))
+        }) {
             self.evaluate(id, now);
         }
         self.tombstones.expire(now);

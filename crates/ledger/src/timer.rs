@@ -45,6 +45,18 @@ impl<K: Ord + Copy + Hash> TimerQueue<K> {
         }
     }
 
+    /// Pops entries due at `now` until one that `live(key, generation)` accepts (the caller
+    /// checks the item still exists and still expects that generation, firing its slot); stale
+    /// entries of lazy deletion are dropped on the way. Both ledgers drain their timers with it.
+    pub fn pop_live(&mut self, now: Time, mut live: impl FnMut(K, u64) -> bool) -> Option<K> {
+        while let Some((key, generation)) = self.pop_due(now) {
+            if live(key, generation) {
+                return Some(key);
+            }
+        }
+        None
+    }
+
     pub fn len(&self) -> usize {
         self.heap.len()
     }
