@@ -6,7 +6,7 @@
 //! that (its own progress thread synchronises with the caller internally). [`super::NixlTransport`]
 //! keeps its agent behind a mutex.
 
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
 use std::sync::Arc;
 
@@ -347,6 +347,91 @@ impl Agent {
         })
     }
 
+    /// Preps a descriptor list once, for any number of later [`Agent::make_xfer`] calls: this
+    /// agent's own memory (`peer` = `None`) or a peer's (whose metadata must be loaded). Refused
+    /// (-6) for a range that is not registered.
+    pub fn prep_list(
+        &self,
+        peer: Option<&str>,
+        descs: &[(usize, usize)],
+    ) -> Result<PreppedList, CallError> {
+        let cpeer = CString::new(peer.unwrap_or("")).map_err(|_| CallError {
+            call: "prep_xfer_dlist",
+            status: sys::ERROR_INVALID_PARAM,
+        })?;
+        let list = XferDlist::new(self.api, descs)?;
+        let mut h: sys::XferDlistHandle = ptr::null_mut();
+        // SAFETY: live agent and list (NIXL copies the list into the handle, so it may be
+        // destroyed right after); C string agent name ("" = local); valid out pointer; null opt
+        // args (the agent's only backend).
+        check("prep_xfer_dlist", unsafe {
+            (self.api.prep_xfer_dlist)(self.raw, cpeer.as_ptr(), list.raw, &mut h, ptr::null_mut())
+        })?;
+        Ok(PreppedList {
+            api: self.api,
+            agent: self.raw,
+            raw: h,
+            len: descs.len(),
+        })
+    }
+
+    /// Creates a transfer request from entries of two prepped lists (`local_idx[i]` with
+    /// `remote_idx[i]`, equal lengths), as `create_xfer` does from plain lists but without
+    /// looking each range up again. NIXL merges entries adjacent on both sides.
+    pub fn make_xfer(
+        &self,
+        op: XferOp,
+        local: &PreppedList,
+        local_idx: &[c_int],
+        remote: &PreppedList,
+        remote_idx: &[c_int],
+        notification: Option<&[u8]>,
+    ) -> Result<XferReq, CallError> {
+        let bad = CallError {
+            call: "make_xfer_req",
+            status: sys::ERROR_INVALID_PARAM,
+        };
+        let in_range = |idx: &[c_int], list: &PreppedList| {
+            idx.iter().all(|&i| i >= 0 && (i as usize) < list.len)
+        };
+        if local.agent != self.raw
+            || remote.agent != self.raw
+            || local_idx.len() != remote_idx.len()
+            || local_idx.is_empty()
+            || !in_range(local_idx, local)
+            || !in_range(remote_idx, remote)
+        {
+            return Err(bad);
+        }
+        let opt = OptArgs::new(self.api)?;
+        if let Some(msg) = notification {
+            opt.set_notification(msg)?;
+        }
+        let mut req: sys::XferReq = ptr::null_mut();
+        // SAFETY: live agent; both handles were prepped by this agent and are alive (borrowed);
+        // every index is within its list (checked above) and the index slices are valid for
+        // their lengths during the call; live opt args (copied into the request); valid out
+        // pointer. The request copies the entries it uses, so it does not borrow the handles.
+        check("make_xfer_req", unsafe {
+            (self.api.make_xfer_req)(
+                self.raw,
+                op_code(op),
+                local.raw,
+                local_idx.as_ptr(),
+                local_idx.len(),
+                remote.raw,
+                remote_idx.as_ptr(),
+                remote_idx.len(),
+                &mut req,
+                opt.raw,
+            )
+        })?;
+        Ok(XferReq {
+            agent: self.raw,
+            raw: req,
+        })
+    }
+
     /// Posts. Returns 0 (done), 1 (in progress) or a negative status. May block for the copy.
     pub fn post(&self, req: &XferReq) -> Status {
         if req.agent != self.raw {
@@ -480,6 +565,30 @@ pub(crate) fn op_code(op: XferOp) -> sys::XferOp {
     match op {
         XferOp::Read => sys::XFER_OP_READ,
         XferOp::Write => sys::XFER_OP_WRITE,
+    }
+}
+
+/// A descriptor list prepped by an agent ([`Agent::prep_list`]), released when dropped. NIXL's
+/// handle points into the agent's view of the memory it lists, so its owner drops it before the
+/// agent, before deregistering that memory (a local list) and before invalidating or reloading
+/// that peer's metadata (a remote list). Requests made from it copy their entries and do not
+/// borrow it.
+pub(crate) struct PreppedList {
+    api: &'static Api,
+    agent: sys::Agent,
+    raw: sys::XferDlistHandle,
+    len: usize,
+}
+
+// SAFETY: a prepped handle is a plain heap object with no thread affinity; it is used (and
+// released) only under its owner's lock, through the agent that prepped it.
+unsafe impl Send for PreppedList {}
+
+impl Drop for PreppedList {
+    fn drop(&mut self) {
+        // SAFETY: prepped by `agent`, which is still alive (the owner drops every list before
+        // the agent, see the type's docs); released exactly once.
+        unsafe { (self.api.release_xfer_dlist_handle)(self.agent, self.raw) };
     }
 }
 

@@ -148,7 +148,7 @@ fn nixl_config_defaults() {
 fn nixl_metadata_header_round_trips_and_rejects_garbage() {
     let body = MdBody {
         name: "p0".into(),
-        regions: vec![(0, 0x1000, 4096), (7, 0x9000, 64)],
+        regions: vec![(0, 0x1000, 4096, 4096), (7, 0x9000, 64, 16)],
         nixl: vec![1, 2, 3],
     };
     let bytes = encode_md(&body).unwrap();
@@ -179,15 +179,20 @@ fn nixl_metadata_header_round_trips_and_rejects_garbage() {
         let _ = decode_md(&framed); // must not panic
     }
     let twice = MdBody {
-        regions: vec![(1, 0, 1), (1, 8, 1)],
+        regions: vec![(1, 0, 1, 1), (1, 8, 1, 1)],
         ..body.clone()
     };
     assert!(decode_md(&encode_md(&twice).unwrap()).is_err());
     let wraps = MdBody {
-        regions: vec![(1, u64::MAX - 1, 8)],
-        ..body
+        regions: vec![(1, u64::MAX - 1, 8, 8)],
+        ..body.clone()
     };
     assert!(decode_md(&encode_md(&wraps).unwrap()).is_err());
+    let no_chunk = MdBody {
+        regions: vec![(1, 0x1000, 8, 0)],
+        ..body
+    };
+    assert!(decode_md(&encode_md(&no_chunk).unwrap()).is_err());
 }
 
 // --- With NIXL ----------------------------------------------------------------------------
@@ -552,6 +557,74 @@ fn nixl_dead_peer_is_reported() {
         p.a.post(XferOp::Read, &bname, &[desc(0, 0, 1)], None),
         Err(TransportError::UnknownPeer(_))
     ));
+}
+
+/// Descriptors that are each one whole chunk on both sides go through lists prepped once per
+/// region (`make_xfer_req`); anything else through `create_xfer_req`. Both are byte-exact, and
+/// the lists follow the memory: re-registered regions and reloaded peers get fresh ones.
+#[test]
+fn nixl_whole_chunk_posts_use_prepped_lists_and_follow_the_memory() {
+    let Some(cfg) = nixl() else { return };
+    let (chunk, blocks) = (4096usize, 64usize);
+    let len = chunk * blocks;
+    let p = pair(&cfg, len, chunk);
+    let b_name = p.b.name().to_string();
+    // Scattered whole chunks: block i of A <-> block (blocks - 1 - i) of B, every other one.
+    let whole: Vec<XferDesc> = (0..blocks / 2)
+        .map(|i| {
+            let (l, r) = (2 * i, blocks - 1 - 2 * i);
+            desc((l * chunk) as u64, (r * chunk) as u64, chunk as u64)
+        })
+        .collect();
+    let check = |ra: &KvRegion, rb: &KvRegion, descs: &[XferDesc], what: &str| {
+        for d in descs {
+            let (mut x, mut y) = (vec![0u8; d.len as usize], vec![0u8; d.len as usize]);
+            ra.read(d.local_offset as usize, &mut x).unwrap();
+            rb.read(d.remote_offset as usize, &mut y).unwrap();
+            assert!(
+                x == y,
+                "{what}: bytes differ at local offset {}",
+                d.local_offset
+            );
+        }
+    };
+    let run = |a: &NixlTransport, op: XferOp, descs: &[XferDesc]| {
+        let id = a.post(op, &b_name, descs, Some(b"n")).unwrap();
+        assert_eq!(wait(a, id), XferStatus::Done);
+        a.release(id).unwrap();
+    };
+    p.rb.write(0, &pattern(1, len)).unwrap();
+    run(&p.a, XferOp::Read, &whole);
+    check(&p.ra, &p.rb, &whole, "READ of whole chunks");
+    assert_eq!(p.a.prepped_transfers(), 1);
+    p.ra.write(0, &pattern(2, len)).unwrap();
+    run(&p.a, XferOp::Write, &whole);
+    check(&p.ra, &p.rb, &whole, "WRITE of whole chunks");
+    assert_eq!(p.a.prepped_transfers(), 2);
+    // Part of a chunk: from scratch, equally exact.
+    let part = vec![desc(100, 5 * chunk as u64 + 7, 3000)];
+    p.rb.write(0, &pattern(3, len)).unwrap();
+    run(&p.a, XferOp::Read, &part);
+    check(&p.ra, &p.rb, &part, "READ of part of a chunk");
+    assert_eq!(p.a.prepped_transfers(), 2);
+    // B moves its region 0 to new memory; A reloads B and must not use the old list.
+    p.b.deregister(0).unwrap();
+    let rb2 = Arc::new(KvRegion::new(len, chunk));
+    rb2.write(0, &pattern(4, len)).unwrap();
+    p.b.register(0, rb2.clone()).unwrap();
+    p.a.load_remote(&p.b.local_metadata().unwrap()).unwrap();
+    run(&p.a, XferOp::Read, &whole);
+    check(&p.ra, &rb2, &whole, "READ after B re-registered");
+    // A moves its own region 0 too.
+    p.a.deregister(0).unwrap();
+    let ra2 = Arc::new(KvRegion::new(len, chunk));
+    ra2.write(0, &pattern(5, len)).unwrap();
+    p.a.register(0, ra2.clone()).unwrap();
+    run(&p.a, XferOp::Write, &whole);
+    check(&ra2, &rb2, &whole, "WRITE after A re-registered");
+    assert_eq!(p.a.prepped_transfers(), 4);
+    let notes = wait_notifs(&*p.b, 5);
+    assert_eq!(notes.len(), 5, "one notification per transfer");
 }
 
 #[test]
