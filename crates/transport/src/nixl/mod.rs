@@ -981,7 +981,7 @@ impl Transport for NixlTransport {
                     };
                     let l = whole(d.local_offset, d.len, cs as u64, region.len() as u64);
                     let r = whole(d.remote_offset, d.len, rchunk, rlen);
-                    let same = ci.regions.is_none_or(|x| x == (uid, d.remote_region));
+                    let same = ci.regions.map_or(true, |x| x == (uid, d.remote_region));
                     match (l, r) {
                         (Some(l), Some(r))
                             if same && l <= c_int::MAX as u64 && r <= c_int::MAX as u64 =>
