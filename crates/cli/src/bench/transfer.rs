@@ -64,7 +64,7 @@ pub struct TransferArgs {
     reps: usize,
     /// Timed repetitions for tcp and raw TCP, which vary far more from one repetition to the next
     /// on loopback (thread placement on a small host) than NIXL or memcpy.
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 25)]
     tcp_reps: usize,
     /// MiB moved per case and repetition (the issue asks for at least 256).
     #[arg(long, default_value_t = 256)]
