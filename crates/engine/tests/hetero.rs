@@ -269,7 +269,7 @@ async fn incompatible_pairs_are_refused_with_a_reason() {
         .await
         .unwrap();
         let (s, body) = disaggregated(&c, &p, &d, &prompt(6, 40), 1).await;
-        assert_eq!(s, 502, "{body}");
+        assert_eq!(s, 502, "case {expect:?}: {body}");
         let msg = body["error"]["message"].as_str().unwrap().to_lowercase();
         assert!(msg.contains(expect), "expected {expect:?} in {msg:?}");
         p.stop().await;
