@@ -305,13 +305,13 @@ impl Scheduler {
                 self.awaiting_kv.insert(r.sub.id, r);
             }
             Err(e) => {
-                // The handoff already ended (P gone): prefill here instead.
-                tracing::info!(request = %r.sub.external_id, error = %e, "recomputing");
+                // The handoff already ended (P gone, refused): settle it per policy.
+                let id = r.sub.id;
                 let mut r = r;
                 self.pool.free(&r.prompt_blocks);
                 r.prompt_blocks.clear();
-                r.recompute = true;
                 self.waiting.push_back(r);
+                self.settle_refused(id, e.to_string());
             }
         }
     }
@@ -333,6 +333,13 @@ impl Scheduler {
                 }
                 ConnectorEvent::Recompute { requests, reason } => {
                     for id in requests {
+                        // Not admitted yet: it will prefill here when it is.
+                        if let Some(r) = self.waiting.iter_mut().find(|r| r.sub.id == id) {
+                            tracing::info!(request = %r.sub.external_id, %reason, "KV transfer failed before admission: recomputing");
+                            self.metrics.outcome("recomputed");
+                            r.recompute = true;
+                            continue;
+                        }
                         if let Some(mut r) = self.awaiting_kv.remove(&id) {
                             tracing::info!(request = %r.sub.external_id, %reason, "KV transfer failed: recomputing");
                             self.metrics.outcome("recomputed");
@@ -345,8 +352,15 @@ impl Scheduler {
                 }
                 ConnectorEvent::Failed { requests, reason } => {
                     for id in requests {
-                        if let Some(r) = self.awaiting_kv.remove(&id) {
+                        // Admitted (waiting for its KV) or not yet (still queued).
+                        let queued = || self.waiting.iter().position(|r| r.sub.id == id);
+                        let r = match self.awaiting_kv.remove(&id) {
+                            Some(r) => Some(r),
+                            None => queued().and_then(|i| self.waiting.remove(i)),
+                        };
+                        if let Some(r) = r {
                             self.pool.free(&r.gen_blocks.concat());
+                            self.pool.free(&r.prompt_blocks);
                             self.metrics.outcome("transfer_failed");
                             let _ = r.sub.events.send(SeqEvent::Error {
                                 status: 502,
@@ -358,6 +372,36 @@ impl Scheduler {
                     }
                 }
             }
+        }
+    }
+
+    /// The connector refused blocks for queued request `id` because its handoff already ended
+    /// (P refused the handshake, died, or the deadline passed). The ledger queued that outcome,
+    /// per failure policy and with its reason, before the refusal could be seen: apply the queued
+    /// events first. A request they did not settle gets the policy here, never a silent local
+    /// prefill under policy `fail`.
+    fn settle_refused(&mut self, id: u64, error: String) {
+        self.connector_events();
+        let Some(i) = self.waiting.iter().position(|r| r.sub.id == id) else {
+            return; // failed by its event
+        };
+        if self.waiting[i].recompute {
+            return; // recompute by its event
+        }
+        if self.cfg.failure_policy == "fail" {
+            if let Some(r) = self.waiting.remove(i) {
+                self.pool.free(&r.gen_blocks.concat());
+                self.metrics.outcome("transfer_failed");
+                let _ = r.sub.events.send(SeqEvent::Error {
+                    status: 502,
+                    message: format!("KV transfer from the prefill engine failed: {error}"),
+                });
+            }
+        } else {
+            let r = &mut self.waiting[i];
+            tracing::info!(request = %r.sub.external_id, %error, "recomputing");
+            self.metrics.outcome("recomputed");
+            r.recompute = true;
         }
     }
 
@@ -440,12 +484,13 @@ impl Scheduler {
                         self.awaiting_kv.insert(r.sub.id, r);
                     }
                     Err(e) => {
-                        // The handoff ended before admission (P gone, deadline): prefill here.
-                        tracing::info!(request = %r.sub.external_id, error = %e, "recomputing");
-                        r.recompute = true;
+                        // The handoff ended before admission (P gone, refused, deadline):
+                        // settle it per policy.
+                        let id = r.sub.id;
                         self.pool.free(&r.prompt_blocks);
                         r.prompt_blocks.clear();
                         self.waiting.push_front(r);
+                        self.settle_refused(id, e);
                         break;
                     }
                 }

@@ -218,6 +218,65 @@ async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig, expect: &str) {
     let _ = expect;
 }
 
+/// The refusal can reach D while the request still waits in D's queue (here: a local request
+/// fills D's pool). Under policy `fail` the request must fail with P's reason, at once, not
+/// prefill locally once it is admitted. (A full workspace run once hit this by timing alone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_while_queued_fails_the_request_under_policy_fail() {
+    let c = reqwest::Client::new();
+    let p = start(EngineConfig {
+        model: "other-model".into(),
+        ..cfg("prefill", 1, 16)
+    })
+    .await
+    .unwrap();
+    let d = start(EngineConfig {
+        failure_policy: "fail".into(),
+        num_blocks: 20,
+        decode_step_ms: 5.0,
+        ..cfg("decode", 1, 16)
+    })
+    .await
+    .unwrap();
+    // 200 prompt + 100 generated tokens: 19 of D's 20 blocks for about half a second.
+    let (hc, hurl) = (c.clone(), d.url());
+    let hog = tokio::spawn(async move {
+        post(
+            &hc,
+            &hurl,
+            json!({"prompt": prompt(9, 200), "max_tokens": 100}),
+        )
+        .await
+    });
+    let start_t = std::time::Instant::now();
+    loop {
+        let m = c
+            .get(format!("{}/metrics", d.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if metric(&m, "engine_kv_blocks_used") > 0.0 {
+            break;
+        }
+        assert!(
+            start_t.elapsed() < Duration::from_secs(5),
+            "the hog never started"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let (s, body) = disaggregated(&c, &p, &d, &prompt(6, 40), 1).await;
+    assert_eq!(s, 502, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap().to_lowercase();
+    assert!(msg.contains("model"), "expected P's reason in {msg:?}");
+    let (s, _) = hog.await.unwrap();
+    assert_eq!(s, 200, "the queue-filling request is unaffected");
+    p.stop().await;
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn incompatible_pairs_are_refused_with_a_reason() {
     let c = reqwest::Client::new();
