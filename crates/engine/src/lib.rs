@@ -59,10 +59,12 @@ impl RunningEngine {
     }
 }
 
-fn random_suffix() -> String {
+/// Eight random hex digits for a default engine id. An error instead of a fixed fallback: two
+/// engines with one id would mix up their peers' handoffs.
+fn random_suffix() -> std::io::Result<String> {
     let mut b = [0u8; 4];
-    let _ = getrandom_fill(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    getrandom_fill(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 fn getrandom_fill(b: &mut [u8]) -> std::io::Result<()> {
@@ -74,7 +76,8 @@ fn getrandom_fill(b: &mut [u8]) -> std::io::Result<()> {
 pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     cfg.validate()?;
     if cfg.engine_id.is_empty() {
-        cfg.engine_id = format!("{}-{}", cfg.role, random_suffix());
+        let suffix = random_suffix().context("cannot make a random engine id (set engine_id)")?;
+        cfg.engine_id = format!("{}-{}", cfg.role, suffix);
     }
     let role = cfg.role()?;
     let spec = cfg.spec()?;
