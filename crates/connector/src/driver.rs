@@ -133,6 +133,18 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// Shuts every side-channel connection (engine shutdown).
+    pub(crate) fn close_connections(&mut self) {
+        for p in self.peers.by_id.values_mut() {
+            if let Some(c) = p.conn.take() {
+                c.close();
+            }
+        }
+        for (_, c) in self.anon_conns.drain() {
+            c.close();
+        }
+    }
+
     pub fn new(producer: Option<ProducerLedger>, consumer: Option<ConsumerLedger>) -> Self {
         Inner {
             producer,

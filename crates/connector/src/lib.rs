@@ -609,6 +609,12 @@ impl Connector {
 
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Close every side-channel connection, so their reading threads end and their sockets
+        // go now rather than when the peer closes its end.
+        {
+            let mut inner = self.inner.lock();
+            inner.close_connections();
+        }
         self.kick();
     }
 
