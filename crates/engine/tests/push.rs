@@ -156,8 +156,10 @@ async fn push_output_equals_monolithic_in_both_orders() {
                 }
             }
         }
-        released_within(&p, Duration::from_secs(2)).await;
-        released_within(&d, Duration::from_secs(2)).await;
+        // A bound against leaks, not a timing assertion: on a starved host a late heartbeat
+        // can send a handoff through its grace periods before the blocks come back.
+        released_within(&p, Duration::from_secs(10)).await;
+        released_within(&d, Duration::from_secs(10)).await;
         let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
         assert_eq!(ended.get("done").copied().unwrap_or(0), 16, "{ended:?}");
         p.stop().await;
