@@ -284,7 +284,8 @@ pub struct ConsumerLedger {
     by_request: HashMap<RequestId, HandoffId>,
     by_peer: HashMap<PeerId, HashSet<HandoffId>>,
     timers: TimerQueue<HandoffId>,
-    tombstones: Tombstones<()>,
+    /// Ended handoffs: `true` when the KV arrived in full (push: every `PushDone`).
+    tombstones: Tombstones<bool>,
     heartbeats: HeartbeatSender,
     next_heartbeat: Option<Time>,
     urgent: HashMap<PeerId, HashSet<HandoffId>>,
@@ -739,6 +740,10 @@ impl ConsumerLedger {
                     _ => gone.push(e),
                 },
                 Some(_) => self.stats.ignored += 1,
+                // Every write landed: P learns that from its own transfers' completion, which
+                // may trail this heartbeat. "Gone" would race it and make P abort writes that
+                // succeeded (and hold its blocks until its lease ran out). Say nothing.
+                None if self.tombstones.get(&e.handoff) == Some(&true) => {}
                 None => gone.push(e),
             }
         }
@@ -796,6 +801,7 @@ impl ConsumerLedger {
                 });
             }
             self.end_handoff(d.handoff, now);
+            self.tombstones.insert(d.handoff, true, now);
         }
     }
 
@@ -1069,7 +1075,7 @@ impl ConsumerLedger {
         if let Some(set) = self.urgent.get_mut(&h.info.peer) {
             set.remove(&id);
         }
-        self.tombstones.insert(id, (), now);
+        self.tombstones.insert(id, false, now);
     }
 
     fn send_heartbeats(&mut self, now: Time) {

@@ -811,6 +811,17 @@ impl ProducerLedger {
                     }
                 }
             }
+            // D dropped the handoff: nothing more will be written, so end it now (after any
+            // aborted write drains) instead of holding the blocks until the lease runs out.
+            let nothing_left = h.registrations.iter().all(|r| {
+                matches!(
+                    r.state,
+                    RegState::Cancelled | RegState::CancelPending | RegState::Failed
+                )
+            });
+            if nothing_left && !h.registrations.is_empty() && h.phase == Phase::Leased {
+                self.begin_end(e.handoff, EndReason::Cancelled, now);
+            }
         }
     }
 

@@ -658,6 +658,94 @@ fn push_with_p_first() {
     assert!(pair.p_released(id).is_some());
 }
 
+/// P's push heartbeat can reach D after D got every `PushDone` but before P saw its own write
+/// complete. D must not answer "gone": P would abort a write that succeeded and hold its blocks
+/// until its lease ran out. P ends the handoff as done when its write completes.
+#[test]
+fn push_heartbeat_crossing_the_last_push_done_gets_no_gone() {
+    let mut pair = push_pair();
+    let id = hid(62);
+    let inc = pair.incoming(id, &[], TransferMode::Push);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
+    pair.pump();
+    assert_eq!(pair.writes.len(), 1);
+    let w = pair.writes[0].clone();
+    // The data and its completions land at D; P has not polled its transfer yet.
+    for n in &w.done {
+        pair.d
+            .handle_message(P_PEER, Message::PushDone(*n), pair.now);
+    }
+    pair.pump();
+    assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+    // P heartbeats D for its registration meanwhile.
+    let before = pair.count("P>D", "heartbeat");
+    pair.advance(ms(1200));
+    assert!(
+        pair.count("P>D", "heartbeat") > before,
+        "P asked D for grants"
+    );
+    assert!(
+        pair.aborted_writes.is_empty(),
+        "a write that landed was aborted: {:?}",
+        pair.aborted_writes
+    );
+    pair.p.on_push_write_done(id, w.d_rank, true, pair.now);
+    pair.pump();
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+}
+
+/// D lost the handoff (here: D restarted under the same name) and answers P's heartbeat with
+/// "gone". P aborts its write and frees its blocks as soon as the aborted write drains, not at
+/// lease end.
+#[test]
+fn push_gone_from_d_ends_the_handoff_on_p_at_once() {
+    let mut pair = push_pair();
+    let id = hid(63);
+    let inc = pair.incoming(id, &[], TransferMode::Push);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
+    pair.pump();
+    assert_eq!(pair.writes.len(), 1);
+    let w = pair.writes[0].clone();
+    pair.d = ConsumerLedger::new(ConsumerConfig::default());
+    pair.advance_until(ms(2000), |p| !p.aborted_writes.is_empty());
+    assert_eq!(
+        pair.aborted_writes,
+        vec![(id, w.d_rank)],
+        "P aborts its write"
+    );
+    assert!(
+        pair.p_released(id).is_none(),
+        "not while the write may still run"
+    );
+    pair.p.on_push_write_done(id, w.d_rank, false, pair.now);
+    pair.pump();
+    let r = pair
+        .p_released(id)
+        .expect("freed once the aborted write drained");
+    assert_eq!(r.reason, EndReason::Cancelled);
+    assert!(
+        r.held_for < ms(3000),
+        "held {:?}; the lease is 10 s",
+        r.held_for
+    );
+}
+
 #[test]
 fn push_watchdog_with_ack_frees_on_the_ack() {
     let mut pair = push_pair();
