@@ -852,7 +852,14 @@ impl ConsumerLedger {
         if grant_until <= now + self.cfg.read_margin {
             return;
         }
-        let deadline = (now + self.cfg.read_timeout).min(grant_until + self.cfg.read_grace);
+        // Rule 6: a read started late in the request's wait is cut at the request's deadline,
+        // so the request gets its outcome in time however late it was admitted.
+        if now >= h.deadline {
+            return; // the deadline timer ends it
+        }
+        let deadline = (now + self.cfg.read_timeout)
+            .min(grant_until + self.cfg.read_grace)
+            .min(h.deadline);
         let p_tp = h.info.p_tp;
         let done = topology::pairs(p_tp, tp)
             .into_iter()
