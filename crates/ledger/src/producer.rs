@@ -202,6 +202,10 @@ struct Handoff {
     reader: Option<PeerId>,
     parts: Vec<Part>,
     registrations: Vec<Registration>,
+    /// P told D (`PushCancelAck`) that no write into its blocks is or will be in flight: D may
+    /// free them at once. From then on no write to that D starts, whatever registration or
+    /// grant arrives late (rule 3).
+    cancel_acked: bool,
     timer: TimerSlot,
 }
 
@@ -371,6 +375,7 @@ impl ProducerLedger {
             reader: None,
             parts: vec![Part::default(); self.cfg.tp.max(1) as usize],
             registrations: Vec::new(),
+            cancel_acked: false,
             timer: TimerSlot::default(),
         };
         h.timer.arm(&mut self.timers, id, lease_end);
@@ -483,7 +488,7 @@ impl ProducerLedger {
             .handoffs
             .get(&handoff)
             .ok_or(WriteRefused::UnknownHandoff)?;
-        if h.phase != Phase::Leased {
+        if h.phase != Phase::Leased || h.cancel_acked {
             return Err(WriteRefused::Cancelled);
         }
         let r = h
@@ -523,6 +528,7 @@ impl ProducerLedger {
                     x.peer == peer && matches!(x.state, RegState::Writing | RegState::CancelPending)
                 });
                 if !still_writing {
+                    h.cancel_acked = true;
                     self.messages.push_back((
                         peer,
                         Message::PushCancelAck(PushCancelAck {
@@ -699,7 +705,7 @@ impl ProducerLedger {
             self.stats.duplicate_notifications += 1;
             return;
         }
-        if h.phase != Phase::Leased {
+        if h.phase != Phase::Leased || h.cancel_acked {
             self.stats.late_notifications += 1;
             return;
         }
@@ -763,6 +769,7 @@ impl ProducerLedger {
             }
         }
         if !pending {
+            h.cancel_acked = true;
             self.messages.push_back((from, ack));
         }
         self.begin_end(c.handoff, EndReason::Cancelled, now);
@@ -842,7 +849,7 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        if h.phase != Phase::Leased {
+        if h.phase != Phase::Leased || h.cancel_acked {
             return;
         }
         let p_tp = self.cfg.tp.max(1);
