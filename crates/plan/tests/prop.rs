@@ -493,9 +493,14 @@ fn check(c: &Case) {
 }
 
 proptest! {
+    // A fixed seed keeps `cargo test` reproducible; PROPTEST_CASES=N hunts with N fresh cases.
     #![proptest_config(Config {
-        cases: 384,
-        rng_seed: RngSeed::Fixed(0x68616e646f6666),
+        cases: hunt_cases().unwrap_or(384),
+        rng_seed: if hunt_cases().is_some() {
+            RngSeed::Random
+        } else {
+            RngSeed::Fixed(0x68616e646f6666)
+        },
         failure_persistence: None,
         ..Config::default()
     })]
@@ -504,6 +509,10 @@ proptest! {
     fn planner_matches_naive_copy(c in case()) {
         check(&c);
     }
+}
+
+fn hunt_cases() -> Option<u32> {
+    std::env::var("PROPTEST_CASES").ok()?.parse().ok()
 }
 
 /// Fixed corner cases the random search might visit rarely.
