@@ -8,7 +8,8 @@ use std::time::Duration;
 use common::*;
 use handoff_ledger::*;
 use handoff_proto::{
-    Epoch, Heartbeat, HeartbeatEntry, Message, PullDone, Release, ReleaseReason, TransferMode,
+    Epoch, Grant, GrantBatch, Heartbeat, HeartbeatEntry, Message, PullDone, PushRegister, Release,
+    ReleaseReason, TransferMode,
 };
 
 const BLOCKS: [u32; 4] = [10, 11, 12, 13];
@@ -744,6 +745,109 @@ fn push_gone_from_d_ends_the_handoff_on_p_at_once() {
         "held {:?}; the lease is 10 s",
         r.held_for
     );
+}
+
+/// P's push heartbeat, and the grant (or "gone") that answers it, by hand.
+fn push_grants(p: &mut ProducerLedger, id: handoff_proto::HandoffId, now: Duration, gone: bool) {
+    let seq = std::iter::from_fn(|| p.poll_message())
+        .filter_map(|(_, m)| match m {
+            Message::Heartbeat(hb) => Some(hb.seq),
+            _ => None,
+        })
+        .last()
+        .expect("P heartbeats its registrations");
+    let entry = HeartbeatEntry {
+        handoff: id,
+        epoch: Epoch::FIRST,
+    };
+    let (grants, gone) = if gone {
+        (vec![], vec![entry])
+    } else {
+        let grant = Grant {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            lease_ms: 1000,
+        };
+        (vec![grant], vec![])
+    };
+    p.handle_message(
+        D_PEER,
+        Message::GrantBatch(GrantBatch { seq, grants, gone }),
+        now,
+    );
+}
+
+/// Rule 3, found by the property test: P acks D's cancel (D may free its blocks at once), then a
+/// registration for another D rank arrives late, with a grant. P must not write into it.
+#[test]
+fn no_write_starts_after_p_acked_a_cancel() {
+    let mut p = ProducerLedger::new(ProducerConfig::default());
+    let id = hid(64);
+    let mut now = Duration::ZERO;
+    p.create_handoff(id, vec![1], TransferMode::Push, now)
+        .unwrap();
+    let register = |d_rank: u16| {
+        Message::PushRegister(PushRegister {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            d_rank,
+            d_tp: 3,
+            num_tokens: 16,
+            block_ids: vec![8],
+        })
+    };
+    p.handle_message(D_PEER, register(0), now);
+    p.handle_message(D_PEER, register(1), now);
+    let writes = |p: &mut ProducerLedger| -> Vec<u16> {
+        std::iter::from_fn(|| p.poll_action())
+            .filter_map(|a| match a {
+                ProducerAction::PushWrite(w) => Some(w.d_rank),
+                _ => None,
+            })
+            .collect()
+    };
+    now += ms(600);
+    p.handle_timeout(now);
+    push_grants(&mut p, id, now, false);
+    assert_eq!(
+        writes(&mut p),
+        vec![0, 1],
+        "both registered ranks are written"
+    );
+    p.on_push_write_done(id, 0, true, now);
+    // D gave up on the handoff: its next grant reply says gone. Rank 1's write is aborted; once
+    // it ends, P acks.
+    now += ms(600);
+    p.handle_timeout(now);
+    push_grants(&mut p, id, now, true);
+    p.on_push_write_done(id, 1, false, now);
+    let acked = std::iter::from_fn(|| p.poll_message())
+        .any(|(_, m)| matches!(m, Message::PushCancelAck(_)));
+    assert!(acked, "no write in flight: P acks");
+    // A late registration (reordered) and a late grant: nothing may be written any more.
+    p.handle_message(D_PEER, register(2), now);
+    now += ms(600);
+    p.handle_timeout(now);
+    // Whatever P asks for now, D grants it.
+    let asked = std::iter::from_fn(|| p.poll_message()).filter_map(|(_, m)| match m {
+        Message::Heartbeat(hb) => Some(hb.seq),
+        _ => None,
+    });
+    for seq in asked.collect::<Vec<_>>() {
+        let grant = Grant {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            lease_ms: 1000,
+        };
+        let batch = GrantBatch {
+            seq,
+            grants: vec![grant],
+            gone: vec![],
+        };
+        p.handle_message(D_PEER, Message::GrantBatch(batch), now);
+    }
+    assert!(writes(&mut p).is_empty(), "a write started after the ack");
+    assert!(p.write_permit(id, 2, now).is_err());
 }
 
 #[test]
