@@ -78,24 +78,23 @@ fn p_leg(c: &reqwest::blocking::Client, p: &Engine, text: &str) -> Value {
     r["kv_transfer_params"].clone()
 }
 
-fn held_for(c: &reqwest::blocking::Client, p: &Engine, d: &str) -> u64 {
-    let v: Value = c
-        .get(format!("{}/health", p.url))
+/// An engine's `/health` report.
+fn health(c: &reqwest::blocking::Client, e: &Engine) -> Value {
+    c.get(format!("{}/health", e.url))
         .send()
         .unwrap()
         .json()
-        .unwrap();
-    v["prefill_blocks_held_for"][d].as_u64().unwrap_or(0)
+        .unwrap()
+}
+
+fn held_for(c: &reqwest::blocking::Client, p: &Engine, d: &str) -> u64 {
+    health(c, p)["prefill_blocks_held_for"][d]
+        .as_u64()
+        .unwrap_or(0)
 }
 
 fn staged(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
-    let v: Value = c
-        .get(format!("{}/health", p.url))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
-    v["staged_messages"].as_u64().unwrap_or(0)
+    health(c, p)["staged_messages"].as_u64().unwrap_or(0)
 }
 
 /// Polls `cond` until it holds; fails the test after 10 s (a bound, not a timing assertion).
@@ -111,13 +110,9 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 fn p_held(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
-    let v: Value = c
-        .get(format!("{}/health", p.url))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
-    v["held_blocks"]["prefill"].as_u64().unwrap_or(u64::MAX)
+    health(c, p)["held_blocks"]["prefill"]
+        .as_u64()
+        .unwrap_or(u64::MAX)
 }
 
 #[test]
@@ -473,12 +468,7 @@ fn push_p_killed_before_or_after_the_write_leaves_d_whole() {
     }
     let start = Instant::now();
     loop {
-        let v: Value = c
-            .get(format!("{}/health", d.url))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
+        let v = health(&c, &d);
         if v["held_blocks"]["decode"] == 0 {
             break;
         }

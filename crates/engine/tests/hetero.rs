@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, post, released_within, texts};
+use common::{metric, metrics_text, metrics_until, post, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -121,14 +121,7 @@ async fn descriptors_for(
     let d = start(d).await.unwrap();
     let (s, _) = disaggregated(c, &p, &d, &prompt(1, words), 1).await;
     assert_eq!(s, 200);
-    let m = c
-        .get(format!("{}/metrics", d.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(c, &d).await;
     p.stop().await;
     d.stop().await;
     metric(&m, "handoff_transfer_descriptors_sum")
@@ -190,25 +183,11 @@ async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig, expect: &str) {
     let (s, body) = disaggregated(&c, &p, &d, &text, 1).await;
     // Policy `recompute` (default): D answers anyway, from a local prefill.
     assert_eq!(s, 200, "{body}");
-    let m = c
-        .get(format!("{}/metrics", d.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&c, &d).await;
     assert!(metric(&m, "handoff_handshakes_refused_total") >= 1.0, "{m}");
     assert_eq!(metric(&m, "handoff_transfer_bytes_total"), 0.0);
     // P refused too, and counted it.
-    let pm = c
-        .get(format!("{}/metrics", p.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let pm = metrics_text(&c, &p).await;
     assert!(
         metric(&pm, "handoff_handshakes_refused_total") >= 1.0,
         "{pm}"
@@ -248,25 +227,14 @@ async fn a_refusal_while_queued_fails_the_request_under_policy_fail() {
         )
         .await
     });
-    let start_t = std::time::Instant::now();
-    loop {
-        let m = c
-            .get(format!("{}/metrics", d.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if metric(&m, "engine_kv_blocks_used") > 0.0 {
-            break;
-        }
-        assert!(
-            start_t.elapsed() < Duration::from_secs(5),
-            "the hog never started"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    metrics_until(
+        &c,
+        &d,
+        Duration::from_secs(5),
+        "the hog never started",
+        |m| metric(m, "engine_kv_blocks_used") > 0.0,
+    )
+    .await;
     let (s, body) = disaggregated(&c, &p, &d, &prompt(6, 40), 1).await;
     assert_eq!(s, 502, "{body}");
     let msg = body["error"]["message"].as_str().unwrap().to_lowercase();

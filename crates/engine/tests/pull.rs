@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, pool_whole_within, post, released_within, texts};
+use common::{
+    metric, metrics_text, metrics_until, pool_whole_within, post, released_within, texts,
+};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -232,26 +234,14 @@ async fn client_disconnect_mid_stream_releases_everything() {
     drop(stream);
     released_within(&p, Duration::from_secs(2)).await;
     // D's pool is whole again once the abandoned sequence is reaped.
-    let start_t = std::time::Instant::now();
-    loop {
-        let m = client
-            .get(format!("{}/metrics", d.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if metric(&m, "engine_kv_blocks_used") == 0.0 && metric(&m, "handoff_kv_blocks_held") == 0.0
-        {
-            break;
-        }
-        assert!(
-            start_t.elapsed() < Duration::from_secs(5),
-            "D still holds blocks:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    metrics_until(
+        &client,
+        &d,
+        Duration::from_secs(5),
+        "D still holds blocks",
+        |m| metric(m, "engine_kv_blocks_used") == 0.0 && metric(m, "handoff_kv_blocks_held") == 0.0,
+    )
+    .await;
     for e in [p, d] {
         e.stop().await;
     }
@@ -380,14 +370,7 @@ async fn metrics_parse_and_held_gauge_returns_to_zero() {
     let client = reqwest::Client::new();
     let text = prompt(4, 120);
     let params = p_leg(&client, &p, &text).await;
-    let held = client
-        .get(format!("{}/metrics", p.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let held = metrics_text(&client, &p).await;
     assert_prometheus_text(&held);
     assert!(
         metric(&held, "handoff_kv_blocks_held") > 0.0,
@@ -403,35 +386,14 @@ async fn metrics_parse_and_held_gauge_returns_to_zero() {
     released_within(&p, Duration::from_secs(2)).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     for e in [&p, &d] {
-        let m = client
-            .get(format!("{}/metrics", e.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = metrics_text(&client, e).await;
         assert_prometheus_text(&m);
         assert_eq!(metric(&m, "handoff_kv_blocks_held"), 0.0, "{m}");
     }
-    let dm = client
-        .get(format!("{}/metrics", d.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let dm = metrics_text(&client, &d).await;
     assert!(metric(&dm, "handoff_transfer_bytes_total") > 0.0);
     assert!(metric(&dm, "handoff_heartbeats_total") > 0.0);
-    let pm = client
-        .get(format!("{}/metrics", p.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let pm = metrics_text(&client, &p).await;
     assert_eq!(
         pm.lines()
             .find(|l| l.starts_with("handoff_handoffs_ended_total{reason=\"done\"}"))

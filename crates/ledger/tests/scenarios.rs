@@ -665,20 +665,8 @@ fn push_with_p_first() {
 #[test]
 fn push_heartbeat_crossing_the_last_push_done_gets_no_gone() {
     let mut pair = push_pair();
-    let id = hid(62);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    pair.pump();
-    assert_eq!(pair.writes.len(), 1);
-    let w = pair.writes[0].clone();
+    let id = hid(67);
+    let w = pair.push_writing(id);
     // The data and its completions land at D; P has not polled its transfer yet.
     for n in &w.done {
         pair.d
@@ -709,20 +697,8 @@ fn push_heartbeat_crossing_the_last_push_done_gets_no_gone() {
 #[test]
 fn push_gone_from_d_ends_the_handoff_on_p_at_once() {
     let mut pair = push_pair();
-    let id = hid(63);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    pair.pump();
-    assert_eq!(pair.writes.len(), 1);
-    let w = pair.writes[0].clone();
+    let id = hid(68);
+    let w = pair.push_writing(id);
     pair.d = ConsumerLedger::new(ConsumerConfig::default());
     pair.advance_until(ms(2000), |p| !p.aborted_writes.is_empty());
     assert_eq!(
@@ -782,7 +758,7 @@ fn push_grants(p: &mut ProducerLedger, id: handoff_proto::HandoffId, now: Durati
 #[test]
 fn no_write_starts_after_p_acked_a_cancel() {
     let mut p = ProducerLedger::new(ProducerConfig::default());
-    let id = hid(64);
+    let id = hid(69);
     let mut now = Duration::ZERO;
     p.create_handoff(id, vec![1], TransferMode::Push, now)
         .unwrap();
@@ -854,18 +830,7 @@ fn no_write_starts_after_p_acked_a_cancel() {
 fn push_watchdog_with_ack_frees_on_the_ack() {
     let mut pair = push_pair();
     let id = hid(62);
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.pump();
-    assert_eq!(pair.writes.len(), 1);
+    pair.push_writing(id);
     // The write hangs; the watchdog fires.
     pair.advance_until(Duration::from_secs(10), |p| !p.outcomes.is_empty());
     assert!(matches!(
@@ -900,18 +865,7 @@ fn push_watchdog_with_ack_frees_on_the_ack() {
 fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
     let mut pair = push_pair();
     let id = hid(63);
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.pump();
-    assert_eq!(pair.writes.len(), 1);
+    pair.push_writing(id);
     // P heartbeats D's registration (D grants), then goes silent just before the watchdog
     // while writing: no ack will ever come.
     pair.advance(Duration::from_millis(4900));
@@ -951,18 +905,7 @@ fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
 fn write_on_an_expired_registration_is_refused() {
     let mut pair = push_pair();
     let id = hid(64);
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.pump();
-    let w = pair.writes[0].clone();
+    let w = pair.push_writing(id);
     assert!(pair.p.write_permit(id, 0, pair.now).is_ok());
     // D stops answering P's heartbeats: P's grant runs out and no more writes may be posted.
     pair.d_alive = false;
@@ -982,17 +925,7 @@ fn write_on_an_expired_registration_is_refused() {
 fn push_failed_write_is_reported_to_d_at_once() {
     let mut pair = push_pair();
     let id = hid(65);
-    pair.p
-        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
-    pair.pump();
+    pair.push_writing(id);
     pair.p.on_push_write_done(id, 0, false, pair.now);
     pair.pump();
     assert_eq!(pair.count("P>D", "push_failed"), 1);

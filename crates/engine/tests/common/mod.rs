@@ -53,27 +53,42 @@ pub async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
     start.elapsed()
 }
 
+/// The engine's `/metrics` page.
+pub async fn metrics_text(c: &reqwest::Client, e: &RunningEngine) -> String {
+    c.get(format!("{}/metrics", e.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Polls the engine's `/metrics` until `cond` holds and returns that page; fails after `limit`
+/// naming `what` it waited for, with the last page.
+pub async fn metrics_until(
+    c: &reqwest::Client,
+    e: &RunningEngine,
+    limit: Duration,
+    what: &str,
+    cond: impl Fn(&str) -> bool,
+) -> String {
+    let start = Instant::now();
+    loop {
+        let m = metrics_text(c, e).await;
+        if cond(&m) {
+            return m;
+        }
+        assert!(start.elapsed() < limit, "{}: {what}:\n{m}", e.engine_id);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits until every block is back in the engine's KV pool (the connector hands released blocks
 /// to the scheduler, which frees them on its next step); fails after `limit` with the metrics.
 pub async fn pool_whole_within(c: &reqwest::Client, e: &RunningEngine, limit: Duration) {
-    let start = Instant::now();
-    loop {
-        let m = c
-            .get(format!("{}/metrics", e.url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if metric(&m, "engine_kv_blocks_used") == 0.0 {
-            return;
-        }
-        assert!(
-            start.elapsed() < limit,
-            "{}: the pool is not whole:\n{m}",
-            e.engine_id
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    metrics_until(c, e, limit, "the pool is not whole", |m| {
+        metric(m, "engine_kv_blocks_used") == 0.0
+    })
+    .await;
 }

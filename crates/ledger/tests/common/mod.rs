@@ -193,6 +193,24 @@ impl Pair {
         self.pump();
     }
 
+    /// Push, P first: P creates `id` on blocks [1, 2], then request 1 arrives at D, which
+    /// reserves [40, 41] and registers. Returns the one write P is granted.
+    pub fn push_writing(&mut self, id: HandoffId) -> PushWrite {
+        self.p
+            .create_handoff(id, vec![1, 2], TransferMode::Push, self.now)
+            .unwrap();
+        let inc = self.incoming(id, &[], TransferMode::Push);
+        self.d
+            .on_request_arrived(RequestId(1), inc, self.now)
+            .unwrap();
+        self.d
+            .on_blocks_allocated(id, vec![40, 41], self.now)
+            .unwrap();
+        self.pump();
+        assert_eq!(self.writes.len(), 1, "registration matched; write granted");
+        self.writes[0].clone()
+    }
+
     /// Completes a push write: its PushDone notifications reach D, then P learns it ended.
     pub fn complete_write(&mut self, w: &PushWrite) {
         for n in &w.done {

@@ -323,10 +323,7 @@ impl Agent {
         })?;
         let l = XferDlist::new(self.api, local)?;
         let r = XferDlist::new(self.api, remote)?;
-        let opt = OptArgs::new(self.api)?;
-        if let Some(msg) = notification {
-            opt.set_notification(msg)?;
-        }
+        let opt = OptArgs::new(self.api, notification)?;
         let mut req: sys::XferReq = ptr::null_mut();
         // SAFETY: live agent, lists and opt args (NIXL copies all three into the request, so
         // they may be destroyed right after); C string peer; valid out pointer.
@@ -403,10 +400,7 @@ impl Agent {
         {
             return Err(bad);
         }
-        let opt = OptArgs::new(self.api)?;
-        if let Some(msg) = notification {
-            opt.set_notification(msg)?;
-        }
+        let opt = OptArgs::new(self.api, notification)?;
         let mut req: sys::XferReq = ptr::null_mut();
         // SAFETY: live agent; both handles were prepped by this agent and are alive (borrowed);
         // every index is within its list (checked above) and the index slices are valid for
@@ -671,16 +665,24 @@ pub(crate) struct OptArgs {
 }
 
 impl OptArgs {
-    pub(crate) fn new(api: &'static Api) -> Result<OptArgs, CallError> {
+    /// Opt args carrying `notification`, if any, for a request being created.
+    pub(crate) fn new(
+        api: &'static Api,
+        notification: Option<&[u8]>,
+    ) -> Result<OptArgs, CallError> {
         let mut raw: sys::OptArgs = ptr::null_mut();
         // SAFETY: valid out pointer.
         check("create_opt_args", unsafe {
             (api.create_opt_args)(&mut raw)
         })?;
-        Ok(OptArgs { api, raw })
+        let opt = OptArgs { api, raw };
+        if let Some(msg) = notification {
+            opt.set_notification(msg)?;
+        }
+        Ok(opt)
     }
 
-    pub(crate) fn set_notification(&self, msg: &[u8]) -> Result<(), CallError> {
+    fn set_notification(&self, msg: &[u8]) -> Result<(), CallError> {
         // SAFETY: live opt args; `msg` valid for its length (NIXL copies it; a zero-length
         // slice's pointer is non-null, as NIXL requires).
         check("opt_args_set_notif_msg", unsafe {
