@@ -97,16 +97,17 @@ fn staged(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
     health(c, p)["staged_messages"].as_u64().unwrap_or(0)
 }
 
-/// Polls `cond` until it holds; fails the test after 10 s (a bound, not a timing assertion).
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+/// Polls `cond` until it holds and returns how long that took; fails the test after `limit`.
+fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     while !cond() {
         assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "timed out waiting until {what}"
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
         );
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(2));
     }
+    start.elapsed()
 }
 
 fn p_held(c: &reqwest::blocking::Client, p: &Engine) -> u64 {
@@ -140,7 +141,9 @@ fn d_killed_before_it_pulls_is_reclaimed_at_once() {
         let _ = r.and_then(|r| r.text());
     });
     // The hog has read its KV (P holds nothing), so it is admitted and fills D's pool.
-    wait_until("the hog pulled its KV", || p_held(&c, &p) == 0);
+    wait_until(Duration::from_secs(10), "the hog pulled its KV", || {
+        p_held(&c, &p) == 0
+    });
     let text = prompt(200);
     let params = p_leg(&c, &p, &text);
     let (url, body) = (
@@ -154,24 +157,13 @@ fn d_killed_before_it_pulls_is_reclaimed_at_once() {
             .send();
     });
     // P holds the queued request's blocks for D (D heartbeats them while they wait).
-    let start = Instant::now();
-    while held_for(&c, &p, "d-killed") == 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "D never claimed the handoff"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(Duration::from_secs(5), "D claimed the handoff", || {
+        held_for(&c, &p, "d-killed") > 0
+    });
     let _ = d.child.kill();
-    let killed = Instant::now();
-    while p_held(&c, &p) != 0 {
-        assert!(
-            killed.elapsed() < Duration::from_secs(2),
-            "P still holds blocks for a dead D"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let took = killed.elapsed();
+    let took = wait_until(Duration::from_secs(2), "P freed a dead D's blocks", || {
+        p_held(&c, &p) == 0
+    });
     eprintln!("P reclaimed a dead D's blocks {took:?} after SIGKILL (lease: 10 s)");
     let m = c
         .get(format!("{}/metrics", p.url))
@@ -221,14 +213,9 @@ fn d_killed_while_it_pulls_is_reclaimed_at_once() {
         std::thread::sleep(Duration::from_millis(1));
     }
     let _ = d.child.kill();
-    let killed = Instant::now();
-    while p_held(&c, &p) != 0 {
-        assert!(
-            killed.elapsed() < Duration::from_secs(2),
-            "P still holds blocks for a dead D"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until(Duration::from_secs(2), "P freed a dead D's blocks", || {
+        p_held(&c, &p) == 0
+    });
 }
 
 #[test]
@@ -334,7 +321,9 @@ fn push_d_killed_after_registering_releases_p_at_once() {
             .send();
     });
     // D registered with P (P staged it: its prefill has not started), then dies.
-    wait_until("P staged D's registration", || staged(&c, &p) > 0);
+    wait_until(Duration::from_secs(10), "P staged D's registration", || {
+        staged(&c, &p) > 0
+    });
     let _ = d.child.kill();
     let _ = d.child.wait();
     std::thread::sleep(Duration::from_millis(100));
@@ -346,14 +335,11 @@ fn push_d_killed_after_registering_releases_p_at_once() {
         .json()
         .unwrap();
     assert!(r["choices"].is_array(), "{r}");
-    let start = Instant::now();
-    while p_held(&c, &p) != 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "P holds blocks for a dead D (lease is 10 s)"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        Duration::from_secs(2),
+        "P freed a dead D's blocks (lease is 10 s)",
+        || p_held(&c, &p) == 0,
+    );
 }
 
 #[test]
