@@ -21,7 +21,8 @@
 //!   nixl transport run the same way (two transports in this process, the same mapping), their
 //!   repetitions interleaved.
 //! - **Timing.** From post to done and released (status polled every `--poll-us`, 1000 µs by
-//!   default as the connector's driver does; raw NIXL spins), after one untimed warm-up whose bytes are checked on both sides;
+//!   default as the connector's driver does, raw NIXL alike: a poller that spins takes a core
+//!   from NIXL's own threads), after one untimed warm-up whose bytes are checked on both sides;
 //!   median of the repetitions. tcp and raw TCP alternate repetition by repetition (ABBA), as do
 //!   nixl and memcpy, and nixl and raw NIXL in one process, so a drift of the host weighs on
 //!   backend and baseline alike; tcp gets more repetitions (`--tcp-reps`) because loopback TCP
@@ -846,6 +847,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             blocks: 1,
             iters: 1,
             notify: false,
+            poll: Duration::ZERO,
         },
     ) {
         Ok(_) => Ok(handoff_transport::nixl::locate(&cfg)?),
@@ -898,9 +900,14 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     );
     match &nixl_lib {
         Ok(p) => println!(
-            "  nixl: {} (backend {}, progress delay {} µs, no notification)",
+            "  nixl: {} (backend {} [{}], progress delay {} µs, no notification)",
             p.display(),
             cfg.backend,
+            cfg.backend_params
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(","),
             cfg.progress_delay_us,
         ),
         Err(e) => println!("  nixl: SKIPPED, not available: {e}"),
@@ -1008,6 +1015,9 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                         blocks,
                         iters: reps,
                         notify: false,
+                        poll: Duration::from_micros(
+                            POLL_US.load(std::sync::atomic::Ordering::Relaxed),
+                        ),
                     },
                 )?;
                 theirs.once()?;
@@ -1130,6 +1140,9 @@ fn report(
                     .collect::<serde_json::Map<_, _>>(),
                 "nixl_progress_delay_us": cfg.progress_delay_us,
                 "nixl_backend": cfg.backend,
+                "nixl_backend_params": cfg.backend_params.iter()
+                    .map(|(k, v)| (k.clone(), json!(v)))
+                    .collect::<serde_json::Map<_, _>>(),
                 "nixl": match nixl_lib {
                     Ok(p) => json!(p.display().to_string()),
                     Err(e) => json!(format!("skipped: {e}")),

@@ -28,6 +28,10 @@ pub struct RawSpec {
     pub iters: usize,
     /// One notification per transfer, as the transport's users send.
     pub notify: bool,
+    /// Sleep between status polls while a transfer runs; zero spins. Pollers that sleep leave
+    /// the cores to NIXL's own threads (its progress thread, and the UCX backend's worker threads
+    /// when `num_threads` is set), so a comparison polls both sides the same way.
+    pub poll: Duration,
 }
 
 /// What was measured: each transfer timed from request creation to release.
@@ -143,9 +147,27 @@ impl RawAgent {
         let mut params: sys::Params = ptr::null_mut();
         // SAFETY: valid out pointer.
         ok("create_params", unsafe { (api.create_params)(&mut params) })?;
-        // SAFETY: live agent and params, C string, valid out pointer.
-        let st =
-            unsafe { (api.create_backend)(a.agent, backend_name.as_ptr(), params, &mut a.backend) };
+        let mut st = sys::SUCCESS;
+        for (k, v) in &cfg.backend_params {
+            let (Ok(k), Ok(v)) = (CString::new(k.as_str()), CString::new(v.as_str())) else {
+                // SAFETY: `params` is not used after this.
+                unsafe { (api.destroy_params)(params) };
+                return Err(TransportError::Io(
+                    "backend parameter contains a NUL byte".into(),
+                ));
+            };
+            // SAFETY: live params list; C strings that NIXL copies.
+            st = unsafe { (api.params_add)(params, k.as_ptr(), v.as_ptr()) };
+            if st != sys::SUCCESS {
+                break;
+            }
+        }
+        if st == sys::SUCCESS {
+            // SAFETY: live agent and params, C string, valid out pointer.
+            st = unsafe {
+                (api.create_backend)(a.agent, backend_name.as_ptr(), params, &mut a.backend)
+            };
+        }
         // SAFETY: `params` is not used after this.
         unsafe { (api.destroy_params)(params) };
         ok("create_backend", st)?;
@@ -437,6 +459,9 @@ impl RawSession {
             let mut st = (api.post_xfer_req)(self.a.agent, req, ptr::null_mut());
             let deadline = Instant::now() + Duration::from_secs(30);
             while st == sys::IN_PROG && Instant::now() < deadline {
+                if !self.spec.poll.is_zero() {
+                    std::thread::sleep(self.spec.poll);
+                }
                 st = (api.get_xfer_status)(self.a.agent, req);
             }
             let rel = (api.release_xfer_req)(self.a.agent, req);

@@ -639,6 +639,7 @@ fn nixl_raw_baseline_moves_blocks() {
                 blocks: 64,
                 iters: 3,
                 notify: true,
+                poll: std::time::Duration::ZERO,
             },
         )
         .unwrap();
@@ -704,6 +705,7 @@ fn nixl_throughput_vs_raw() {
                         blocks,
                         iters: per_round,
                         notify: true,
+                        poll: std::time::Duration::ZERO,
                     },
                 )
                 .unwrap();
@@ -760,6 +762,7 @@ fn nixl_throughput_overhead() {
             blocks,
             iters,
             notify: false,
+            poll: std::time::Duration::ZERO,
         },
     )
     .unwrap();
