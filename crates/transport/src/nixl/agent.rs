@@ -132,8 +132,14 @@ impl Agent {
                 agent.backend = backend;
             } else {
                 let plugins = agent.plugins().join(",");
+                let params = settings
+                    .backend_params
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
                 result = Err(format!(
-                    "cannot create the {} backend (nixl_capi_create_backend returned {st}; plugins found: [{plugins}])",
+                    "cannot create the {} backend with parameters [{params}] (nixl_capi_create_backend returned {st}; plugins found: [{plugins}])",
                     settings.backend
                 ));
             }

@@ -16,9 +16,11 @@
 //!   goes through one mutex, so calls from several threads are serialised (NIXL's own progress
 //!   thread runs beside them, as NIXL intends).
 //! - **Posting blocks.** On the default UCX path between processes of one host the copy is a
-//!   CMA `process_vm_readv/writev` that runs inside `post_xfer_req`, on the caller's thread and
-//!   under the lock (about 12 ms for 64 MiB). Async callers must post from a blocking thread
-//!   (`spawn_blocking`); other calls on this transport wait for the copy meanwhile.
+//!   CMA `process_vm_readv/writev` that runs inside `post_xfer_req`, under the lock (about
+//!   12 ms for 64 MiB on one thread). Lists of 64 descriptors or more are split between the UCX
+//!   backend's two worker threads ([`UCX_DEFAULT_PARAMS`]), and the post waits for both halves.
+//!   Async callers must post from a blocking thread (`spawn_blocking`); other calls on this
+//!   transport wait for the copy meanwhile.
 //! - **Local memory is locked while NIXL may touch it.** A posted transfer holds the owned chunk
 //!   locks of its local span — write locks on the destination of a READ, read locks on the
 //!   source of a WRITE — until [`Transport::release`]. A post whose local span overlaps a chunk

@@ -98,6 +98,41 @@ fn desc(local_offset: u64, remote_offset: u64, len: u64) -> XferDesc {
 // --- Without NIXL -------------------------------------------------------------------------
 
 #[test]
+fn backend_params_parse_and_replace_defaults_key_by_key() {
+    assert_eq!(
+        parse_backend_params(" num_threads=4 , split_batch_size=128,").unwrap(),
+        vec![
+            ("num_threads".to_string(), "4".to_string()),
+            ("split_batch_size".to_string(), "128".to_string())
+        ]
+    );
+    assert_eq!(parse_backend_params("").unwrap(), vec![]);
+    for bad in ["num_threads", "=2", "a=1,b"] {
+        let e = parse_backend_params(bad).unwrap_err();
+        assert!(e.contains("key=value"), "{bad}: {e}");
+    }
+
+    // UCX's thread pool is on by default; a setting replaces its key and keeps the others.
+    let mut cfg = NixlConfig::default();
+    assert_eq!(cfg.backend, "UCX");
+    assert!(cfg
+        .backend_params
+        .contains(&("num_threads".to_string(), "2".to_string())));
+    cfg.set_backend_param("num_threads", "0");
+    cfg.set_backend_param("ucx_error_handling_mode", "peer");
+    let get = |k: &str| {
+        cfg.backend_params
+            .iter()
+            .filter(|(key, _)| key == k)
+            .map(|(_, v)| v.as_str())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(get("num_threads"), ["0"]);
+    assert_eq!(get("split_batch_size"), ["64"]);
+    assert_eq!(get("ucx_error_handling_mode"), ["peer"]);
+}
+
+#[test]
 fn nixl_open_with_bogus_path_is_unavailable_in_one_line() {
     let cfg = NixlConfig {
         lib_path: Some("/nonexistent/dir/libnixl_capi.so".into()),
@@ -142,6 +177,20 @@ fn nixl_config_defaults() {
     assert_eq!(c.progress_delay_us, 100);
     assert_eq!(c.backend, "UCX");
     assert!(c.lib_path.is_none());
+    assert_eq!(c.backend_params.len(), UCX_DEFAULT_PARAMS.len());
+}
+
+#[test]
+fn nixl_bad_backend_parameter_is_unavailable_and_names_the_parameter() {
+    let Some(mut cfg) = nixl() else { return };
+    cfg.set_backend_param("num_threads", "many");
+    match NixlTransport::open(&unique("badparam"), cfg) {
+        Err(TransportError::Unavailable { reason, .. }) => {
+            assert!(!reason.contains('\n'), "{reason}");
+            assert!(reason.contains("num_threads=many"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
 }
 
 #[test]
