@@ -26,7 +26,8 @@
 //!   median of the repetitions. tcp and raw TCP alternate repetition by repetition (ABBA), as do
 //!   nixl and memcpy, and nixl and raw NIXL in one process, so a drift of the host weighs on
 //!   backend and baseline alike; tcp gets more repetitions (`--tcp-reps`) because loopback TCP
-//!   varies far more between repetitions.
+//!   varies far more between repetitions, and every backend gets at least `--ratio-reps` at the
+//!   block size the ratios are taken at.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -67,6 +68,10 @@ pub struct TransferArgs {
     /// on loopback (thread placement on a small host) than NIXL or memcpy.
     #[arg(long, default_value_t = 25)]
     tcp_reps: usize,
+    /// Timed repetitions of every backend and baseline at the block size the ratios are taken at
+    /// (64 KiB), when more than the above: one ratio should not hang on a few repetitions.
+    #[arg(long, default_value_t = 41)]
+    ratio_reps: usize,
     /// MiB moved per case and repetition (the issue asks for at least 256).
     #[arg(long, default_value_t = 256)]
     total_mib: usize,
@@ -327,7 +332,7 @@ fn open_transport(
     nixl: &NixlConfig,
 ) -> anyhow::Result<Arc<dyn Transport>> {
     Ok(match backend {
-        "tcp" => TcpTransport::new(name, TcpConfig::default())? as Arc<dyn Transport>,
+        "tcp" => TcpTransport::new(name, TcpConfig::from_env())? as Arc<dyn Transport>,
         "nixl" => NixlTransport::open(name, nixl.clone())? as Arc<dyn Transport>,
         other => bail!("unknown backend {other:?} (tcp or nixl)"),
     })
@@ -836,6 +841,14 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     }
     let wanted = |c: &Case| args.cases.is_empty() || args.cases.iter().any(|x| x == c.key);
     let reps = args.reps;
+    // Repetitions for `case`, `base` being the backend's usual count.
+    let reps_for = |case: &Case, base: usize| {
+        if case.key == RATIO_CASE {
+            base.max(args.ratio_reps)
+        } else {
+            base
+        }
+    };
     let mut res = Results::new(started);
 
     // Probe NIXL once; everything NIXL is skipped with this note when it is missing.
@@ -871,8 +884,8 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "  {} MiB per case and repetition, one post per repetition; median of {reps} timed repetitions ({} for tcp and raw tcp, interleaved with each other) after a warm-up whose bytes are checked",
-        args.total_mib, args.tcp_reps
+        "  {} MiB per case and repetition, one post per repetition; median of {reps} timed repetitions ({} for tcp and raw tcp, interleaved with each other; at least {} at {RATIO_CASE}) after a warm-up whose bytes are checked",
+        args.total_mib, args.tcp_reps, args.ratio_reps
     );
     println!(
         "  scattered blocks {} (shuffled ids on both sides); model: 32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks = {} KiB per block per layer, {} KiB per cross-layer block, {} blocks",
@@ -897,6 +910,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     println!(
         "  timed from post to done and released; status polled every {} µs",
         args.poll_us
+    );
+    println!(
+        "  tcp: landing reads poll an empty socket for {} µs before sleeping (HANDOFF_TCP_LANDING_SPIN_US)",
+        TcpConfig::from_env().landing_spin.as_micros()
     );
     match &nixl_lib {
         Ok(p) => println!(
@@ -942,7 +959,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                 tp.warm(idx, case, op)?;
                 tp.warm_raw_tcp(&mut conn, idx, case, op)?;
                 let (a, b) = interleaved(
-                    args.tcp_reps,
+                    reps_for(case, args.tcp_reps),
                     || tp.xfer(case, op),
                     || tp.raw_tcp(&mut conn, idx, case, op),
                 )?;
@@ -964,7 +981,11 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             for (op, opn) in OPS {
                 tp.warm(idx, case, op)?;
                 mem.once(case);
-                let (a, b) = interleaved(reps, || tp.xfer(case, op), || Ok(mem.once(case)))?;
+                let (a, b) = interleaved(
+                    reps_for(case, reps),
+                    || tp.xfer(case, op),
+                    || Ok(mem.once(case)),
+                )?;
                 res.put(&format!("nixl_{opn}"), case, case.bytes(), &a);
                 memcpy_secs[idx].extend(b);
             }
@@ -976,7 +997,9 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         );
         for &(idx, case) in &cases {
             mem.once(case);
-            memcpy_secs[idx] = (0..2 * reps).map(|_| mem.once(case)).collect();
+            memcpy_secs[idx] = (0..2 * reps_for(case, reps))
+                .map(|_| mem.once(case))
+                .collect();
         }
     }
     drop(mem);
@@ -1013,7 +1036,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                         op,
                         block_size,
                         blocks,
-                        iters: reps,
+                        iters: reps_for(case, reps),
                         notify: false,
                         poll: Duration::from_micros(
                             POLL_US.load(std::sync::atomic::Ordering::Relaxed),
@@ -1022,7 +1045,8 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                 )?;
                 theirs.once()?;
                 theirs.check()?;
-                let (a, b) = interleaved(reps, || ours.once(), || Ok(theirs.once()?))?;
+                let (a, b) =
+                    interleaved(reps_for(case, reps), || ours.once(), || Ok(theirs.once()?))?;
                 res.put(&format!("nixl_1proc_{opn}"), case, bytes, &a);
                 res.put(&format!("raw_nixl_{opn}"), case, theirs.bytes(), &b);
             }
@@ -1125,6 +1149,7 @@ fn report(
                 "total_bytes_per_case": args.total_mib * MIB,
                 "repetitions": args.reps,
                 "tcp_repetitions": args.tcp_reps,
+                "ratio_case_repetitions": args.ratio_reps,
                 "scattered_block_bytes": SCATTERED_BLOCKS,
                 "model": {
                     "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
@@ -1150,6 +1175,7 @@ fn report(
                 "ratio_case": RATIO_CASE,
                 "load_average_at_start": load1,
                 "status_poll_us": args.poll_us,
+                "tcp_landing_spin_us": TcpConfig::from_env().landing_spin.as_micros() as u64,
             },
             "gbps": gb,
             "ratios": ratios,
