@@ -176,7 +176,7 @@ pub(crate) fn check_bounds(
 pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, TransportError> {
     match kind {
         "tcp" => {
-            let t = tcp::TcpTransport::new(name, tcp::TcpConfig::default())?;
+            let t = tcp::TcpTransport::new(name, tcp::TcpConfig::from_env())?;
             Ok(t as Arc<dyn Transport>)
         }
         "nixl" => {

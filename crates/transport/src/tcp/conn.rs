@@ -212,7 +212,7 @@ fn invalid(msg: String) -> io::Error {
 /// longer gets the rest of that piece through a staging buffer, with the lock released: two
 /// agents that READ and WRITE the same chunks at once (or share a chunk between transfers)
 /// would otherwise deadlock, each holding a lock while blocked on a socket the other must drain.
-const STALL: Duration = Duration::from_millis(10);
+pub(super) const STALL: Duration = Duration::from_millis(10);
 /// Most bytes staged at once when a peer stalls.
 const STAGE_BYTES: usize = 64 * 1024;
 
@@ -244,6 +244,9 @@ pub(super) struct Rx {
     timeout: Duration,
     conn: Arc<Conn>,
     scratch: Vec<u8>,
+    /// Bytes of a transfer are being read (set by [`Rx::landing`]).
+    landing: bool,
+    landing_spin: Duration,
 }
 
 impl Rx {
@@ -256,11 +259,14 @@ impl Rx {
             timeout: inner.tick(),
             conn,
             scratch: Vec::new(),
+            landing: false,
+            landing_spin: inner.cfg.landing_spin,
         }
     }
 
     /// Short read timeouts while landing data (see [`STALL`]), the tick between frames.
     fn landing(&mut self, on: bool) -> io::Result<()> {
+        self.landing = on;
         let d = if on { STALL } else { self.tick };
         if d != self.timeout {
             self.stream.set_read_timeout(Some(d))?;
@@ -283,11 +289,34 @@ impl Rx {
         Ok(())
     }
 
+    /// One read. While landing, a socket found empty is polled without blocking for up to
+    /// `landing_spin` before the thread sleeps in the kernel (see [`super::TcpConfig`]).
+    fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let spin = self.landing_spin;
+        if self.landing && !spin.is_zero() {
+            let start = Instant::now();
+            let mut tries = 0u32;
+            loop {
+                match rustix::net::recv(&self.stream, &mut *buf, rustix::net::RecvFlags::DONTWAIT) {
+                    Ok((n, _)) => return Ok(n),
+                    Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                tries += 1;
+                if tries % 32 == 0 && start.elapsed() >= spin {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        self.stream.read(buf)
+    }
+
     /// Reads into `buf` until it is full or a read times out; returns the count.
     fn fill_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let mut at = 0;
         while at < buf.len() {
-            match self.stream.read(&mut buf[at..]) {
+            match self.read_some(&mut buf[at..]) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,

@@ -163,14 +163,36 @@ fn apply(op: XferOp, descs: &[XferDesc], local: &mut [Vec<u8>], remote: &mut [Ve
 
 #[test]
 fn read_and_write_random_descriptor_lists_byte_exact() {
+    random_rounds(TcpConfig::default(), 40);
+}
+
+/// Landing reads that never poll and ones that poll for as long as allowed land the same bytes
+/// (the poll is a non-blocking read of the same socket; a short or empty one must not lose or
+/// reorder a byte).
+#[test]
+fn landing_with_and_without_polling_is_byte_exact() {
+    for spin in [Duration::ZERO, super::MAX_LANDING_SPIN] {
+        random_rounds(
+            TcpConfig {
+                landing_spin: spin,
+                ..TcpConfig::default()
+            },
+            12,
+        );
+    }
+}
+
+/// `rounds` READs and WRITEs of random descriptor lists between two agents with `cfg`, in both
+/// directions, each checked byte for byte on both sides.
+fn random_rounds(cfg: TcpConfig, rounds: usize) {
     let mut rng = Rng(0x5eed);
-    let a = agent("a", TcpConfig::default());
-    let b = agent("b", TcpConfig::default());
+    let a = agent("a", cfg.clone());
+    let b = agent("b", cfg);
     let (la, lb) = ([1 << 20, 700_000], [900_000, 1 << 20]);
     let ra = regions(&a, &la, &mut rng);
     let rb = regions(&b, &lb, &mut rng);
     pair(&a, &b);
-    for round in 0..40 {
+    for round in 0..rounds {
         let op = if round % 2 == 0 {
             XferOp::Read
         } else {
@@ -766,6 +788,23 @@ fn config_is_checked_and_defaults_match_the_spec() {
     assert_eq!(c.bind.to_string(), "127.0.0.1:0");
     assert_eq!(c.keepalive, Duration::from_millis(250));
     assert_eq!(c.dead_after, Duration::from_millis(1500));
+    assert_eq!(c.landing_spin, Duration::from_micros(200));
+    let too_long = TcpConfig {
+        landing_spin: super::MAX_LANDING_SPIN + Duration::from_micros(1),
+        ..TcpConfig::default()
+    };
+    assert!(TcpTransport::new("x", too_long).is_err());
+    // HANDOFF_TCP_LANDING_SPIN_US: a number of µs up to the maximum, else the default.
+    let spin_from = |v: &str| {
+        TcpConfig::from_lookup(|k| (k == "HANDOFF_TCP_LANDING_SPIN_US").then(|| v.to_string()))
+            .landing_spin
+    };
+    assert_eq!(spin_from("0"), Duration::ZERO);
+    assert_eq!(spin_from(" 50 "), Duration::from_micros(50));
+    assert_eq!(spin_from("10000"), super::MAX_LANDING_SPIN);
+    assert_eq!(spin_from("10001"), c.landing_spin);
+    assert_eq!(spin_from("fast"), c.landing_spin);
+    assert_eq!(TcpConfig::from_lookup(|_| None), c);
     let bad = TcpConfig {
         dead_after: Duration::from_millis(100),
         keepalive: Duration::from_millis(100),
