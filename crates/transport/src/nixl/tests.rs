@@ -826,3 +826,127 @@ fn nixl_throughput_overhead() {
         med(&mut theirs)
     );
 }
+
+#[test]
+fn spread_follows_the_backend_parameters() {
+    let cfg = |params: &[(&str, &str)]| NixlConfig {
+        backend_params: params
+            .iter()
+            .map(|&(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..NixlConfig::default()
+    };
+    assert_eq!(
+        Spread::of(&NixlConfig::default()),
+        Some(Spread {
+            threads: 2,
+            batch: 64
+        })
+    );
+    // NIXL's own split_batch_size default.
+    assert_eq!(
+        Spread::of(&cfg(&[("num_threads", "4")])),
+        Some(Spread {
+            threads: 4,
+            batch: 1024
+        })
+    );
+    // No pool, one thread, an unreadable value, another backend: nothing to spread over.
+    assert_eq!(Spread::of(&cfg(&[])), None);
+    assert_eq!(Spread::of(&cfg(&[("num_threads", "1")])), None);
+    assert_eq!(Spread::of(&cfg(&[("num_threads", "two")])), None);
+    let other = NixlConfig {
+        backend: "GDS".into(),
+        ..NixlConfig::default()
+    };
+    assert_eq!(Spread::of(&other), None);
+}
+
+#[test]
+fn spread_cuts_cover_the_same_bytes_in_order() {
+    let s = Spread {
+        threads: 2,
+        batch: 64,
+    };
+    // One 256 MiB run and a 3 MiB + 5 KiB one: cut into pieces of (total / 128) whole pages.
+    let local = [(1 << 30, 256 << 20), (5 << 30, (3 << 20) + 5120)];
+    let remote = [(7 << 30, 256 << 20), (9 << 30, (3 << 20) + 5120)];
+    let (l, r) = s
+        .cut(&local, &remote)
+        .expect("few large descriptors are cut");
+    assert!(l.len() >= s.wanted(), "{} pieces", l.len());
+    assert_eq!(l.len(), r.len());
+    let total: usize = local.iter().map(|d| d.1).sum();
+    let piece = (total / s.wanted()) & !4095;
+    assert!(piece >= MIN_SPREAD_PIECE);
+    // Walking the pieces in order rebuilds every descriptor exactly, on both sides.
+    let mut at = 0;
+    for (&(la, len), &(ra, _)) in local.iter().zip(&remote) {
+        let mut off = 0;
+        while off < len {
+            let (pl, pr) = (l[at], r[at]);
+            assert_eq!(pl, (la + off, piece.min(len - off)));
+            assert_eq!(pr, (ra + off, pl.1));
+            off += pl.1;
+            at += 1;
+        }
+    }
+    assert_eq!(at, l.len());
+    // Long enough already, or too little to be worth a second thread: left alone.
+    let many: Vec<(usize, usize)> = (0..128).map(|i| (i << 24, 1 << 20)).collect();
+    assert_eq!(s.cut(&many, &many), None);
+    let small = [(0, (s.wanted() * MIN_SPREAD_PIECE) - 4096)];
+    assert_eq!(s.cut(&small, &small), None);
+    assert_eq!(s.cut(&[], &[]), None);
+}
+
+#[test]
+fn nixl_few_large_descriptors_are_spread_over_the_pool_and_land_exactly() {
+    let Some(cfg) = nixl() else { return };
+    // 16 MiB in one region-long descriptor: 128 pieces of 128 KiB for the 2 pool threads.
+    let len = 16 << 20;
+    let p = pair(&cfg, len, 1 << 20);
+    let b_name = p.b.name().to_string();
+    let run = |op: XferOp, descs: &[XferDesc]| {
+        let id = p.a.post(op, &b_name, descs, Some(b"spread")).unwrap();
+        assert_eq!(wait(&*p.a, id), XferStatus::Done);
+        p.a.release(id).unwrap();
+    };
+    let same = |what: &str| {
+        let (mut x, mut y) = (vec![0u8; len], vec![0u8; len]);
+        p.ra.read(0, &mut x).unwrap();
+        p.rb.read(0, &mut y).unwrap();
+        assert!(x == y, "{what}: the regions differ");
+    };
+    p.rb.write(0, &pattern(7, len)).unwrap();
+    run(XferOp::Read, &[desc(0, 0, len as u64)]);
+    same("READ of one 16 MiB descriptor");
+    p.ra.write(0, &pattern(8, len)).unwrap();
+    run(XferOp::Write, &[desc(0, 0, len as u64)]);
+    same("WRITE of one 16 MiB descriptor");
+    assert_eq!(p.a.spread_posts(), 2);
+    // Two descriptors of 1 MiB (pieces would be under MIN_SPREAD_PIECE): posted as they are,
+    // and still exact; the notifications of all three arrive once each.
+    p.rb.write(0, &pattern(9, len)).unwrap();
+    let two = [desc(0, 3 << 20, 1 << 20), desc(5 << 20, 0, 1 << 20)];
+    run(XferOp::Read, &two);
+    for d in &two {
+        let (mut x, mut y) = (vec![0u8; d.len as usize], vec![0u8; d.len as usize]);
+        p.ra.read(d.local_offset as usize, &mut x).unwrap();
+        p.rb.read(d.remote_offset as usize, &mut y).unwrap();
+        assert!(x == y, "small READ at {}", d.local_offset);
+    }
+    assert_eq!(p.a.spread_posts(), 2);
+    let notes = wait_notifs(&*p.b, 3);
+    assert_eq!(notes.len(), 3, "{notes:?}");
+    // Without a pool (num_threads=0) nothing is cut.
+    let mut solo = cfg.clone();
+    solo.set_backend_param("num_threads", "0");
+    let q = pair(&solo, len, 1 << 20);
+    let id =
+        q.a.post(XferOp::Read, q.b.name(), &[desc(0, 0, len as u64)], None)
+            .unwrap();
+    assert_eq!(wait(&*q.a, id), XferStatus::Done);
+    q.a.release(id).unwrap();
+    assert_eq!(q.a.spread_posts(), 0);
+}
