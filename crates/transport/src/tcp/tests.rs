@@ -935,8 +935,9 @@ fn throughput() {
             * TOTAL as f64
             / 1e9
     };
-    let a = agent("ba", TcpConfig::default());
-    let b = agent("bb", TcpConfig::default());
+    // HANDOFF_TCP_LANDING_SPIN_US applies (compare 0 with the default).
+    let a = agent("ba", TcpConfig::from_env());
+    let b = agent("bb", TcpConfig::from_env());
     let mut rng = Rng(11);
     for &block in &blocks {
         let ra = Arc::new(KvRegion::new(region_len, block));
