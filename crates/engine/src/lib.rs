@@ -96,7 +96,8 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     for (rank, layout) in kv.layouts.iter().enumerate() {
         let name = format!("{}-r{rank}", cfg.engine_id);
         let mut transport: Arc<dyn Transport> = match cfg.transport.as_str() {
-            "mem" => MemTransport::new(&mem_fabric(), &name),
+            "mem" => MemTransport::new(&mem_fabric(), &name)
+                .with_context(|| format!("cannot open the mem transport {name:?}"))?,
             other => open_backend(other, &name)
                 .with_context(|| format!("cannot open the {other} transport"))?,
         };

@@ -315,8 +315,8 @@ mod tests {
 
     fn pair(plan: FaultPlan) -> (Arc<FaultyTransport>, Arc<MemTransport>, Arc<KvRegion>) {
         let fabric = MemFabric::new();
-        let a = MemTransport::new(&fabric, "a");
-        let b = MemTransport::new(&fabric, "b");
+        let a = MemTransport::new(&fabric, "a").unwrap();
+        let b = MemTransport::new(&fabric, "b").unwrap();
         let ra = Arc::new(KvRegion::new(1024, 256));
         let rb = Arc::new(KvRegion::new(1024, 256));
         ra.write(0, &[5; 1024]).unwrap();

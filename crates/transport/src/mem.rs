@@ -66,17 +66,23 @@ pub struct MemTransport {
 }
 
 impl MemTransport {
-    pub fn new(fabric: &Arc<MemFabric>, name: &str) -> Arc<Self> {
+    /// A new agent `name` on `fabric`. Refused while another live agent of the fabric has that
+    /// name (its peers would silently start talking to this one); free again once that agent
+    /// is dropped or killed.
+    pub fn new(fabric: &Arc<MemFabric>, name: &str) -> Result<Arc<Self>, TransportError> {
+        let mut agents = fabric.agents.lock();
+        if agents.get(name).and_then(Weak::upgrade).is_some() {
+            return Err(TransportError::Io(format!(
+                "a live mem agent is already named {name:?} on this fabric"
+            )));
+        }
         let t = Arc::new(MemTransport {
             name: name.to_string(),
             fabric: fabric.clone(),
             state: Mutex::new(State::default()),
         });
-        fabric
-            .agents
-            .lock()
-            .insert(name.to_string(), Arc::downgrade(&t));
-        t
+        agents.insert(name.to_string(), Arc::downgrade(&t));
+        Ok(t)
     }
 
     fn peer(&self, peer: &str) -> Result<Arc<MemTransport>, TransportError> {
@@ -268,5 +274,30 @@ impl Drop for MemTransport {
         {
             agents.remove(&self.name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_in_use_is_refused_until_its_agent_is_gone() {
+        let fabric = MemFabric::new();
+        let first = MemTransport::new(&fabric, "p").unwrap();
+        let peer = MemTransport::new(&fabric, "d").unwrap();
+        peer.load_remote(&first.local_metadata().unwrap()).unwrap();
+        assert!(MemTransport::new(&fabric, "p").is_err());
+        // The refused twin changed nothing: the peer still reaches the first agent.
+        peer.send_notification("p", b"still you").unwrap();
+        let got = first.drain_notifications();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].msg, b"still you");
+        // Dropped, or killed: the name is free for a new life.
+        drop(first);
+        let second = MemTransport::new(&fabric, "p").unwrap();
+        fabric.kill("p");
+        assert!(MemTransport::new(&fabric, "p").is_ok());
+        drop(second);
     }
 }

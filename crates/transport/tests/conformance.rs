@@ -180,8 +180,8 @@ fn nixl_or_skip(name: &str) -> Option<Arc<dyn Transport>> {
 #[test]
 fn mem_in_one_process() {
     let fabric = MemFabric::new();
-    let local = MemTransport::new(&fabric, "local");
-    let remote_t = MemTransport::new(&fabric, "remote");
+    let local = MemTransport::new(&fabric, "local").unwrap();
+    let remote_t = MemTransport::new(&fabric, "remote").unwrap();
     let f = fabric.clone();
     let mut remote = InProcessRemote::new(remote_t, &[REMOTE_LEN], REMOTE_SEED)
         .on_kill(move || f.kill("remote"));
