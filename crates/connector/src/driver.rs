@@ -48,6 +48,9 @@ pub(crate) struct Peer {
     layouts: Vec<RankLayout>,
     agents: Vec<String>,
     queued: VecDeque<Message>,
+    /// Number of the latest connection attempt (0: none yet); an outcome of an older one is
+    /// stale.
+    attempt: u64,
 }
 
 #[derive(Default)]
@@ -57,6 +60,8 @@ pub(crate) struct Peers {
     by_conn: HashMap<ConnId, PeerId>,
     by_agent: HashMap<String, PeerId>,
     next: u32,
+    /// Connection attempts started so far (numbers them).
+    attempts: u64,
 }
 
 impl Peers {
@@ -186,6 +191,7 @@ impl Inner {
                 layouts: vec![],
                 agents: vec![],
                 queued: VecDeque::new(),
+                attempt: 0,
             },
         );
         id
@@ -246,6 +252,9 @@ impl Connector {
         let Some(addr) = p.addr.clone() else {
             return;
         };
+        inner.peers.attempts += 1;
+        let attempt = inner.peers.attempts;
+        p.attempt = attempt;
         p.state = PeerState::Connecting { started: true };
         let hello = match self.hello() {
             Ok(h) => h,
@@ -256,6 +265,7 @@ impl Connector {
         };
         side_channel::connect(
             p.engine.clone(),
+            attempt,
             addr,
             Message::Hello(hello),
             self.wake.clone(),
@@ -513,6 +523,7 @@ impl Connector {
             }
             SideEvent::Connected {
                 engine,
+                attempt,
                 conn,
                 reply,
             } => {
@@ -520,6 +531,17 @@ impl Connector {
                     conn.close();
                     return;
                 };
+                // A success of an attempt older than the latest is still a working connection
+                // to that engine: it is used like the latest's (closing it could make P take
+                // it, if it is P's newest, for our death).
+                if inner
+                    .peers
+                    .by_id
+                    .get(&peer)
+                    .is_some_and(|p| p.attempt != attempt)
+                {
+                    tracing::debug!(peer = %engine, attempt, "connected on an earlier attempt");
+                }
                 let outcome = match reply {
                     Message::HelloReply(HelloReply::Accepted(h)) => self.accept_hello(&h),
                     Message::HelloReply(HelloReply::Refused { reason }) => Err(reason),
@@ -553,11 +575,24 @@ impl Connector {
                     }
                 }
             }
-            SideEvent::ConnectFailed { engine, error } => {
-                if let Some(&peer) = inner.peers.by_engine.get(&engine) {
-                    tracing::warn!(peer = %engine, %error, "cannot reach P");
-                    self.fail_peer(&mut inner, peer, error, now);
+            SideEvent::ConnectFailed {
+                engine,
+                attempt,
+                error,
+            } => {
+                let Some(&peer) = inner.peers.by_engine.get(&engine) else {
+                    return;
+                };
+                // Only the latest attempt's failure says anything about the peer: an older one
+                // (a connect that timed out after the peer was found dead and retried) must not
+                // fail the requests that wait on the newer attempt, or one that succeeded.
+                let latest = inner.peers.by_id.get(&peer).map(|p| p.attempt);
+                if latest != Some(attempt) {
+                    tracing::debug!(peer = %engine, attempt, ?latest, %error, "stale connect failure ignored");
+                    return;
                 }
+                tracing::warn!(peer = %engine, %error, "cannot reach P");
+                self.fail_peer(&mut inner, peer, error, now);
             }
             SideEvent::Closed { conn } => {
                 inner.anon_conns.remove(&conn);
@@ -1170,4 +1205,101 @@ fn xfer_descs(descs: &[handoff_plan::Descriptor], op: XferOp) -> Vec<XferDesc> {
             },
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+    use handoff_proto::TransferMode;
+    use handoff_transport::mem::{MemFabric, MemTransport};
+    use handoff_transport::KvRegion;
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::{ConnectorConfig, RankMemory, Role};
+
+    /// A decode connector on the mem transport, with a tiny KV pool.
+    fn decode_connector() -> Arc<Connector> {
+        let spec = KvSpec {
+            shape: ModelShape {
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 8,
+                dtype_size: 2,
+            },
+            tp: 1,
+            block_size: 16,
+            block_layout: BlockLayout::HeadMajor,
+        };
+        let layout = RankLayout::cross_layer(spec, 0, 8, 0).unwrap();
+        let region = Arc::new(KvRegion::new(layout.region_len(0).unwrap() as usize, 4096));
+        let transport = MemTransport::new(&MemFabric::new(), "d-r0").unwrap();
+        let cfg = ConnectorConfig {
+            engine_id: "d".into(),
+            role: Role::Decode,
+            mode: TransferMode::Pull,
+            model: "m".into(),
+            dtype: "bf16".into(),
+            side_channel_bind: "127.0.0.1:0".parse().unwrap(),
+            advertise_host: "127.0.0.1".into(),
+            producer: Default::default(),
+            consumer: Default::default(),
+        };
+        let ranks = vec![RankMemory {
+            layout,
+            regions: vec![(0, region)],
+            transport,
+        }];
+        Connector::start(cfg, ranks, &mut Registry::default()).unwrap()
+    }
+
+    /// A connect attempt that fails after the peer was retried says nothing about the retry:
+    /// only the latest attempt's failure fails the peer (and every request waiting on it).
+    #[test]
+    fn only_the_latest_connect_attempts_failure_fails_the_peer() {
+        let c = decode_connector();
+        // P is named by a request; the attempt is numbered as the driver starts it. (Port 9 on
+        // loopback: nothing listens, so the real attempt fails fast, and its failure is the
+        // latest one's, which must count.)
+        let peer = {
+            let mut inner = c.inner.lock();
+            let peer = inner.peer_for("p", "127.0.0.1:9".into());
+            c.connect(&mut inner, peer);
+            peer
+        };
+        let state = |c: &Connector| c.inner.lock().peers.by_id[&peer].state.clone();
+        let attempt = |c: &Connector| c.inner.lock().peers.by_id[&peer].attempt;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !matches!(state(&c), PeerState::Failed(_)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(matches!(state(&c), PeerState::Failed(_)), "{:?}", state(&c));
+        let first = attempt(&c);
+        // A new request retries P; while that attempt runs, the first one's failure (as if it
+        // had taken seconds to time out) arrives again: stale, ignored.
+        {
+            let mut inner = c.inner.lock();
+            inner.peer_for("p", "127.0.0.1:9".into());
+            let p = inner.peers.by_id.get_mut(&peer).unwrap();
+            p.attempt = first + 1;
+            p.state = PeerState::Connecting { started: true };
+        }
+        c.on_side_event(SideEvent::ConnectFailed {
+            engine: "p".into(),
+            attempt: first,
+            error: "timed out".into(),
+        });
+        assert_eq!(state(&c), PeerState::Connecting { started: true });
+        assert_eq!(c.inner.lock().refusals.get(&peer), None);
+        // The latest attempt's own failure does fail the peer, with its reason.
+        c.on_side_event(SideEvent::ConnectFailed {
+            engine: "p".into(),
+            attempt: first + 1,
+            error: "refused".into(),
+        });
+        assert_eq!(state(&c), PeerState::Failed("refused".into()));
+        c.shutdown();
+    }
 }

@@ -26,14 +26,20 @@ pub enum SideEvent {
     Inbound { conn: Conn, msg: Message },
     /// A message on an established connection.
     Message { conn: ConnId, msg: Message },
-    /// We connected to `engine` (D side) and it answered our hello.
+    /// We connected to `engine` (D side) and it answered our hello. `attempt` is the number
+    /// the driver gave this connection attempt (see [`connect`]).
     Connected {
         engine: String,
+        attempt: u64,
         conn: Conn,
         reply: Message,
     },
-    /// Connecting to `engine` failed.
-    ConnectFailed { engine: String, error: String },
+    /// Connection attempt `attempt` to `engine` failed.
+    ConnectFailed {
+        engine: String,
+        attempt: u64,
+        error: String,
+    },
     /// The connection closed or broke.
     Closed { conn: ConnId },
     /// Something for the driver to look at now (an API call queued work).
@@ -188,8 +194,16 @@ fn accept_one(stream: TcpStream, events: Sender<SideEvent>) {
     read_loop(conn, reader, events);
 }
 
-/// Connects to `addr`, says `hello`, waits for the reply (bounded), then keeps reading.
-pub fn connect(engine: String, addr: String, hello: Message, events: Sender<SideEvent>) {
+/// Connects to `addr`, says `hello`, waits for the reply (bounded), then keeps reading. The
+/// outcome names `attempt`, so the driver can tell it from that of a newer attempt to the same
+/// engine (an attempt can take seconds to fail, and the peer may be retried meanwhile).
+pub fn connect(
+    engine: String,
+    attempt: u64,
+    addr: String,
+    hello: Message,
+    events: Sender<SideEvent>,
+) {
     std::thread::spawn(move || {
         let result = (|| -> Result<(Conn, TcpStream, Message), String> {
             let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
@@ -214,6 +228,7 @@ pub fn connect(engine: String, addr: String, hello: Message, events: Sender<Side
                 if events
                     .send(SideEvent::Connected {
                         engine,
+                        attempt,
                         conn: conn.clone(),
                         reply,
                     })
@@ -223,7 +238,11 @@ pub fn connect(engine: String, addr: String, hello: Message, events: Sender<Side
                 }
             }
             Err(error) => {
-                let _ = events.send(SideEvent::ConnectFailed { engine, error });
+                let _ = events.send(SideEvent::ConnectFailed {
+                    engine,
+                    attempt,
+                    error,
+                });
             }
         }
     });
