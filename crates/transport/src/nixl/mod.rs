@@ -334,6 +334,8 @@ pub struct NixlTransport {
     name: String,
     lib_path: PathBuf,
     config: NixlConfig,
+    /// The thread pool's split rule, read once from `config` (see [`Spread`]).
+    spread: Option<Spread>,
     inner: Mutex<Inner>,
 }
 
@@ -369,6 +371,7 @@ impl NixlTransport {
         Ok(Arc::new(NixlTransport {
             name: name.to_string(),
             lib_path: path,
+            spread: Spread::of(&cfg),
             config: cfg,
             inner: Mutex::new(Inner::new(agent)),
         }))
@@ -1200,6 +1203,15 @@ impl Transport for NixlTransport {
             )
         };
 
+        // Few large descriptors: cut them so the copy runs on every pool thread (this takes
+        // precedence over the prepped lists, which hold one entry per chunk).
+        let cut = self.spread.and_then(|s| s.cut(&local, &remote));
+        let spread = cut.is_some();
+        if let Some((l, r)) = cut {
+            (local, remote) = (l, r);
+            by_chunk = None;
+        }
+
         // Phase 2, without the transport lock: take the chunk locks, in address order. Only the
         // engine's own short accesses can make this wait (our transfers were excluded above).
         let mut guards = Vec::with_capacity(spans.len());
@@ -1249,11 +1261,7 @@ impl Transport for NixlTransport {
             g.xfers.insert(id, x);
             return Ok(id);
         }
-        // Few large descriptors: cut them so the copy runs on every pool thread (this takes
-        // precedence over the prepped lists, which hold one entry per chunk).
-        if let Some((l, r)) = Spread::of(&self.config).and_then(|s| s.cut(&local, &remote)) {
-            (local, remote) = (l, r);
-            by_chunk = None;
+        if spread {
             g.spread_posts += 1;
         }
         let prepped = by_chunk.and_then(|ci| g.prepped_xfer(op, peer, &ci, notification));
