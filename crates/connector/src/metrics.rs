@@ -40,6 +40,10 @@ pub struct Metrics {
     pub late_notifications: Counter,
     pub unknown_notifications: Counter,
     pub handshakes_refused: Counter,
+    pub anonymous_refused: Counter,
+    pub rejects_of_tracked_handoffs: Counter,
+    pub queued_dropped: Counter,
+    pub send_queue_full: Counter,
 }
 
 impl Metrics {
@@ -57,6 +61,10 @@ impl Metrics {
             late_notifications: Counter::default(),
             unknown_notifications: Counter::default(),
             handshakes_refused: Counter::default(),
+            anonymous_refused: Counter::default(),
+            rejects_of_tracked_handoffs: Counter::default(),
+            queued_dropped: Counter::default(),
+            send_queue_full: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("handoff");
         r.register(
@@ -119,6 +127,26 @@ impl Metrics {
             "handshakes_refused",
             "Handshakes refused for incompatibility",
             m.handshakes_refused.clone(),
+        );
+        r.register(
+            "side_channel_anonymous_refused",
+            "Side-channel connections refused because their first message was not a handshake",
+            m.anonymous_refused.clone(),
+        );
+        r.register(
+            "rejects_of_tracked_handoffs",
+            "Requests D refused whose handoff it still tracks for another request (P not told)",
+            m.rejects_of_tracked_handoffs.clone(),
+        );
+        r.register(
+            "side_channel_queued_dropped",
+            "Control messages dropped while waiting for a peer's connection (oldest first)",
+            m.queued_dropped.clone(),
+        );
+        r.register(
+            "side_channel_send_queue_full",
+            "Connections closed because the peer stopped reading (its send queue filled)",
+            m.send_queue_full.clone(),
         );
         m
     }

@@ -1,40 +1,57 @@
-//! The side channel: one TCP connection per pair of engines carrying handoff's control messages
-//! (handshake, heartbeats and grants, releases, push registrations and cancels), framed as
-//! `[u32 length][proto message]`. Bulk data and the completion notifications that must follow it
-//! travel over the transport instead.
+//! The side channel's sockets: one TCP connection per pair of engines carrying handoff's
+//! control messages (handshake, heartbeats and grants, releases, push registrations and
+//! cancels), framed as `[u32 length][proto message]`. Bulk data and the completion
+//! notifications that must follow it travel over the transport instead.
 //!
-//! A connection that closes is a dead peer (a SIGKILLed engine's socket is closed by the kernel at
-//! once), which is how P reclaims a dead D's blocks in milliseconds rather than after a lease.
+//! Every connection has a reading thread, which hands each frame to the executor, and a writing
+//! thread fed by a bounded queue ([`SEND_QUEUE`]), so that neither the connector core nor the
+//! engine's scheduler ever waits on a socket. A connection that closes is a dead peer (a
+//! SIGKILLed engine's socket is closed by the kernel at once), which is how P reclaims a dead
+//! D's blocks in milliseconds rather than after a lease.
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
-use parking_lot::Mutex;
 
-/// A connection, as the driver numbers it.
-pub type ConnId = u64;
+use crate::core::ConnId;
 
-/// What the side-channel threads tell the driver.
+/// Frames waiting to be written on one connection. A peer that stops reading until this many
+/// wait is treated as dead: the connection is closed (P then reclaims what that D held, D fails
+/// over per policy). Dropping frames instead would be safe for heartbeats and grants but not for
+/// releases and registrations, which must not vanish silently.
+pub const SEND_QUEUE: usize = 1024;
+
+/// How long one frame may take to write before the connection counts as broken.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a dialled peer, or one that dialled us, has to send its first frame.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the side channel's threads tell the executor.
 #[derive(Debug)]
 pub enum SideEvent {
-    /// A peer connected to us and said hello (P side): reply on `conn`.
-    Inbound { conn: Conn, msg: Message },
-    /// A message on an established connection.
-    Message { conn: ConnId, msg: Message },
-    /// We connected to `engine` (D side) and it answered our hello. `attempt` is the number
-    /// the driver gave this connection attempt (see [`connect`]).
+    /// A peer connected to us; `msg` is its first frame (a hello, or a proxy's release).
+    Accepted {
+        conn: ConnId,
+        writer: ConnWriter,
+        msg: Message,
+    },
+    /// A frame on an established connection.
+    Frame { conn: ConnId, msg: Message },
+    /// Our connect attempt `attempt` to `engine` got `reply` to its hello.
     Connected {
         engine: String,
         attempt: u64,
-        conn: Conn,
+        conn: ConnId,
+        writer: ConnWriter,
         reply: Message,
     },
-    /// Connection attempt `attempt` to `engine` failed.
+    /// Connect attempt `attempt` to `engine` failed.
     ConnectFailed {
         engine: String,
         attempt: u64,
@@ -42,43 +59,70 @@ pub enum SideEvent {
     },
     /// The connection closed or broke.
     Closed { conn: ConnId },
-    /// Something for the driver to look at now (an API call queued work).
-    Wake,
 }
 
-/// The writing half of a connection; the reading half runs on its own thread.
+/// Where the side channel's threads deliver: false once the executor is gone.
+pub type Sink = Arc<dyn Fn(SideEvent) -> bool + Send + Sync>;
+
+/// Why a frame was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendError {
+    /// The peer stopped reading: [`SEND_QUEUE`] frames wait.
+    Full,
+    /// The connection is gone.
+    Closed,
+}
+
+/// What the writing thread of a connection gets.
+#[derive(Debug)]
+enum Outgoing {
+    Frame(Vec<u8>),
+    /// Shut the connection once everything queued before was written.
+    Finish,
+}
+
+/// The writing half of a connection: a bounded queue to its writing thread.
 #[derive(Debug, Clone)]
-pub struct Conn {
-    pub id: ConnId,
-    stream: Arc<Mutex<BufWriter<TcpStream>>>,
+pub struct ConnWriter {
+    queue: SyncSender<Outgoing>,
+    socket: Arc<TcpStream>,
     closed: Arc<AtomicBool>,
 }
 
-impl Conn {
-    /// Sends one message; an error means the connection is gone.
-    pub fn send(&self, msg: &Message) -> Result<(), String> {
+impl ConnWriter {
+    /// Queues one message; never blocks.
+    pub fn try_send(&self, msg: &Message) -> Result<(), SendError> {
         if self.closed.load(Ordering::Relaxed) {
-            return Err("connection closed".into());
+            return Err(SendError::Closed);
         }
-        let bytes = encode(msg).map_err(|e| e.to_string())?;
-        let mut w = self.stream.lock();
-        let r = w
-            .write_all(&(bytes.len() as u32).to_le_bytes())
-            .and_then(|_| w.write_all(&bytes))
-            .and_then(|_| w.flush());
-        r.map_err(|e| {
-            self.closed.store(true, Ordering::Relaxed);
-            e.to_string()
-        })
+        let Ok(bytes) = encode(msg) else {
+            // Every message the ledgers make fits (they split batches to the cap).
+            tracing::error!(kind = msg.kind(), "cannot encode a control message");
+            return Ok(());
+        };
+        match self.queue.try_send(Outgoing::Frame(bytes)) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(SendError::Full),
+            Err(TrySendError::Disconnected(_)) => Err(SendError::Closed),
+        }
     }
 
+    /// Closes the connection once the frames queued so far are written (a refusal's reason
+    /// reaches the peer before the close); at once when the queue is full.
+    pub fn finish(&self) {
+        if self.closed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        if self.queue.try_send(Outgoing::Finish).is_err() {
+            let _ = self.socket.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Closes the connection: queued frames are dropped, the reading thread ends and reports
+    /// the close.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
-        let _ = self
-            .stream
-            .lock()
-            .get_ref()
-            .shutdown(std::net::Shutdown::Both);
+        let _ = self.socket.shutdown(Shutdown::Both);
     }
 }
 
@@ -96,49 +140,78 @@ fn read_frame(r: &mut impl Read) -> Result<Message, String> {
     decode(&buf).map_err(|e| e.to_string())
 }
 
-fn wrap(stream: TcpStream) -> Result<(Conn, TcpStream), String> {
-    stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    stream
-        .set_write_timeout(Some(Duration::from_secs(5)))
-        .map_err(|e| e.to_string())?;
-    let reader = stream.try_clone().map_err(|e| e.to_string())?;
-    let conn = Conn {
-        id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
-        stream: Arc::new(Mutex::new(BufWriter::new(stream))),
-        closed: Arc::new(AtomicBool::new(false)),
-    };
-    Ok((conn, reader))
+fn write_frame(w: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
+    w.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    w.write_all(bytes)
 }
 
-/// Reads frames until the connection ends; every frame goes to the driver.
-fn read_loop(conn: Conn, reader: TcpStream, events: Sender<SideEvent>) {
-    let mut r = BufReader::new(reader);
+/// Starts the writing thread of `stream`; returns its id and writer.
+fn open(stream: &TcpStream) -> std::io::Result<(ConnId, ConnWriter)> {
+    stream.set_nodelay(true)?;
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let socket = Arc::new(stream.try_clone()?);
+    let out = stream.try_clone()?;
+    let (queue, frames) = sync_channel::<Outgoing>(SEND_QUEUE);
+    let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    let writer = ConnWriter {
+        queue,
+        socket,
+        closed: Arc::new(AtomicBool::new(false)),
+    };
+    let w = writer.clone();
+    std::thread::Builder::new()
+        .name(format!("handoff-side-w{id}"))
+        .spawn(move || write_loop(out, frames, w))?;
+    Ok((id, writer))
+}
+
+fn write_loop(stream: TcpStream, frames: Receiver<Outgoing>, writer: ConnWriter) {
+    let mut w = BufWriter::new(stream);
+    while let Ok(first) = frames.recv() {
+        let mut finish = false;
+        let mut r = Ok(());
+        // Whatever else waits goes out in the same flush.
+        let mut next = Some(first);
+        while let (Ok(()), Some(out)) = (&r, next.take()) {
+            match out {
+                Outgoing::Frame(bytes) => r = write_frame(&mut w, &bytes),
+                Outgoing::Finish => {
+                    finish = true;
+                    break;
+                }
+            }
+            next = frames.try_recv().ok();
+        }
+        if r.and_then(|_| w.flush()).is_err() || finish {
+            // The reading thread sees the shutdown and reports the close.
+            let _ = w.get_ref().shutdown(Shutdown::Both);
+            writer.close();
+            return;
+        }
+    }
+}
+
+/// Reads frames until the connection ends; every frame goes to the executor.
+fn read_loop(conn: ConnId, writer: ConnWriter, mut r: BufReader<TcpStream>, sink: Sink) {
     loop {
         match read_frame(&mut r) {
             Ok(msg) => {
-                if events
-                    .send(SideEvent::Message { conn: conn.id, msg })
-                    .is_err()
-                {
+                if !sink(SideEvent::Frame { conn, msg }) {
                     break;
                 }
             }
             Err(e) => {
-                tracing::debug!(conn = conn.id, error = %e, "side channel closed");
+                tracing::debug!(conn, error = %e, "side channel closed");
                 break;
             }
         }
     }
-    conn.close();
-    let _ = events.send(SideEvent::Closed { conn: conn.id });
+    writer.close();
+    sink(SideEvent::Closed { conn });
 }
 
 /// Accepts connections until `stop` is set; returns the bound address.
-pub fn listen(
-    bind: SocketAddr,
-    events: Sender<SideEvent>,
-    stop: Arc<AtomicBool>,
-) -> std::io::Result<SocketAddr> {
+pub fn listen(bind: SocketAddr, sink: Sink, stop: Arc<AtomicBool>) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(bind)?;
     let addr = listener.local_addr()?;
     listener.set_nonblocking(true)?;
@@ -148,8 +221,13 @@ pub fn listen(
             while !stop.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((stream, _)) => {
-                        let events = events.clone();
-                        std::thread::spawn(move || accept_one(stream, events));
+                        let sink = sink.clone();
+                        let spawned = std::thread::Builder::new()
+                            .name("handoff-side-r".into())
+                            .spawn(move || accept_one(stream, sink));
+                        if let Err(e) = spawned {
+                            tracing::warn!(error = %e, "no thread for a side-channel connection");
+                        }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(5));
@@ -164,101 +242,100 @@ pub fn listen(
     Ok(addr)
 }
 
-fn accept_one(stream: TcpStream, events: Sender<SideEvent>) {
+fn accept_one(stream: TcpStream, sink: Sink) {
     let _ = stream.set_nonblocking(false);
-    let Ok((conn, reader)) = wrap(stream) else {
-        return;
-    };
     // The first frame must come quickly: a silent connection must not hold a thread forever.
-    let _ = reader.set_read_timeout(Some(Duration::from_secs(5)));
-    let mut r = BufReader::new(reader);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut r = match stream.try_clone() {
+        Ok(s) => BufReader::new(s),
+        Err(_) => return,
+    };
     let first = match read_frame(&mut r) {
         Ok(m) => m,
         Err(e) => {
             tracing::debug!(error = %e, "side channel: no valid first frame");
-            conn.close();
+            let _ = stream.shutdown(Shutdown::Both);
             return;
         }
     };
-    let _ = r.get_ref().set_read_timeout(None);
-    if events
-        .send(SideEvent::Inbound {
-            conn: conn.clone(),
-            msg: first,
-        })
-        .is_err()
-    {
+    let _ = stream.set_read_timeout(None);
+    let Ok((conn, writer)) = open(&stream) else {
+        let _ = stream.shutdown(Shutdown::Both);
         return;
+    };
+    if sink(SideEvent::Accepted {
+        conn,
+        writer: writer.clone(),
+        msg: first,
+    }) {
+        read_loop(conn, writer, r, sink);
+    } else {
+        writer.close();
     }
-    let reader = r.into_inner();
-    read_loop(conn, reader, events);
 }
 
 /// Connects to `addr`, says `hello`, waits for the reply (bounded), then keeps reading. The
-/// outcome names `attempt`, so the driver can tell it from that of a newer attempt to the same
-/// engine (an attempt can take seconds to fail, and the peer may be retried meanwhile).
-pub fn connect(
-    engine: String,
-    attempt: u64,
-    addr: String,
-    hello: Message,
-    events: Sender<SideEvent>,
-) {
-    std::thread::spawn(move || {
-        let result = (|| -> Result<(Conn, TcpStream, Message), String> {
-            let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
-                .map_err(|e| format!("cannot resolve {addr}: {e}"))?
-                .next()
-                .ok_or_else(|| format!("cannot resolve {addr}"))?;
-            let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
-                .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-            let (conn, reader) = wrap(stream)?;
-            conn.send(&hello)?;
-            reader
-                .set_read_timeout(Some(Duration::from_secs(5)))
-                .map_err(|e| e.to_string())?;
-            let mut r = BufReader::new(reader);
-            let reply = read_frame(&mut r).map_err(|e| format!("no handshake reply: {e}"))?;
-            let reader = r.into_inner();
-            reader.set_read_timeout(None).map_err(|e| e.to_string())?;
-            Ok((conn, reader, reply))
-        })();
-        match result {
-            Ok((conn, reader, reply)) => {
-                if events
-                    .send(SideEvent::Connected {
-                        engine,
-                        attempt,
-                        conn: conn.clone(),
-                        reply,
-                    })
-                    .is_ok()
-                {
-                    read_loop(conn, reader, events);
+/// outcome names `attempt`, so the executor can tell it from that of a newer attempt to the
+/// same engine (an attempt can take seconds to fail, and the peer may be retried meanwhile).
+pub fn connect(engine: String, attempt: u64, addr: String, hello: Message, sink: Sink) {
+    let spawned = std::thread::Builder::new()
+        .name("handoff-side-c".into())
+        .spawn({
+            let sink = sink.clone();
+            let engine = engine.clone();
+            move || {
+                let result =
+                    (|| -> Result<(ConnId, ConnWriter, BufReader<TcpStream>, Message), String> {
+                        let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+                            .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+                            .next()
+                            .ok_or_else(|| format!("cannot resolve {addr}"))?;
+                        let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
+                            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+                        let bytes = encode(&hello).map_err(|e| e.to_string())?;
+                        stream
+                            .set_write_timeout(Some(WRITE_TIMEOUT))
+                            .map_err(|e| e.to_string())?;
+                        write_frame(&mut &stream, &bytes).map_err(|e| format!("{addr}: {e}"))?;
+                        stream
+                            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+                            .map_err(|e| e.to_string())?;
+                        let mut r = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+                        let reply = read_frame(&mut r)
+                            .map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
+                        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+                        let (conn, writer) = open(&stream).map_err(|e| e.to_string())?;
+                        Ok((conn, writer, r, reply))
+                    })();
+                match result {
+                    Ok((conn, writer, r, reply)) => {
+                        if sink(SideEvent::Connected {
+                            engine,
+                            attempt,
+                            conn,
+                            writer: writer.clone(),
+                            reply,
+                        }) {
+                            read_loop(conn, writer, r, sink);
+                        } else {
+                            writer.close();
+                        }
+                    }
+                    Err(error) => {
+                        sink(SideEvent::ConnectFailed {
+                            engine,
+                            attempt,
+                            error,
+                        });
+                    }
                 }
             }
-            Err(error) => {
-                let _ = events.send(SideEvent::ConnectFailed {
-                    engine,
-                    attempt,
-                    error,
-                });
-            }
-        }
-    });
-}
-
-/// Sends one message to `addr` and closes: for a proxy that must tell P to release and has no
-/// connection of its own.
-pub fn send_once(addr: &str, msg: &Message) -> Result<(), String> {
-    let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
-        .map_err(|e| e.to_string())?
-        .next()
-        .ok_or("cannot resolve")?;
-    let stream =
-        TcpStream::connect_timeout(&sock, Duration::from_secs(2)).map_err(|e| e.to_string())?;
-    let (conn, _) = wrap(stream)?;
-    conn.send(msg)?;
-    conn.close();
-    Ok(())
+        });
+    if let Err(e) = spawned {
+        sink(SideEvent::ConnectFailed {
+            engine,
+            attempt,
+            error: format!("no thread to connect: {e}"),
+        });
+    }
 }

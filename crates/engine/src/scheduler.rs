@@ -558,12 +558,12 @@ impl Scheduler {
                     return self.fail_local(r, "no connector".into());
                 };
                 let params = match &push {
-                    Some(p) => Ok(c.on_push_prefill_finished(
+                    Some(p) => c.on_push_prefill_finished(
                         p,
                         &r.sub.external_id,
                         r.prompt_blocks.clone(),
                         prompt.len() as u32,
-                    )),
+                    ),
                     None => c.on_prefill_finished(
                         &r.sub.external_id,
                         r.prompt_blocks.clone(),

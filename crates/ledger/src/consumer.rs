@@ -356,6 +356,36 @@ impl ConsumerLedger {
         self.by_request.contains_key(&req)
     }
 
+    /// The handoff a tracked request waits for.
+    pub fn handoff_of(&self, req: RequestId) -> Option<HandoffId> {
+        self.by_request.get(&req).copied()
+    }
+
+    /// What D learned of a handoff it tracks.
+    pub fn incoming(&self, id: HandoffId) -> Option<&IncomingHandoff> {
+        self.handoffs.get(&id).map(|h| &h.info)
+    }
+
+    /// D refuses, before tracking it, a request for `inc` (bad prompt, full queue): P is told to
+    /// release at once, unless this ledger tracks that handoff for another request (a retried
+    /// request refused while the first one reads): then a release would let P free blocks
+    /// under a read in flight (rule 2), and the tracked request's own end tells P. Returns
+    /// whether P was told.
+    pub fn refuse(&mut self, inc: &IncomingHandoff, reason: ReleaseReason, now: Time) -> bool {
+        self.last_now = self.last_now.max(now);
+        if self.handoffs.contains_key(&inc.handoff) {
+            return false;
+        }
+        let msg = Release {
+            handoff: inc.handoff,
+            epoch: inc.epoch,
+            reason,
+        };
+        self.messages.push_back((inc.peer, Message::Release(msg)));
+        self.stats.releases_sent += 1;
+        true
+    }
+
     /// A request naming a remote handoff arrived (before admission): start tracking and
     /// heartbeating at once (the lease starts while the request still waits in D's queue).
     pub fn on_request_arrived(

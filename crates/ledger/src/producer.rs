@@ -382,7 +382,11 @@ impl ProducerLedger {
         self.handoffs.insert(id, h);
         self.stats.created += 1;
         for (from, msg) in self.staging.take(id, now) {
-            self.handle_message(from, msg, now);
+            match (from, msg) {
+                (Some(from), msg) => self.handle_message(from, msg, now),
+                (None, Message::Release(r)) => self.on_release(None, r, now),
+                (None, _) => self.stats.ignored += 1,
+            }
         }
         let lease_ms = self
             .handoffs
@@ -403,7 +407,7 @@ impl ProducerLedger {
         match msg {
             Message::Heartbeat(hb) => self.on_heartbeat(from, hb, now),
             Message::PullDone(pd) => self.on_pull_done(from, pd, now),
-            Message::Release(r) => self.on_release(from, r, now),
+            Message::Release(r) => self.on_release(Some(from), r, now),
             Message::PushRegister(r) => self.on_push_register(from, r, now),
             Message::PushCancel(c) => self.on_push_cancel(from, c, now),
             Message::GrantBatch(g) => self.on_grants(from, g, now),
@@ -413,6 +417,16 @@ impl ProducerLedger {
             | Message::PushFailed(_)
             | Message::PushCancelAck(_) => self.stats.ignored += 1,
         }
+    }
+
+    /// A release from outside the cluster's peers: the proxy, when it believes D never got the
+    /// request. It never makes its sender a reader. When no D claimed the handoff, it ends now;
+    /// when one did, it cannot promise that no READ is in flight, so it only ends the lease and
+    /// the fence protects a read that may still run (rule 2). Before the handoff exists it is
+    /// staged like any early message.
+    pub fn release_unclaimed(&mut self, r: Release, now: Time) {
+        self.last_now = self.last_now.max(now);
+        self.on_release(None, r, now);
     }
 
     /// The transport reports `peer` dead: every handoff it was reading or registered for ends now.
@@ -594,7 +608,7 @@ impl ProducerLedger {
                         entries: vec![e],
                     };
                     self.staging
-                        .stage(e.handoff, from, Message::Heartbeat(single), now);
+                        .stage(e.handoff, Some(from), Message::Heartbeat(single), now);
                 }
             }
         }
@@ -606,7 +620,7 @@ impl ProducerLedger {
 
     fn on_pull_done(&mut self, from: PeerId, pd: PullDone, now: Time) {
         let Some(h) = self.handoffs.get_mut(&pd.handoff) else {
-            self.unknown(pd.handoff, from, Message::PullDone(pd), now);
+            self.unknown(pd.handoff, Some(from), Message::PullDone(pd), now);
             return;
         };
         if h.epoch != pd.epoch {
@@ -638,7 +652,7 @@ impl ProducerLedger {
         }
     }
 
-    fn on_release(&mut self, from: PeerId, r: Release, now: Time) {
+    fn on_release(&mut self, from: Option<PeerId>, r: Release, now: Time) {
         let Some(h) = self.handoffs.get(&r.handoff) else {
             if self.tombstones.get(&r.handoff).is_some() {
                 self.stats.duplicate_notifications += 1;
@@ -654,7 +668,7 @@ impl ProducerLedger {
         // A release from someone other than the D that reads the handoff (the proxy, when it
         // believes D never got the request) cannot promise that no READ is in flight: it only
         // ends the lease, and the fence protects a read that may still be running (rule 2).
-        if h.reader.is_some_and(|reader| reader != from) {
+        if h.reader.is_some_and(|reader| Some(reader) != from) {
             if h.phase == Phase::Leased {
                 let until = now + self.cfg.fence_grace;
                 let h = self.handoffs.get_mut(&r.handoff).expect("checked above");
@@ -689,7 +703,7 @@ impl ProducerLedger {
                     }),
                 ));
             } else {
-                self.unknown(r.handoff, from, Message::PushRegister(r), now);
+                self.unknown(r.handoff, Some(from), Message::PushRegister(r), now);
             }
             return;
         };
@@ -741,7 +755,7 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&c.handoff) else {
             if self.tombstones.get(&c.handoff).is_none() {
                 // Early cancel: keep it so a later create ends the handoff at once.
-                self.unknown(c.handoff, from, Message::PushCancel(c), now);
+                self.unknown(c.handoff, Some(from), Message::PushCancel(c), now);
             }
             // No write can be in flight for a handoff P does not hold, and none will start: a
             // write needs a grant D no longer gives for a cancelled registration.
@@ -832,7 +846,7 @@ impl ProducerLedger {
         }
     }
 
-    fn unknown(&mut self, id: HandoffId, from: PeerId, msg: Message, now: Time) {
+    fn unknown(&mut self, id: HandoffId, from: Option<PeerId>, msg: Message, now: Time) {
         if self.tombstones.get(&id).is_some() {
             self.stats.late_notifications += 1;
         } else {

@@ -12,7 +12,7 @@ use crate::{PeerId, Time};
 /// handoff and in age; the oldest is dropped first when full.
 #[derive(Debug)]
 pub(crate) struct Staging<M> {
-    by_id: HashMap<HandoffId, Vec<(PeerId, M, Time)>>,
+    by_id: HashMap<HandoffId, Vec<(Option<PeerId>, M, Time)>>,
     order: VecDeque<(Time, HandoffId)>,
     count: usize,
     capacity: usize,
@@ -38,7 +38,9 @@ impl<M> Staging<M> {
         self.count
     }
 
-    pub fn stage(&mut self, id: HandoffId, from: PeerId, msg: M, now: Time) {
+    /// `from`: the peer that sent it, or `None` for a release from outside the cluster's peers
+    /// (the proxy).
+    pub fn stage(&mut self, id: HandoffId, from: Option<PeerId>, msg: M, now: Time) {
         self.expire(now);
         if self.capacity == 0 {
             self.dropped += 1;
@@ -61,7 +63,7 @@ impl<M> Staging<M> {
     }
 
     /// Everything staged for `id`, oldest first.
-    pub fn take(&mut self, id: HandoffId, now: Time) -> Vec<(PeerId, M)> {
+    pub fn take(&mut self, id: HandoffId, now: Time) -> Vec<(Option<PeerId>, M)> {
         self.expire(now);
         let list = self.by_id.remove(&id).unwrap_or_default();
         self.count -= list.len();

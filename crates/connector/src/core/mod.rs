@@ -1,0 +1,793 @@
+//! [`ConnectorCore`]: the whole connector logic of one engine, sans-IO.
+//!
+//! It owns both ledgers, the peer table and the transfers in flight. Every input is a
+//! `handle_*`/`on_*` call that takes `now` (scheduler hooks, side-channel frames, connect
+//! outcomes, worker reports, timeouts); every output is pulled as one [`Ready`] batch (messages
+//! to send, connections to open or close, transfer jobs to post or abort, events for the
+//! engine's scheduler), then given back with [`ConnectorCore::advance`], as raft-rs's `RawNode`
+//! does. [`ConnectorCore::poll_timeout`] says when to call [`ConnectorCore::handle_timeout`].
+//! No clock read, socket, thread or lock lives here: the executor (`crate::executor`) does the
+//! I/O, and tests drive this same code with a simulated clock.
+//!
+//! Every path that frees a block or sends a message goes through a ledger: there are no side
+//! tables of requests or handoffs here that a ledger does not bound.
+
+mod peers;
+mod side;
+mod transfers;
+
+use handoff_ledger::{
+    BlockRelease, ConsumerAction, ConsumerConfig, ConsumerLedger, ConsumerStats, IncomingHandoff,
+    MemoryUse, Outcome, ProducerAction, ProducerConfig, ProducerLedger, ProducerStats, RequestId,
+    Time,
+};
+use handoff_plan::KvSpec;
+use handoff_proto::{
+    Epoch, Fingerprint, HandoffId, Hello, KvTransferParams, Message, ReleaseReason, TransferMode,
+    PROTOCOL_VERSION,
+};
+
+pub use peers::ConnId;
+use peers::PeerTable;
+use transfers::Transfers;
+
+use crate::step::{JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
+use crate::{ConnectorError, ConnectorEvent, Role};
+
+/// What the core needs to know of its engine.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub engine_id: String,
+    pub role: Role,
+    pub mode: TransferMode,
+    /// Model name and dtype for the compatibility fingerprint.
+    pub model: String,
+    pub dtype: String,
+    /// Host peers dial (in `kv_transfer_params.remote_host`).
+    pub advertise_host: String,
+    /// Port of the side channel peers dial.
+    pub side_channel_port: u16,
+    pub producer: ProducerConfig,
+    pub consumer: ConsumerConfig,
+}
+
+/// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connect {
+    pub engine: String,
+    pub attempt: u64,
+    pub addr: String,
+    pub hello: Message,
+}
+
+/// Something worth counting or timing; the executor turns these into metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    HeartbeatSent,
+    HeartbeatReceived,
+    HandshakeRefused,
+    /// A notification from an unknown agent, or one that does not decode.
+    UnknownNotification,
+    /// A message on a connection that never said hello, other than a release.
+    AnonymousRefused,
+    /// A reject for a handoff this engine is itself still tracking (a retried request): P is
+    /// not told, the live request's transfer owns the handoff.
+    RejectOfTrackedHandoff,
+    /// Messages dropped for a peer whose connection is not up (oldest first).
+    QueuedDropped,
+    HandoffEnded {
+        reason: &'static str,
+        held_for: Time,
+    },
+    RequestFailed {
+        reason: &'static str,
+    },
+    Transfer {
+        bytes: u64,
+        duration: Time,
+        descriptors: usize,
+    },
+}
+
+/// Everything the core asks its executor to do now. Worker work is applied per rank in this
+/// order: `worker_ops`, then `transfers_to_post`, then `transfers_to_abort`.
+#[derive(Debug, Default)]
+pub struct Ready {
+    /// Side-channel messages, in order per connection.
+    pub messages: Vec<(ConnId, Message)>,
+    /// Connections to close (after their messages above were sent).
+    pub closes: Vec<ConnId>,
+    pub connects: Vec<Connect>,
+    /// Per worker rank: other work (agents to load or forget, block tails to zero).
+    pub worker_ops: Vec<(u16, WorkerOp)>,
+    pub transfers_to_post: Vec<(u16, TransferJob)>,
+    pub transfers_to_abort: Vec<(u16, JobId)>,
+    /// For the engine's scheduler.
+    pub events: Vec<ConnectorEvent>,
+    pub observations: Vec<Observation>,
+}
+
+impl Ready {
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+            && self.closes.is_empty()
+            && self.connects.is_empty()
+            && self.worker_ops.is_empty()
+            && self.transfers_to_post.is_empty()
+            && self.transfers_to_abort.is_empty()
+            && self.events.is_empty()
+            && self.observations.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.messages.clear();
+        self.closes.clear();
+        self.connects.clear();
+        self.worker_ops.clear();
+        self.transfers_to_post.clear();
+        self.transfers_to_abort.clear();
+        self.events.clear();
+        self.observations.clear();
+    }
+}
+
+/// The sans-IO connector of one engine. See the module docs.
+pub struct ConnectorCore {
+    cfg: CoreConfig,
+    spec: KvSpec,
+    ranks: Vec<WorkerHello>,
+    hello: Hello,
+    fingerprint: Fingerprint,
+    producer: Option<ProducerLedger>,
+    consumer: Option<ConsumerLedger>,
+    peers: PeerTable,
+    transfers: Transfers,
+    out: Ready,
+    /// A `Ready` given back by `advance`, reused for its capacity.
+    spare: Option<Ready>,
+}
+
+impl ConnectorCore {
+    /// A core for an engine whose workers said `ranks` (one per rank, in rank order).
+    pub fn new(cfg: CoreConfig, ranks: Vec<WorkerHello>) -> Result<Self, ConnectorError> {
+        let first = ranks.first().ok_or(ConnectorError::NoRanks)?;
+        let spec = first.layout.spec;
+        spec.validate().map_err(ConnectorError::Spec)?;
+        if ranks.len() != spec.tp as usize {
+            return Err(ConnectorError::RankCount {
+                ranks: ranks.len(),
+                tp: spec.tp,
+            });
+        }
+        for (i, r) in ranks.iter().enumerate() {
+            r.layout.validate().map_err(ConnectorError::Layout)?;
+            if r.rank as usize != i || r.layout.rank as usize != i || r.layout.spec != spec {
+                return Err(ConnectorError::RankMismatch { rank: i as u16 });
+            }
+        }
+        let fingerprint = Fingerprint {
+            protocol_version: PROTOCOL_VERSION as u16,
+            model: cfg.model.clone(),
+            num_layers: spec.shape.num_layers,
+            num_kv_heads: spec.shape.num_kv_heads,
+            head_dim: spec.shape.head_dim,
+            dtype: cfg.dtype.clone(),
+            mode: cfg.mode,
+        };
+        let hello = side::own_hello(&cfg, &fingerprint, &ranks)?;
+        let mut producer_cfg = cfg.producer.clone();
+        producer_cfg.tp = spec.tp as u16;
+        let mut consumer_cfg = cfg.consumer.clone();
+        consumer_cfg.tp = spec.tp as u16;
+        Ok(ConnectorCore {
+            producer: matches!(cfg.role, Role::Prefill | Role::Both)
+                .then(|| ProducerLedger::new(producer_cfg)),
+            consumer: matches!(cfg.role, Role::Decode | Role::Both)
+                .then(|| ConsumerLedger::new(consumer_cfg)),
+            cfg,
+            spec,
+            ranks,
+            hello,
+            fingerprint,
+            peers: PeerTable::default(),
+            transfers: Transfers::default(),
+            out: Ready::default(),
+            spare: None,
+        })
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    pub fn spec(&self) -> &KvSpec {
+        &self.spec
+    }
+
+    // ----- outputs -----
+
+    /// Everything to do now. Give it back with [`Self::advance`] once done.
+    pub fn ready(&mut self) -> Ready {
+        let next = self.spare.take().unwrap_or_default();
+        std::mem::replace(&mut self.out, next)
+    }
+
+    /// Hands a processed batch back (its buffers are reused).
+    pub fn advance(&mut self, mut done: Ready) {
+        done.clear();
+        self.spare = Some(done);
+    }
+
+    pub fn has_ready(&self) -> bool {
+        !self.out.is_empty()
+    }
+
+    /// When [`Self::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        [
+            self.producer.as_ref().and_then(|p| p.poll_timeout()),
+            self.consumer.as_ref().and_then(|c| c.poll_timeout()),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    pub fn handle_timeout(&mut self, now: Time) {
+        if let Some(p) = self.producer.as_mut() {
+            if p.poll_timeout().is_some_and(|t| t <= now) {
+                p.handle_timeout(now);
+            }
+        }
+        if let Some(c) = self.consumer.as_mut() {
+            if c.poll_timeout().is_some_and(|t| t <= now) {
+                c.handle_timeout(now);
+            }
+        }
+        self.pump(now);
+    }
+
+    // ----- P: scheduler hooks -----
+
+    /// A prompt's prefill ended and `blocks` hold its KV: create the handoff (one, whatever n
+    /// is) under `handoff` (128 random bits from the caller) and return the
+    /// `kv_transfer_params` for the response. The blocks stay out of the pool until a
+    /// [`ConnectorEvent::BlocksReleased`] names them.
+    pub fn on_prefill_finished(
+        &mut self,
+        request_id: &str,
+        handoff: HandoffId,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let p = self
+            .producer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+        let grant = p.create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)?;
+        self.redeclare_dead(now);
+        self.pump(now);
+        Ok(self.params_for(
+            handoff,
+            grant.epoch,
+            request_id,
+            blocks,
+            num_tokens,
+            grant.lease_ms,
+            TransferMode::Pull,
+        ))
+    }
+
+    /// P, push mode: the request (handoff id chosen by the proxy) got `blocks` and its prefill
+    /// starts now. D's registration may already be waiting (staged) or come later.
+    pub fn on_push_prefill_start(
+        &mut self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        let handoff = params
+            .handoff_id
+            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+        let p = self
+            .producer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+        p.create_handoff(handoff, blocks.clone(), TransferMode::Push, now)?;
+        self.transfers.start_push(handoff, blocks, num_tokens);
+        // A registration staged before the handoff existed may come from a D that died since:
+        // its death was reported when nothing was bound to it yet.
+        self.redeclare_dead(now);
+        self.pump(now);
+        Ok(())
+    }
+
+    /// P, push mode: layer `layer` of the handoff's KV is in its blocks; it is written to D as
+    /// soon as D's registration holds a valid grant.
+    pub fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
+        if self.transfers.layer_saved(handoff, layer) {
+            self.advance_push(handoff, now);
+        }
+        self.pump(now);
+    }
+
+    /// P, push mode: the parameters for the response once the prefill ended.
+    pub fn push_params(
+        &self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let handoff = params
+            .handoff_id
+            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+        Ok(self.params_for(
+            handoff,
+            Epoch::FIRST,
+            request_id,
+            blocks,
+            num_tokens,
+            self.cfg.producer.initial_lease.as_millis() as u32,
+            TransferMode::Push,
+        ))
+    }
+
+    /// The proxy says D never got the request: P releases unless a D already claimed the
+    /// handoff, in which case only the lease ends and the fence protects a read in flight.
+    pub fn release_from_proxy(
+        &mut self,
+        params: &KvTransferParams,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        let handoff = params
+            .handoff_id
+            .ok_or(ConnectorError::BadParams("no handoff_id"))?;
+        let p = self
+            .producer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+        p.release_unclaimed(
+            handoff_proto::Release {
+                handoff,
+                epoch: params.epoch.map_or(Epoch::FIRST, Epoch),
+                reason: ReleaseReason::Aborted,
+            },
+            now,
+        );
+        self.pump(now);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn params_for(
+        &self,
+        handoff: HandoffId,
+        epoch: Epoch,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        lease_ms: u32,
+        mode: TransferMode,
+    ) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_engine_id: Some(self.cfg.engine_id.clone()),
+            remote_request_id: Some(request_id.to_string()),
+            remote_block_ids: Some(vec![blocks]),
+            remote_host: Some(self.cfg.advertise_host.clone()),
+            remote_port: Some(self.cfg.side_channel_port),
+            tp_size: Some(self.spec.tp as u16),
+            remote_num_tokens: Some(num_tokens),
+            remote_block_size: Some(self.spec.block_size),
+            transfer_mode: Some(mode),
+            handoff_id: Some(handoff),
+            lease_ms: Some(lease_ms),
+            epoch: Some(epoch.0),
+            extra: Default::default(),
+        }
+    }
+
+    // ----- D: scheduler hooks -----
+
+    /// A request naming a remote prefill arrived (before admission): start tracking it and
+    /// heartbeating its P at once.
+    pub fn on_request_arrived(
+        &mut self,
+        request: u64,
+        params: &KvTransferParams,
+        prompt_tokens: u32,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        if self.consumer.is_none() {
+            return Err(ConnectorError::WrongRole("decode remote prefills"));
+        }
+        let mut inc = self.incoming(params, now)?;
+        if inc.num_tokens == 0 {
+            inc.num_tokens = prompt_tokens;
+        }
+        self.consumer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?
+            .on_request_arrived(RequestId(request), inc, now)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// The request was admitted (pull) or reserved (push) and `blocks` allocated for its
+    /// prompt's KV.
+    pub fn on_blocks_allocated(
+        &mut self,
+        request: u64,
+        blocks: Vec<u32>,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        let c = self
+            .consumer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
+        let handoff = c
+            .handoff_of(RequestId(request))
+            .ok_or(ConnectorError::UnknownRequest(request))?;
+        c.on_blocks_allocated(handoff, blocks.clone(), now)?;
+        if let Some(inc) = c.incoming(handoff) {
+            if inc.mode == TransferMode::Push {
+                // P writes exactly the prompt's tokens: the rest of the last block is cleared
+                // now, before any write can land (the two never touch the same bytes).
+                let num_tokens = inc.num_tokens;
+                for rank in 0..self.spec.tp as u16 {
+                    self.out.worker_ops.push((
+                        rank,
+                        WorkerOp::ZeroTail {
+                            blocks: blocks.clone(),
+                            num_tokens,
+                        },
+                    ));
+                }
+            }
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// The client went away or D refused the request after tracking it: P is told at once when
+    /// no transfer is in flight.
+    pub fn on_request_ended(&mut self, request: u64, reason: ReleaseReason, now: Time) {
+        if let Some(c) = self.consumer.as_mut() {
+            c.on_request_ended(RequestId(request), reason, now);
+        }
+        self.pump(now);
+    }
+
+    /// D refuses a request it never tracked (bad prompt, full queue). P is told to release,
+    /// through the ledger: not when this engine is itself still tracking that handoff for
+    /// another request (a retried request that hit a full queue while the first one reads),
+    /// which would make P free blocks under a read in flight (rule 2).
+    pub fn reject(&mut self, params: &KvTransferParams, now: Time) -> Result<(), ConnectorError> {
+        if self.consumer.is_none() {
+            return Err(ConnectorError::WrongRole("decode remote prefills"));
+        }
+        // Only who P is and which handoff: the rest of the params may be what D refused.
+        let (Some(engine), Some(host), Some(port), Some(handoff)) = (
+            params.remote_engine_id.as_deref(),
+            params.remote_host.as_deref(),
+            params.remote_port,
+            params.handoff_id,
+        ) else {
+            return Err(ConnectorError::BadParams("cannot name the P to release"));
+        };
+        let peer = self.peers.peer_for(engine);
+        self.dial_if_needed(peer, dial_addr(host, port), now);
+        let inc = IncomingHandoff {
+            handoff,
+            epoch: params.epoch.map_or(Epoch::FIRST, Epoch),
+            peer,
+            p_tp: params.tp_size.unwrap_or(1),
+            mode: params.mode(),
+            p_blocks: Vec::new(),
+            num_tokens: 0,
+        };
+        let told = self
+            .consumer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?
+            .refuse(&inc, ReleaseReason::Rejected, now);
+        if !told {
+            self.out
+                .observations
+                .push(Observation::RejectOfTrackedHandoff);
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// What D learns of a handoff from `kv_transfer_params`; dials its P if needed.
+    fn incoming(
+        &mut self,
+        params: &KvTransferParams,
+        now: Time,
+    ) -> Result<IncomingHandoff, ConnectorError> {
+        params.validate_remote_prefill()?;
+        let (Some(engine), Some(host), Some(port), Some(handoff)) = (
+            params.remote_engine_id.as_deref(),
+            params.remote_host.as_deref(),
+            params.remote_port,
+            params.handoff_id,
+        ) else {
+            return Err(ConnectorError::BadParams("incomplete remote prefill"));
+        };
+        if params.mode() != self.cfg.mode {
+            return Err(ConnectorError::ModeMismatch {
+                params: params.mode(),
+                engine: self.cfg.mode,
+            });
+        }
+        let peer = self.peers.peer_for(engine);
+        self.dial_if_needed(peer, dial_addr(host, port), now);
+        Ok(IncomingHandoff {
+            handoff,
+            epoch: params.epoch.map_or(Epoch::FIRST, Epoch),
+            peer,
+            p_tp: params.tp_size.unwrap_or(1),
+            mode: params.mode(),
+            p_blocks: params.block_ids().map(<[u32]>::to_vec).unwrap_or_default(),
+            num_tokens: params.remote_num_tokens.unwrap_or(0),
+        })
+    }
+
+    // ----- workers -----
+
+    /// What a worker reports: jobs that ended, notifications, dead agents, failed loads.
+    pub fn handle_worker_report(&mut self, report: WorkerReport, now: Time) {
+        for (agent, error) in report.load_failed {
+            if let Some(peer) = self.peers.by_agent(&agent) {
+                self.fail_peer(peer, format!("cannot load agent {agent:?}: {error}"), now);
+            }
+        }
+        for (job, ok) in report.ended {
+            self.job_ended(job, ok, now);
+        }
+        for (from, bytes) in report.notifications {
+            let Some(peer) = self.peers.by_agent(&from) else {
+                self.out.observations.push(Observation::UnknownNotification);
+                continue;
+            };
+            match handoff_proto::decode(&bytes) {
+                // Only what rides on a transfer may come this way: a completion.
+                Ok(msg @ (Message::PullDone(_) | Message::PushDone(_))) => {
+                    self.deliver(peer, msg, now)
+                }
+                Ok(_) | Err(_) => self.out.observations.push(Observation::UnknownNotification),
+            }
+        }
+        for agent in report.dead_agents {
+            if let Some(peer) = self.peers.by_agent(&agent) {
+                tracing::info!(agent, "transport reports peer dead");
+                self.peer_dead(peer, now);
+            }
+        }
+        self.pump(now);
+    }
+
+    // ----- the ledgers' outputs -----
+
+    /// Moves every ledger output to where it goes, until none is left.
+    fn pump(&mut self, now: Time) {
+        loop {
+            let mut progressed = false;
+            while let Some((peer, msg)) = self.producer.as_mut().and_then(|p| p.poll_message()) {
+                progressed = true;
+                self.send(peer, msg);
+            }
+            while let Some(rel) = self.producer.as_mut().and_then(|p| p.poll_release()) {
+                progressed = true;
+                self.producer_released(rel);
+            }
+            while let Some(a) = self.producer.as_mut().and_then(|p| p.poll_action()) {
+                progressed = true;
+                match a {
+                    ProducerAction::PushWrite(w) => {
+                        let (handoff, d_rank) = (w.handoff, w.d_rank);
+                        if self.transfers.add_write(w, now) {
+                            self.advance_push(handoff, now);
+                        } else if let Some(p) = self.producer.as_mut() {
+                            p.on_push_write_done(handoff, d_rank, false, now);
+                        }
+                    }
+                    ProducerAction::AbortWrite { handoff, d_rank } => {
+                        self.abort_write(handoff, d_rank, now)
+                    }
+                }
+            }
+            while let Some((peer, msg)) = self.consumer.as_mut().and_then(|c| c.poll_message()) {
+                progressed = true;
+                self.send(peer, msg);
+            }
+            while let Some(rel) = self.consumer.as_mut().and_then(|c| c.poll_release()) {
+                progressed = true;
+                self.out.events.push(ConnectorEvent::BlocksReleased {
+                    blocks: rel.blocks,
+                    reason: rel.reason.as_str().into(),
+                });
+            }
+            progressed |= self.take_outcomes(None);
+            while let Some(a) = self.consumer.as_mut().and_then(|c| c.poll_action()) {
+                progressed = true;
+                match a {
+                    ConsumerAction::StartRead(r) => self.start_read(r, now),
+                    ConsumerAction::CancelRead { handoff } => self.cancel_read(handoff),
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+    }
+
+    fn producer_released(&mut self, rel: BlockRelease) {
+        self.out.observations.push(Observation::HandoffEnded {
+            reason: rel.reason.as_str(),
+            held_for: rel.held_for,
+        });
+        // Writes still posted are aborted: the ledger only releases after they ended or were
+        // fenced, so this only cleans up.
+        for (rank, job) in self.transfers.end_push(rel.handoff) {
+            self.out.transfers_to_abort.push((rank, job));
+        }
+        self.out.events.push(ConnectorEvent::BlocksReleased {
+            blocks: rel.blocks,
+            reason: rel.reason.as_str().into(),
+        });
+    }
+
+    /// Turns the consumer's outcomes into events; `refusal` explains failures (the reason a P
+    /// refused or could not be reached). Returns whether there were any.
+    fn take_outcomes(&mut self, refusal: Option<&str>) -> bool {
+        let mut any = false;
+        while let Some(o) = self.consumer.as_mut().and_then(|c| c.poll_outcome()) {
+            any = true;
+            let why = |reason: &'static str| match refusal {
+                Some(r) => format!("{reason}: {r}"),
+                None => reason.to_string(),
+            };
+            let ev = match o {
+                Outcome::Ready {
+                    requests, blocks, ..
+                } => ConnectorEvent::Ready {
+                    requests: requests.iter().map(|r| r.0).collect(),
+                    blocks,
+                },
+                Outcome::Recompute {
+                    requests, reason, ..
+                } => {
+                    self.out.observations.push(Observation::RequestFailed {
+                        reason: reason.as_str(),
+                    });
+                    ConnectorEvent::Recompute {
+                        requests: requests.iter().map(|r| r.0).collect(),
+                        reason: why(reason.as_str()),
+                    }
+                }
+                Outcome::Failed {
+                    requests, reason, ..
+                } => {
+                    self.out.observations.push(Observation::RequestFailed {
+                        reason: reason.as_str(),
+                    });
+                    ConnectorEvent::Failed {
+                        requests: requests.iter().map(|r| r.0).collect(),
+                        reason: why(reason.as_str()),
+                    }
+                }
+            };
+            self.out.events.push(ev);
+        }
+        any
+    }
+
+    /// Tells the producer again that every peer whose connection is gone is dead: a handoff
+    /// created after the death may have bound such a peer through a staged message.
+    fn redeclare_dead(&mut self, now: Time) {
+        let down = self.peers.down();
+        if let Some(p) = self.producer.as_mut() {
+            for peer in down {
+                if p.held_blocks_for(peer) > 0 {
+                    p.handle_peer_dead(peer, now);
+                }
+            }
+        }
+    }
+
+    // ----- snapshots -----
+
+    /// Blocks the ledgers hold: (P's handoffs, D's transfers).
+    pub fn held_blocks(&self) -> (usize, usize) {
+        (
+            self.producer.as_ref().map_or(0, |p| p.held_blocks()),
+            self.consumer.as_ref().map_or(0, |c| c.held_blocks()),
+        )
+    }
+
+    /// P's held blocks as (leased, fencing).
+    pub fn producer_blocks_by_state(&self) -> Option<(usize, usize)> {
+        self.producer.as_ref().map(|p| p.held_blocks_by_state())
+    }
+
+    /// Messages P keeps for handoffs its prefill has not created yet.
+    pub fn staged_messages(&self) -> usize {
+        self.producer.as_ref().map_or(0, |p| p.staged_messages())
+    }
+
+    /// Blocks P holds per D engine that reads them.
+    pub fn held_blocks_by_engine(&self) -> Vec<(String, usize)> {
+        let Some(p) = self.producer.as_ref() else {
+            return Vec::new();
+        };
+        self.peers
+            .engines()
+            .map(|(engine, peer)| (engine.to_string(), p.held_blocks_for(peer)))
+            .collect()
+    }
+
+    pub fn producer_stats(&self) -> Option<(usize, &ProducerStats)> {
+        self.producer.as_ref().map(|p| (p.len(), p.stats()))
+    }
+
+    pub fn consumer_stats(&self) -> Option<&ConsumerStats> {
+        self.consumer.as_ref().map(|c| c.stats())
+    }
+
+    /// Late notifications counted by both ledgers.
+    pub fn late_notifications(&self) -> u64 {
+        self.producer
+            .as_ref()
+            .map_or(0, |p| p.stats().late_notifications)
+            + self
+                .consumer
+                .as_ref()
+                .map_or(0, |c| c.stats().late_notifications)
+    }
+
+    /// What the core keeps in memory: every entry is bounded or ends with its request.
+    pub fn memory(&self) -> CoreMemory {
+        CoreMemory {
+            producer: self
+                .producer
+                .as_ref()
+                .map(|p| p.memory())
+                .unwrap_or_default(),
+            consumer: self
+                .consumer
+                .as_ref()
+                .map(|c| c.memory())
+                .unwrap_or_default(),
+            peers: self.peers.len(),
+            reads: self.transfers.reads_len(),
+            pushes: self.transfers.pushes_len(),
+            jobs: self.transfers.jobs_len(),
+        }
+    }
+}
+
+/// `host:port` to dial, with an IPv6 address in brackets.
+fn dial_addr(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Sizes of what a [`ConnectorCore`] holds (tests and the soak benchmark watch them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreMemory {
+    pub producer: MemoryUse,
+    pub consumer: MemoryUse,
+    pub peers: usize,
+    pub reads: usize,
+    pub pushes: usize,
+    pub jobs: usize,
+}

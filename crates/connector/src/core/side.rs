@@ -1,0 +1,389 @@
+//! The core's side of the side channel: handshakes, routing control messages to and from the
+//! ledgers, connection outcomes and dead peers.
+
+use handoff_ledger::{PeerId, Time};
+use handoff_plan::RankLayout;
+use handoff_proto::{Fingerprint, Hello, HelloReply, Message};
+
+use super::peers::{ConnId, PeerState, MAX_QUEUED};
+use super::{Connect, ConnectorCore, CoreConfig, Observation};
+use crate::step::{WorkerHello, WorkerOp};
+use crate::{ConnectorError, Role};
+
+/// One agent of a peer as its hello announces it: name and transport metadata.
+type AgentInfo = (String, Vec<u8>);
+
+/// This engine's hello: identity, fingerprint, every rank's layout and agent.
+pub(super) fn own_hello(
+    cfg: &CoreConfig,
+    fingerprint: &Fingerprint,
+    ranks: &[WorkerHello],
+) -> Result<Hello, ConnectorError> {
+    let layouts: Vec<RankLayout> = ranks.iter().map(|r| r.layout.clone()).collect();
+    let agents: Vec<AgentInfo> = ranks
+        .iter()
+        .map(|r| (r.agent.clone(), r.metadata.clone()))
+        .collect();
+    Ok(Hello {
+        engine_id: cfg.engine_id.clone(),
+        rank: 0,
+        tp: ranks.len() as u16,
+        fingerprint: fingerprint.clone(),
+        layout: postcard::to_allocvec(&layouts).map_err(ConnectorError::Encode)?,
+        agent_metadata: postcard::to_allocvec(&agents).map_err(ConnectorError::Encode)?,
+    })
+}
+
+impl ConnectorCore {
+    /// Checks a peer's hello; returns its layouts and agents.
+    fn check_hello(&self, h: &Hello) -> Result<(Vec<RankLayout>, Vec<AgentInfo>), String> {
+        if let Some(why) = self.fingerprint.mismatch(&h.fingerprint) {
+            return Err(why);
+        }
+        if h.engine_id == self.cfg.engine_id {
+            return Err(format!("peer claims this engine's id {:?}", h.engine_id));
+        }
+        let layouts: Vec<RankLayout> =
+            postcard::from_bytes(&h.layout).map_err(|e| format!("bad layout: {e}"))?;
+        let agents: Vec<AgentInfo> = postcard::from_bytes(&h.agent_metadata)
+            .map_err(|e| format!("bad agent metadata: {e}"))?;
+        if h.tp == 0 || layouts.len() != h.tp as usize || agents.len() != h.tp as usize {
+            return Err(format!(
+                "peer announces tp {} with {} layouts and {} agents",
+                h.tp,
+                layouts.len(),
+                agents.len()
+            ));
+        }
+        for (i, l) in layouts.iter().enumerate() {
+            l.validate().map_err(|e| format!("peer rank {i}: {e}"))?;
+            if l.rank as usize != i || l.spec != layouts[0].spec {
+                return Err(format!("peer rank {i}: layout names rank {}", l.rank));
+            }
+        }
+        for (i, (a, _)) in agents.iter().enumerate() {
+            if a.is_empty() || agents[..i].iter().any(|(b, _)| b == a) {
+                return Err(format!("peer agent names are empty or repeated: {a:?}"));
+            }
+        }
+        // P's spec first: the check is directional only in its wording.
+        let (p, d) = match self.cfg.role {
+            Role::Decode => (&layouts[0].spec, &self.spec),
+            _ => (&self.spec, &layouts[0].spec),
+        };
+        handoff_plan::check_compatible(p, d).map_err(|e| e.to_string())?;
+        Ok((layouts, agents))
+    }
+
+    /// Makes `peer` ready on `conn` with what its hello said; every local worker loads its
+    /// agents. Returns an error (and changes nothing) when its agent names belong to another
+    /// engine.
+    fn bind_peer(
+        &mut self,
+        peer: PeerId,
+        conn: ConnId,
+        layouts: Vec<RankLayout>,
+        agents: Vec<AgentInfo>,
+    ) -> Result<(), String> {
+        let names: Vec<String> = agents.iter().map(|(a, _)| a.clone()).collect();
+        self.peers.set_agents(peer, names)?;
+        if let Some(old) = self.peers.bind_conn(peer, conn) {
+            self.out.closes.push(old);
+        }
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.layouts = layouts;
+            p.state = PeerState::Ready;
+        }
+        for (agent, metadata) in agents {
+            for rank in 0..self.ranks.len() as u16 {
+                self.out.worker_ops.push((
+                    rank,
+                    WorkerOp::LoadRemote {
+                        agent: agent.clone(),
+                        metadata: metadata.clone(),
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends what was queued for `peer` while it connected.
+    fn flush_queued(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        let Some(conn) = p.conn else {
+            return;
+        };
+        for m in p.queued.drain(..) {
+            self.out.messages.push((conn, m));
+        }
+    }
+
+    /// Dials `peer` at `addr` unless it is connected or being connected. A peer that died or
+    /// refused is dialled again: a new request names it, and P may have restarted.
+    pub(super) fn dial_if_needed(&mut self, peer: PeerId, addr: String, _now: Time) {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        match p.state {
+            PeerState::Ready | PeerState::Connecting => return,
+            PeerState::Idle | PeerState::Closed | PeerState::Failed(_) => {}
+        }
+        p.addr = Some(addr.clone());
+        let engine = p.engine.clone();
+        let Some(attempt) = self.peers.start_attempt(peer) else {
+            return;
+        };
+        self.out.connects.push(Connect {
+            engine,
+            attempt,
+            addr,
+            hello: Message::Hello(self.hello.clone()),
+        });
+    }
+
+    /// Sends a control message to a peer, or queues it until its connection is up.
+    pub(super) fn send(&mut self, peer: PeerId, msg: Message) {
+        if matches!(msg, Message::Heartbeat(_)) {
+            self.out.observations.push(Observation::HeartbeatSent);
+        }
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        match (&p.state, p.conn) {
+            (PeerState::Ready, Some(conn)) => self.out.messages.push((conn, msg)),
+            (PeerState::Idle | PeerState::Connecting, _) => {
+                if p.queued.len() >= MAX_QUEUED {
+                    p.queued.pop_front();
+                    self.out.observations.push(Observation::QueuedDropped);
+                }
+                p.queued.push_back(msg);
+            }
+            // The peer is dead and the ledgers know it: the message is moot.
+            _ => {}
+        }
+    }
+
+    /// A message from an authenticated peer goes to the ledger of the side it concerns.
+    pub(super) fn deliver(&mut self, peer: PeerId, msg: Message, now: Time) {
+        if matches!(msg, Message::Heartbeat(_)) {
+            self.out.observations.push(Observation::HeartbeatReceived);
+        }
+        // A grant can make a push write possible: the writes of its handoffs go on at once.
+        let granted: Vec<_> = match &msg {
+            Message::GrantBatch(g) if self.producer.is_some() => {
+                g.grants.iter().map(|g| g.handoff).collect()
+            }
+            _ => Vec::new(),
+        };
+        match msg {
+            Message::PullDone(_)
+            | Message::Release(_)
+            | Message::PushRegister(_)
+            | Message::PushCancel(_) => {
+                if let Some(p) = self.producer.as_mut() {
+                    p.handle_message(peer, msg, now);
+                }
+            }
+            Message::PushDone(_) | Message::PushFailed(_) | Message::PushCancelAck(_) => {
+                if let Some(c) = self.consumer.as_mut() {
+                    c.handle_message(peer, msg, now);
+                }
+            }
+            // Heartbeats and grants go both ways (pull: D→P; push: also P→D). Whoever does not
+            // know the ids ignores them.
+            Message::Heartbeat(_) | Message::GrantBatch(_) => {
+                match (&mut self.producer, &mut self.consumer) {
+                    (Some(p), Some(c)) => {
+                        p.handle_message(peer, msg.clone(), now);
+                        c.handle_message(peer, msg, now);
+                    }
+                    (Some(p), None) => p.handle_message(peer, msg, now),
+                    (None, Some(c)) => c.handle_message(peer, msg, now),
+                    (None, None) => {}
+                }
+            }
+            // A handshake on an established connection: ignored.
+            Message::Hello(_) | Message::HelloReply(_) => {}
+        }
+        for h in granted {
+            self.advance_push(h, now);
+        }
+    }
+
+    /// The first frame of a connection a peer opened to us.
+    pub fn handle_accepted(&mut self, conn: ConnId, msg: Message, now: Time) {
+        match msg {
+            Message::Hello(h) => {
+                match self.check_hello(&h) {
+                    Ok((layouts, agents)) => {
+                        let peer = self.peers.peer_for(&h.engine_id);
+                        // Whatever this peer was before, it is the one on this connection now.
+                        let was_down = self.peers.get(peer).is_some_and(|p| p.is_down());
+                        match self.bind_peer(peer, conn, layouts, agents) {
+                            Ok(()) => {
+                                if let Some(p) = self.peers.get_mut(peer) {
+                                    p.addr = None;
+                                }
+                                self.out.messages.push((
+                                    conn,
+                                    Message::HelloReply(HelloReply::Accepted(self.hello.clone())),
+                                ));
+                                self.flush_queued(peer);
+                                if was_down {
+                                    tracing::info!(peer = %h.engine_id, "peer is back");
+                                }
+                            }
+                            Err(reason) => self.refuse_hello(conn, &h.engine_id, reason),
+                        }
+                    }
+                    Err(reason) => self.refuse_hello(conn, &h.engine_id, reason),
+                }
+            }
+            other => {
+                self.peers.mark_anonymous(conn);
+                self.handle_anonymous(conn, other);
+            }
+        }
+        self.pump(now);
+    }
+
+    fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: String) {
+        self.out.observations.push(Observation::HandshakeRefused);
+        tracing::warn!(peer = %engine, %reason, "handshake refused");
+        self.out
+            .messages
+            .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
+        self.out.closes.push(conn);
+    }
+
+    /// A connection that never said hello is refused and closed: whatever it says, it is no
+    /// peer, never a reader, and cannot release anything (the proxy releases through P's HTTP
+    /// API, which calls [`ConnectorCore::release_from_proxy`]).
+    fn handle_anonymous(&mut self, conn: ConnId, msg: Message) {
+        tracing::debug!(
+            conn,
+            kind = msg.kind(),
+            "message without a handshake refused"
+        );
+        self.out.observations.push(Observation::AnonymousRefused);
+        self.out.closes.push(conn);
+    }
+
+    /// A frame on an established connection.
+    pub fn handle_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
+        if self.peers.is_anonymous(conn) {
+            self.handle_anonymous(conn, msg);
+        } else if let Some(peer) = self.peers.by_conn(conn) {
+            self.deliver(peer, msg, now);
+        }
+        self.pump(now);
+    }
+
+    /// Our connect attempt `attempt` to `engine` got `reply` on `conn`.
+    pub fn handle_connected(
+        &mut self,
+        engine: &str,
+        attempt: u64,
+        conn: ConnId,
+        reply: Message,
+        now: Time,
+    ) {
+        let Some(peer) = self.peers.by_engine(engine) else {
+            self.out.closes.push(conn);
+            return;
+        };
+        // A success of an attempt older than the latest is still a working connection to that
+        // engine: it is used like the latest's (closing it could make P, if it is P's newest,
+        // take it for our death).
+        if self.peers.get(peer).is_some_and(|p| p.attempt != attempt) {
+            tracing::debug!(peer = %engine, attempt, "connected on an earlier attempt");
+        }
+        let outcome = match reply {
+            Message::HelloReply(HelloReply::Accepted(h)) if h.engine_id != engine => Err(format!(
+                "{engine:?} answered as {:?}",
+                h.engine_id.chars().take(64).collect::<String>()
+            )),
+            Message::HelloReply(HelloReply::Accepted(h)) => self.check_hello(&h),
+            Message::HelloReply(HelloReply::Refused { reason }) => Err(reason),
+            other => Err(format!("unexpected handshake reply {}", other.kind())),
+        };
+        let outcome =
+            outcome.and_then(|(layouts, agents)| self.bind_peer(peer, conn, layouts, agents));
+        match outcome {
+            Ok(()) => self.flush_queued(peer),
+            Err(reason) => {
+                self.out.closes.push(conn);
+                self.out.observations.push(Observation::HandshakeRefused);
+                tracing::warn!(peer = %engine, %reason, "handshake with P failed");
+                self.fail_peer(peer, reason, now);
+            }
+        }
+        self.pump(now);
+    }
+
+    /// Connect attempt `attempt` to `engine` failed.
+    pub fn handle_connect_failed(&mut self, engine: &str, attempt: u64, error: String, now: Time) {
+        let Some(peer) = self.peers.by_engine(engine) else {
+            return;
+        };
+        // Only the latest attempt's failure says anything about the peer: an older one (a
+        // connect that timed out after the peer was found dead and retried) must not fail the
+        // requests that wait on the newer attempt, or one that succeeded.
+        let latest = self.peers.get(peer).map(|p| p.attempt);
+        if latest != Some(attempt) {
+            tracing::debug!(peer = %engine, attempt, ?latest, %error, "stale connect failure ignored");
+            return;
+        }
+        tracing::warn!(peer = %engine, %error, "cannot reach P");
+        self.fail_peer(peer, error, now);
+        self.pump(now);
+    }
+
+    /// A connection closed or broke. The peer's current one: the peer is dead.
+    pub fn handle_closed(&mut self, conn: ConnId, now: Time) {
+        if let Some(peer) = self.peers.conn_closed(conn) {
+            tracing::info!(?peer, "side channel closed: peer dead");
+            self.peer_dead(peer, now);
+        }
+        self.pump(now);
+    }
+
+    /// The peer is gone: both ledgers end what it held at once (rules 5 and 6).
+    pub(super) fn peer_dead(&mut self, peer: PeerId, now: Time) {
+        if let Some(p) = self.producer.as_mut() {
+            p.handle_peer_dead(peer, now);
+        }
+        if let Some(c) = self.consumer.as_mut() {
+            c.handle_peer_dead(peer, now);
+        }
+        if let Some(conn) = self.peers.unbind_conn(peer) {
+            self.out.closes.push(conn);
+        }
+        if let Some(p) = self.peers.get_mut(peer) {
+            if !matches!(p.state, PeerState::Failed(_)) {
+                p.state = PeerState::Closed;
+            }
+            p.queued.clear();
+        }
+    }
+
+    /// The peer refused us or cannot be reached: dead, and its requests fail with `reason`.
+    pub(super) fn fail_peer(&mut self, peer: PeerId, reason: String, now: Time) {
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.state = PeerState::Failed(reason.clone());
+        }
+        self.peer_dead(peer, now);
+        // The outcomes this produced are this peer's: they carry the reason.
+        self.take_outcomes(Some(&reason));
+    }
+
+    /// Closes every connection (shutdown).
+    pub fn close_all(&mut self) {
+        for conn in self.peers.all_conns() {
+            self.out.closes.push(conn);
+        }
+    }
+}

@@ -1,0 +1,467 @@
+//! Transfers in flight: D's reads (pull) and P's per-layer writes (push), as jobs the workers
+//! post. The write gate lives here: a layer is posted only once it was saved, and only on a
+//! registration grant the producer ledger still honours (rule 3).
+
+use std::collections::HashMap;
+
+use handoff_ledger::{PeerId, PushWrite, StartRead, Time};
+use handoff_plan::RankLayout;
+use handoff_proto::{encode, HandoffId, Message, PushDone};
+use handoff_transport::{XferDesc, XferOp};
+
+use super::peers::PeerState;
+use super::{ConnectorCore, Observation};
+use crate::step::{JobId, TransferJob, TransferPart};
+
+#[derive(Debug, Clone, Copy)]
+enum JobOwner {
+    Read { handoff: HandoffId, d_rank: u16 },
+    Write { handoff: HandoffId, d_rank: u16 },
+}
+
+#[derive(Debug)]
+struct ReadInFlight {
+    started: Time,
+    bytes: u64,
+    descs: usize,
+    /// Per D rank, its job still running.
+    jobs: HashMap<u16, JobId>,
+}
+
+/// P, push mode: one handoff's prefill and the writes into each registered D rank.
+#[derive(Debug)]
+struct PushState {
+    blocks: Vec<u32>,
+    num_tokens: u32,
+    layers_saved: u32,
+    writes: HashMap<u16, ActiveWrite>,
+}
+
+#[derive(Debug)]
+struct ActiveWrite {
+    d_peer: PeerId,
+    d_blocks: Vec<u32>,
+    done: Vec<PushDone>,
+    layers_posted: u32,
+    /// Jobs posted and not yet ended: (posting P rank, job).
+    jobs: Vec<(u16, JobId)>,
+    failed: bool,
+    aborted: bool,
+    started: Time,
+    bytes: u64,
+    descs: usize,
+}
+
+/// Bookkeeping of the transfers in flight. Entries end with their handoff: reads when every
+/// rank's job ended, pushes when the producer ledger releases the handoff.
+#[derive(Debug, Default)]
+pub(super) struct Transfers {
+    reads: HashMap<HandoffId, ReadInFlight>,
+    pushes: HashMap<HandoffId, PushState>,
+    jobs: HashMap<JobId, JobOwner>,
+    next_job: u64,
+}
+
+impl Transfers {
+    fn new_job(&mut self, owner: JobOwner) -> JobId {
+        self.next_job += 1;
+        let id = JobId(self.next_job);
+        self.jobs.insert(id, owner);
+        id
+    }
+
+    pub fn start_push(&mut self, handoff: HandoffId, blocks: Vec<u32>, num_tokens: u32) {
+        self.pushes.insert(
+            handoff,
+            PushState {
+                blocks,
+                num_tokens,
+                layers_saved: 0,
+                writes: HashMap::new(),
+            },
+        );
+    }
+
+    /// Returns whether the handoff is a push in flight.
+    pub fn layer_saved(&mut self, handoff: HandoffId, layer: u32) -> bool {
+        match self.pushes.get_mut(&handoff) {
+            Some(p) => {
+                p.layers_saved = p.layers_saved.max(layer.saturating_add(1));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The producer ledger says: write into this registration. False when the handoff has no
+    /// push in flight here.
+    pub fn add_write(&mut self, w: PushWrite, now: Time) -> bool {
+        let Some(st) = self.pushes.get_mut(&w.handoff) else {
+            return false;
+        };
+        st.writes.insert(
+            w.d_rank,
+            ActiveWrite {
+                d_peer: w.d_peer,
+                d_blocks: w.dst_blocks,
+                done: w.done,
+                layers_posted: 0,
+                jobs: Vec::new(),
+                failed: false,
+                aborted: false,
+                started: now,
+                bytes: 0,
+                descs: 0,
+            },
+        );
+        true
+    }
+
+    /// The handoff ended on P: forget its push; returns the jobs still posted (to abort).
+    pub fn end_push(&mut self, handoff: HandoffId) -> Vec<(u16, JobId)> {
+        let Some(st) = self.pushes.remove(&handoff) else {
+            return Vec::new();
+        };
+        let mut left = Vec::new();
+        for w in st.writes.into_values() {
+            for (rank, job) in w.jobs {
+                self.jobs.remove(&job);
+                left.push((rank, job));
+            }
+        }
+        left
+    }
+
+    pub fn reads_len(&self) -> usize {
+        self.reads.len()
+    }
+
+    pub fn pushes_len(&self) -> usize {
+        self.pushes.len()
+    }
+
+    pub fn jobs_len(&self) -> usize {
+        self.jobs.len()
+    }
+}
+
+impl ConnectorCore {
+    /// D: plan a handoff's reads and post one job per D rank (each rank reads from every P rank
+    /// it pairs with; the READ of each pair carries that pair's `PullDone`).
+    pub(super) fn start_read(&mut self, r: StartRead, now: Time) {
+        let d_tp = self.spec.tp as u16;
+        let fail_all = |core: &mut ConnectorCore, why: String| {
+            tracing::warn!(handoff = %r.handoff, %why, "read not started");
+            if let Some(c) = core.consumer.as_mut() {
+                for rank in 0..d_tp {
+                    c.on_read_done(r.handoff, rank, false, now);
+                }
+            }
+        };
+        let Some(peer) = self.peers.get(r.p_peer) else {
+            return fail_all(self, "unknown P".into());
+        };
+        if peer.state != PeerState::Ready || peer.layouts.is_empty() {
+            return fail_all(self, "P not connected".into());
+        }
+        let d_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        // Move whole blocks where both sides have them: the tail of the last block costs a
+        // descriptor per head and layer when cut at the last token, and nothing when moved with
+        // the rest of its run. The bytes past the prompt are zeroed on arrival.
+        let p_cap = r.src_blocks.len() as u64 * peer.layouts[0].spec.block_size as u64;
+        let d_cap = r.dst_blocks.len() as u64 * self.spec.block_size as u64;
+        let planned_tokens = p_cap.min(d_cap).max(r.num_tokens as u64) as u32;
+        let plan = match handoff_plan::plan(
+            &peer.layouts,
+            &d_layouts,
+            &r.src_blocks,
+            &r.dst_blocks,
+            planned_tokens,
+        ) {
+            Ok(p) => p,
+            Err(e) => return fail_all(self, e.to_string()),
+        };
+        let mut parts: HashMap<u16, Vec<TransferPart>> = HashMap::new();
+        let mut broken: Vec<u16> = Vec::new();
+        let mut bytes = 0;
+        let mut descs = 0;
+        for pair in &plan.pairs {
+            let d_rank = pair.d_rank as u16;
+            let p_rank = pair.p_rank as u16;
+            // D reads: its own memory is the destination.
+            let list = xfer_descs(&pair.descriptors, XferOp::Read);
+            bytes += list.iter().map(|d| d.len).sum::<u64>();
+            descs += list.len();
+            let notification = r
+                .done
+                .iter()
+                .find(|n| n.consumer_rank == d_rank && n.p_rank == p_rank)
+                .and_then(|n| encode(&Message::PullDone(*n)).ok());
+            match peer.agents.get(p_rank as usize) {
+                Some(agent) if d_rank < d_tp => {
+                    parts.entry(d_rank).or_default().push(TransferPart {
+                        agent: agent.clone(),
+                        descs: list,
+                        notification,
+                    })
+                }
+                _ => broken.push(d_rank),
+            }
+        }
+        let mut jobs = HashMap::new();
+        let mut failed_ranks = Vec::new();
+        for d_rank in 0..d_tp {
+            match parts.remove(&d_rank) {
+                Some(parts) if !broken.contains(&d_rank) => {
+                    let job = self.transfers.new_job(JobOwner::Read {
+                        handoff: r.handoff,
+                        d_rank,
+                    });
+                    self.out.transfers_to_post.push((
+                        d_rank,
+                        TransferJob {
+                            job,
+                            op: XferOp::Read,
+                            parts,
+                            zero_tail: Some((r.dst_blocks.clone(), r.num_tokens)),
+                        },
+                    ));
+                    jobs.insert(d_rank, job);
+                }
+                _ => failed_ranks.push(d_rank),
+            }
+        }
+        if !jobs.is_empty() {
+            self.transfers.reads.insert(
+                r.handoff,
+                ReadInFlight {
+                    started: now,
+                    bytes,
+                    descs,
+                    jobs,
+                },
+            );
+        }
+        if let Some(c) = self.consumer.as_mut() {
+            for rank in failed_ranks {
+                c.on_read_done(r.handoff, rank, false, now);
+            }
+        }
+    }
+
+    /// D: the ledger gave up on a read (deadline, dead P). Every rank's job is aborted; each
+    /// reports its end, which the ledger waits for before it frees the blocks.
+    pub(super) fn cancel_read(&mut self, handoff: HandoffId) {
+        if let Some(read) = self.transfers.reads.get(&handoff) {
+            for (rank, job) in &read.jobs {
+                self.out.transfers_to_abort.push((*rank, *job));
+            }
+        }
+    }
+
+    pub(super) fn job_ended(&mut self, job: JobId, ok: bool, now: Time) {
+        let Some(owner) = self.transfers.jobs.remove(&job) else {
+            return; // aborted with its handoff, or never ours
+        };
+        match owner {
+            JobOwner::Read { handoff, d_rank } => {
+                if let Some(read) = self.transfers.reads.get_mut(&handoff) {
+                    read.jobs.remove(&d_rank);
+                    if read.jobs.is_empty() {
+                        if let Some(read) = self.transfers.reads.remove(&handoff) {
+                            self.out.observations.push(Observation::Transfer {
+                                bytes: read.bytes,
+                                duration: now.saturating_sub(read.started),
+                                descriptors: read.descs,
+                            });
+                        }
+                    }
+                }
+                if let Some(c) = self.consumer.as_mut() {
+                    c.on_read_done(handoff, d_rank, ok, now);
+                }
+            }
+            JobOwner::Write { handoff, d_rank } => {
+                if let Some(w) = self
+                    .transfers
+                    .pushes
+                    .get_mut(&handoff)
+                    .and_then(|st| st.writes.get_mut(&d_rank))
+                {
+                    w.jobs.retain(|(_, j)| *j != job);
+                    w.failed |= !ok;
+                }
+                self.advance_push(handoff, now);
+            }
+        }
+    }
+
+    /// P: the ledger aborts the writes of one registration (cancelled, expired, peer gone). Its
+    /// end is reported once every posted job confirmed it stopped.
+    pub(super) fn abort_write(&mut self, handoff: HandoffId, d_rank: u16, now: Time) {
+        if let Some(w) = self
+            .transfers
+            .pushes
+            .get_mut(&handoff)
+            .and_then(|st| st.writes.get_mut(&d_rank))
+        {
+            w.aborted = true;
+            for (rank, job) in &w.jobs {
+                self.out.transfers_to_abort.push((*rank, *job));
+            }
+        }
+        self.advance_push(handoff, now);
+    }
+
+    /// P, push mode: posts the layers that are ready into every granted registration of
+    /// `handoff`, and reports each registration's writes to the ledger once they all ended.
+    pub(super) fn advance_push(&mut self, handoff: HandoffId, now: Time) {
+        let num_layers = self.spec.shape.num_layers;
+        let Some(st) = self.transfers.pushes.get_mut(&handoff) else {
+            return;
+        };
+        let mut ended: Vec<(u16, bool)> = Vec::new();
+        let mut posts: Vec<(u16, TransferJob)> = Vec::new();
+        let mut new_jobs: Vec<(JobId, u16)> = Vec::new();
+        let mut observations = Vec::new();
+        let my_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        let next_job = &mut self.transfers.next_job;
+        for (d_rank, w) in st.writes.iter_mut() {
+            if w.aborted || w.failed {
+                if w.jobs.is_empty() {
+                    ended.push((*d_rank, false));
+                }
+                continue;
+            }
+            if w.layers_posted == num_layers {
+                if w.jobs.is_empty() {
+                    observations.push(Observation::Transfer {
+                        bytes: w.bytes,
+                        duration: now.saturating_sub(w.started),
+                        descriptors: w.descs,
+                    });
+                    ended.push((*d_rank, true));
+                }
+                continue;
+            }
+            let Some(peer) = self.peers.get(w.d_peer) else {
+                w.failed = true;
+                if w.jobs.is_empty() {
+                    ended.push((*d_rank, false));
+                }
+                continue;
+            };
+            while w.layers_posted < st.layers_saved.min(num_layers) {
+                let layer = w.layers_posted;
+                let last = layer + 1 == num_layers;
+                // The completion rides on the last layer's WRITE, posted only once every
+                // earlier one landed (a backend may complete transfers out of order).
+                if last && !w.jobs.is_empty() {
+                    break;
+                }
+                // Rule 3: post only on a registration grant that is still valid.
+                let permitted = self
+                    .producer
+                    .as_ref()
+                    .is_some_and(|p| p.write_permit(handoff, *d_rank, now).is_ok());
+                if !permitted {
+                    break;
+                }
+                let plan = match handoff_plan::plan_layers(
+                    &my_layouts,
+                    &peer.layouts,
+                    &st.blocks,
+                    &w.d_blocks,
+                    st.num_tokens,
+                    layer..layer + 1,
+                ) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(%handoff, error = %e, "push plan failed");
+                        w.failed = true;
+                        break;
+                    }
+                };
+                for pair in plan.pairs.iter().filter(|p| p.d_rank as u16 == *d_rank) {
+                    let p_rank = pair.p_rank as u16;
+                    let Some(agent) = peer.agents.get(*d_rank as usize) else {
+                        w.failed = true;
+                        continue;
+                    };
+                    // P writes: its own memory is the source.
+                    let descs = xfer_descs(&pair.descriptors, XferOp::Write);
+                    w.bytes += descs.iter().map(|d| d.len).sum::<u64>();
+                    w.descs += descs.len();
+                    let notification = if last {
+                        w.done
+                            .iter()
+                            .find(|n| n.p_rank == p_rank && n.d_rank == *d_rank)
+                            .and_then(|n| encode(&Message::PushDone(*n)).ok())
+                    } else {
+                        None
+                    };
+                    *next_job += 1;
+                    let job = JobId(*next_job);
+                    new_jobs.push((job, *d_rank));
+                    w.jobs.push((p_rank, job));
+                    posts.push((
+                        p_rank,
+                        TransferJob {
+                            job,
+                            op: XferOp::Write,
+                            parts: vec![TransferPart {
+                                agent: agent.clone(),
+                                descs,
+                                notification,
+                            }],
+                            zero_tail: None,
+                        },
+                    ));
+                }
+                w.layers_posted += 1;
+            }
+            if w.failed && w.jobs.is_empty() {
+                ended.push((*d_rank, false));
+            }
+        }
+        for (d_rank, _) in &ended {
+            st.writes.remove(d_rank);
+        }
+        for (job, d_rank) in new_jobs {
+            self.transfers
+                .jobs
+                .insert(job, JobOwner::Write { handoff, d_rank });
+        }
+        self.out.transfers_to_post.extend(posts);
+        self.out.observations.extend(observations);
+        if let Some(p) = self.producer.as_mut() {
+            for (d_rank, ok) in ended {
+                p.on_push_write_done(handoff, d_rank, ok, now);
+            }
+        }
+    }
+}
+
+/// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that
+/// posts: D posts READs into its memory, P posts WRITEs from its memory.
+fn xfer_descs(descs: &[handoff_plan::Descriptor], op: XferOp) -> Vec<XferDesc> {
+    descs
+        .iter()
+        .map(|d| match op {
+            XferOp::Read => XferDesc {
+                local_region: d.dst_region,
+                local_offset: d.dst_offset,
+                remote_region: d.src_region,
+                remote_offset: d.src_offset,
+                len: d.len,
+            },
+            XferOp::Write => XferDesc {
+                local_region: d.src_region,
+                local_offset: d.src_offset,
+                remote_region: d.dst_region,
+                remote_offset: d.dst_offset,
+                len: d.len,
+            },
+        })
+        .collect()
+}

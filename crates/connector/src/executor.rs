@@ -1,0 +1,652 @@
+//! The executor: the thin I/O shell around a [`ConnectorCore`], and the handle the engine's
+//! scheduler holds ([`Connector`]).
+//!
+//! One thread owns the core. It is the only place that reads the clock for it; it feeds it
+//! scheduler calls, side-channel frames, connect outcomes, worker reports and timeouts, and
+//! carries out each [`Ready`] batch: frames into each connection's bounded send queue (never a
+//! blocking write), connect attempts on threads of their own, steps to the workers, events to
+//! the scheduler. Nothing here holds a lock that the scheduler thread waits on: the scheduler
+//! talks to the core through the same queue as everything else, and its calls are answered
+//! after the batch they caused was carried out (so an event the call produced is already there
+//! when the answer is).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_ledger::Time;
+use handoff_plan::KvSpec;
+use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason};
+use parking_lot::Mutex;
+use prometheus_client::registry::Registry;
+
+use crate::core::{ConnId, ConnectorCore, CoreConfig, CoreMemory, Observation, Ready};
+use crate::metrics::{DirLabels, HeldLabels, Metrics, ReasonLabels};
+use crate::side_channel::{self, ConnWriter, SendError, SideEvent, Sink};
+use crate::step::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
+use crate::worker::{self, RankMemory, WorkerSide};
+use crate::{ConnectorConfig, ConnectorError, ConnectorEvent, Role};
+
+/// The longest the executor sleeps without a timer due (it wakes on every input anyway).
+const IDLE: Duration = Duration::from_millis(100);
+
+/// Inputs handled in one go before the batch they produced is carried out.
+const BATCH: usize = 256;
+
+/// How often the held-blocks gauges follow the ledgers (a scrape refreshes them first).
+const GAUGES_EVERY: Duration = Duration::from_millis(100);
+
+type Reply = Box<dyn FnOnce() + Send>;
+type Call = Box<dyn FnOnce(&mut ConnectorCore, Time) -> Reply + Send>;
+
+enum Input {
+    Call(Call),
+    Side(SideEvent),
+    Report(WorkerReport),
+}
+
+/// Where the executor sends one worker its steps.
+pub trait WorkerLink: Send {
+    /// False when the worker is gone.
+    fn send(&mut self, step: WorkerStep) -> bool;
+}
+
+impl WorkerLink for Sender<WorkerStep> {
+    fn send(&mut self, step: WorkerStep) -> bool {
+        Sender::send(self, step).is_ok()
+    }
+}
+
+/// Feeds worker reports to a running connector (from a worker thread or a remote worker's
+/// connection).
+#[derive(Clone)]
+pub struct ReportSink(Sender<Input>);
+
+impl ReportSink {
+    /// False once the connector stopped.
+    pub fn report(&self, r: WorkerReport) -> bool {
+        self.0.send(Input::Report(r)).is_ok()
+    }
+}
+
+/// The scheduler side of a connector, as the engine holds it. Every method is a short message to
+/// the executor thread; those that answer wait only for the core's (CPU-only) work.
+pub struct Connector {
+    engine_id: String,
+    role: Role,
+    mode: handoff_proto::TransferMode,
+    advertise_host: String,
+    spec: KvSpec,
+    side_addr: SocketAddr,
+    inbox: Sender<Input>,
+    events: Mutex<Receiver<ConnectorEvent>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Connector {
+    /// Registers every rank's memory with its transport, runs a worker side per rank on a
+    /// thread of its own, opens the side channel and starts the executor.
+    pub fn start(
+        cfg: ConnectorConfig,
+        ranks: Vec<RankMemory>,
+        registry: &mut Registry,
+    ) -> Result<Arc<Connector>, ConnectorError> {
+        let mut workers = Vec::new();
+        for mem in ranks {
+            workers.push(WorkerSide::new(mem)?);
+        }
+        let hellos = workers
+            .iter()
+            .map(WorkerSide::hello)
+            .collect::<Result<Vec<_>, _>>()?;
+        let (connector, sink) = Connector::start_with(cfg, hellos, registry, |sink| {
+            let mut links: Vec<Box<dyn WorkerLink>> = Vec::new();
+            for w in workers {
+                let (tx, rx) = channel::<WorkerStep>();
+                let sink = sink.clone();
+                worker::spawn(w, rx, move |r| sink.report(r)).map_err(ConnectorError::Thread)?;
+                links.push(Box::new(tx));
+            }
+            Ok(links)
+        })?;
+        drop(sink);
+        Ok(connector)
+    }
+
+    /// Starts the scheduler side for workers that live elsewhere: `hellos` is what each said,
+    /// `links` (made with the sink that takes their reports) carries their steps.
+    pub fn start_with(
+        cfg: ConnectorConfig,
+        hellos: Vec<WorkerHello>,
+        registry: &mut Registry,
+        links: impl FnOnce(&ReportSink) -> Result<Vec<Box<dyn WorkerLink>>, ConnectorError>,
+    ) -> Result<(Arc<Connector>, ReportSink), ConnectorError> {
+        let (inbox, inputs) = channel::<Input>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let side_sink: Sink = {
+            let inbox = inbox.clone();
+            Arc::new(move |ev| inbox.send(Input::Side(ev)).is_ok())
+        };
+        let side_addr =
+            side_channel::listen(cfg.side_channel_bind, side_sink.clone(), stop.clone())
+                .map_err(ConnectorError::Listen)?;
+        let core = ConnectorCore::new(
+            CoreConfig {
+                engine_id: cfg.engine_id.clone(),
+                role: cfg.role,
+                mode: cfg.mode,
+                model: cfg.model.clone(),
+                dtype: cfg.dtype.clone(),
+                advertise_host: cfg.advertise_host.clone(),
+                side_channel_port: side_addr.port(),
+                producer: cfg.producer.clone(),
+                consumer: cfg.consumer.clone(),
+            },
+            hellos,
+        );
+        let core = match core {
+            Ok(c) => c,
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let spec = *core.spec();
+        let sink = ReportSink(inbox.clone());
+        let workers = match links(&sink) {
+            Ok(l) => l,
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let (events_tx, events) = channel();
+        let metrics = Metrics::new(registry);
+        let exec = Executor {
+            core,
+            start: Instant::now(),
+            inputs,
+            side_sink,
+            conns: HashMap::new(),
+            workers,
+            events: events_tx,
+            metrics,
+            stop: stop.clone(),
+            late_seen: 0,
+            gauges_at: None,
+        };
+        std::thread::Builder::new()
+            .name(format!("handoff-exec-{}", cfg.engine_id))
+            .spawn(move || exec.run())
+            .map_err(ConnectorError::Thread)?;
+        Ok((
+            Arc::new(Connector {
+                engine_id: cfg.engine_id,
+                role: cfg.role,
+                mode: cfg.mode,
+                advertise_host: cfg.advertise_host,
+                spec,
+                side_addr,
+                inbox,
+                events: Mutex::new(events),
+                stop,
+            }),
+            sink,
+        ))
+    }
+
+    /// Runs `f` on the core and waits for its answer (given once the batch it caused went out).
+    fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut ConnectorCore, Time) -> R + Send + 'static,
+    ) -> Result<R, ConnectorError> {
+        let (tx, rx) = sync_channel::<R>(1);
+        let call: Call = Box::new(move |core, now| {
+            let r = f(core, now);
+            Box::new(move || {
+                let _ = tx.send(r);
+            })
+        });
+        self.inbox
+            .send(Input::Call(call))
+            .map_err(|_| ConnectorError::Stopped)?;
+        rx.recv().map_err(|_| ConnectorError::Stopped)
+    }
+
+    /// Runs `f` on the core without waiting.
+    fn tell(&self, f: impl FnOnce(&mut ConnectorCore, Time) + Send + 'static) {
+        let call: Call = Box::new(move |core, now| {
+            f(core, now);
+            Box::new(|| {})
+        });
+        let _ = self.inbox.send(Input::Call(call));
+    }
+
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    pub fn side_channel_addr(&self) -> SocketAddr {
+        self.side_addr
+    }
+
+    pub fn spec(&self) -> &KvSpec {
+        &self.spec
+    }
+
+    /// Every event since the last call (non-blocking).
+    pub fn poll_events(&self) -> Vec<ConnectorEvent> {
+        self.events.lock().try_iter().collect()
+    }
+
+    /// Waits up to `timeout` for the next event.
+    pub fn wait_event(&self, timeout: Duration) -> Option<ConnectorEvent> {
+        self.events.lock().recv_timeout(timeout).ok()
+    }
+
+    /// What a proxy needs to send D a push request for this P (`GET /v1/handoff/info`).
+    pub fn info(&self) -> serde_json::Value {
+        serde_json::json!({
+            "engine_id": self.engine_id,
+            "remote_host": self.advertise_host,
+            "remote_port": self.side_addr.port(),
+            "tp_size": self.spec.tp,
+            "block_size": self.spec.block_size,
+            "transfer_mode": self.mode.as_str(),
+            "role": match self.role {
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+                Role::Both => "both",
+            },
+        })
+    }
+
+    // ----- P -----
+
+    /// A prompt's prefill ended: create the handoff under a fresh random id and return the
+    /// `kv_transfer_params` for the response.
+    pub fn on_prefill_finished(
+        &self,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let mut id = [0u8; 16];
+        getrandom::getrandom(&mut id).map_err(|e| ConnectorError::Random(e.to_string()))?;
+        let handoff = HandoffId::from_bytes(id);
+        let request_id = request_id.to_string();
+        self.call(move |core, now| {
+            core.on_prefill_finished(&request_id, handoff, blocks, num_tokens, now)
+        })?
+    }
+
+    pub fn on_push_prefill_start(
+        &self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<(), ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.on_push_prefill_start(&params, blocks, num_tokens, now))?
+    }
+
+    /// Worker point "layer saved": the layer leaves for D as soon as its grant allows.
+    pub fn on_layer_saved(&self, handoff: HandoffId, layer: u32) {
+        self.tell(move |core, now| core.on_layer_saved(handoff, layer, now));
+    }
+
+    pub fn on_push_prefill_finished(
+        &self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let params = params.clone();
+        let request_id = request_id.to_string();
+        self.call(move |core, _| core.push_params(&params, &request_id, blocks, num_tokens))?
+    }
+
+    /// The proxy says D never got the request: release at once unless a D claimed it.
+    pub fn release_from_proxy(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.release_from_proxy(&params, now))?
+    }
+
+    // ----- D -----
+
+    pub fn on_request_arrived(
+        &self,
+        request: u64,
+        params: &KvTransferParams,
+        prompt_tokens: u32,
+    ) -> Result<(), ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.on_request_arrived(request, &params, prompt_tokens, now))?
+    }
+
+    pub fn on_blocks_allocated(
+        &self,
+        request: u64,
+        blocks: Vec<u32>,
+    ) -> Result<(), ConnectorError> {
+        self.call(move |core, now| core.on_blocks_allocated(request, blocks, now))?
+    }
+
+    pub fn on_request_ended(&self, request: u64, reason: ReleaseReason) {
+        self.tell(move |core, now| core.on_request_ended(request, reason, now));
+    }
+
+    /// D refuses a request it never tracked: its P is told to release, unless this engine
+    /// still tracks the handoff for another request.
+    pub fn reject(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.reject(&params, now))?
+    }
+
+    // ----- snapshots -----
+
+    pub fn held_blocks(&self) -> (usize, usize) {
+        self.call(|core, _| core.held_blocks()).unwrap_or_default()
+    }
+
+    pub fn staged_messages(&self) -> usize {
+        self.call(|core, _| core.staged_messages())
+            .unwrap_or_default()
+    }
+
+    pub fn held_blocks_by_engine(&self) -> Vec<(String, usize)> {
+        self.call(|core, _| core.held_blocks_by_engine())
+            .unwrap_or_default()
+    }
+
+    /// Handoffs P holds now, and how many ended per reason so far.
+    pub fn producer_stats(&self) -> Option<(usize, HashMap<&'static str, u64>)> {
+        self.call(|core, _| core.producer_stats().map(|(n, s)| (n, s.ended.clone())))
+            .ok()
+            .flatten()
+    }
+
+    pub fn memory(&self) -> Option<CoreMemory> {
+        self.call(|core, _| core.memory()).ok()
+    }
+
+    /// Brings the held-blocks gauges up to the ledgers' present state (before a scrape).
+    pub fn refresh_metrics(&self) {
+        // Any call does: the executor updates the gauges before it answers.
+        let _ = self.call(|_, _| ());
+    }
+
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the executor, which closes every connection and lets the workers go.
+        self.tell(|core, _| core.close_all());
+    }
+}
+
+impl Drop for Connector {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+struct Executor {
+    core: ConnectorCore,
+    start: Instant,
+    inputs: Receiver<Input>,
+    side_sink: Sink,
+    conns: HashMap<ConnId, ConnWriter>,
+    workers: Vec<Box<dyn WorkerLink>>,
+    events: Sender<ConnectorEvent>,
+    metrics: Metrics,
+    stop: Arc<AtomicBool>,
+    late_seen: u64,
+    gauges_at: Option<Instant>,
+}
+
+impl Executor {
+    fn now(&self) -> Time {
+        self.start.elapsed()
+    }
+
+    fn run(mut self) {
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = self.now();
+            let wait = self
+                .core
+                .poll_timeout()
+                .map_or(IDLE, |t| t.saturating_sub(now).min(IDLE));
+            let mut replies = Vec::new();
+            match self.inputs.recv_timeout(wait) {
+                Ok(input) => {
+                    self.handle(input, &mut replies);
+                    for _ in 1..BATCH {
+                        match self.inputs.try_recv() {
+                            Ok(input) => self.handle(input, &mut replies),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            let now = self.now();
+            if self.core.poll_timeout().is_some_and(|t| t <= now) {
+                self.core.handle_timeout(now);
+            }
+            self.carry_out();
+            if self.gauges_at.map_or(true, |t| t.elapsed() >= GAUGES_EVERY) {
+                self.update_gauges();
+            }
+            // Answers go after the batch their calls caused, so its events are there first.
+            for r in replies {
+                r();
+            }
+        }
+        self.core.close_all();
+        self.carry_out();
+        for (_, w) in self.conns.drain() {
+            w.close();
+        }
+    }
+
+    fn handle(&mut self, input: Input, replies: &mut Vec<Reply>) {
+        let now = self.now();
+        match input {
+            Input::Call(f) => {
+                replies.push(f(&mut self.core, now));
+                // A call that asks for a snapshot refreshes the gauges too.
+                self.gauges_at = None;
+            }
+            Input::Report(r) => self.core.handle_worker_report(r, now),
+            Input::Side(ev) => match ev {
+                SideEvent::Accepted { conn, writer, msg } => {
+                    self.conns.insert(conn, writer);
+                    self.core.handle_accepted(conn, msg, now);
+                }
+                SideEvent::Frame { conn, msg } => self.core.handle_frame(conn, msg, now),
+                SideEvent::Connected {
+                    engine,
+                    attempt,
+                    conn,
+                    writer,
+                    reply,
+                } => {
+                    self.conns.insert(conn, writer);
+                    self.core
+                        .handle_connected(&engine, attempt, conn, reply, now);
+                }
+                SideEvent::ConnectFailed {
+                    engine,
+                    attempt,
+                    error,
+                } => self
+                    .core
+                    .handle_connect_failed(&engine, attempt, error, now),
+                SideEvent::Closed { conn } => {
+                    self.conns.remove(&conn);
+                    self.core.handle_closed(conn, now);
+                }
+            },
+        }
+    }
+
+    /// Carries out everything the core asked for.
+    fn carry_out(&mut self) {
+        while self.core.has_ready() {
+            let mut ready = self.core.ready();
+            self.dispatch(&mut ready);
+            self.core.advance(ready);
+        }
+    }
+
+    fn dispatch(&mut self, ready: &mut Ready) {
+        for (conn, msg) in ready.messages.drain(..) {
+            let Some(w) = self.conns.get(&conn) else {
+                continue;
+            };
+            match w.try_send(&msg) {
+                Ok(()) => {}
+                Err(SendError::Full) => {
+                    tracing::warn!(
+                        conn,
+                        queued = side_channel::SEND_QUEUE,
+                        "peer stopped reading its side channel: closing the connection"
+                    );
+                    self.metrics.send_queue_full.inc();
+                    w.close();
+                }
+                // The reading thread reports the close.
+                Err(SendError::Closed) => {}
+            }
+        }
+        for conn in ready.closes.drain(..) {
+            if let Some(w) = self.conns.get(&conn) {
+                w.finish();
+            }
+        }
+        for c in ready.connects.drain(..) {
+            side_channel::connect(c.engine, c.attempt, c.addr, c.hello, self.side_sink.clone());
+        }
+        let mut steps: Vec<WorkerStep> = vec![WorkerStep::default(); self.workers.len()];
+        let ops = ready
+            .worker_ops
+            .drain(..)
+            .chain(
+                ready
+                    .transfers_to_post
+                    .drain(..)
+                    .map(|(rank, job)| (rank, WorkerOp::Post(job))),
+            )
+            .chain(
+                ready
+                    .transfers_to_abort
+                    .drain(..)
+                    .map(|(rank, job)| (rank, WorkerOp::Abort { job })),
+            );
+        for (rank, op) in ops {
+            if let Some(step) = steps.get_mut(rank as usize) {
+                step.ops.push(op);
+            }
+        }
+        for (w, step) in self.workers.iter_mut().zip(steps) {
+            if !step.ops.is_empty() && !w.send(step) {
+                tracing::error!("a worker side is gone");
+            }
+        }
+        for ev in ready.events.drain(..) {
+            let _ = self.events.send(ev);
+        }
+        for o in ready.observations.drain(..) {
+            self.observe(o);
+        }
+    }
+
+    fn observe(&self, o: Observation) {
+        let m = &self.metrics;
+        match o {
+            Observation::HeartbeatSent => {
+                m.heartbeats
+                    .get_or_create(&DirLabels { direction: "sent" })
+                    .inc();
+            }
+            Observation::HeartbeatReceived => {
+                m.heartbeats
+                    .get_or_create(&DirLabels {
+                        direction: "received",
+                    })
+                    .inc();
+            }
+            Observation::HandshakeRefused => {
+                m.handshakes_refused.inc();
+            }
+            Observation::UnknownNotification => {
+                m.unknown_notifications.inc();
+            }
+            Observation::AnonymousRefused => {
+                m.anonymous_refused.inc();
+            }
+            Observation::RejectOfTrackedHandoff => {
+                m.rejects_of_tracked_handoffs.inc();
+            }
+            Observation::QueuedDropped => {
+                m.queued_dropped.inc();
+            }
+            Observation::HandoffEnded { reason, held_for } => {
+                m.handoffs_ended
+                    .get_or_create(&ReasonLabels { reason })
+                    .inc();
+                m.lease_age_at_release.observe(held_for.as_secs_f64());
+            }
+            Observation::RequestFailed { reason } => {
+                m.requests_failed
+                    .get_or_create(&ReasonLabels { reason })
+                    .inc();
+            }
+            Observation::Transfer {
+                bytes,
+                duration,
+                descriptors,
+            } => {
+                m.transfer_bytes.inc_by(bytes);
+                m.transfer_duration.observe(duration.as_secs_f64());
+                m.transfer_descriptors.observe(descriptors as f64);
+            }
+        }
+    }
+
+    fn update_gauges(&mut self) {
+        self.gauges_at = Some(Instant::now());
+        // Late notifications are counted by the ledgers; the metric follows their total.
+        let late = self.core.late_notifications();
+        if late > self.late_seen {
+            self.metrics
+                .late_notifications
+                .inc_by(late - self.late_seen);
+            self.late_seen = late;
+        }
+        let spec = self.core.spec();
+        let block_bytes = spec.block_bytes() * spec.shape.num_layers as u64 * spec.tp as u64;
+        let set = |side: &'static str, state: &'static str, blocks: usize| {
+            let l = HeldLabels { side, state };
+            self.metrics
+                .blocks_held
+                .get_or_create(&l)
+                .set(blocks as i64);
+            self.metrics
+                .bytes_held
+                .get_or_create(&l)
+                .set((blocks as u64 * block_bytes) as i64);
+        };
+        if let Some((leased, fencing)) = self.core.producer_blocks_by_state() {
+            set("prefill", "leased", leased);
+            set("prefill", "fencing", fencing);
+        }
+        if self.core.consumer_stats().is_some() {
+            set("decode", "waiting", self.core.held_blocks().1);
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! The step metadata between the scheduler side and the worker sides of a connector.
+//!
+//! As in vLLM (`build_connector_meta` on the scheduler, `start_load_kv` / `get_finished` on each
+//! worker), the two sides share nothing but these plain values: the scheduler side tells a
+//! worker which transfers to post or abort and which peer agents to load ([`WorkerStep`]); the
+//! worker tells the scheduler side what ended, what arrived and who died ([`WorkerReport`]).
+//! Everything here is serialisable, so a worker may live in another process.
+
+use handoff_plan::RankLayout;
+use handoff_transport::{XferDesc, XferOp};
+use serde::{Deserialize, Serialize};
+
+/// One transfer job, numbered by the scheduler side. A job is what one worker posts for one
+/// purpose (one D rank's reads of a handoff; one layer's writes from one P rank into one D rank)
+/// and ends once, as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct JobId(pub u64);
+
+/// What a worker tells the scheduler side about itself when it starts (vLLM: the handshake
+/// metadata a worker publishes after `register_kv_caches`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerHello {
+    pub rank: u16,
+    pub layout: RankLayout,
+    /// The transport agent's name, as peers address it.
+    pub agent: String,
+    /// What a peer needs to reach that agent (opaque).
+    pub metadata: Vec<u8>,
+}
+
+/// Work for one worker, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStep {
+    pub ops: Vec<WorkerOp>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WorkerOp {
+    /// Load a peer agent's metadata. The name the transport reads out of it must be `agent`:
+    /// a peer cannot make us load an agent under another name than the one it announced.
+    LoadRemote { agent: String, metadata: Vec<u8> },
+    /// Forget a peer agent (its engine is gone).
+    ForgetRemote { agent: String },
+    /// Post a transfer job.
+    Post(TransferJob),
+    /// Abort a job; its end is still reported (as failed), once the transport let it go.
+    Abort { job: JobId },
+    /// Zero the bytes of `blocks` past the first `num_tokens` tokens (push: the part of the last
+    /// block that P does not write).
+    ZeroTail { blocks: Vec<u32>, num_tokens: u32 },
+}
+
+/// Transfers to post together; the job ends when every part ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferJob {
+    pub job: JobId,
+    pub op: XferOp,
+    pub parts: Vec<TransferPart>,
+    /// Pull: once every part landed, zero the bytes of these blocks past this many tokens (whole
+    /// blocks are moved, so the tail holds P's stale bytes) before the job counts as done.
+    pub zero_tail: Option<(Vec<u32>, u32)>,
+}
+
+/// One transfer with one peer agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferPart {
+    pub agent: String,
+    pub descs: Vec<XferDesc>,
+    /// Delivered to the peer only after every byte of this transfer landed.
+    pub notification: Option<Vec<u8>>,
+}
+
+/// What one worker reports back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerReport {
+    pub rank: u16,
+    /// Jobs that ended, and whether every byte landed.
+    pub ended: Vec<(JobId, bool)>,
+    /// Notifications from peer agents: (agent, bytes).
+    pub notifications: Vec<(String, Vec<u8>)>,
+    /// Peer agents the transport found dead.
+    pub dead_agents: Vec<String>,
+    /// Peer agents whose metadata could not be loaded: (agent, why).
+    pub load_failed: Vec<(String, String)>,
+}
+
+impl WorkerReport {
+    pub fn is_empty(&self) -> bool {
+        self.ended.is_empty()
+            && self.notifications.is_empty()
+            && self.dead_agents.is_empty()
+            && self.load_failed.is_empty()
+    }
+}

@@ -1,0 +1,265 @@
+//! The worker side of a connector: one per rank. It owns the rank's registered KV memory and its
+//! transport agent, posts and aborts what the scheduler side's [`WorkerStep`]s say, and reports
+//! what ended, what arrived and who died in [`WorkerReport`]s. It holds no ledger and makes no
+//! decision: every rule is the scheduler side's (the [`crate::ConnectorCore`]).
+//!
+//! A `WorkerSide` is a plain object; [`spawn`] runs one on a thread of its own (the reference
+//! engine), and [`crate::remote`] runs one in another process (vLLM's worker processes).
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_plan::RankLayout;
+use handoff_transport::{KvRegion, RegionId, Transport, TransportError, XferId, XferStatus};
+
+use crate::step::{JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
+use crate::ConnectorError;
+
+/// How often a worker polls its transport for progress, notifications and dead peers.
+pub const POLL: Duration = Duration::from_millis(1);
+
+/// One rank's KV memory and transport agent.
+pub struct RankMemory {
+    pub layout: RankLayout,
+    pub regions: Vec<(RegionId, Arc<KvRegion>)>,
+    pub transport: Arc<dyn Transport>,
+}
+
+struct Job {
+    xfers: Vec<XferId>,
+    failed: bool,
+    zero_tail: Option<(Vec<u32>, u32)>,
+}
+
+pub struct WorkerSide {
+    rank: u16,
+    mem: RankMemory,
+    jobs: HashMap<JobId, Job>,
+    report: WorkerReport,
+}
+
+impl WorkerSide {
+    /// Registers the rank's regions with its transport.
+    pub fn new(mem: RankMemory) -> Result<Self, ConnectorError> {
+        mem.layout.validate().map_err(ConnectorError::Layout)?;
+        let rank = mem.layout.rank as u16;
+        for (id, region) in &mem.regions {
+            let expected = mem.layout.region_len(*id);
+            if expected != Some(region.len() as u64) {
+                return Err(ConnectorError::RegionSize {
+                    rank,
+                    region: *id,
+                    len: region.len() as u64,
+                    expected,
+                });
+            }
+            mem.transport.register(*id, region.clone())?;
+        }
+        Ok(WorkerSide {
+            rank,
+            mem,
+            jobs: HashMap::new(),
+            report: WorkerReport {
+                rank,
+                ..Default::default()
+            },
+        })
+    }
+
+    pub fn rank(&self) -> u16 {
+        self.rank
+    }
+
+    /// What the scheduler side needs to know of this worker.
+    pub fn hello(&self) -> Result<WorkerHello, ConnectorError> {
+        Ok(WorkerHello {
+            rank: self.rank,
+            layout: self.mem.layout.clone(),
+            agent: self.mem.transport.name().to_string(),
+            metadata: self.mem.transport.local_metadata()?,
+        })
+    }
+
+    /// Jobs posted and not yet reported ended.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn apply(&mut self, step: WorkerStep) {
+        for op in step.ops {
+            match op {
+                WorkerOp::LoadRemote { agent, metadata } => {
+                    match self.mem.transport.load_remote(&metadata) {
+                        Ok(name) if name == agent => {}
+                        Ok(name) => {
+                            // The metadata names another agent than the peer announced: drop it
+                            // again, or the peer could take over someone else's name.
+                            self.mem.transport.forget_remote(&name);
+                            self.report.load_failed.push((
+                                agent.clone(),
+                                format!(
+                                    "metadata names agent {name:?}, the peer announced {agent:?}"
+                                ),
+                            ));
+                        }
+                        Err(e) => self.report.load_failed.push((agent, e.to_string())),
+                    }
+                }
+                WorkerOp::ForgetRemote { agent } => self.mem.transport.forget_remote(&agent),
+                WorkerOp::Post(job) => self.post(job),
+                WorkerOp::Abort { job } => {
+                    if let Some(j) = self.jobs.remove(&job) {
+                        for id in j.xfers {
+                            let _ = self.mem.transport.release(id);
+                        }
+                        self.report.ended.push((job, false));
+                    }
+                }
+                WorkerOp::ZeroTail { blocks, num_tokens } => {
+                    if let Err(e) = self.zero_tail(&blocks, num_tokens) {
+                        tracing::warn!(rank = self.rank, error = %e, "cannot zero a block tail");
+                    }
+                }
+            }
+        }
+    }
+
+    fn post(&mut self, t: TransferJob) {
+        let mut job = Job {
+            xfers: Vec::with_capacity(t.parts.len()),
+            failed: false,
+            zero_tail: t.zero_tail,
+        };
+        for part in &t.parts {
+            match self.mem.transport.post(
+                t.op,
+                &part.agent,
+                &part.descs,
+                part.notification.as_deref(),
+            ) {
+                Ok(id) => job.xfers.push(id),
+                Err(e) => {
+                    tracing::warn!(rank = self.rank, job = t.job.0, error = %e, "post failed");
+                    job.failed = true;
+                }
+            }
+        }
+        self.jobs.insert(t.job, job);
+    }
+
+    /// Progress: jobs that ended, notifications, dead peers. `None` when there is nothing new.
+    pub fn poll(&mut self) -> Option<WorkerReport> {
+        let transport = &self.mem.transport;
+        let mut ended = Vec::new();
+        for (id, job) in self.jobs.iter_mut() {
+            job.xfers.retain(|x| match transport.status(*x) {
+                Ok(XferStatus::InProgress) => true,
+                Ok(XferStatus::Done) => {
+                    let _ = transport.release(*x);
+                    false
+                }
+                Ok(XferStatus::Failed(e)) => {
+                    tracing::warn!(job = id.0, error = %e, "transfer failed");
+                    let _ = transport.release(*x);
+                    job.failed = true;
+                    false
+                }
+                Err(_) => {
+                    job.failed = true;
+                    false
+                }
+            });
+            if job.xfers.is_empty() {
+                ended.push(*id);
+            }
+        }
+        for id in ended {
+            if let Some(job) = self.jobs.remove(&id) {
+                let mut ok = !job.failed;
+                if let (true, Some((blocks, tokens))) = (ok, &job.zero_tail) {
+                    if let Err(e) = self.zero_tail(blocks, *tokens) {
+                        tracing::warn!(rank = self.rank, error = %e, "cannot zero a block tail");
+                        ok = false;
+                    }
+                }
+                self.report.ended.push((id, ok));
+            }
+        }
+        for n in self.mem.transport.drain_notifications() {
+            self.report.notifications.push((n.from, n.msg));
+        }
+        self.report
+            .dead_agents
+            .extend(self.mem.transport.drain_dead_peers());
+        if self.report.is_empty() {
+            return None;
+        }
+        let fresh = WorkerReport {
+            rank: self.rank,
+            ..Default::default()
+        };
+        Some(std::mem::replace(&mut self.report, fresh))
+    }
+
+    /// Zeroes the bytes of `blocks` past the prompt's last token, so no stale byte (P's or a
+    /// previous request's) stays in a partially filled block.
+    fn zero_tail(&self, blocks: &[u32], num_tokens: u32) -> Result<(), ConnectorError> {
+        let spans = handoff_plan::uncovered_dst(&self.mem.layout, blocks, num_tokens)
+            .map_err(ConnectorError::Plan)?;
+        let zeros = vec![0u8; spans.iter().map(|s| s.len).max().unwrap_or(0) as usize];
+        for s in &spans {
+            let region = self
+                .mem
+                .regions
+                .iter()
+                .find(|(id, _)| *id == s.region)
+                .map(|(_, r)| r)
+                .ok_or(TransportError::UnknownRegion { region: s.region })?;
+            region.write(s.offset as usize, &zeros[..s.len as usize])?;
+        }
+        Ok(())
+    }
+
+    /// Releases every job still posted (shutdown).
+    pub fn abort_all(&mut self) {
+        for (_, job) in self.jobs.drain() {
+            for id in job.xfers {
+                let _ = self.mem.transport.release(id);
+            }
+        }
+    }
+}
+
+/// Runs `worker` on a thread of its own: applies every step from `steps` as it arrives, polls
+/// the transport every [`POLL`], and hands each report to `report`. Ends when `steps` closes or
+/// `report` returns false.
+pub fn spawn(
+    mut worker: WorkerSide,
+    steps: Receiver<WorkerStep>,
+    report: impl Fn(WorkerReport) -> bool + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("handoff-worker-{}", worker.rank()))
+        .spawn(move || {
+            loop {
+                match steps.recv_timeout(POLL) {
+                    Ok(step) => {
+                        worker.apply(step);
+                        while let Ok(step) = steps.try_recv() {
+                            worker.apply(step);
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+                if let Some(r) = worker.poll() {
+                    if !report(r) {
+                        break;
+                    }
+                }
+            }
+            worker.abort_all();
+        })
+}

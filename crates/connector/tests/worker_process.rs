@@ -1,0 +1,192 @@
+//! The scheduler side and the worker sides in separate processes, as vLLM runs them: P's
+//! workers (its KV memory and transport agents) live in a child process and speak to P's
+//! scheduler side in this one only through step metadata; D runs here. A pull moves P's bytes
+//! into D's blocks, D zeroes the tail past the prompt, and P frees its blocks once D read them.
+
+use std::net::TcpListener;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_connector::{remote, Connector, ConnectorConfig, ConnectorEvent, RankMemory, Role};
+use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_proto::TransferMode;
+use handoff_transport::conformance::fill;
+use handoff_transport::tcp::{TcpConfig, TcpTransport};
+use handoff_transport::KvRegion;
+use prometheus_client::registry::Registry;
+
+const BLOCKS: u32 = 16;
+const SEED: u64 = 77;
+
+fn spec() -> KvSpec {
+    KvSpec {
+        shape: ModelShape {
+            num_layers: 3,
+            num_kv_heads: 4,
+            head_dim: 8,
+            dtype_size: 2,
+        },
+        tp: 2,
+        block_size: 16,
+        block_layout: BlockLayout::HeadMajor,
+    }
+}
+
+fn config(engine: &str, role: Role) -> ConnectorConfig {
+    ConnectorConfig {
+        engine_id: engine.into(),
+        role,
+        mode: TransferMode::Pull,
+        model: "m".into(),
+        dtype: "bf16".into(),
+        side_channel_bind: "127.0.0.1:0".parse().unwrap(),
+        advertise_host: "127.0.0.1".into(),
+        producer: Default::default(),
+        consumer: Default::default(),
+    }
+}
+
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(
+    c: &Connector,
+    what: &str,
+    mut f: impl FnMut(&ConnectorEvent) -> bool,
+) -> ConnectorEvent {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Some(ev) = c.wait_event(Duration::from_millis(100)) {
+            if f(&ev) {
+                return ev;
+            }
+        }
+    }
+    panic!("no {what} within 20 s");
+}
+
+#[test]
+fn workers_in_another_process_serve_a_pull() {
+    let spec = spec();
+    // P: scheduler side here, workers in a child process.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_handoff-connector-worker"))
+        .args([
+            listener.local_addr().unwrap().to_string(),
+            "p-remote".into(),
+            serde_json::to_string(&spec).unwrap(),
+            BLOCKS.to_string(),
+            SEED.to_string(),
+        ])
+        .spawn()
+        .expect("worker process starts");
+    let _child = KillOnDrop(child);
+    let (hellos, workers) = remote::accept(&listener).expect("worker process says hello");
+    assert_eq!(hellos.len(), 2);
+    let (p, _sink) = Connector::start_with(
+        config("p-remote", Role::Prefill),
+        hellos,
+        &mut Registry::default(),
+        |sink| {
+            workers
+                .start(2, sink)
+                .map_err(handoff_connector::ConnectorError::Thread)
+        },
+    )
+    .expect("P's scheduler side starts");
+
+    // D: everything in this process; its blocks start full of garbage.
+    let mut d_regions = Vec::new();
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        let layout = RankLayout::cross_layer(spec, rank, BLOCKS, 0).unwrap();
+        let region = Arc::new(KvRegion::new(
+            layout.region_len(0).unwrap() as usize,
+            64 * 1024,
+        ));
+        fill(&region, 999, 0);
+        d_regions.push((layout.clone(), region.clone()));
+        ranks.push(RankMemory {
+            layout,
+            regions: vec![(0, region)],
+            transport: TcpTransport::new(&format!("d-local-r{rank}"), TcpConfig::default())
+                .unwrap(),
+        });
+    }
+    let d = Connector::start(
+        config("d-local", Role::Decode),
+        ranks,
+        &mut Registry::default(),
+    )
+    .expect("D starts");
+
+    // A 40-token prompt in P's blocks 3..6 lands in D's blocks 9..12.
+    let (p_blocks, d_blocks, tokens) = (vec![3, 4, 5], vec![9, 10, 11], 40);
+    let params = p
+        .on_prefill_finished("req-1", p_blocks.clone(), tokens)
+        .expect("P creates the handoff");
+    d.on_request_arrived(1, &params, tokens)
+        .expect("D tracks it");
+    d.on_blocks_allocated(1, d_blocks.clone())
+        .expect("D admits it");
+    let ready = wait_for(&d, "Ready on D", |e| {
+        matches!(e, ConnectorEvent::Ready { .. })
+    });
+    assert_eq!(
+        ready,
+        ConnectorEvent::Ready {
+            requests: vec![1],
+            blocks: d_blocks.clone()
+        }
+    );
+    let released = wait_for(&p, "release on P", |e| {
+        matches!(e, ConnectorEvent::BlocksReleased { .. })
+    });
+    assert_eq!(
+        released,
+        ConnectorEvent::BlocksReleased {
+            blocks: p_blocks.clone(),
+            reason: "done".into()
+        }
+    );
+
+    // D's blocks hold exactly P's bytes for the prompt's tokens, and zeros past them.
+    for (rank, (layout, region)) in d_regions.iter().enumerate() {
+        let p_region = KvRegion::new(region.len(), 64 * 1024);
+        fill(&p_region, SEED + rank as u64, 0);
+        let stride = region.len() / BLOCKS as usize;
+        let mut expected = vec![0u8; region.len()];
+        region.read(0, &mut expected).unwrap();
+        for (pb, db) in p_blocks.iter().zip(&d_blocks) {
+            let mut block = vec![0u8; stride];
+            p_region.read(*pb as usize * stride, &mut block).unwrap();
+            expected[*db as usize * stride..][..stride].copy_from_slice(&block);
+        }
+        for s in handoff_plan::uncovered_dst(layout, &d_blocks, tokens).unwrap() {
+            expected[s.offset as usize..][..s.len as usize].fill(0);
+        }
+        let mut got = vec![0u8; region.len()];
+        region.read(0, &mut got).unwrap();
+        // The control: before the pull, D's blocks differed from what it must hold now.
+        let mut before = vec![0u8; region.len()];
+        let garbage = KvRegion::new(region.len(), 64 * 1024);
+        fill(&garbage, 999, 0);
+        garbage.read(0, &mut before).unwrap();
+        assert_ne!(
+            before, expected,
+            "rank {rank}: the check must be able to fail"
+        );
+        assert!(
+            got == expected,
+            "rank {rank}: D's blocks do not hold P's KV"
+        );
+    }
+    p.shutdown();
+    d.shutdown();
+}
