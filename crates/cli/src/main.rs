@@ -1,5 +1,7 @@
 //! `handoff`: the one binary. It only parses flags and wires the crates together.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod demo;
 mod engine_cmd;

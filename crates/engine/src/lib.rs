@@ -3,6 +3,8 @@
 //! anchored to real hardware, and an OpenAI-compatible API with vLLM's `kv_transfer_params`.
 //! It exists so that the whole system runs, and is tested, without GPUs or model weights.
 
+#![forbid(unsafe_code)]
+
 mod api;
 pub mod config;
 mod kv;

@@ -18,6 +18,8 @@
 //! - rules 5 and 6 (everything ends in bounded time): the deadlines armed in [`timer`].
 //! - rule 7 (bounded memory, idempotent messages): [`staging`], epochs, and the duplicate checks.
 
+#![forbid(unsafe_code)]
+
 mod consumer;
 mod heartbeat;
 mod producer;

@@ -11,6 +11,8 @@
 //!   anchor a grant at the moment it *sent* the question; that keeps every grant conservative no
 //!   matter how long the reply was delayed, duplicated or reordered.
 
+#![forbid(unsafe_code)]
+
 mod batch;
 mod codec;
 mod ids;

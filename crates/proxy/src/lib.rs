@@ -141,6 +141,8 @@
 //! D are healthy, else 503; `GET /metrics` is Prometheus/OpenMetrics text: requests by outcome,
 //! in-flight and health per instance, releases sent by result, how relayed streams ended.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod health;
 mod metrics;

@@ -10,6 +10,9 @@
 //! The trait is synchronous and non-blocking apart from [`Transport::post`], which may copy on
 //! the caller's thread (NIXL's CMA path does): async callers post from a blocking thread.
 
+// `unsafe` is refused everywhere in handoff but the NIXL binding, which allows it for itself.
+#![deny(unsafe_code)]
+
 pub mod conformance;
 pub mod faulty;
 pub mod mem;

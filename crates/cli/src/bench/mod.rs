@@ -1,6 +1,7 @@
 //! `handoff bench ...`: each benchmark prints what it ran with, a table, and (with `--json`) one
 //! JSON object on the last line.
 
+mod connector;
 mod ledger;
 mod transfer;
 mod ttft;
@@ -16,6 +17,16 @@ pub enum BenchCommand {
         json: bool,
         /// Handoffs in flight to measure at (comma separated).
         #[arg(long, value_delimiter = ',', default_values_t = vec![1_000usize, 10_000, 100_000])]
+        sizes: Vec<usize>,
+    },
+    /// Cost of carrying one request through a P and a D connector core, and of an idle
+    /// timeout, with 1k and 100k other handoffs in flight.
+    Connector {
+        /// Print the report as one JSON object on the last line.
+        #[arg(long)]
+        json: bool,
+        /// Handoffs in flight to measure at (comma separated).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1_000usize, 100_000])]
         sizes: Vec<usize>,
     },
     /// tcp and nixl throughput (READ and WRITE, scattered 4 KiB / 64 KiB / 1 MiB blocks and a
@@ -36,6 +47,7 @@ pub enum BenchCommand {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Ledger { json, sizes } => ledger::run(&sizes, json),
+        BenchCommand::Connector { json, sizes } => connector::run(&sizes, json),
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::TransferPeer(args) => transfer::peer(args),
         BenchCommand::Ttft { json } => ttft::run(json),

@@ -60,6 +60,7 @@
 //!   default) makes each agent's progress thread busy-spin on a core, which halves throughput on
 //!   a 2-core host.
 
+#![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod agent;
