@@ -68,6 +68,10 @@ pub struct EngineConfig {
     pub read_timeout_ms: u64,
     pub read_grace_ms: u64,
     pub wait_deadline_ms: u64,
+    /// Ended handoffs each ledger remembers (so a late message is known as late), at most this
+    /// many and for at most `tombstone_ttl_ms`: the bound on the memory ended requests leave.
+    pub tombstone_capacity: usize,
+    pub tombstone_ttl_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -108,6 +112,8 @@ impl Default for EngineConfig {
             read_timeout_ms: 5_000,
             read_grace_ms: 300,
             wait_deadline_ms: 30_000,
+            tombstone_capacity: 65_536,
+            tombstone_ttl_ms: 300_000,
         }
     }
 }
@@ -335,6 +341,15 @@ impl EngineConfig {
         if self.wait_deadline_ms == 0 {
             return Err(bad("wait_deadline_ms", "must be at least 1"));
         }
+        if self.tombstone_capacity == 0 {
+            return Err(bad("tombstone_capacity", "must be at least 1"));
+        }
+        if self.tombstone_ttl_ms < self.hard_cap_ms {
+            return Err(bad(
+                "tombstone_ttl_ms",
+                "must be at least hard_cap_ms: a message may come as late as a handoff may live",
+            ));
+        }
         Ok(())
     }
 
@@ -388,6 +403,8 @@ impl EngineConfig {
             fence_grace: Duration::from_millis(self.fence_grace_ms),
             hard_cap: Duration::from_millis(self.hard_cap_ms),
             heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
+            tombstone_capacity: self.tombstone_capacity,
+            tombstone_ttl: Duration::from_millis(self.tombstone_ttl_ms),
             ..ProducerConfig::default()
         }
     }
@@ -404,6 +421,8 @@ impl EngineConfig {
             } else {
                 FailurePolicy::Recompute
             },
+            tombstone_capacity: self.tombstone_capacity,
+            tombstone_ttl: Duration::from_millis(self.tombstone_ttl_ms),
             ..ConsumerConfig::default()
         }
     }

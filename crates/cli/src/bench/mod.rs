@@ -3,6 +3,7 @@
 
 mod connector;
 mod ledger;
+mod soak;
 mod transfer;
 mod ttft;
 
@@ -29,6 +30,9 @@ pub enum BenchCommand {
         #[arg(long, value_delimiter = ',', default_values_t = vec![1_000usize, 100_000])]
         sizes: Vec<usize>,
     },
+    /// Memory soak: many short requests through the proxy (a share abandoned mid-stream) into
+    /// a P and a D engine, and their RSS growth per 1,000 requests once every bound filled.
+    Soak(soak::SoakArgs),
     /// tcp and nixl throughput (READ and WRITE, scattered 4 KiB / 64 KiB / 1 MiB blocks and a
     /// real model's blocks, two processes) against raw TCP, raw NIXL and memcpy.
     Transfer(transfer::TransferArgs),
@@ -48,6 +52,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Ledger { json, sizes } => ledger::run(&sizes, json),
         BenchCommand::Connector { json, sizes } => connector::run(&sizes, json),
+        BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::TransferPeer(args) => transfer::peer(args),
         BenchCommand::Ttft { json } => ttft::run(json),

@@ -14,6 +14,8 @@
 
 mod peers;
 mod side;
+#[cfg(test)]
+mod tests;
 mod transfers;
 
 use handoff_ledger::{

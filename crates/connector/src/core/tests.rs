@@ -1,0 +1,235 @@
+//! Unit tests of the core on a simulated clock: each drives one `ConnectorCore` through the
+//! inputs of a case and checks what it asks its executor to do.
+
+use std::time::Duration;
+
+use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_proto::{
+    Heartbeat, HeartbeatEntry, Hello, HelloReply, KvTransferParams, Message, ReleaseReason,
+    TransferMode,
+};
+
+use super::*;
+use crate::step::WorkerHello;
+
+fn spec() -> KvSpec {
+    KvSpec {
+        shape: ModelShape {
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype_size: 2,
+        },
+        tp: 1,
+        block_size: 16,
+        block_layout: BlockLayout::HeadMajor,
+    }
+}
+
+fn core(engine: &str, role: Role) -> ConnectorCore {
+    ConnectorCore::new(
+        CoreConfig {
+            engine_id: engine.into(),
+            role,
+            mode: TransferMode::Pull,
+            model: "m".into(),
+            dtype: "bf16".into(),
+            advertise_host: "127.0.0.1".into(),
+            side_channel_port: 7000,
+            producer: Default::default(),
+            consumer: Default::default(),
+        },
+        vec![WorkerHello {
+            rank: 0,
+            layout: RankLayout::cross_layer(spec(), 0, 64, 0).unwrap(),
+            agent: format!("{engine}-r0"),
+            metadata: vec![1, 2, 3],
+        }],
+    )
+    .unwrap()
+}
+
+fn t(ms: u64) -> Time {
+    Duration::from_millis(ms)
+}
+
+fn hello_of(c: &ConnectorCore) -> Hello {
+    c.hello.clone()
+}
+
+/// P's params for a handoff it created.
+fn params(p: &mut ConnectorCore, n: u8) -> KvTransferParams {
+    let mut id = [0u8; 16];
+    id[0] = n;
+    id[15] = 0xa5;
+    p.on_prefill_finished("r", HandoffId::from_bytes(id), vec![1, 2], 32, t(0))
+        .unwrap()
+}
+
+/// A D core connected to P on `conn` (what an executor would do with D's connect).
+fn connected_d(p: &mut ConnectorCore, prm: &KvTransferParams, conn: ConnId) -> ConnectorCore {
+    let mut d = core("d", Role::Decode);
+    d.on_request_arrived(1, prm, 32, t(1)).unwrap();
+    let r = d.ready();
+    assert_eq!(r.connects.len(), 1, "D dials P once");
+    let hello = r.connects[0].hello.clone();
+    let attempt = r.connects[0].attempt;
+    d.advance(r);
+    p.handle_accepted(100, hello, t(1));
+    let rp = p.ready();
+    let reply = rp.messages[0].1.clone();
+    p.advance(rp);
+    d.handle_connected("p", attempt, conn, reply, t(2));
+    d
+}
+
+#[test]
+fn only_the_latest_connect_attempts_failure_fails_the_peer() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let mut d = core("d", Role::Decode);
+    d.on_request_arrived(1, &prm, 32, t(0)).unwrap();
+    let first = d.ready().connects[0].attempt;
+    // The attempt fails: the request is recomputed with the reason.
+    d.handle_connect_failed("p", first, "refused".into(), t(10));
+    let r = d.ready();
+    assert!(
+        r.events.iter().any(
+            |e| matches!(e, ConnectorEvent::Recompute { requests, reason }
+            if requests == &vec![1] && reason.contains("refused"))
+        ),
+        "{:?}",
+        r.events
+    );
+    // A new request retries P; the first attempt's failure, arriving again late, is stale.
+    d.on_request_arrived(2, &params(&mut p, 2), 32, t(20))
+        .unwrap();
+    let second = d.ready().connects[0].attempt;
+    assert_ne!(first, second);
+    d.handle_connect_failed("p", first, "timed out".into(), t(30));
+    assert!(d.ready().events.is_empty(), "a stale failure fails nothing");
+    // The latest attempt's own failure does.
+    d.handle_connect_failed("p", second, "unreachable".into(), t(40));
+    let r = d.ready();
+    assert!(r.events.iter().any(
+        |e| matches!(e, ConnectorEvent::Recompute { requests, reason }
+        if requests == &vec![2] && reason.contains("unreachable"))
+    ));
+}
+
+#[test]
+fn a_connection_without_a_handshake_is_refused_and_reaches_no_ledger() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let h = prm.handoff_id.unwrap();
+    p.ready();
+    // Heartbeats without a hello: no grant, no reader, the connection closed.
+    let hb = Message::Heartbeat(Heartbeat {
+        seq: 1,
+        entries: vec![HeartbeatEntry {
+            handoff: h,
+            epoch: Epoch::FIRST,
+        }],
+    });
+    p.handle_accepted(7, hb.clone(), t(1));
+    let r = p.ready();
+    assert!(r.messages.is_empty(), "no reply to an anonymous heartbeat");
+    assert_eq!(r.closes, vec![7]);
+    assert!(r.observations.contains(&Observation::AnonymousRefused));
+    assert_eq!(p.producer_stats().unwrap().1.heartbeats_received, 0);
+    // Nor can one release: the blocks stay.
+    let rel = Message::Release(handoff_proto::Release {
+        handoff: h,
+        epoch: Epoch::FIRST,
+        reason: ReleaseReason::Aborted,
+    });
+    p.handle_accepted(8, rel, t(2));
+    assert!(p.ready().events.is_empty());
+    assert_eq!(p.held_blocks().0, 2);
+}
+
+#[test]
+fn a_peer_cannot_take_over_another_engines_agent_name() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let _d = connected_d(&mut p, &prm, 5);
+    // A second engine announces D's agent name as its own.
+    let mut impostor = hello_of(&core("x", Role::Decode));
+    impostor.agent_metadata =
+        postcard::to_allocvec(&vec![("d-r0".to_string(), vec![9u8])]).unwrap();
+    p.handle_accepted(101, Message::Hello(impostor), t(3));
+    let r = p.ready();
+    assert!(
+        matches!(&r.messages[..], [(101, Message::HelloReply(HelloReply::Refused { reason }))] if reason.contains("another engine")),
+        "{:?}",
+        r.messages
+    );
+    assert_eq!(r.closes, vec![101]);
+    // D keeps its name: its notifications still count as D's.
+    assert_eq!(p.peers.by_agent("d-r0"), p.peers.by_engine("d"));
+}
+
+#[test]
+fn a_reply_from_another_engine_than_dialled_is_refused() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let mut d = core("d", Role::Decode);
+    d.on_request_arrived(1, &prm, 32, t(0)).unwrap();
+    let attempt = d.ready().connects[0].attempt;
+    let other = hello_of(&core("q", Role::Prefill));
+    d.handle_connected(
+        "p",
+        attempt,
+        9,
+        Message::HelloReply(HelloReply::Accepted(other)),
+        t(1),
+    );
+    let r = d.ready();
+    assert_eq!(r.closes, vec![9]);
+    assert!(r.events.iter().any(
+        |e| matches!(e, ConnectorEvent::Recompute { reason, .. } if reason.contains("answered as"))
+    ));
+}
+
+#[test]
+fn a_reject_tells_p_only_when_d_does_not_track_the_handoff() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let mut d = connected_d(&mut p, &prm, 5);
+    d.ready();
+    // The same handoff arrives again (a retried request) and is refused: D still tracks it
+    // for request 1, so P must not be told to release.
+    d.reject(&prm, t(5)).unwrap();
+    let r = d.ready();
+    assert!(
+        !r.messages
+            .iter()
+            .any(|(_, m)| matches!(m, Message::Release(_))),
+        "{:?}",
+        r.messages
+    );
+    assert!(r
+        .observations
+        .contains(&Observation::RejectOfTrackedHandoff));
+    // A handoff D does not track: P is told at once.
+    let other = params(&mut p, 2);
+    d.reject(&other, t(6)).unwrap();
+    let r = d.ready();
+    assert!(r.messages.iter().any(|(c, m)| *c == 5
+        && matches!(m, Message::Release(rel) if Some(rel.handoff) == other.handoff_id)));
+}
+
+#[test]
+fn ended_requests_leave_nothing_behind() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let mut d = connected_d(&mut p, &prm, 5);
+    // Siblings arrive and all leave before admission: the handoff ends, nothing stays tracked.
+    d.on_request_arrived(2, &prm, 32, t(3)).unwrap();
+    d.on_request_ended(1, ReleaseReason::Aborted, t(4));
+    d.on_request_ended(2, ReleaseReason::Aborted, t(4));
+    let m = d.memory();
+    assert_eq!(m.consumer.handoffs, 0, "{m:?}");
+    assert_eq!((m.reads, m.pushes, m.jobs), (0, 0, 0));
+    assert!(d.on_blocks_allocated(1, vec![3], t(5)).is_err());
+}
