@@ -139,6 +139,10 @@ struct Report {
     requests_failed: usize,
     requests_disconnected: usize,
     failed_reasons: BTreeMap<String, usize>,
+    /// Requests D served from a local prefill because their KV transfer failed, and why: a
+    /// fallback is never silent.
+    requests_recomputed: f64,
+    requests_recomputed_reasons: BTreeMap<String, f64>,
     ttft_p50_ms: f64,
     ttft_p99_ms: f64,
     e2e_p50_ms: f64,
@@ -606,6 +610,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     // Pull: D posts the READs; push: P posts the WRITEs. Each side counts what it posted.
     let dm = format!("{dm}\n{pm}");
     for m in [&dm, &d2_metrics] {
+        for (reason, n) in metric_by_label(m, "handoff_requests_failed_total", "reason") {
+            *report
+                .requests_recomputed_reasons
+                .entry(reason)
+                .or_default() += n;
+            report.requests_recomputed += n;
+        }
         report.kv_bytes_moved += metric(m, "handoff_transfer_bytes_total");
         report.descriptors += metric(m, "handoff_transfer_descriptors_sum");
     }
@@ -664,6 +675,13 @@ fn print_report(r: &Report) {
     );
     for (reason, n) in &r.failed_reasons {
         println!("    failed: {n} × {reason}");
+    }
+    println!(
+        "  recomputed on D because a transfer failed: {}",
+        r.requests_recomputed
+    );
+    for (reason, n) in &r.requests_recomputed_reasons {
+        println!("    recomputed: {n} × {reason}");
     }
     println!(
         "  TTFT p50 {:.1} ms, p99 {:.1} ms; end to end p50 {:.1} ms, p99 {:.1} ms",

@@ -14,8 +14,12 @@ pub struct EngineArgs {
     /// TOML file with any engine field (see README).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Address every listener binds (HTTP, side channel, tcp transport).
     #[arg(long)]
     pub host: Option<String>,
+    /// Address peers dial (default: --host; required when --host is 0.0.0.0 or ::).
+    #[arg(long)]
+    pub advertise_host: Option<String>,
     #[arg(long)]
     pub port: Option<u16>,
     #[arg(long)]
@@ -60,6 +64,7 @@ impl EngineArgs {
         };
         put("role", self.role.clone());
         put("host", self.host.clone());
+        put("advertise_host", self.advertise_host.clone());
         put("port", self.port.map(|x| x.to_string()));
         put("engine_id", self.engine_id.clone());
         put("num_blocks", self.num_blocks.map(|x| x.to_string()));

@@ -177,6 +177,7 @@ impl Connector {
             stop: stop.clone(),
             late_seen: 0,
             gauges_at: None,
+            fallbacks: FallbackLog::default(),
         };
         std::thread::Builder::new()
             .name(format!("handoff-exec-{}", cfg.engine_id))
@@ -405,6 +406,67 @@ struct Executor {
     stop: Arc<AtomicBool>,
     late_seen: u64,
     gauges_at: Option<Instant>,
+    fallbacks: FallbackLog,
+}
+
+/// Warns when requests fall back (recomputed or failed) because a transfer failed: at once the
+/// first time for a P engine and reason, then at most once per [`FallbackLog::EVERY`] with the
+/// count since, so a broken link is never silent and never a flood.
+#[derive(Default)]
+struct FallbackLog {
+    last: HashMap<(String, &'static str), (Instant, usize)>,
+}
+
+impl FallbackLog {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    /// Counts a fallback; returns the warning when one is due now (and logs it).
+    fn warn(
+        &mut self,
+        peer: &str,
+        reason: &'static str,
+        requests: usize,
+        recomputed: bool,
+    ) -> Option<String> {
+        self.warn_at(Instant::now(), peer, reason, requests, recomputed)
+    }
+
+    fn warn_at(
+        &mut self,
+        now: Instant,
+        peer: &str,
+        reason: &'static str,
+        requests: usize,
+        recomputed: bool,
+    ) -> Option<String> {
+        let what = if recomputed {
+            "recomputed locally"
+        } else {
+            "failed"
+        };
+        let msg = match self.last.get_mut(&(peer.to_string(), reason)) {
+            Some((at, since)) if now.duration_since(*at) < Self::EVERY => {
+                *since += requests;
+                return None;
+            }
+            Some((at, since)) => {
+                let msg = format!(
+                    "KV transfers from P {peer} keep failing ({reason}): {} more request(s) {what} in the last {} s",
+                    *since + requests,
+                    now.duration_since(*at).as_secs()
+                );
+                *at = now;
+                *since = 0;
+                msg
+            }
+            None => {
+                self.last.insert((peer.to_string(), reason), (now, 0));
+                format!("KV transfer from P {peer} failed ({reason}): {requests} request(s) {what}")
+            }
+        };
+        tracing::warn!("{msg}");
+        Some(msg)
+    }
 }
 
 impl Executor {
@@ -560,12 +622,13 @@ impl Executor {
         for ev in ready.events.drain(..) {
             let _ = self.events.send(ev);
         }
-        for o in ready.observations.drain(..) {
+        let observations: Vec<Observation> = ready.observations.drain(..).collect();
+        for o in observations {
             self.observe(o);
         }
     }
 
-    fn observe(&self, o: Observation) {
+    fn observe(&mut self, o: Observation) {
         let m = &self.metrics;
         match o {
             Observation::HeartbeatSent => {
@@ -601,10 +664,16 @@ impl Executor {
                     .inc();
                 m.lease_age_at_release.observe(held_for.as_secs_f64());
             }
-            Observation::RequestFailed { reason } => {
+            Observation::RequestFailed {
+                reason,
+                peer,
+                requests,
+                recomputed,
+            } => {
                 m.requests_failed
                     .get_or_create(&ReasonLabels { reason })
-                    .inc();
+                    .inc_by(requests as u64);
+                self.fallbacks.warn(&peer, reason, requests, recomputed);
             }
             Observation::Transfer {
                 bytes,
@@ -648,5 +717,56 @@ impl Executor {
         if self.core.consumer_stats().is_some() {
             set("decode", "waiting", self.core.held_blocks().1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fallbacks_are_said_at_once_then_summed_per_interval() {
+        let mut log = FallbackLog::default();
+        let t0 = Instant::now();
+        let first = log.warn_at(t0, "p at 10.0.0.1:7000", "peer_dead", 1, true);
+        assert!(first.is_some_and(|m| m.contains("10.0.0.1:7000") && m.contains("peer_dead")));
+        // Within the interval: counted, not said.
+        assert_eq!(
+            log.warn_at(
+                t0 + Duration::from_secs(1),
+                "p at 10.0.0.1:7000",
+                "peer_dead",
+                2,
+                true
+            ),
+            None
+        );
+        // Another reason or peer is said at once.
+        assert!(log
+            .warn_at(
+                t0 + Duration::from_secs(1),
+                "p at 10.0.0.1:7000",
+                "read_failed",
+                1,
+                true
+            )
+            .is_some());
+        assert!(log
+            .warn_at(t0 + Duration::from_secs(1), "q", "peer_dead", 1, false)
+            .is_some());
+        // After the interval: said with what was counted meanwhile.
+        let later = log.warn_at(
+            t0 + Duration::from_secs(11),
+            "p at 10.0.0.1:7000",
+            "peer_dead",
+            1,
+            true,
+        );
+        assert!(
+            later
+                .as_ref()
+                .is_some_and(|m| m.contains("3 more request(s)")),
+            "{later:?}"
+        );
     }
 }

@@ -15,11 +15,18 @@ use serde::{Deserialize, Serialize};
 pub struct EngineConfig {
     /// `prefill`, `decode` or `both` (monolithic; can also serve either side).
     pub role: String,
+    /// Address every listener of the engine binds (HTTP API, side channel, tcp transport).
     pub host: String,
+    /// Address peers dial to reach this engine (in `kv_transfer_params.remote_host` and the
+    /// transport's metadata). Empty: `host`. Required when `host` is unspecified (`0.0.0.0`,
+    /// `::`): nothing picks an address behind the user's back.
+    pub advertise_host: String,
     /// HTTP port (0: any free port).
     pub port: u16,
     /// Side-channel port for handoff's control messages (0: any free port).
     pub side_channel_port: u16,
+    /// First tcp transport data port; rank r listens on `data_port + r` (0: any free ports).
+    pub data_port: u16,
     /// Unique in the cluster (default: role + random suffix).
     pub engine_id: String,
     pub model: String,
@@ -79,8 +86,10 @@ impl Default for EngineConfig {
         EngineConfig {
             role: "both".into(),
             host: "127.0.0.1".into(),
+            advertise_host: String::new(),
             port: 8000,
             side_channel_port: 0,
+            data_port: 0,
             engine_id: String::new(),
             model: "handoff-synthetic-8b".into(),
             // Small enough that several engines fit a laptop; benchmarks state their own shape.
@@ -341,6 +350,31 @@ impl EngineConfig {
         if self.wait_deadline_ms == 0 {
             return Err(bad("wait_deadline_ms", "must be at least 1"));
         }
+        let ip = |h: &str| {
+            h.trim_matches(|c| c == '[' || c == ']')
+                .parse::<std::net::IpAddr>()
+        };
+        if self.host.is_empty() {
+            return Err(bad("host", "must name an address to bind"));
+        }
+        if ip(&self.host).is_ok_and(|a| a.is_unspecified()) && self.advertise_host.is_empty() {
+            return Err(bad(
+                "advertise_host",
+                format!(
+                    "must be set when host is {} (an unspecified address): peers need an address they can reach",
+                    self.host
+                ),
+            ));
+        }
+        if ip(&self.advertise_host).is_ok_and(|a| a.is_unspecified()) {
+            return Err(bad(
+                "advertise_host",
+                "must be an address peers can dial, not an unspecified one",
+            ));
+        }
+        if self.data_port != 0 && u32::from(self.data_port) + self.tp > 65_536 {
+            return Err(bad("data_port", "data_port + tp must stay below 65536"));
+        }
         if self.tombstone_capacity == 0 {
             return Err(bad("tombstone_capacity", "must be at least 1"));
         }
@@ -393,6 +427,15 @@ impl EngineConfig {
             }
         }
         Ok(Some(plan))
+    }
+
+    /// The address peers dial.
+    pub fn advertise(&self) -> &str {
+        if self.advertise_host.is_empty() {
+            &self.host
+        } else {
+            &self.advertise_host
+        }
     }
 
     pub fn producer(&self) -> ProducerConfig {

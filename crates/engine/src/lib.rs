@@ -20,7 +20,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::Context;
 use handoff_connector::{Connector, ConnectorConfig, RankMemory, Role};
 use handoff_transport::mem::{MemFabric, MemTransport};
-use handoff_transport::{open_backend, Transport};
+use handoff_transport::{open_backend_at, Endpoint, Transport};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
@@ -100,8 +100,18 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
         let mut transport: Arc<dyn Transport> = match cfg.transport.as_str() {
             "mem" => MemTransport::new(&mem_fabric(), &name)
                 .with_context(|| format!("cannot open the mem transport {name:?}"))?,
-            other => open_backend(other, &name)
-                .with_context(|| format!("cannot open the {other} transport"))?,
+            other => {
+                let port = match cfg.data_port {
+                    0 => 0,
+                    first => first + rank as u16,
+                };
+                let at = Endpoint {
+                    bind: SocketAddr::new(addr.ip(), port),
+                    advertise_host: cfg.advertise().to_string(),
+                };
+                open_backend_at(other, &name, &at)
+                    .with_context(|| format!("cannot open the {other} transport at {}", at.bind))?
+            }
         };
         if let Some(plan) = cfg.fault_plan()? {
             transport = handoff_transport::faulty::FaultyTransport::new(transport, plan);
@@ -120,7 +130,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             model: cfg.model.clone(),
             dtype: cfg.dtype.clone(),
             side_channel_bind: SocketAddr::new(addr.ip(), cfg.side_channel_port),
-            advertise_host: cfg.host.clone(),
+            advertise_host: cfg.advertise().to_string(),
             producer: cfg.producer(),
             consumer: cfg.consumer(),
         },
@@ -152,7 +162,14 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             })
             .await;
     });
-    tracing::info!(engine = %cfg.engine_id, role = %cfg.role, %addr, "engine listening");
+    tracing::info!(
+        engine = %cfg.engine_id,
+        role = %cfg.role,
+        %addr,
+        advertise = cfg.advertise(),
+        side_channel = %connector.as_ref().map(|c| c.side_channel_addr().to_string()).unwrap_or_default(),
+        "engine listening"
+    );
     Ok(RunningEngine {
         addr,
         engine_id: cfg.engine_id,

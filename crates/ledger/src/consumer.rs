@@ -183,12 +183,15 @@ pub enum Outcome {
         handoff: HandoffId,
         requests: Vec<RequestId>,
         reason: FailReason,
+        /// The P engine the KV was to come from.
+        peer: PeerId,
     },
     /// Fail with an explicit error (policy `Fail`).
     Failed {
         handoff: HandoffId,
         requests: Vec<RequestId>,
         reason: FailReason,
+        peer: PeerId,
     },
 }
 
@@ -1063,16 +1066,19 @@ impl ConsumerLedger {
             self.by_request.remove(r);
         }
         *self.stats.failed.entry(reason.as_str()).or_default() += 1;
+        let peer = h.info.peer;
         self.outcomes.push_back(match self.cfg.failure_policy {
             FailurePolicy::Recompute => Outcome::Recompute {
                 handoff: id,
                 requests,
                 reason,
+                peer,
             },
             FailurePolicy::Fail => Outcome::Failed {
                 handoff: id,
                 requests,
                 reason,
+                peer,
             },
         });
     }

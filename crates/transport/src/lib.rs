@@ -174,12 +174,41 @@ pub(crate) fn check_bounds(
     }
 }
 
-/// Opens a backend by name with its default settings (`mem` needs a fabric: use
-/// [`mem::MemTransport::new`]).
+/// Where a backend listens and the host its peers dial.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// tcp: the data listener (port 0: any free port).
+    pub bind: std::net::SocketAddr,
+    /// tcp: the host written into the metadata peers load.
+    pub advertise_host: String,
+}
+
+/// Opens a backend by name with its default settings, listening on loopback (`mem` needs a
+/// fabric: use [`mem::MemTransport::new`]).
 pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, TransportError> {
+    let tcp = tcp::TcpConfig::from_env();
+    let at = Endpoint {
+        advertise_host: tcp.bind.ip().to_string(),
+        bind: tcp.bind,
+    };
+    open_backend_at(kind, name, &at)
+}
+
+/// Opens a backend by name, listening at `at` (tcp). NIXL's UCX chooses its own interfaces and
+/// transports (`UCX_NET_DEVICES`, `UCX_TLS`): see the README.
+pub fn open_backend_at(
+    kind: &str,
+    name: &str,
+    at: &Endpoint,
+) -> Result<Arc<dyn Transport>, TransportError> {
     match kind {
         "tcp" => {
-            let t = tcp::TcpTransport::new(name, tcp::TcpConfig::from_env())?;
+            let cfg = tcp::TcpConfig {
+                bind: at.bind,
+                advertise_host: Some(at.advertise_host.clone()),
+                ..tcp::TcpConfig::from_env()
+            };
+            let t = tcp::TcpTransport::new(name, cfg)?;
             Ok(t as Arc<dyn Transport>)
         }
         "nixl" => {

@@ -81,8 +81,13 @@ pub enum Observation {
         reason: &'static str,
         held_for: Time,
     },
+    /// Requests whose KV transfer from P engine `peer` failed: recomputed locally (policy
+    /// `recompute`) or failed.
     RequestFailed {
         reason: &'static str,
+        peer: String,
+        requests: usize,
+        recomputed: bool,
     },
     Transfer {
         bytes: u64,
@@ -663,10 +668,16 @@ impl ConnectorCore {
                     blocks,
                 },
                 Outcome::Recompute {
-                    requests, reason, ..
+                    requests,
+                    reason,
+                    peer,
+                    ..
                 } => {
                     self.out.observations.push(Observation::RequestFailed {
                         reason: reason.as_str(),
+                        peer: self.peer_name(peer),
+                        requests: requests.len(),
+                        recomputed: true,
                     });
                     ConnectorEvent::Recompute {
                         requests: requests.iter().map(|r| r.0).collect(),
@@ -674,10 +685,16 @@ impl ConnectorCore {
                     }
                 }
                 Outcome::Failed {
-                    requests, reason, ..
+                    requests,
+                    reason,
+                    peer,
+                    ..
                 } => {
                     self.out.observations.push(Observation::RequestFailed {
                         reason: reason.as_str(),
+                        peer: self.peer_name(peer),
+                        requests: requests.len(),
+                        recomputed: false,
                     });
                     ConnectorEvent::Failed {
                         requests: requests.iter().map(|r| r.0).collect(),
@@ -688,6 +705,17 @@ impl ConnectorCore {
             self.out.events.push(ev);
         }
         any
+    }
+
+    /// A peer's engine id, with the address dialled when there is one (for logs).
+    fn peer_name(&self, peer: handoff_ledger::PeerId) -> String {
+        match self.peers.get(peer) {
+            Some(p) => match &p.addr {
+                Some(a) => format!("{} at {a}", p.engine),
+                None => p.engine.clone(),
+            },
+            None => format!("{peer:?}"),
+        }
     }
 
     /// Tells the producer again that every peer whose connection is gone is dead: a handoff

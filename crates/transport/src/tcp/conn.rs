@@ -652,10 +652,13 @@ pub(super) fn outbound(
     let peer = conn.peer.get().cloned().unwrap_or_default();
     match connect(&inner, &conn, &host, port, &peer) {
         Ok(tx) => writer_loop(inner, conn, jobs, tx),
-        Err(e) => inner.conn_lost(
-            &conn,
-            &format!("cannot reach {peer:?} at {host}:{port}: {e}"),
-        ),
+        Err(e) => {
+            // Said at once, with the address tried: a peer whose data port cannot be reached
+            // (a transport bound to the wrong address, a firewall) must not fail silently.
+            let why = format!("cannot reach {peer:?} at {host}:{port}: {e}");
+            tracing::warn!(agent = %inner.name, "{why}");
+            inner.conn_lost(&conn, &why)
+        }
     }
 }
 
