@@ -1,0 +1,524 @@
+//! A P/D cluster across hosts: every engine and the proxy in a network namespace of its own,
+//! with an address of its own on a bridge, as separate machines would be. Needs root and
+//! `ip` (iproute2): elsewhere each test skips with a one-line reason, and with
+//! `HANDOFF_REQUIRE_NETNS=1` (CI) a skip is a failure. Namespaces are created per test with
+//! names unique to the process and removed on drop, also when a test fails. HTTP requests are
+//! made from inside the proxy's namespace by this test binary itself (`netns_http_helper`),
+//! so nothing is sent from the host's own namespace.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+static NEXT_NET: AtomicU32 = AtomicU32::new(0);
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Whether this machine can run the suite; `None` with the reason when it cannot (a failure
+/// when `HANDOFF_REQUIRE_NETNS=1`).
+fn netns_available() -> bool {
+    let why = (|| {
+        let status = std::fs::read_to_string("/proc/self/status").map_err(|e| e.to_string())?;
+        let root = status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .is_some_and(|l| l.split_whitespace().nth(1) == Some("0"));
+        if !root {
+            return Err("not root".to_string());
+        }
+        let probe = format!("hoprobe{}", std::process::id());
+        ip(&["netns", "add", &probe])?;
+        ip(&["netns", "del", &probe])
+    })();
+    match why {
+        Ok(()) => true,
+        Err(reason) => {
+            if std::env::var("HANDOFF_REQUIRE_NETNS").as_deref() == Ok("1") {
+                panic!("network namespaces required (HANDOFF_REQUIRE_NETNS=1) but unavailable: {reason}");
+            }
+            eprintln!("skipping: network namespaces unavailable ({reason})");
+            false
+        }
+    }
+}
+
+/// Hosts on one bridge: node i is namespace `<prefix><name>` at 10.199.<net>.<i + 2>.
+struct Net {
+    prefix: String,
+    subnet: u32,
+    nodes: Vec<String>,
+}
+
+impl Net {
+    fn new(nodes: &[&str]) -> Net {
+        let n = NEXT_NET.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!("h{}{}", std::process::id() % 10_000, n);
+        let subnet = 100 + (std::process::id() % 100 + n * 7) % 150;
+        let mut net = Net {
+            prefix,
+            subnet,
+            nodes: Vec::new(),
+        };
+        let hub = net.hub();
+        ip(&["netns", "add", &hub]).expect("hub namespace");
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"]).expect("bridge");
+        ip(&["-n", &hub, "link", "set", "br0", "up"]).expect("bridge up");
+        for name in nodes {
+            net.add(name).expect("node");
+        }
+        net
+    }
+
+    fn hub(&self) -> String {
+        format!("{}hub", self.prefix)
+    }
+
+    fn ns(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    fn index(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n == name)
+            .expect("known node")
+    }
+
+    fn addr(&self, name: &str) -> String {
+        format!("10.199.{}.{}", self.subnet, self.index(name) + 2)
+    }
+
+    /// The hub's end of a node's link.
+    fn port(&self, name: &str) -> String {
+        format!("{}{}b", self.prefix, self.index(name))
+    }
+
+    fn add(&mut self, name: &str) -> Result<(), String> {
+        self.nodes.push(name.to_string());
+        let (ns, hub, i) = (self.ns(name), self.hub(), self.nodes.len() - 1);
+        let (a, b) = (format!("{}{i}a", self.prefix), self.port(name));
+        ip(&["netns", "add", &ns])?;
+        ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+        ip(&["link", "set", &a, "netns", &ns])?;
+        ip(&["link", "set", &b, "netns", &hub])?;
+        ip(&["-n", &ns, "link", "set", &a, "name", "eth0"])?;
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{}/24", self.addr(name)),
+            "dev",
+            "eth0",
+        ])?;
+        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", &hub, "link", "set", &b, "master", "br0"])?;
+        ip(&["-n", &hub, "link", "set", &b, "up"])
+    }
+
+    /// Partitions a node: its link goes down at the hub, so nothing it sends arrives and no FIN
+    /// or RST reaches anyone.
+    fn cut(&self, name: &str) {
+        ip(&["-n", &self.hub(), "link", "set", &self.port(name), "down"]).expect("cut");
+    }
+
+    fn heal(&self, name: &str) {
+        ip(&["-n", &self.hub(), "link", "set", &self.port(name), "up"]).expect("heal");
+    }
+
+    /// Starts the `handoff` binary with `args` inside a node; waits for its banner line and
+    /// returns the process and the URL it printed.
+    fn spawn(&self, name: &str, args: &[String]) -> Proc {
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.ns(name),
+                env!("CARGO_BIN_EXE_handoff"),
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn in namespace");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("banner");
+        let url = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        assert!(url.starts_with("http://"), "{name} said {line:?}");
+        Proc { child, url }
+    }
+
+    /// An HTTP request made from inside node `from` (this test binary, re-run there).
+    fn http(&self, from: &str, method: &str, url: &str, body: Value) -> (u16, Value) {
+        let exe = std::env::current_exe().expect("test binary");
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns(from)])
+            .arg(exe)
+            .args([
+                "--ignored",
+                "--exact",
+                "netns_http_helper",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(
+                "HANDOFF_NETNS_HTTP",
+                json!({"method": method, "url": url, "body": body}).to_string(),
+            )
+            .output()
+            .expect("http helper");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once("HTTP-RESULT ").map(|(_, r)| r))
+            .unwrap_or_else(|| panic!("http helper said nothing: {stdout}"));
+        let v: Value = serde_json::from_str(line).expect("helper json");
+        (v["status"].as_u64().unwrap_or(0) as u16, v["body"].clone())
+    }
+
+    fn metric(&self, from: &str, engine: &Proc, name: &str) -> f64 {
+        let (_, body) = self.http(from, "GET", &format!("{}/metrics", engine.url), Value::Null);
+        body.as_str()
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for name in self.nodes.clone() {
+            let _ = ip(&["netns", "del", &self.ns(&name)]);
+        }
+        let _ = ip(&["netns", "del", &self.hub()]);
+    }
+}
+
+struct Proc {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Not a test: the HTTP client `Net::http` runs inside a namespace.
+#[test]
+#[ignore = "helper run by the netns tests inside a namespace"]
+fn netns_http_helper() {
+    let Ok(req) = std::env::var("HANDOFF_NETNS_HTTP") else {
+        return;
+    };
+    let req: Value = serde_json::from_str(&req).expect("request");
+    let c = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client");
+    let url = req["url"].as_str().expect("url");
+    let r = match req["method"].as_str() {
+        Some("POST") => c.post(url).json(&req["body"]).send(),
+        _ => c.get(url).send(),
+    };
+    let out = match r {
+        Ok(r) => {
+            let status = r.status().as_u16();
+            let text = r.text().unwrap_or_default();
+            let body = serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text));
+            json!({"status": status, "body": body})
+        }
+        Err(e) => json!({"status": 0, "body": e.to_string()}),
+    };
+    println!("HTTP-RESULT {out}");
+}
+
+fn engine_args(net: &Net, node: &str, role: &str, mode: &str, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "engine",
+        "--role",
+        role,
+        "--host",
+        &net.addr(node),
+        "--port",
+        "8100",
+        "--engine-id",
+        node,
+        "--transport",
+        "tcp",
+        "--mode",
+        mode,
+        "--set",
+        "prefill_us_per_token=2",
+        "--set",
+        "decode_step_ms=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn proxy_args(net: &Net, mode: &str, decode: &[&Proc], prefill: &Proc) -> Vec<String> {
+    let mut a = vec![
+        "proxy".to_string(),
+        "--bind".into(),
+        format!("{}:8000", net.addr("proxy")),
+        "--mode".into(),
+        mode.into(),
+        "--prefill".into(),
+        prefill.url.clone(),
+    ];
+    for d in decode {
+        a.push("--decode".into());
+        a.push(d.url.clone());
+    }
+    a
+}
+
+fn prompt(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("w{}", (i * 7919 + seed * 104_729) % 5000))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn pull_and_push_across_namespaces_match_a_monolithic_engine() {
+    if !netns_available() {
+        return;
+    }
+    for mode in ["pull", "push"] {
+        let net = Net::new(&["p", "d", "proxy"]);
+        let p = net.spawn("p", &engine_args(&net, "p", "prefill", mode, &[]));
+        let d = net.spawn("d", &engine_args(&net, "d", "decode", mode, &[]));
+        // The reference output comes from a monolithic engine beside the proxy.
+        let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", mode, &[]));
+        let proxy = net.spawn("proxy", &proxy_args(&net, mode, &[&d], &p));
+        for i in 0..4 {
+            let text = prompt(i, 40 + 300 * i);
+            let req = json!({"prompt": text, "max_tokens": 6});
+            let (s, via) = net.http(
+                "proxy",
+                "POST",
+                &format!("{}/v1/completions", proxy.url),
+                req.clone(),
+            );
+            assert_eq!(s, 200, "{mode}: {via}");
+            let (s, mono_out) = net.http(
+                "proxy",
+                "POST",
+                &format!("{}/v1/completions", mono.url),
+                req,
+            );
+            assert_eq!(s, 200);
+            assert_eq!(
+                via["choices"][0]["text"], mono_out["choices"][0]["text"],
+                "{mode}: prompt {i}"
+            );
+        }
+        // The KV crossed the link: bytes moved, nothing recomputed.
+        let mover = if mode == "pull" { &d } else { &p };
+        assert!(
+            net.metric("proxy", mover, "handoff_transfer_bytes_total") > 0.0,
+            "{mode}: no KV moved"
+        );
+        assert_eq!(
+            net.metric("proxy", &d, "handoff_requests_failed_total"),
+            0.0,
+            "{mode}: recomputed"
+        );
+    }
+}
+
+/// D holds P's blocks (its request waits in D's queue, heartbeating P) when its link goes down:
+/// no FIN or RST reaches P. P's blocks come back once the last grant (heartbeat extension,
+/// 1.5 s) and the fence (1 s) passed — within 1.5 + 1 + one heartbeat interval (0.25) + 1 s of
+/// slack of the cut, and not before the extension. After the link heals, D serves again
+/// without a restart.
+#[test]
+fn a_partitioned_decode_engine_is_reclaimed_after_its_grant_and_fence() {
+    if !netns_available() {
+        return;
+    }
+    let net = Net::new(&["p", "d", "proxy"]);
+    let p = net.spawn(
+        "p",
+        &engine_args(
+            &net,
+            "p",
+            "prefill",
+            "pull",
+            &[
+                "--set",
+                "heartbeat_extension_ms=1500",
+                "--set",
+                "fence_grace_ms=1000",
+            ],
+        ),
+    );
+    // D's pool is small and a long request fills it, so the next one waits in D's queue.
+    let d = net.spawn(
+        "d",
+        &engine_args(
+            &net,
+            "d",
+            "decode",
+            "pull",
+            &[
+                "--num-blocks",
+                "40",
+                "--set",
+                "decode_step_ms=20",
+                "--set",
+                "wait_deadline_ms=8000",
+            ],
+        ),
+    );
+    let url = |e: &Proc| format!("{}/v1/completions", e.url);
+    let hog_body = json!({"prompt": prompt(1, 300), "max_tokens": 300});
+    let hog = {
+        let exe = std::env::current_exe().unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", &net.ns("proxy")])
+            .arg(exe)
+            .args(["--ignored", "--exact", "netns_http_helper", "--nocapture"])
+            .env(
+                "HANDOFF_NETNS_HTTP",
+                json!({"method": "POST", "url": url(&d), "body": hog_body}).to_string(),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let _hog = Proc {
+        child: hog,
+        url: String::new(),
+    };
+    let start = Instant::now();
+    while net.metric("proxy", &d, "engine_kv_blocks_used") == 0.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the hog never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The P leg, then D gets the request (it queues, and heartbeats P from now on).
+    let text = prompt(2, 200);
+    let (s, pr) = net.http(
+        "proxy",
+        "POST",
+        &url(&p),
+        json!({"prompt": text, "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+    );
+    assert_eq!(s, 200, "{pr}");
+    let waiting = {
+        let exe = std::env::current_exe().unwrap();
+        let body = json!({"prompt": text, "max_tokens": 4, "kv_transfer_params": pr["kv_transfer_params"]});
+        Command::new("ip")
+            .args(["netns", "exec", &net.ns("proxy")])
+            .arg(exe)
+            .args(["--ignored", "--exact", "netns_http_helper", "--nocapture"])
+            .env(
+                "HANDOFF_NETNS_HTTP",
+                json!({"method": "POST", "url": url(&d), "body": body}).to_string(),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let _waiting = Proc {
+        child: waiting,
+        url: String::new(),
+    };
+    // Wait until D claimed the handoff (P counts its heartbeats).
+    let start = Instant::now();
+    while net.metric("proxy", &p, "handoff_heartbeats_total") < 2.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "D never heartbeated P"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held = || net.metric("proxy", &p, "handoff_kv_blocks_held");
+    assert!(held() > 0.0, "P holds the handoff's blocks");
+    net.cut("d");
+    let cut = Instant::now();
+    while held() > 0.0 {
+        assert!(
+            cut.elapsed() < Duration::from_millis(1500 + 1000 + 250 + 1000),
+            "P still holds {} blocks {:?} after the cut",
+            held(),
+            cut.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reclaimed = cut.elapsed();
+    assert!(
+        reclaimed >= Duration::from_millis(1500 - 250),
+        "P freed after {reclaimed:?}: before D's last grant could have ended"
+    );
+    let ended = {
+        let (_, m) = net.http("proxy", "GET", &format!("{}/metrics", p.url), Value::Null);
+        m.as_str().unwrap_or_default().to_string()
+    };
+    assert!(
+        ended.contains("reason=\"expired\""),
+        "P's handoff ended by lease expiry:\n{ended}"
+    );
+    // The link heals: D serves again, without a restart, once the hog is gone.
+    net.heal("d");
+    drop(_hog);
+    let proxy = net.spawn("proxy", &proxy_args(&net, "pull", &[&d], &p));
+    let start = Instant::now();
+    loop {
+        let (s, body) = net.http(
+            "proxy",
+            "POST",
+            &format!("{}/v1/completions", proxy.url),
+            json!({"prompt": prompt(3, 50), "max_tokens": 4}),
+        );
+        if s == 200 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "D did not serve again after the link healed: {s} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("partition reclaim: {reclaimed:?} after the cut");
+}
