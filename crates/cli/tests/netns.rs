@@ -365,8 +365,10 @@ fn pull_and_push_across_namespaces_match_a_monolithic_engine() {
 
 /// D holds P's blocks (its request waits in D's queue, heartbeating P) when its link goes down:
 /// no FIN or RST reaches P. P's blocks come back once the last grant (heartbeat extension,
-/// 1.5 s) and the fence (1 s) passed — within 1.5 + 1 + one heartbeat interval (0.25) + 1 s of
-/// slack of the cut, and not before the extension. After the link heals, D serves again
+/// 1.5 s) and the fence (1 s) passed, or once P's transport found D silent for its dead-peer
+/// timeout (1.5 s; its connection is then closed, so no read of D can land any more) — within
+/// 1.5 + 1 + one heartbeat interval (0.25) + 1 s of slack of the cut, and not before the
+/// extension. After the link heals, D serves again
 /// without a restart.
 #[test]
 fn a_partitioned_decode_engine_is_reclaimed_after_its_grant_and_fence() {
@@ -495,9 +497,11 @@ fn a_partitioned_decode_engine_is_reclaimed_after_its_grant_and_fence() {
         let (_, m) = net.http("proxy", "GET", &format!("{}/metrics", p.url), Value::Null);
         m.as_str().unwrap_or_default().to_string()
     };
+    // Ended by the lease running out, or by P's transport finding D silent for its dead-peer
+    // timeout (1.5 s), whichever came first: both come after D's last grant could end.
     assert!(
-        ended.contains("reason=\"expired\""),
-        "P's handoff ended by lease expiry:\n{ended}"
+        ended.contains("reason=\"expired\"") || ended.contains("reason=\"peer_dead\""),
+        "P's handoff ended by lease expiry or a dead peer:\n{ended}"
     );
     // The link heals: D serves again, without a restart, once the hog is gone.
     net.heal("d");
@@ -521,4 +525,157 @@ fn a_partitioned_decode_engine_is_reclaimed_after_its_grant_and_fence() {
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!("partition reclaim: {reclaimed:?} after the cut");
+}
+
+impl Net {
+    /// Limits what `name` sends to `rate` (tbf; this kernel has no netem).
+    fn shape(&self, name: &str, rate: &str) {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.ns(name),
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+            ])
+            .args(["tbf", "rate", rate, "burst", "64kb", "latency", "500ms"])
+            .output()
+            .expect("tc");
+        assert!(
+            out.status.success(),
+            "tc: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn complete(net: &Net, url: &str, text: &str, max_tokens: u32) -> (u16, Value) {
+    net.http(
+        "proxy",
+        "POST",
+        &format!("{url}/v1/completions"),
+        json!({"prompt": text, "max_tokens": max_tokens}),
+    )
+}
+
+/// P's link limited to 100 Mbit/s: a 4,096-token prompt (16 MiB of KV) takes over a second to
+/// cross, several heartbeat intervals (250 ms): the read is renewed while it runs, completes,
+/// and the output is the monolithic engine's.
+#[test]
+fn a_slow_link_moves_a_long_prompt_over_several_heartbeats() {
+    if !netns_available() {
+        return;
+    }
+    let net = Net::new(&["p", "d", "proxy"]);
+    let big = ["--num-blocks", "1024", "--set", "max_model_len=8192"];
+    let p = net.spawn("p", &engine_args(&net, "p", "prefill", "pull", &big));
+    let d = net.spawn("d", &engine_args(&net, "d", "decode", "pull", &big));
+    let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", "pull", &big));
+    let proxy = net.spawn("proxy", &proxy_args(&net, "pull", &[&d], &p));
+    net.shape("p", "100mbit");
+    let text = prompt(5, 4096);
+    let started = Instant::now();
+    let (s, via) = complete(&net, &proxy.url, &text, 4);
+    let took = started.elapsed();
+    assert_eq!(s, 200, "{via}");
+    let (_, m) = complete(&net, &mono.url, &text, 4);
+    assert_eq!(via["choices"][0]["text"], m["choices"][0]["text"]);
+    assert_eq!(
+        net.metric("proxy", &d, "handoff_requests_failed_total"),
+        0.0
+    );
+    let secs = net.metric("proxy", &d, "handoff_transfer_duration_seconds_sum");
+    assert!(
+        secs > 0.5,
+        "the transfer took {secs} s ({took:?} in all): the link was not the bottleneck"
+    );
+}
+
+/// D stops (SIGSTOP) in the middle of a read that a slow link stretches, for longer than P's
+/// transport waits for a silent peer (1.5 s), then continues. P declares D dead and takes its
+/// blocks back at once; the read D resumes cannot count (its connection is gone, or it lands
+/// after its grant + grace: rule 4), so D recomputes: the output is still the monolithic
+/// engine's, no block stays held on either side, and D serves again.
+#[test]
+fn a_decode_engine_stopped_mid_read_costs_no_byte_and_no_block() {
+    if !netns_available() {
+        return;
+    }
+    let net = Net::new(&["p", "d", "proxy"]);
+    let big = ["--num-blocks", "1024", "--set", "max_model_len=8192"];
+    let p = net.spawn("p", &engine_args(&net, "p", "prefill", "pull", &big));
+    let d = net.spawn("d", &engine_args(&net, "d", "decode", "pull", &big));
+    let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", "pull", &big));
+    let proxy = net.spawn("proxy", &proxy_args(&net, "pull", &[&d], &p));
+    net.shape("p", "20mbit");
+    let text = prompt(6, 4096);
+    let body = json!({"prompt": text, "max_tokens": 4});
+    let exe = std::env::current_exe().unwrap();
+    let req = Command::new("ip")
+        .args(["netns", "exec", &net.ns("proxy")])
+        .arg(exe)
+        .args(["--ignored", "--exact", "netns_http_helper", "--nocapture"])
+        .env(
+            "HANDOFF_NETNS_HTTP",
+            json!({"method": "POST", "url": format!("{}/v1/completions", proxy.url), "body": body})
+                .to_string(),
+        )
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once D is reading (P holds the blocks and D has heartbeated), stop it.
+    let start = Instant::now();
+    while net.metric("proxy", &p, "handoff_kv_blocks_held") == 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "no handoff on P");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = d.child.id().to_string();
+    // `ip netns exec` execs the engine in place: the child's pid is the engine's.
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(Duration::from_millis(3000));
+    let held_while_stopped = net.metric("proxy", &p, "handoff_kv_blocks_held");
+    assert!(Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    assert_eq!(
+        held_while_stopped, 0.0,
+        "P still held D's blocks 3 s into the stop"
+    );
+    let out = req.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("HTTP-RESULT ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("no result: {stdout}"));
+    let via: Value = serde_json::from_str(line).unwrap();
+    let (_, m) = complete(&net, &mono.url, &text, 4);
+    assert_eq!(via["status"], 200, "{via}");
+    assert_eq!(
+        via["body"]["choices"][0]["text"], m["choices"][0]["text"],
+        "a byte went wrong"
+    );
+    // Nothing stays held; D serves again.
+    let start = Instant::now();
+    while net.metric("proxy", &d, "handoff_kv_blocks_held") > 0.0
+        || net.metric("proxy", &p, "handoff_kv_blocks_held") > 0.0
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "blocks still held"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (s, again) = complete(&net, &proxy.url, &prompt(7, 30), 4);
+    assert_eq!(s, 200, "{again}");
 }
