@@ -21,6 +21,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::{Mutex, Semaphore};
 
+use crate::netns::Net;
+
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
     /// Print the report as one JSON object on the last line.
@@ -56,7 +58,18 @@ pub struct DemoArgs {
     /// pull (D reads P's blocks) or push (P writes into blocks D reserved, layer by layer).
     #[arg(long, default_value = "pull")]
     pub mode: String,
+    /// Every engine in a network namespace of its own, with its own address, as separate hosts
+    /// (root only); one decode engine is partitioned mid-run (its link cut: no FIN, no RST)
+    /// instead of killed, and healed once P took its blocks back.
+    #[arg(long)]
+    pub netns: bool,
+    /// Set by `--netns` when it runs the demo inside the namespaces it made: `PREFIX:SUBNET`.
+    #[arg(long, hide = true)]
+    pub netns_inside: Option<String>,
 }
+
+/// The hosts of `demo --netns`; the demo itself (load and proxy) runs on `client`.
+const NETNS_NODES: [&str; 5] = ["prefill-0", "decode-1", "decode-2", "mono", "client"];
 
 /// A child engine, killed when dropped.
 pub(crate) struct Engine {
@@ -73,9 +86,31 @@ impl Drop for Engine {
 }
 
 pub(crate) fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
+    spawn_engine_on(None, id, role, extra)
+}
+
+/// Starts an engine on loopback, or on node `id` of `net` at that node's address.
+fn spawn_engine_on(
+    net: Option<&Net>,
+    id: &str,
+    role: &str,
+    extra: &[String],
+) -> anyhow::Result<Engine> {
     let exe = std::env::current_exe().context("cannot find the handoff binary")?;
-    let mut child = Command::new(exe)
-        .args(["engine", "--role", role, "--port", "0", "--engine-id", id])
+    let mut cmd = match net {
+        Some(net) => {
+            let mut c = net.exec(id);
+            c.arg(exe).args(["engine", "--host", &net.addr(id)]);
+            c
+        }
+        None => {
+            let mut c = Command::new(exe);
+            c.arg("engine");
+            c
+        }
+    };
+    let mut child = cmd
+        .args(["--role", role, "--port", "0", "--engine-id", id])
         .args(extra)
         .env(
             "RUST_LOG",
@@ -156,6 +191,11 @@ struct Report {
     killed_engine: Option<String>,
     blocks_held_by_killed_engine_at_kill: usize,
     reclaim_after_kill_s: Option<f64>,
+    /// `--netns`: the decode engine whose link was cut instead of killed, and the seconds from
+    /// the cut to P holding none of its blocks.
+    partitioned_engine: Option<String>,
+    reclaim_after_partition_s: Option<f64>,
+    netns: bool,
     leaked_blocks: usize,
     outputs_compared: usize,
     output_mismatches: usize,
@@ -337,6 +377,9 @@ async fn monolithic_texts(
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.netns && args.netns_inside.is_none() {
+        return run_in_namespaces();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -352,6 +395,37 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             report.leaked_blocks,
             report.output_mismatches
         );
+    }
+    Ok(())
+}
+
+/// `demo --netns`: makes the hosts, runs this same demo inside them (on `client`), removes
+/// them (also when the demo fails), and exits as the demo did.
+fn run_in_namespaces() -> anyhow::Result<()> {
+    if let Some(why) = crate::netns::unavailable() {
+        bail!("handoff demo --netns needs network namespaces (root and iproute2): {why}");
+    }
+    let net = Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;
+    eprintln!(
+        "network namespaces {}*: {}",
+        net.prefix,
+        NETNS_NODES
+            .iter()
+            .map(|n| format!("{n} {}", net.addr(n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let exe = std::env::current_exe().context("cannot find the handoff binary")?;
+    let status = net
+        .exec("client")
+        .arg(exe)
+        .args(std::env::args().skip(1))
+        .args(["--netns-inside", &format!("{}:{}", net.prefix, net.subnet)])
+        .status()
+        .context("cannot run the demo inside the namespaces")?;
+    drop(net);
+    if !status.success() {
+        bail!("the demo inside the namespaces failed ({status})");
     }
     Ok(())
 }
@@ -375,6 +449,19 @@ fn pool_layout(args: &DemoArgs) -> anyhow::Result<String> {
 
 async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let wall = Instant::now();
+    let net = match &args.netns_inside {
+        Some(at) => {
+            let (prefix, subnet) = at
+                .split_once(':')
+                .and_then(|(p, s)| Some((p, s.parse().ok()?)))
+                .context("--netns-inside PREFIX:SUBNET")?;
+            Some(Net::attach(prefix, subnet, &NETNS_NODES))
+        }
+        None => None,
+    };
+    let net = net.as_ref();
+    let spawn_engine =
+        |id: &str, role: &str, extra: &[String]| spawn_engine_on(net, id, role, extra);
     let pool = pool_layout(&args)?;
     let common = |tp: u32, bs: u32| -> Vec<String> {
         vec![
@@ -416,8 +503,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         mono_args[i + 1] = "pull".into();
     }
     let mono = spawn_engine("mono", "both", &mono_args)?;
+    let bind = match net {
+        Some(net) => format!("{}:0", net.addr("client")),
+        None => "127.0.0.1:0".into(),
+    };
     let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
-        bind: "127.0.0.1:0".parse()?,
+        bind: bind.parse()?,
         prefill: vec![p.url.clone()],
         decode: vec![d1.url.clone(), d2.url.clone()],
         mode: match args.mode.as_str() {
@@ -475,6 +566,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let mut d2 = Some(d2);
     let mut d2_metrics = String::new();
     let mut kill_check = None;
+    let mut partitioned: Option<Engine> = None;
     for job in jobs {
         if job.idx == kill_at {
             if let Some(mut e) = d2.take() {
@@ -500,28 +592,49 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
                 report.blocks_held_by_killed_engine_at_kill =
                     held["prefill_blocks_held_for"][&e.id].as_u64().unwrap_or(0) as usize;
                 d2_metrics = get_text(&client, &format!("{}/metrics", e.url)).await;
-                bar.set_message(format!("killing {} with SIGKILL", e.id));
-                let _ = e.child.kill();
-                let killed = Instant::now();
-                report.killed_engine = Some(e.id.clone());
                 let (client, purl, id) = (client.clone(), p.url.clone(), e.id.clone());
-                // Time until P no longer holds a single block for the dead engine.
+                let cut_or_kill = Instant::now();
+                match net {
+                    // Across hosts: the link goes down, nothing tells P; it learns from silence.
+                    Some(net) => {
+                        bar.set_message(format!("partitioning {}: its link is cut", e.id));
+                        net.cut(&e.id).map_err(anyhow::Error::msg)?;
+                        report.partitioned_engine = Some(e.id.clone());
+                    }
+                    None => {
+                        bar.set_message(format!("killing {} with SIGKILL", e.id));
+                        let _ = e.child.kill();
+                        report.killed_engine = Some(e.id.clone());
+                    }
+                }
+                let heal = net.map(|n| Net::attach(&n.prefix, n.subnet, &NETNS_NODES));
+                // Time until P no longer holds a single block for that engine; a partitioned
+                // one's link heals then.
                 kill_check = Some(tokio::spawn(async move {
+                    let mut took = None;
                     loop {
                         let v: Value = match client.get(format!("{purl}/health")).send().await {
                             Ok(r) => r.json().await.unwrap_or_default(),
                             Err(_) => Value::Null,
                         };
                         if v["prefill_blocks_held_for"][&id].as_u64().unwrap_or(0) == 0 {
-                            return Some(killed.elapsed().as_secs_f64());
+                            took = Some(cut_or_kill.elapsed().as_secs_f64());
+                            break;
                         }
-                        if killed.elapsed() > Duration::from_secs(60) {
-                            return None;
+                        if cut_or_kill.elapsed() > Duration::from_secs(60) {
+                            break;
                         }
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
+                    if let Some(net) = heal {
+                        let _ = net.heal(&id);
+                    }
+                    took
                 }));
-                drop(e);
+                // A killed engine goes now; a partitioned one lives on and must end whole.
+                if net.is_some() {
+                    partitioned = Some(e);
+                }
             }
         }
         let permit = sem.clone().acquire_owned().await?;
@@ -539,15 +652,22 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     }
     bar.finish_with_message("workload done");
     if let Some(k) = kill_check {
-        report.reclaim_after_kill_s = k.await.ok().flatten();
+        let took = k.await.ok().flatten();
+        if report.partitioned_engine.is_some() {
+            report.reclaim_after_partition_s = took;
+        } else {
+            report.reclaim_after_kill_s = took;
+        }
     }
 
     // Let in-flight releases land, then look for blocks still out of the pools.
     let settle = Instant::now();
-    let engines = [&p, &d1];
+    // A partitioned engine is back (healed) and must be whole too.
+    let mut engines = vec![&p, &d1];
+    engines.extend(partitioned.as_ref());
     loop {
         let mut held = 0usize;
-        for e in engines {
+        for e in &engines {
             let m = get_text(&client, &format!("{}/metrics", e.url)).await;
             held += metric(&m, "handoff_kv_blocks_held") as usize
                 + metric(&m, "engine_kv_blocks_used") as usize;
@@ -607,6 +727,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let pm = get_text(&client, &format!("{}/metrics", p.url)).await;
     report.handoffs_ended = metric_by_label(&pm, "handoff_handoffs_ended_total", "reason");
     let dm = get_text(&client, &format!("{}/metrics", d1.url)).await;
+    // A partitioned decode engine lived on: its counters are read at the end, like the others'.
+    if let Some(e) = &partitioned {
+        d2_metrics = get_text(&client, &format!("{}/metrics", e.url)).await;
+    }
     // Pull: D posts the READs; push: P posts the WRITEs. Each side counts what it posted.
     let dm = format!("{dm}\n{pm}");
     for m in [&dm, &d2_metrics] {
@@ -641,6 +765,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         0.0
     };
     report.prefill_tp = args.prefill_tp;
+    report.netns = net.is_some();
     report.kv_pool_layout = pool.clone();
     report.decode_tp = args.decode_tp;
     report.prefill_block_size = args.prefill_block_size;
@@ -700,12 +825,22 @@ fn print_report(r: &Report) {
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
     println!("  handoffs ended on P: {}", ended.join(", "));
+    if let Some(e) = &r.partitioned_engine {
+        match r.reclaim_after_partition_s {
+            Some(s) => println!(
+                "  partitioned {e} (link cut, no FIN) holding {} P blocks: all back in P's pool {s:.3} s after the cut",
+                r.blocks_held_by_killed_engine_at_kill
+            ),
+            None => println!("  partitioned {e}: its blocks were NOT all reclaimed"),
+        }
+    }
     match (&r.killed_engine, r.reclaim_after_kill_s) {
         (Some(e), Some(s)) => println!(
             "  killed {e} holding {} P blocks: all back in P's pool {:.3} s after the kill",
             r.blocks_held_by_killed_engine_at_kill, s
         ),
         (Some(e), None) => println!("  killed {e}: its blocks were NOT all reclaimed"),
+        _ if r.partitioned_engine.is_some() => {}
         _ => println!("  no engine killed"),
     }
     println!("  blocks still held at the end: {}", r.leaked_blocks);

@@ -5,6 +5,7 @@
 mod bench;
 mod demo;
 mod engine_cmd;
+mod netns;
 
 use std::net::SocketAddr;
 use std::time::Duration;

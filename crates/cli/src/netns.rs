@@ -1,0 +1,153 @@
+//! Hosts made of network namespaces, for `handoff demo --netns` and the multi-host tests: each
+//! node is a namespace with one address on a bridge that lives in a hub namespace of its own,
+//! so nothing is added to the host's own network. Needs root and iproute2 (`ip`).
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static NEXT_NET: AtomicU32 = AtomicU32::new(0);
+
+/// Runs `ip` with `args`; the error names the command and what `ip` said.
+pub fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip (iproute2): {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Why network namespaces cannot be used here, if they cannot.
+pub fn unavailable() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let root = status
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .is_some_and(|l| l.split_whitespace().nth(1) == Some("0"));
+    if !root {
+        return Some("needs root".into());
+    }
+    let probe = format!("hoprobe{}", std::process::id());
+    ip(&["netns", "add", &probe])
+        .and_then(|()| ip(&["netns", "del", &probe]))
+        .err()
+}
+
+/// Hosts on one bridge: node i is namespace `<prefix><name>` at `10.199.<subnet>.<i + 2>`.
+pub struct Net {
+    pub prefix: String,
+    pub subnet: u32,
+    pub nodes: Vec<String>,
+    /// Whether dropping this removes the namespaces (the process that made them).
+    owner: bool,
+}
+
+impl Net {
+    /// Creates the hub and one namespace per node.
+    pub fn create(nodes: &[&str]) -> Result<Net, String> {
+        let n = NEXT_NET.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let mut net = Net {
+            prefix: format!("h{}{}", pid % 10_000, n),
+            subnet: 100 + (pid % 100 + n * 7) % 150,
+            nodes: Vec::new(),
+            owner: true,
+        };
+        let hub = net.hub();
+        ip(&["netns", "add", &hub])?;
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for name in nodes {
+            net.add(name)?;
+        }
+        Ok(net)
+    }
+
+    /// The same hosts, seen from a process that did not make them (it leaves them in place).
+    pub fn attach(prefix: &str, subnet: u32, nodes: &[&str]) -> Net {
+        Net {
+            prefix: prefix.into(),
+            subnet,
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            owner: false,
+        }
+    }
+
+    pub fn hub(&self) -> String {
+        format!("{}hub", self.prefix)
+    }
+
+    pub fn ns(&self, name: &str) -> String {
+        format!("{}{}", self.prefix, self.index(name))
+    }
+
+    fn index(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n == name)
+            .unwrap_or(usize::MAX)
+    }
+
+    pub fn addr(&self, name: &str) -> String {
+        format!("10.199.{}.{}", self.subnet, self.index(name) + 2)
+    }
+
+    /// The hub's end of a node's link.
+    fn port(&self, name: &str) -> String {
+        format!("{}{}b", self.prefix, self.index(name))
+    }
+
+    fn add(&mut self, name: &str) -> Result<(), String> {
+        self.nodes.push(name.to_string());
+        let i = self.nodes.len() - 1;
+        let (ns, hub) = (self.ns(name), self.hub());
+        let (a, b) = (format!("{}{i}a", self.prefix), self.port(name));
+        ip(&["netns", "add", &ns])?;
+        ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+        ip(&["link", "set", &a, "netns", &ns])?;
+        ip(&["link", "set", &b, "netns", &hub])?;
+        ip(&["-n", &ns, "link", "set", &a, "name", "eth0"])?;
+        let cidr = format!("{}/24", self.addr(name));
+        ip(&["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
+        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", &hub, "link", "set", &b, "master", "br0"])?;
+        ip(&["-n", &hub, "link", "set", &b, "up"])
+    }
+
+    /// Partitions a node: its link goes down at the hub, so nothing it sends arrives and no FIN
+    /// or RST reaches anyone.
+    pub fn cut(&self, name: &str) -> Result<(), String> {
+        ip(&["-n", &self.hub(), "link", "set", &self.port(name), "down"])
+    }
+
+    pub fn heal(&self, name: &str) -> Result<(), String> {
+        ip(&["-n", &self.hub(), "link", "set", &self.port(name), "up"])
+    }
+
+    /// `ip netns exec <node's namespace>`, ready for the program and its arguments.
+    pub fn exec(&self, name: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(name)]);
+        c
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        if !self.owner {
+            return;
+        }
+        for name in self.nodes.clone() {
+            let _ = ip(&["netns", "del", &self.ns(&name)]);
+        }
+        let _ = ip(&["netns", "del", &self.hub()]);
+    }
+}
