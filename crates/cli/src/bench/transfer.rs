@@ -52,6 +52,26 @@ const TARGET_NIXL_VS_RAW: f64 = 0.95;
 const TARGET_NIXL_VS_MEMCPY: f64 = 0.6;
 /// Status poll interval (set once from `--poll-us`).
 static POLL_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1000);
+
+/// `--netns`: this process and the peer on two hosts (network namespaces joined by a bridge).
+struct Hosts {
+    local: String,
+    peer: String,
+    net: crate::netns::Net,
+}
+
+static HOSTS: std::sync::OnceLock<Hosts> = std::sync::OnceLock::new();
+
+/// The address this process's transports and raw TCP use (loopback unless `--netns`).
+fn local_host() -> &'static str {
+    HOSTS.get().map_or("127.0.0.1", |h| h.local.as_str())
+}
+
+fn peer_host() -> &'static str {
+    HOSTS.get().map_or("127.0.0.1", |h| h.peer.as_str())
+}
+
+const NETNS_NODES: [&str; 2] = ["local", "peer"];
 const XFER_DEADLINE: Duration = Duration::from_secs(60);
 /// Fill seed of the peer's regions (this process uses a fresh one before every warm-up).
 const PEER_SEED: u64 = 0x5eed_f00d_9ee7;
@@ -88,6 +108,13 @@ pub struct TransferArgs {
     /// Cases to run (comma separated: 4k, 64k, 1m, model_contig, model_frag); all by default.
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
+    /// Run this process and the peer on two hosts: network namespaces joined by a veth link
+    /// through a bridge (root only), instead of loopback.
+    #[arg(long)]
+    netns: bool,
+    /// Set by `--netns` when it runs the bench inside the namespaces: `PREFIX:SUBNET`.
+    #[arg(long, hide = true)]
+    netns_inside: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -99,6 +126,9 @@ pub struct PeerArgs {
     total_mib: usize,
     #[arg(long)]
     progress_delay_us: u64,
+    /// Address to listen on and advertise.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,9 +360,17 @@ fn open_transport(
     backend: &str,
     name: &str,
     nixl: &NixlConfig,
+    host: &str,
 ) -> anyhow::Result<Arc<dyn Transport>> {
     Ok(match backend {
-        "tcp" => TcpTransport::new(name, TcpConfig::from_env())? as Arc<dyn Transport>,
+        "tcp" => {
+            let cfg = TcpConfig {
+                bind: std::net::SocketAddr::new(host.parse()?, 0),
+                advertise_host: Some(host.to_string()),
+                ..TcpConfig::from_env()
+            };
+            TcpTransport::new(name, cfg)? as Arc<dyn Transport>
+        }
         "nixl" => NixlTransport::open(name, nixl.clone())? as Arc<dyn Transport>,
         other => bail!("unknown backend {other:?} (tcp or nixl)"),
     })
@@ -357,7 +395,7 @@ fn serve_peer(args: &PeerArgs) -> anyhow::Result<()> {
         ..NixlConfig::from_env()
     };
     let name = format!("bench-peer-{}", std::process::id());
-    let t = open_transport(&args.backend, &name, &cfg)?;
+    let t = open_transport(&args.backend, &name, &cfg, &args.host)?;
     let mut regions = Vec::new();
     for (class, (&len, &chunk)) in layout.lens.iter().zip(&layout.chunks).enumerate() {
         let r = Arc::new(KvRegion::new(len, chunk));
@@ -366,7 +404,7 @@ fn serve_peer(args: &PeerArgs) -> anyhow::Result<()> {
         regions.push(r);
     }
     let regions = Arc::new(regions);
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = TcpListener::bind((args.host.as_str(), 0))?;
     let port = listener.local_addr()?.port();
     {
         let (regions, layout) = (regions.clone(), layout.clone());
@@ -442,6 +480,27 @@ fn serve_raw_tcp(
     }
 }
 
+/// `--netns`: makes the two hosts, runs this same bench on `local` (the peer goes on `peer`),
+/// removes them, and exits as the bench did.
+fn run_in_namespaces() -> anyhow::Result<()> {
+    if let Some(why) = crate::netns::unavailable() {
+        bail!("bench transfer --netns needs network namespaces (root and iproute2): {why}");
+    }
+    let net = crate::netns::Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;
+    let status = net
+        .exec("local")
+        .arg(std::env::current_exe()?)
+        .args(std::env::args().skip(1))
+        .args(["--netns-inside", &format!("{}:{}", net.prefix, net.subnet)])
+        .status()
+        .context("cannot run the bench inside the namespaces")?;
+    drop(net);
+    if !status.success() {
+        bail!("the bench inside the namespaces failed ({status})");
+    }
+    Ok(())
+}
+
 /// The child process, from this side.
 struct Peer {
     child: Child,
@@ -454,8 +513,17 @@ struct Peer {
 impl Peer {
     fn spawn(backend: &str, total_mib: usize, delay_us: u64) -> anyhow::Result<Peer> {
         let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
+        let mut cmd = match HOSTS.get() {
+            Some(h) => {
+                let mut c = h.net.exec("peer");
+                c.arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args(["bench", "transfer-peer", "--backend", backend])
+            .args(["--host", peer_host()])
             .args(["--total-mib", &total_mib.to_string()])
             .args(["--progress-delay-us", &delay_us.to_string()])
             .stdin(Stdio::piped())
@@ -590,7 +658,7 @@ impl<'a> TwoProc<'a> {
     ) -> anyhow::Result<Self> {
         let peer = Peer::spawn(backend, args.total_mib, cfg.progress_delay_us)?;
         let name = format!("bench-{backend}-{}", std::process::id());
-        let t = open_transport(backend, &name, cfg)?;
+        let t = open_transport(backend, &name, cfg, local_host())?;
         for (i, r) in local.iter().enumerate() {
             t.register(i as RegionId, r.clone())?;
         }
@@ -827,6 +895,23 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     if args.reps == 0 || args.tcp_reps == 0 || args.total_mib < 2 {
         bail!("--reps and --tcp-reps must be at least 1, --total-mib at least 2");
     }
+    if args.netns {
+        match &args.netns_inside {
+            None => return run_in_namespaces(),
+            Some(at) => {
+                let (prefix, subnet) = at
+                    .split_once(':')
+                    .and_then(|(p, s)| Some((p, s.parse().ok()?)))
+                    .context("--netns-inside PREFIX:SUBNET")?;
+                let net = crate::netns::Net::attach(prefix, subnet, &NETNS_NODES);
+                let _ = HOSTS.set(Hosts {
+                    local: net.addr("local"),
+                    peer: net.addr("peer"),
+                    net,
+                });
+            }
+        }
+    }
     let started = Instant::now();
     let mut cfg = NixlConfig::from_env();
     if let Some(d) = args.progress_delay_us {
@@ -874,6 +959,12 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         .and_then(|l| l.parse().ok())
         .unwrap_or(0.0);
     println!("handoff bench transfer");
+    if let Some(h) = HOSTS.get() {
+        println!(
+            "  across hosts: this process at {}, the peer at {} (network namespaces, veth links through a bridge)",
+            h.local, h.peer
+        );
+    }
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "  {cores} cores, load average {load1:.2} at start{}",
@@ -952,7 +1043,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     );
     {
         let mut tp = TwoProc::start("tcp", &args, &cfg, &local)?;
-        let mut conn = TcpStream::connect(("127.0.0.1", tp.peer.raw_port))?;
+        let mut conn = TcpStream::connect((peer_host(), tp.peer.raw_port))?;
         conn.set_nodelay(true)?;
         for &(idx, case) in &cases {
             for (op, opn) in OPS {
