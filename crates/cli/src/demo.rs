@@ -235,7 +235,7 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+pub(crate) fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for l in text.lines().filter(|l| !l.starts_with('#')) {
         if l.split(['{', ' ']).next() != Some(name) {
@@ -252,7 +252,7 @@ fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64>
     out
 }
 
-async fn get_text(client: &reqwest::Client, url: &str) -> String {
+pub(crate) async fn get_text(client: &reqwest::Client, url: &str) -> String {
     match client.get(url).timeout(Duration::from_secs(3)).send().await {
         Ok(r) => r.text().await.unwrap_or_default(),
         Err(_) => String::new(),

@@ -24,8 +24,14 @@ pub fn ip(args: &[&str]) -> Result<(), String> {
     }
 }
 
-/// Why network namespaces cannot be used here, if they cannot.
+/// Why network namespaces cannot be used here, if they cannot. Probed once per process: the
+/// tests ask from many threads at once, and one probe namespace name per process is enough.
 pub fn unavailable() -> Option<String> {
+    static PROBE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PROBE.get_or_init(probe).clone()
+}
+
+fn probe() -> Option<String> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let root = status
         .lines()
@@ -55,7 +61,7 @@ impl Net {
         let n = NEXT_NET.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let mut net = Net {
-            prefix: format!("h{}{}", pid % 10_000, n),
+            prefix: format!("h{}n{}", pid % 10_000, n),
             subnet: 100 + (pid % 100 + n * 7) % 150,
             nodes: Vec::new(),
             owner: true,

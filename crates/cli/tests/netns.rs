@@ -49,7 +49,12 @@ impl Net {
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            // HANDOFF_NETNS_LOGS=1 shows what the engines say (debugging a failure).
+            .stderr(if std::env::var_os("HANDOFF_NETNS_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .expect("spawn in namespace");
         let mut line = String::new();
@@ -776,8 +781,8 @@ fn delay_and_loss_between_p_and_d_cost_time_not_bytes() {
 /// The nixl backend across hosts: UCX restricted to its TCP transport on the node's link
 /// (`UCX_TLS=tcp,self`, `UCX_NET_DEVICES=eth0`), as between machines without RDMA. (Left to
 /// itself on one machine, UCX picks shared memory and CMA even across namespaces, which is not
-/// what separate hosts have.) Pull moves the KV over the link and matches the monolithic
-/// engine. Skips when NIXL is not installed, unless `HANDOFF_REQUIRE_NIXL=1`.
+/// what separate hosts have.) The KV moves over the link and the output matches the monolithic
+/// engine, pull and push. Skips when NIXL is not installed, unless `HANDOFF_REQUIRE_NIXL=1`.
 #[test]
 fn nixl_across_namespaces_over_ucx_tcp() {
     if !netns_available() {
@@ -794,30 +799,37 @@ fn nixl_across_namespaces_over_ucx_tcp() {
     }
     std::env::set_var("UCX_TLS", "tcp,self");
     std::env::set_var("UCX_NET_DEVICES", "eth0");
-    let net = Net::new(&["p", "d", "proxy"]);
-    let nixl = |node: &str, role: &str| {
-        let mut a = engine_args(&net, node, role, "pull", &[]);
-        let i = a.iter().position(|x| x == "tcp").expect("transport arg");
-        a[i] = "nixl".into();
-        a
-    };
-    let p = net.spawn("p", &nixl("p", "prefill"));
-    let d = net.spawn("d", &nixl("d", "decode"));
-    let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", "pull", &[]));
-    let proxy = net.spawn("proxy", &proxy_args(&net, "pull", &[&d], &p));
-    for i in 0..3 {
-        let text = prompt(40 + i, 60 + 500 * i);
-        let (s, via) = complete(&net, &proxy.url, &text, 5);
-        assert_eq!(s, 200, "{via}");
-        let (_, m) = complete(&net, &mono.url, &text, 5);
+    for mode in ["push", "pull"] {
+        let net = Net::new(&["p", "d", "proxy"]);
+        let nixl = |node: &str, role: &str| {
+            let mut a = engine_args(&net, node, role, mode, &[]);
+            let i = a.iter().position(|x| x == "tcp").expect("transport arg");
+            a[i] = "nixl".into();
+            a
+        };
+        let p = net.spawn("p", &nixl("p", "prefill"));
+        let d = net.spawn("d", &nixl("d", "decode"));
+        let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", mode, &[]));
+        let proxy = net.spawn("proxy", &proxy_args(&net, mode, &[&d], &p));
+        for i in 0..3 {
+            let text = prompt(40 + i, 60 + 500 * i);
+            let (s, via) = complete(&net, &proxy.url, &text, 5);
+            assert_eq!(s, 200, "{mode}: {via}");
+            let (_, m) = complete(&net, &mono.url, &text, 5);
+            assert_eq!(
+                via["choices"][0]["text"], m["choices"][0]["text"],
+                "{mode}: prompt {i}"
+            );
+        }
+        let mover = if mode == "pull" { &d } else { &p };
+        assert!(
+            net.metric("proxy", mover, "handoff_transfer_bytes_total") > 0.0,
+            "{mode}"
+        );
         assert_eq!(
-            via["choices"][0]["text"], m["choices"][0]["text"],
-            "prompt {i}"
+            net.metric("proxy", &d, "handoff_requests_failed_total"),
+            0.0,
+            "{mode}"
         );
     }
-    assert!(net.metric("proxy", &d, "handoff_transfer_bytes_total") > 0.0);
-    assert_eq!(
-        net.metric("proxy", &d, "handoff_requests_failed_total"),
-        0.0
-    );
 }

@@ -197,6 +197,12 @@ impl KvRegion {
     }
 
     /// Owned read locks of every chunk the span touches (the source of a DMA transfer).
+    ///
+    /// A chunk another transfer already reads is shared at once, even while a writer waits for
+    /// it: that writer (the engine filling the block's next layer while a push WRITE of the
+    /// previous one is in flight) waits for the transfer, whose release may be up to the very
+    /// thread that asks here, so queueing behind it would deadlock. Only a writer that holds a
+    /// chunk (a short engine access) makes this wait.
     pub fn lock_span_owned(
         &self,
         offset: usize,
@@ -204,7 +210,12 @@ impl KvRegion {
     ) -> Result<Vec<OwnedReadGuard>, TransportError> {
         Ok(self
             .chunks_of(offset, len)?
-            .map(|i| self.chunks[i].read_arc())
+            .map(|i| loop {
+                if let Some(g) = self.chunks[i].try_read_recursive_arc() {
+                    break g;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            })
             .collect())
     }
 
@@ -232,6 +243,30 @@ mod tests {
         let mut before = [9u8; 13];
         r.read(0, &mut before).unwrap();
         assert_eq!(before, [0; 13]);
+    }
+
+    #[test]
+    fn a_waiting_writer_does_not_block_a_second_transfer_reading_the_same_chunk() {
+        let r = Arc::new(KvRegion::new(64, 16));
+        let first = r.lock_span_owned(0, 16).unwrap();
+        let writer = {
+            let r = r.clone();
+            std::thread::spawn(move || r.write(0, &[1; 16]).unwrap())
+        };
+        // Let the writer queue up behind the first transfer's read lock.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!writer.is_finished());
+        // With a plain read lock this would wait for the writer, which waits for `first`.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r2 = r.clone();
+        std::thread::spawn(move || tx.send(r2.lock_span_owned(0, 16).map(|g| g.len())));
+        let second = rx.recv_timeout(std::time::Duration::from_secs(5));
+        drop(first);
+        assert!(
+            matches!(second, Ok(Ok(1))),
+            "second read lock waited behind the writer"
+        );
+        writer.join().unwrap();
     }
 
     #[test]

@@ -38,6 +38,9 @@ struct Report {
     push_vs_pull_ttft_p50: f64,
     pull_vs_single_ttft_p50: f64,
     push_vs_single_ttft_p50: f64,
+    /// Per path: requests D served from a local prefill because their transfer failed, per
+    /// reason (a fallback is its own outcome, never hidden in the TTFT).
+    requests_recomputed: BTreeMap<&'static str, BTreeMap<String, f64>>,
     targets: BTreeMap<&'static str, f64>,
 }
 
@@ -159,7 +162,7 @@ async fn run_cases(path: &'static str, url: &str, seed_base: usize) -> Vec<Case>
     out
 }
 
-async fn cluster(mode: &'static str) -> anyhow::Result<Vec<Case>> {
+async fn cluster(mode: &'static str) -> anyhow::Result<(Vec<Case>, BTreeMap<String, f64>)> {
     let p = spawn_engine(&format!("bench-p-{mode}"), "prefill", &engine_args(mode))?;
     // Push reserves D's blocks on arrival (a full pool answers 503 at once): D gets room for
     // every request in flight (8 × 8192 tokens), as a push deployment must provision.
@@ -184,9 +187,11 @@ async fn cluster(mode: &'static str) -> anyhow::Result<Vec<Case>> {
     .await
     .context("proxy")?;
     let cases = run_cases(mode, &proxy.url(), 1).await;
+    let m = crate::demo::get_text(&reqwest::Client::new(), &format!("{}/metrics", d.url)).await;
+    let recomputed = crate::demo::metric_by_label(&m, "handoff_requests_failed_total", "reason");
     proxy.shutdown().await.ok();
     drop((p, d));
-    Ok(cases)
+    Ok((cases, recomputed))
 }
 
 pub fn run(json_out: bool) -> anyhow::Result<()> {
@@ -202,13 +207,21 @@ pub fn run(json_out: bool) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let mut requests_recomputed = BTreeMap::new();
     let cases = rt.block_on(async {
         let mut all = Vec::new();
         let single = spawn_engine("bench-single", "both", &engine_args("pull"))?;
         all.extend(run_cases("single", &single.url, 1).await);
         drop(single);
-        all.extend(cluster("pull").await?);
-        all.extend(cluster("push").await?);
+        for mode in ["pull", "push"] {
+            let (cases, recomputed) = cluster(mode).await?;
+            all.extend(cases);
+            let n: f64 = recomputed.values().sum();
+            println!(
+                "  {mode}: {n} request(s) recomputed on D because a transfer failed {recomputed:?}"
+            );
+            requests_recomputed.insert(mode, recomputed);
+        }
         anyhow::Ok(all)
     })?;
     let p50 = |path: &str| {
@@ -234,6 +247,7 @@ pub fn run(json_out: bool) -> anyhow::Result<()> {
         push_vs_pull_ttft_p50: p50("push") / p50("pull"),
         pull_vs_single_ttft_p50: p50("pull") / p50("single"),
         push_vs_single_ttft_p50: p50("push") / p50("single"),
+        requests_recomputed,
         targets: BTreeMap::from([
             ("push_vs_pull_ttft_p50_max", 0.75),
             ("push_vs_single_ttft_p50_max", 1.5),
