@@ -1038,3 +1038,122 @@ fn a_release_from_someone_other_than_the_reader_only_ends_the_lease() {
     );
     assert_eq!(pair.p.poll_release().unwrap().handoff, other);
 }
+
+// ----- rule 2 on D's side: when a read may start -----
+
+/// The end of the last grant P sent D for `id`, as P measured it (P's clock = the pair's clock).
+fn last_grant_end(pair: &Pair, id: handoff_proto::HandoffId) -> Option<Duration> {
+    pair.log
+        .iter()
+        .rev()
+        .filter(|(_, dir, _)| *dir == "P>D")
+        .find_map(|(t, _, m)| match m {
+            Message::GrantBatch(g) => g
+                .grants
+                .iter()
+                .find(|g| g.handoff == id)
+                .map(|g| *t + ms(g.lease_ms as u64)),
+            _ => None,
+        })
+}
+
+#[test]
+fn no_read_starts_on_an_expired_grant() {
+    // D got a grant, then heard nothing more from P (a partition): P's lease ran out, P fenced
+    // and reused the blocks. A request admitted now must not READ them, whatever it was granted.
+    let mut pair = Pair::default_pair();
+    let id = hid(90);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.pump();
+    let grant_end = last_grant_end(&pair, id).expect("D's first heartbeat was granted");
+    pair.p_alive = false;
+    let p_cfg = pair.p.config().clone();
+    pair.advance_until(Duration::from_secs(60), |p| p.p_released(id).is_some());
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Expired);
+    assert_eq!(pair.now, grant_end + p_cfg.fence_grace);
+    // Admitted after P reused the blocks: D's grant ended long ago, so no read.
+    pair.advance(ms(10));
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    pair.pump();
+    assert!(
+        pair.reads.is_empty(),
+        "a READ started at {:?} on a grant that ended at {grant_end:?}",
+        pair.now
+    );
+    // The partition heals: P says the handoff is gone and D recomputes, never having read.
+    pair.p_alive = true;
+    pair.advance_until(Duration::from_secs(5), |p| !p.outcomes.is_empty());
+    assert!(matches!(
+        pair.outcomes.as_slice(),
+        [Outcome::Recompute {
+            reason: FailReason::HandoffGone,
+            ..
+        }]
+    ));
+    assert!(pair.reads.is_empty());
+    assert_eq!(pair.d_releases.len(), 1, "D's blocks go back, unused");
+}
+
+#[test]
+fn no_read_starts_inside_the_read_margin() {
+    // D is admitted while its grant (= P's lease) still runs, but for less than the read margin:
+    // a READ started now could still be running when P's lease ends. D must wait for a renewed
+    // grant instead.
+    let mut pair = Pair::default_pair();
+    let id = hid(91);
+    let margin = pair.d.config().read_margin;
+    let hb = pair.d.config().heartbeat_interval;
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    // D learns of the request a little later, so that one of its heartbeats falls inside the
+    // last `margin` of the grant.
+    pair.advance(ms(450));
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.pump();
+    let grant_end = last_grant_end(&pair, id).expect("D's first heartbeat was granted");
+    assert_eq!(grant_end, pair.p.config().initial_lease);
+    // Heartbeats go every `hb` from arrival; the last before the grant ends is inside the margin.
+    let arrived = pair.now;
+    let hb_in_margin = arrived + hb * ((grant_end - arrived).as_millis() / hb.as_millis()) as u32;
+    assert!(hb_in_margin < grant_end && hb_in_margin + margin > grant_end);
+    // A partition until just before that heartbeat: P's lease is not renewed.
+    pair.p_alive = false;
+    let admit_at = hb_in_margin - ms(50);
+    pair.advance(admit_at - pair.now);
+    assert!(grant_end > pair.now && grant_end <= pair.now + margin);
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    pair.pump();
+    assert!(
+        pair.reads.is_empty(),
+        "a READ started at {:?} with only {:?} left on P's lease (margin {margin:?})",
+        pair.now,
+        grant_end - pair.now
+    );
+    // The partition heals: the next heartbeat renews the lease and the read starts on it.
+    pair.p_alive = true;
+    assert!(pair.advance_until(hb, |p| !p.reads.is_empty()));
+    assert_eq!(pair.now, hb_in_margin);
+    let renewed = last_grant_end(&pair, id).unwrap();
+    assert!(
+        renewed > pair.now + margin,
+        "read on a lease ending at {renewed:?}"
+    );
+    let read = pair.reads[0].clone();
+    pair.complete_read(&read);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+    assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+}

@@ -207,6 +207,11 @@ pub struct Sim {
     by_handoff: HashMap<HandoffId, usize>,
     reads: BTreeMap<(usize, HandoffId), Read>,
     writes: BTreeMap<(HandoffId, u16), Write>,
+    /// Rule 2, P's side of the truth: the end of the lease P holds for each live handoff, on P's
+    /// clock (the sim clock), as P last stated it (the create grant and every grant P emitted,
+    /// whether or not the network delivered it). P's lease only grows while it is leased; it
+    /// ends when P releases the handoff.
+    p_lease_end: HashMap<HandoffId, Duration>,
     errs: Vec<String>,
     ready: usize,
     recomputed: usize,
@@ -268,6 +273,7 @@ impl Sim {
             by_handoff: HashMap::new(),
             reads: BTreeMap::new(),
             writes: BTreeMap::new(),
+            p_lease_end: HashMap::new(),
             errs: Vec::new(),
             ready: 0,
             recomputed: 0,
@@ -427,7 +433,8 @@ impl Sim {
                 };
                 let id = self.reqs[i].id;
                 match self.p.create_handoff(id, blocks.clone(), mode, now) {
-                    Ok(_) => {
+                    Ok(grant) => {
+                        self.p_lease_end.insert(id, now + ms(grant.lease_ms as u64));
                         self.reqs[i].p_blocks = Some(blocks);
                         self.reqs[i].created_at = Some(now);
                     }
@@ -669,6 +676,14 @@ impl Sim {
         if self.p_alive {
             while let Some((to, msg)) = self.p.poll_message() {
                 let d = (to.0 - 10) as usize;
+                if let Message::GrantBatch(g) = &msg {
+                    // lease_ms is measured from now on P's clock (P answered the heartbeat now).
+                    for grant in &g.grants {
+                        let end = now + ms(grant.lease_ms as u64);
+                        let e = self.p_lease_end.entry(grant.handoff).or_insert(end);
+                        *e = (*e).max(end);
+                    }
+                }
                 self.send(Node::P, Node::D(d), msg);
             }
             while let Some(a) = self.p.poll_action() {
@@ -738,6 +753,7 @@ impl Sim {
                     eprintln!("{now:?} P release {rel:?}");
                 }
                 self.check_p_release(&rel);
+                self.p_lease_end.remove(&rel.handoff);
                 self.p_pool
                     .free(&rel.blocks, &mut self.errs, now, "P ledger release");
             }
@@ -753,6 +769,7 @@ impl Sim {
             while let Some(a) = self.ds[d].poll_action() {
                 match a {
                     ConsumerAction::StartRead(r) => {
+                        self.check_read_start(d, &r);
                         let src = r
                             .src_blocks
                             .iter()
@@ -877,6 +894,42 @@ impl Sim {
                     _ => self.recomputed += 1,
                 }
             }
+        }
+    }
+
+    /// Rule 2, D's side: a READ starts only on a lease P still honours, with at least D's read
+    /// margin left on P's own clock.
+    ///
+    /// D cannot know P's lease exactly: it measures each grant from the moment its heartbeat left
+    /// (never later than the moment P extended the lease), so D's grant end is never later than
+    /// P's lease end. Hence "D's grant ends more than `read_margin` after now" implies "P's lease
+    /// ends more than `read_margin` after now", and that is what is checked, against P's truth:
+    /// P must still hold the handoff, and its lease must reach past `now + read_margin`. (P cuts
+    /// a lease short only on a release from someone other than the reader, which the sim never
+    /// sends; there P's fence protects the read.)
+    fn check_read_start(&mut self, d: usize, r: &StartRead) {
+        let now = self.now;
+        if !self.p_alive {
+            // Reads from a dead P fail when they end; there is no lease to check against.
+            return;
+        }
+        let margin = self.dcfg.read_margin;
+        let lease_end = if self.p.contains(r.handoff) {
+            self.p_lease_end.get(&r.handoff).copied()
+        } else {
+            None
+        };
+        match lease_end {
+            None => self.errs.push(format!(
+                "rule 2: D{d} starts a READ of {:?} at {now:?}, but P no longer holds it",
+                r.handoff
+            )),
+            Some(end) if end <= now + margin => self.errs.push(format!(
+                "rule 2: D{d} starts a READ of {:?} at {now:?} on a lease P holds only until \
+                 {end:?}: less than the read margin {margin:?} left",
+                r.handoff
+            )),
+            Some(_) => {}
         }
     }
 
