@@ -667,12 +667,13 @@ impl ProducerLedger {
         }
         // A release from someone other than the D that reads the handoff (the proxy, when it
         // believes D never got the request) cannot promise that no READ is in flight: it only
-        // ends the lease, and the fence protects a read that may still be running (rule 2).
+        // stops the lease from being renewed. The reader may hold a grant up to the lease's
+        // current end and read until that grant + its read grace, so the fence runs from the
+        // lease's end, not from now (rule 2).
         if h.reader.is_some_and(|reader| Some(reader) != from) {
             if h.phase == Phase::Leased {
-                let until = now + self.cfg.fence_grace;
+                let until = h.lease_end.max(now) + self.cfg.fence_grace;
                 let h = self.handoffs.get_mut(&r.handoff).expect("checked above");
-                h.lease_end = now;
                 h.phase = Phase::Fencing {
                     until,
                     reason: r.reason.into(),

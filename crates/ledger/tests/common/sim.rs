@@ -904,9 +904,9 @@ impl Sim {
     /// (never later than the moment P extended the lease), so D's grant end is never later than
     /// P's lease end. Hence "D's grant ends more than `read_margin` after now" implies "P's lease
     /// ends more than `read_margin` after now", and that is what is checked, against P's truth:
-    /// P must still hold the handoff, and its lease must reach past `now + read_margin`. (P cuts
-    /// a lease short only on a release from someone other than the reader, which the sim never
-    /// sends; there P's fence protects the read.)
+    /// P must still hold the handoff, and its lease must reach past `now + read_margin`. (A
+    /// release from someone other than the reader only stops renewals: P's fence then runs from
+    /// the lease's end, never cuts it short.)
     fn check_read_start(&mut self, d: usize, r: &StartRead) {
         let now = self.now;
         if !self.p_alive {

@@ -1,0 +1,189 @@
+//! Rules 1–7 checked on the real [`handoff_connector::ConnectorCore`] under generated
+//! schedules (see `common/mod.rs`), plus named regressions.
+
+mod common;
+
+use common::{Faults, ReqSpec, Sim};
+use handoff_proto::TransferMode;
+use proptest::prelude::*;
+
+fn req() -> impl Strategy<Value = ReqSpec> {
+    (
+        0u64..3000,
+        0usize..2,
+        1u8..5,
+        0u64..400,
+        0u64..2500,
+        0u8..8,
+        0u64..1500,
+    )
+        .prop_map(
+            |(at_ms, d, blocks, lag_ms, admit_after_ms, fate, fate_ms)| ReqSpec {
+                at_ms,
+                d,
+                blocks,
+                lag_ms,
+                admit_after_ms,
+                // Half the requests do nothing special.
+                fate: if fate > 4 { 0 } else { fate },
+                fate_ms,
+            },
+        )
+}
+
+fn faults() -> impl Strategy<Value = Faults> {
+    (
+        prop_oneof![3 => 0u64..50, 1 => 0u64..800],
+        1u64..1500,
+        prop_oneof![Just(0u8), 0u8..20],
+        prop_oneof![Just(0u8), 0u8..10],
+        proptest::option::weighted(0.2, (0usize..2, 0u64..5000, any::<bool>())),
+        proptest::option::weighted(0.1, (0u64..5000, any::<bool>())),
+        proptest::option::weighted(0.3, (0u64..4000, 500u64..5000)),
+        proptest::option::weighted(0.3, 0u64..4000),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(
+                max_delay_ms,
+                transfer_ms,
+                fail_pct,
+                hang_pct,
+                kill_d,
+                kill_p,
+                partition,
+                stranger_at_ms,
+                seed,
+            )| {
+                Faults {
+                    max_delay_ms,
+                    transfer_ms,
+                    fail_pct,
+                    hang_pct,
+                    kill_d,
+                    kill_p,
+                    partition,
+                    stranger_at_ms,
+                    proxy_release_at_ms: None,
+                    transfer_min_ms: 0,
+                    seed,
+                }
+            },
+        )
+}
+
+fn mode() -> impl Strategy<Value = TransferMode> {
+    prop_oneof![Just(TransferMode::Pull), Just(TransferMode::Push)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400),
+        ..ProptestConfig::default()
+    })]
+
+    /// Every schedule keeps rules 1–7 on the connector cores themselves.
+    #[test]
+    fn every_schedule_keeps_the_rules_on_the_real_core(
+        mode in mode(),
+        reqs in proptest::collection::vec(req(), 1..12),
+        faults in faults(),
+    ) {
+        let report = Sim::new(mode, reqs, faults).run();
+        prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
+    }
+
+    /// Without faults and without fates every request is decoded from KV that was moved.
+    #[test]
+    fn a_clean_network_serves_every_request_through_the_core(
+        mode in mode(),
+        reqs in proptest::collection::vec(req(), 1..12),
+        seed in any::<u64>(),
+    ) {
+        let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
+        let n = reqs.len();
+        let report = Sim::new(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }).run();
+        prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
+        prop_assert_eq!(report.recomputed, 0);
+        prop_assert_eq!(report.ready, n);
+    }
+}
+
+/// One pull request to D0, admitted at once, whose READ takes 1–1.5 s.
+fn one_slow_read(fate: u8, fate_ms: u64) -> (Vec<ReqSpec>, Faults) {
+    (
+        vec![ReqSpec {
+            at_ms: 0,
+            d: 0,
+            blocks: 3,
+            lag_ms: 10,
+            admit_after_ms: 10,
+            fate,
+            fate_ms,
+        }],
+        Faults {
+            max_delay_ms: 5,
+            transfer_min_ms: 1000,
+            transfer_ms: 500,
+            seed: 7,
+            ..Default::default()
+        },
+    )
+}
+
+/// A retried request (same `kv_transfer_params`) hits D's full queue while the first one
+/// reads P's blocks: D refuses the retry, and P must not hear "release" for a handoff D still
+/// reads (before the core, `reject` sent P a release without asking D's ledger: rule 2).
+#[test]
+fn a_retried_request_rejected_while_the_first_reads_does_not_free_p() {
+    let (reqs, faults) = one_slow_read(3, 300);
+    let report = Sim::new(TransferMode::Pull, reqs, faults).run();
+    assert!(
+        report.violations.is_empty(),
+        "{}",
+        report.violations.join("\n")
+    );
+    assert_eq!(report.ready, 1, "the first request still decodes P's KV");
+}
+
+/// A stranger connects to P without a handshake and sends a heartbeat (and a release) for a
+/// handoff D is reading; then the proxy releases it. Before the core, anonymous frames were
+/// delivered as the proxy's peer, so the heartbeat made "the proxy" the reader and its release
+/// then freed P's blocks at once, under D's READ (rule 2). Now the stranger is refused and the
+/// proxy's release only ends the lease: the blocks wait for the read.
+#[test]
+fn an_anonymous_heartbeat_cannot_make_a_proxy_release_free_at_once() {
+    let (reqs, mut faults) = one_slow_read(0, 0);
+    faults.stranger_at_ms = Some(5);
+    faults.proxy_release_at_ms = Some(200);
+    let report = Sim::new(TransferMode::Pull, reqs, faults).run();
+    assert!(
+        report.violations.is_empty(),
+        "{}",
+        report.violations.join("\n")
+    );
+    assert_eq!(
+        report.anonymous_refused, 2,
+        "both of the stranger's frames are refused"
+    );
+    assert_eq!(report.ready, 1);
+}
+
+/// P and D partitioned while D reads (the data path still moves, the side channel does not):
+/// P's lease runs out under the READ, and P fences before it reuses the blocks, so the READ has
+/// ended (failed, on D's own grant + read grace) first. D recomputes. (Without the fence, P
+/// frees under the READ and this fails.)
+#[test]
+fn a_partition_during_a_read_never_frees_under_it() {
+    let (mut reqs, mut faults) = one_slow_read(0, 0);
+    // Admitted 2.7 s in: the read starts on what is left of the first grant (3 s).
+    reqs[0].admit_after_ms = 2700;
+    faults.partition = Some((100, 6000));
+    let report = Sim::new(TransferMode::Pull, reqs, faults).run();
+    assert!(
+        report.violations.is_empty(),
+        "{}",
+        report.violations.join("\n")
+    );
+    assert_eq!(report.recomputed, 1);
+}
