@@ -39,8 +39,8 @@ use crate::heartbeat::HeartbeatSender;
 use crate::producer::ms_floor;
 use crate::staging::Tombstones;
 use crate::timer::{TimerQueue, TimerSlot};
-use crate::topology;
 use crate::{BlockId, BlockRelease, EndReason, PeerId, RequestId, Time};
+use handoff_plan::{rank_consumers, rank_pairs};
 
 /// What D does with a request whose KV could not be transferred.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -813,7 +813,7 @@ impl ConsumerLedger {
         if !done.contains(&pair) {
             done.push(pair);
         }
-        let all = topology::pairs(p_tp, tp);
+        let all = rank_pairs(p_tp, tp);
         if all.iter().all(|p| done.contains(p)) {
             let blocks = h.local.take().unwrap_or_default();
             self.held_blocks -= blocks.len();
@@ -894,14 +894,14 @@ impl ConsumerLedger {
             .min(grant_until + self.cfg.read_grace)
             .min(h.deadline);
         let p_tp = h.info.p_tp;
-        let done = topology::pairs(p_tp, tp)
+        let done = rank_pairs(p_tp, tp)
             .into_iter()
             .map(|(d, p)| PullDone {
                 handoff: id,
                 epoch: h.info.epoch,
                 p_rank: p,
                 consumer_rank: d,
-                consumers: topology::consumers(p_tp, tp, p),
+                consumers: rank_consumers(p_tp, tp, p),
             })
             .collect();
         self.actions.push_back(ConsumerAction::StartRead(StartRead {

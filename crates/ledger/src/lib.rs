@@ -25,7 +25,6 @@ mod heartbeat;
 mod producer;
 mod staging;
 mod timer;
-pub mod topology;
 
 pub use consumer::*;
 pub use producer::*;

@@ -29,8 +29,8 @@ use handoff_proto::{
 use crate::heartbeat::HeartbeatSender;
 use crate::staging::{Staging, Tombstones};
 use crate::timer::{TimerQueue, TimerSlot};
-use crate::topology;
 use crate::{BlockId, BlockRelease, EndReason, PeerId, Time};
+use handoff_plan::rank_pairs;
 
 /// Settings of a [`ProducerLedger`]. The defaults suit a P/D pair on one network: a dead D is
 /// usually reported by the transport at once; the lease only matters for a D that hangs.
@@ -874,7 +874,7 @@ impl ProducerLedger {
                 .is_some_and(|u| u > now + self.cfg.write_margin);
             if r.state == RegState::Waiting && valid {
                 r.state = RegState::Writing;
-                let done = topology::pairs(p_tp, r.d_tp)
+                let done = rank_pairs(p_tp, r.d_tp)
                     .into_iter()
                     .filter(|(d, _)| *d == r.d_rank)
                     .map(|(d, p)| PushDone {

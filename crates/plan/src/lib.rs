@@ -79,7 +79,9 @@ pub use planner::{
     plan, plan_layers, plan_pair, plan_pair_layers, uncovered_dst, Descriptor, PairPlan, Plan,
     PlanError, Span,
 };
-pub use topology::{check_compatible, Incompatible, RankPair, Topology};
+pub use topology::{
+    check_compatible, rank_consumers, rank_pairs, rank_sources, Incompatible, RankPair, Topology,
+};
 
 #[cfg(test)]
 mod tests;

@@ -217,16 +217,7 @@ impl Topology {
 
     /// The P ranks D rank `d_rank` reads from (empty if `d_rank` is out of range).
     pub fn sources(&self, d_rank: u32) -> Range<u32> {
-        if d_rank >= self.d_tp {
-            return 0..0;
-        }
-        if self.p_tp >= self.d_tp {
-            let k = self.p_tp / self.d_tp;
-            d_rank * k..(d_rank + 1) * k
-        } else {
-            let p = d_rank / (self.d_tp / self.p_tp);
-            p..p + 1
-        }
+        rank_sources(self.p_tp, self.d_tp, d_rank)
     }
 
     /// The D ranks that read from P rank `p_rank` (empty if `p_rank` is out of range).
@@ -278,5 +269,84 @@ impl Topology {
             }
         }
         out
+    }
+}
+
+/// The P ranks D rank `d_rank` reads from when P runs `p_tp` ranks and D `d_tp`: the rank
+/// arithmetic alone, for the ledgers, which count who must confirm a transfer. Total: with sizes
+/// that do not divide each other (refused at the handshake, see [`Topology::new`]) or a zero
+/// size, every D rank still gets one source and nothing panics.
+pub fn rank_sources(p_tp: u32, d_tp: u32, d_rank: u32) -> Range<u32> {
+    let (p, d) = (p_tp.max(1), d_tp.max(1));
+    if d_rank >= d {
+        return 0..0;
+    }
+    if p >= d && p % d == 0 {
+        let k = p / d;
+        d_rank * k..(d_rank + 1) * k
+    } else {
+        let s = (u64::from(d_rank) * u64::from(p) / u64::from(d)) as u32;
+        s..s + 1
+    }
+}
+
+/// Every (D rank, P rank) pair that moves KV, ordered by D rank, then P rank
+/// (see [`rank_sources`]).
+pub fn rank_pairs(p_tp: u16, d_tp: u16) -> Vec<(u16, u16)> {
+    (0..u32::from(d_tp.max(1)))
+        .flat_map(|d| {
+            rank_sources(u32::from(p_tp), u32::from(d_tp), d).map(move |p| (d as u16, p as u16))
+        })
+        .collect()
+}
+
+/// How many D ranks read P rank `p_rank`: the completions P must collect for that rank.
+pub fn rank_consumers(p_tp: u16, d_tp: u16, p_rank: u16) -> u16 {
+    rank_pairs(p_tp, d_tp)
+        .iter()
+        .filter(|(_, p)| *p == p_rank)
+        .count() as u16
+}
+
+#[cfg(test)]
+mod rank_tests {
+    use super::*;
+
+    #[test]
+    fn equal_tp_pairs_rank_to_rank() {
+        assert_eq!(rank_pairs(2, 2), vec![(0, 0), (1, 1)]);
+        assert_eq!(rank_consumers(2, 2, 1), 1);
+    }
+
+    #[test]
+    fn d_tp_four_p_tp_two_needs_two_consumers_per_p_rank() {
+        assert_eq!(rank_pairs(2, 4), vec![(0, 0), (1, 0), (2, 1), (3, 1)]);
+        assert_eq!(rank_consumers(2, 4, 0), 2);
+        assert_eq!(rank_consumers(2, 4, 1), 2);
+    }
+
+    #[test]
+    fn p_tp_four_d_tp_two_reads_two_p_ranks_per_d_rank() {
+        assert_eq!(rank_pairs(4, 2), vec![(0, 0), (0, 1), (1, 2), (1, 3)]);
+        assert!((0..4).all(|r| rank_consumers(4, 2, r) == 1));
+    }
+
+    #[test]
+    fn sizes_that_do_not_divide_still_pair_every_d_rank_once() {
+        assert_eq!(rank_pairs(3, 2), vec![(0, 0), (1, 1)]);
+        assert_eq!(rank_pairs(0, 0), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn the_ledgers_pairs_are_the_planners_pairs() {
+        for (p, d) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 1)] {
+            let t = Topology::new(p, d, 8).unwrap();
+            let planned: Vec<(u16, u16)> = t
+                .pairs()
+                .iter()
+                .map(|r| (r.d_rank as u16, r.p_rank as u16))
+                .collect();
+            assert_eq!(rank_pairs(p as u16, d as u16), planned, "p {p} d {d}");
+        }
     }
 }

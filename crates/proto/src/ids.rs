@@ -6,12 +6,18 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// 128-bit random handoff id. It is a capability: whoever knows it may heartbeat, pull or release
 /// the handoff, so it must come from a CSPRNG and is never derived from a request id.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct HandoffId(pub u128);
+pub struct HandoffId(u128);
 
 impl HandoffId {
-    /// Builds an id from 16 random bytes (the caller provides the randomness: this crate does no I/O).
+    /// Builds an id from 16 random bytes (the caller provides the randomness: this crate does no
+    /// I/O). There is no other constructor but parsing: no id is made up from a number.
     pub fn from_bytes(bytes: [u8; 16]) -> Self {
         HandoffId(u128::from_le_bytes(bytes))
+    }
+
+    /// The id's 16 bytes, as [`HandoffId::from_bytes`] took them.
+    pub fn to_bytes(self) -> [u8; 16] {
+        self.0.to_le_bytes()
     }
 }
 

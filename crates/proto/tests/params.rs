@@ -236,7 +236,9 @@ fn handoff_id_is_32_hex_digits_in_json() {
     let p = parse(handoff_p_output()).unwrap();
     assert_eq!(
         p.handoff_id,
-        Some(HandoffId(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef))
+        Some(HandoffId::from_bytes(u128::to_le_bytes(
+            0x0123_4567_89ab_cdef_0123_4567_89ab_cdef
+        )))
     );
     assert_eq!(p.lease_ms, Some(30_000));
     assert_eq!(p.epoch, Some(1));
@@ -247,7 +249,10 @@ fn handoff_id_is_32_hex_digits_in_json() {
     assert_eq!(upper.handoff_id, p.handoff_id);
     assert_eq!(upper.to_json()["handoff_id"], json!(ID_HEX));
     // Small ids keep their leading zeros.
-    assert_eq!(HandoffId(1).to_string(), format!("{:0>32}", "1"));
+    assert_eq!(
+        HandoffId::from_bytes(u128::to_le_bytes(1)).to_string(),
+        format!("{:0>32}", "1")
+    );
 }
 
 #[test]
@@ -293,12 +298,20 @@ fn bad_handoff_ids_are_rejected_with_a_clear_error() {
 fn handoff_id_from_bytes_and_debug() {
     let bytes: [u8; 16] = core::array::from_fn(|i| i as u8);
     let id = HandoffId::from_bytes(bytes);
-    assert_eq!(id.0.to_le_bytes(), bytes);
+    assert_eq!(id.to_bytes(), bytes);
     // Debug is short, but ids that differ only in their low bits must still look different.
-    assert_ne!(format!("{:?}", HandoffId(1)), format!("{:?}", HandoffId(2)));
+    assert_ne!(
+        format!("{:?}", HandoffId::from_bytes(u128::to_le_bytes(1))),
+        format!("{:?}", HandoffId::from_bytes(u128::to_le_bytes(2)))
+    );
     assert_ne!(
         format!("{id:?}"),
-        format!("{:?}", HandoffId(id.0 ^ 1 << 127))
+        format!(
+            "{:?}",
+            HandoffId::from_bytes(u128::to_le_bytes(
+                u128::from_le_bytes(id.to_bytes()) ^ 1 << 127
+            ))
+        )
     );
 }
 

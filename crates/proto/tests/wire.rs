@@ -105,14 +105,14 @@ fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
 
 fn entry(i: u64) -> HeartbeatEntry {
     HeartbeatEntry {
-        handoff: HandoffId(u128::from(i) << 64 | 0xabcd),
+        handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::from(i) << 64 | 0xabcd)),
         epoch: Epoch(i as u32),
     }
 }
 
 fn grant_for(i: u64) -> Grant {
     Grant {
-        handoff: HandoffId(u128::from(i) << 64 | 0x1234),
+        handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::from(i) << 64 | 0x1234)),
         epoch: Epoch(i as u32),
         lease_ms: 30_000,
     }
@@ -167,7 +167,7 @@ fn worst_case_hello_and_accepted_reply_fit_in_one_message() {
 #[test]
 fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
     assert_roundtrip(&Message::PushRegister(PushRegister {
-        handoff: HandoffId(u128::MAX),
+        handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX)),
         epoch: Epoch(u32::MAX),
         d_rank: u16::MAX,
         d_tp: u16::MAX,
@@ -175,7 +175,7 @@ fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
         block_ids: vec![u32::MAX; MAX_REGISTERED_BLOCKS],
     }));
     let full = HeartbeatEntry {
-        handoff: HandoffId(u128::MAX),
+        handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX)),
         epoch: Epoch(u32::MAX),
     };
     assert_roundtrip(&Message::Heartbeat(Heartbeat {
@@ -187,7 +187,7 @@ fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
 #[test]
 fn release_wire_layout_is_stable() {
     // Pins the format: version, variant index, 16 little-endian id bytes, varint epoch, reason.
-    let id = HandoffId(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff);
+    let id = HandoffId::from_bytes(u128::to_le_bytes(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff));
     let bytes = encode(&Message::Release(Release {
         handoff: id,
         epoch: Epoch(300),
@@ -195,14 +195,14 @@ fn release_wire_layout_is_stable() {
     }))
     .unwrap();
     let mut want = vec![PROTOCOL_VERSION, 5];
-    want.extend_from_slice(&id.0.to_le_bytes());
+    want.extend_from_slice(&id.to_bytes());
     want.extend_from_slice(&[0xac, 0x02, 2]); // 300 as a varint, then variant 2
     assert_eq!(bytes, want);
 }
 
 #[test]
 fn message_kind_and_handoff_are_per_variant() {
-    let id = HandoffId(42);
+    let id = HandoffId::from_bytes(u128::to_le_bytes(42));
     let e = Epoch::FIRST;
     let per_handoff = [
         Message::PullDone(PullDone {
@@ -494,7 +494,7 @@ fn decode_rejects_every_other_version() {
 #[test]
 fn decode_rejects_trailing_bytes() {
     let m = Message::PushCancel(PushCancel {
-        handoff: HandoffId(9),
+        handoff: HandoffId::from_bytes(u128::to_le_bytes(9)),
         epoch: Epoch(3),
     });
     let mut bytes = encode_raw(&m);
@@ -558,7 +558,7 @@ fn grant_batch_over_max_batch_entries_is_rejected() {
 fn push_register_with_too_many_block_ids_is_rejected() {
     let reg = |n: usize| {
         Message::PushRegister(PushRegister {
-            handoff: HandoffId(1),
+            handoff: HandoffId::from_bytes(u128::to_le_bytes(1)),
             epoch: Epoch::FIRST,
             d_rank: 0,
             d_tp: 1,
@@ -621,7 +621,7 @@ fn reasons_over_their_limits_are_rejected() {
     );
     let failed = |n: usize| {
         Message::PushFailed(PushFailed {
-            handoff: HandoffId(1),
+            handoff: HandoffId::from_bytes(u128::to_le_bytes(1)),
             epoch: Epoch::FIRST,
             p_rank: 0,
             reason: "f".repeat(n),
@@ -642,7 +642,7 @@ fn split_heartbeat_of_100k_entries_covers_each_once_in_order() {
     // Worst-case sizes: max ids and epochs, and seqs high enough to need 10-byte varints.
     let entries: Vec<HeartbeatEntry> = (0..100_000u64)
         .map(|i| HeartbeatEntry {
-            handoff: HandoffId(u128::MAX - u128::from(i)),
+            handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX - u128::from(i))),
             epoch: Epoch(u32::MAX - i as u32),
         })
         .collect();
@@ -688,7 +688,7 @@ fn split_heartbeat_edges() {
 fn worst_case_grant_reply_fits_in_one_message() {
     let hb_entries: Vec<HeartbeatEntry> = (0..MAX_BATCH_ENTRIES as u128)
         .map(|i| HeartbeatEntry {
-            handoff: HandoffId(u128::MAX - i),
+            handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX - i)),
             epoch: Epoch(u32::MAX),
         })
         .collect();

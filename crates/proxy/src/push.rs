@@ -402,7 +402,7 @@ pub(crate) async fn push(
     // Nothing is sent before P's side channel is known: D could not register without it.
     let info = prefill_info(s, &p).await?;
     // 128 random bits: the id is a capability, unguessable by anyone but the two legs.
-    let handoff = HandoffId(rand::random());
+    let handoff = HandoffId::from_bytes(rand::random());
     let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
     let mut p_body = prefill_leg_body(&client);
     p_body["kv_transfer_params"] = prefill_params(handoff);
@@ -548,12 +548,12 @@ mod tests {
         let m = crate::metrics::Metrics::new();
         let pool = crate::pool::Pool::new(Role::Prefill);
         let p = pool.add("http://p:1".into(), &m).unwrap();
-        let h = HandoffId(0xabc);
+        let h = HandoffId::from_bytes(u128::to_le_bytes(0xabc));
         let ok = json!({"handoff_id": h.to_string(), "transfer_mode": "push", "epoch": 1});
         assert!(check_answer(&p, &ok, h).is_ok());
         // Keys left out are not held against P.
         assert!(check_answer(&p, &json!({"epoch": 1}), h).is_ok());
-        let other = json!({"handoff_id": HandoffId(7).to_string(), "transfer_mode": "push"});
+        let other = json!({"handoff_id": HandoffId::from_bytes(u128::to_le_bytes(7)).to_string(), "transfer_mode": "push"});
         let e = check_answer(&p, &other, h).unwrap_err();
         assert_eq!(e.kind, "bad_prefill_response");
         assert!(e.message.contains("http://p:1"), "{}", e.message);

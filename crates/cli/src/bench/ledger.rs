@@ -49,7 +49,9 @@ struct Report {
 
 fn id(n: u64) -> HandoffId {
     // Spread like random ids so hashing behaves as in production.
-    HandoffId((n as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) | 1)
+    HandoffId::from_bytes(u128::to_le_bytes(
+        (n as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) | 1,
+    ))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -474,7 +474,11 @@ impl Sim {
                 id[8..].copy_from_slice(&(i as u64 + 1).to_le_bytes());
                 let handoff = HandoffId::from_bytes(id);
                 let n = usize::from(self.reqs[i].blocks);
-                let Some(blocks) = self.eng(Node::P).pool.alloc(n, handoff.0) else {
+                let Some(blocks) = self
+                    .eng(Node::P)
+                    .pool
+                    .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
+                else {
                     return;
                 };
                 let tokens = self.tokens(i);
@@ -889,7 +893,7 @@ impl Sim {
                 .by_d_req
                 .get(&(d, *r as u64))
                 .and_then(|&i| self.state[i].handoff)
-                .is_some_and(|x| x.0 == *h);
+                .is_some_and(|x| u128::from_le_bytes(x.to_bytes()) == *h);
             if !matched {
                 self.errs.push(format!(
                     "rule 4: a {:?} moves handoff {h:x}'s blocks into D{d} request {r}'s, at {now:?}",
@@ -946,7 +950,9 @@ impl Sim {
                             .push(format!("D{d} ready for unknown request {r}"));
                         continue;
                     };
-                    let h = self.state[i].handoff.map(|h| h.0);
+                    let h = self.state[i]
+                        .handoff
+                        .map(|h| u128::from_le_bytes(h.to_bytes()));
                     // Rule 4: every block decoded holds KV that landed for this handoff.
                     for b in blocks {
                         let filled = self.landed[d].get(b).copied();

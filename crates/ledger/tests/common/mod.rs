@@ -18,7 +18,9 @@ pub fn ms(n: u64) -> Duration {
 }
 
 pub fn hid(n: u128) -> HandoffId {
-    HandoffId(0x5eed_0000_0000_0000_0000_0000_0000_0000 | n)
+    HandoffId::from_bytes(u128::to_le_bytes(
+        0x5eed_0000_0000_0000_0000_0000_0000_0000 | n,
+    ))
 }
 
 pub struct Pair {

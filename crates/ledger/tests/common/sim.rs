@@ -280,7 +280,7 @@ impl Sim {
             trace: std::env::var_os("SIM_TRACE").is_some(),
         };
         for (i, spec) in reqs.into_iter().enumerate() {
-            let id = HandoffId(0xabc0_0000 + i as u128 * 7919);
+            let id = HandoffId::from_bytes(u128::to_le_bytes(0xabc0_0000 + i as u128 * 7919));
             let t = ms(spec.at_ms);
             let lag = spec.lag_ms.unsigned_abs();
             let (create_at, arrive_at) = if spec.push && spec.lag_ms < 0 {

@@ -9,9 +9,9 @@ use proptest::prelude::*;
 
 pub fn handoff_id() -> impl Strategy<Value = HandoffId> + Clone {
     prop_oneof![
-        any::<u128>().prop_map(HandoffId),
-        Just(HandoffId(0)),
-        Just(HandoffId(u128::MAX)),
+        any::<[u8; 16]>().prop_map(HandoffId::from_bytes),
+        Just(HandoffId::from_bytes(u128::to_le_bytes(0))),
+        Just(HandoffId::from_bytes(u128::to_le_bytes(u128::MAX))),
     ]
 }
 
