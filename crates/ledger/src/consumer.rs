@@ -42,6 +42,9 @@ use crate::timer::{TimerQueue, TimerSlot};
 use crate::{BlockId, BlockRelease, EndReason, PeerId, RequestId, Time};
 use handoff_plan::{rank_consumers, rank_pairs};
 
+/// How many heartbeat intervals a heartbeat's send time is kept for its reply.
+const ANCHOR_INTERVALS: u32 = 10;
+
 /// What D does with a request whose KV could not be transferred.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailurePolicy {
@@ -671,7 +674,11 @@ impl ConsumerLedger {
             self.evaluate(id, now);
         }
         self.tombstones.expire(now);
-        self.heartbeats.expire(now, self.cfg.wait_deadline);
+        // A reply to a heartbeat older than this anchors nothing any more: by then later
+        // heartbeats (one per interval) have asked again, and their replies count. Keeping each
+        // question for the whole wait deadline held one entry per request for 60 s.
+        self.heartbeats
+            .expire(now, self.cfg.heartbeat_interval * ANCHOR_INTERVALS);
         if self.next_heartbeat.is_some_and(|t| t <= now) {
             self.send_heartbeats(now);
         }
@@ -1102,6 +1109,10 @@ impl ConsumerLedger {
         let Some(h) = self.handoffs.remove(&id) else {
             return;
         };
+        let handoffs = &self.handoffs;
+        self.timers.compact_if_stale(handoffs.len(), |k, g| {
+            handoffs.get(&k).is_some_and(|h| h.timer.is_live(g))
+        });
         debug_assert!(
             h.local.is_none(),
             "blocks must be handed over or released first"

@@ -996,6 +996,10 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.remove(&id) else {
             return;
         };
+        let handoffs = &self.handoffs;
+        self.timers.compact_if_stale(handoffs.len(), |k, g| {
+            handoffs.get(&k).is_some_and(|h| h.timer.is_live(g))
+        });
         for r in &h.registrations {
             if matches!(r.state, RegState::Writing | RegState::CancelPending) {
                 self.actions.push_back(ProducerAction::AbortWrite {

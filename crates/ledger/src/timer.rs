@@ -60,7 +60,21 @@ impl<K: Ord + Copy + Hash> TimerQueue<K> {
     pub fn len(&self) -> usize {
         self.heap.len()
     }
+
+    /// Drops stale entries once they outnumber the `live_items` (each owns at most one live
+    /// entry) by more than [`COMPACT_SLACK`]: an item that ends long before its deadline leaves
+    /// its entry behind until that deadline surfaces (a D request's wait deadline is a minute
+    /// away), which at a steady request rate is a table that grows with the deadline. `live`
+    /// says whether an entry is an item's live one. Amortised O(1) per ended item.
+    pub fn compact_if_stale(&mut self, live_items: usize, mut live: impl FnMut(K, u64) -> bool) {
+        if self.heap.len() > 2 * live_items + COMPACT_SLACK {
+            self.heap.retain(|Reverse((_, g, k))| live(*k, *g));
+        }
+    }
 }
+
+/// Stale timer entries tolerated beyond twice the live items before a compaction.
+pub(crate) const COMPACT_SLACK: usize = 1024;
 
 /// The timer slot an item owns: its current deadline and the generation of its live heap entry.
 #[derive(Debug, Clone, Copy, Default)]
@@ -82,6 +96,11 @@ impl TimerSlot {
         }
     }
 
+    /// Whether the queue entry of `generation` is this item's live one.
+    pub fn is_live(&self, generation: u64) -> bool {
+        generation == self.generation && self.armed_at.is_some()
+    }
+
     /// Called when an entry of this item popped: true when it is the live one (then the slot is
     /// disarmed and the owner must re-arm for its next deadline, if any).
     pub fn fired(&mut self, generation: u64) -> bool {
@@ -91,5 +110,46 @@ impl TimerSlot {
         } else {
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    #[test]
+    fn items_that_end_early_leave_a_bounded_number_of_stale_entries() {
+        let mut q: TimerQueue<u32> = TimerQueue::default();
+        let mut live: HashMap<u32, TimerSlot> = HashMap::new();
+        // 100,000 items, each armed for a minute and ended at once, 10 alive at a time.
+        for i in 0..100_000u32 {
+            let mut slot = TimerSlot::default();
+            slot.arm(&mut q, i, Duration::from_secs(60));
+            live.insert(i, slot);
+            if i >= 10 {
+                live.remove(&(i - 10));
+                q.compact_if_stale(live.len(), |k, g| {
+                    live.get(&k).is_some_and(|s| s.is_live(g))
+                });
+            }
+        }
+        assert!(
+            q.len() <= 2 * live.len() + COMPACT_SLACK,
+            "{} entries",
+            q.len()
+        );
+        // The live items still fire.
+        let mut fired = 0;
+        while q
+            .pop_live(Duration::from_secs(61), |k, g| {
+                live.get_mut(&k).is_some_and(|s| s.fired(g))
+            })
+            .is_some()
+        {
+            fired += 1;
+        }
+        assert_eq!(fired, 10);
     }
 }
