@@ -144,6 +144,7 @@ impl Connector {
                 side_channel_port: side_addr.port(),
                 producer: cfg.producer.clone(),
                 consumer: cfg.consumer.clone(),
+                opaque_blocks: cfg.opaque_blocks,
             },
             hellos,
         );

@@ -59,6 +59,8 @@ pub struct ConnectorConfig {
     pub advertise_host: String,
     pub producer: ProducerConfig,
     pub consumer: ConsumerConfig,
+    /// See [`CoreConfig::opaque_blocks`] (vLLM: true).
+    pub opaque_blocks: bool,
 }
 
 /// What the connector tells the engine's scheduler.

@@ -44,6 +44,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         advertise_host: "127.0.0.1".into(),
         producer: Default::default(),
         consumer: Default::default(),
+        opaque_blocks: false,
     }
 }
 

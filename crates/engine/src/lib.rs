@@ -133,6 +133,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             advertise_host: cfg.advertise().to_string(),
             producer: cfg.producer(),
             consumer: cfg.consumer(),
+            opaque_blocks: false,
         },
         ranks,
         &mut registry,

@@ -2,7 +2,8 @@
 //!
 //! - [`tcp`]: pure Rust, the embedded default; across processes and hosts.
 //! - [`nixl`]: NIXL's C API (`libnixl_capi.so` from the `nixl-cu12` wheel), loaded at run time so
-//!   handoff builds and runs where NIXL is absent. The only place with `unsafe` in handoff.
+//!   handoff builds and runs where NIXL is absent. With `foreign` (regions over an engine's own
+//!   KV tensors, [`KvRegion::from_foreign`]), the only places with `unsafe` in handoff.
 //! - [`mem`]: in-process and deterministic, for connector tests.
 //! - [`faulty`]: wraps any backend and, from a seed, drops, duplicates, delays or reorders
 //!   notifications, fails transfers and kills peers, so an end-to-end test can replay a fault.
@@ -10,11 +11,13 @@
 //! The trait is synchronous and non-blocking apart from [`Transport::post`], which may copy on
 //! the caller's thread (NIXL's CMA path does): async callers post from a blocking thread.
 
-// `unsafe` is refused everywhere in handoff but the NIXL binding, which allows it for itself.
+// `unsafe` is refused everywhere in handoff but the NIXL binding and foreign memory, which allow
+// it for themselves.
 #![deny(unsafe_code)]
 
 pub mod conformance;
 pub mod faulty;
+mod foreign;
 pub mod mem;
 pub mod nixl;
 mod region;

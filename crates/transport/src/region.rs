@@ -7,7 +7,9 @@
 //!
 //! The allocation is made once and never handed back to the allocator: engines keep their KV pool
 //! for the life of the process, and leaking it is what lets every chunk be a plain
-//! `&'static mut [u8]` behind a lock, with no `unsafe` outside the NIXL binding.
+//! `&'static mut [u8]` behind a lock. A region may also cover memory the engine allocated
+//! ([`KvRegion::from_foreign`], vLLM's KV tensors): the one `unsafe` step there is in
+//! `crate::foreign`.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -45,6 +47,23 @@ impl KvRegion {
             mem[i] = std::hint::black_box(0);
         }
         let base = mem.as_ptr() as usize;
+        let chunks = mem
+            .chunks_mut(chunk)
+            .map(|c| Arc::new(RwLock::new(c)))
+            .collect();
+        KvRegion {
+            len,
+            chunk,
+            base,
+            chunks,
+        }
+    }
+
+    /// A region over memory that lives as long as the process (see
+    /// [`KvRegion::from_foreign`], in `crate::foreign`).
+    pub(crate) fn from_static(mem: &'static mut [u8], chunk: usize) -> Self {
+        let chunk = chunk.max(1);
+        let (len, base) = (mem.len(), mem.as_ptr() as usize);
         let chunks = mem
             .chunks_mut(chunk)
             .map(|c| Arc::new(RwLock::new(c)))

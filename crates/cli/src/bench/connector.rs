@@ -83,6 +83,7 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             side_channel_port: 1,
             producer,
             consumer,
+            opaque_blocks: false,
         },
         vec![WorkerHello {
             rank: 0,

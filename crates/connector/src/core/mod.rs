@@ -51,6 +51,10 @@ pub struct CoreConfig {
     pub side_channel_port: u16,
     pub producer: ProducerConfig,
     pub consumer: ConsumerConfig,
+    /// The engine's KV blocks are opaque pages (vLLM's attention kernels decide what is where
+    /// inside a block): transfers move whole blocks, never touch a block's tail, and only pair
+    /// with engines of exactly the same KV spec (TP size, block size, layout).
+    pub opaque_blocks: bool,
 }
 
 /// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
@@ -441,7 +445,7 @@ impl ConnectorCore {
             .ok_or(ConnectorError::UnknownRequest(request))?;
         c.on_blocks_allocated(handoff, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
-            if inc.mode == TransferMode::Push {
+            if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
                 // P writes exactly the prompt's tokens: the rest of the last block is cleared
                 // now, before any write can land (the two never touch the same bytes).
                 let num_tokens = inc.num_tokens;

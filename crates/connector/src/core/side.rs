@@ -72,6 +72,12 @@ impl ConnectorCore {
             _ => (&self.spec, &layouts[0].spec),
         };
         handoff_plan::check_compatible(p, d).map_err(|e| e.to_string())?;
+        if self.cfg.opaque_blocks && p != d {
+            return Err(format!(
+                "this engine's KV blocks are its attention kernel's pages, moved whole: the peer \
+                 must have the same TP size, block size and layout (P {p:?}, D {d:?})"
+            ));
+        }
         Ok((layouts, agents))
     }
 

@@ -38,6 +38,7 @@ fn core(engine: &str, role: Role) -> ConnectorCore {
             side_channel_port: 7000,
             producer: Default::default(),
             consumer: Default::default(),
+            opaque_blocks: false,
         },
         vec![WorkerHello {
             rank: 0,

@@ -150,6 +150,7 @@ impl ConnectorCore {
     /// it pairs with; the READ of each pair carries that pair's `PullDone`).
     pub(super) fn start_read(&mut self, r: StartRead, now: Time) {
         let d_tp = self.spec.tp as u16;
+        let opaque = self.cfg.opaque_blocks;
         let fail_all = |core: &mut ConnectorCore, why: String| {
             tracing::warn!(handoff = %r.handoff, %why, "read not started");
             if let Some(c) = core.consumer.as_mut() {
@@ -223,7 +224,7 @@ impl ConnectorCore {
                             job,
                             op: XferOp::Read,
                             parts,
-                            zero_tail: Some((r.dst_blocks.clone(), r.num_tokens)),
+                            zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), r.num_tokens)),
                         },
                     ));
                     jobs.insert(d_rank, job);

@@ -302,6 +302,7 @@ impl Sim {
                     side_channel_port: 7000,
                     producer: pcfg.clone(),
                     consumer: dcfg.clone(),
+                    opaque_blocks: false,
                 },
                 vec![WorkerHello {
                     rank: 0,

@@ -1,0 +1,303 @@
+"""``HandoffConnector``: vLLM's ``KVConnectorBase_V1`` hooks onto handoff's connector.
+
+vLLM builds this class twice: with the SCHEDULER role in EngineCore and with the WORKER role in
+each worker process. Each side wraps its Rust half (``handoff_vllm._native``):
+
+* scheduler: ``Scheduler`` runs the ledgers, the side channel and the timers on Rust threads;
+  the hooks here only hand it vLLM's facts and collect, once per step, the work for the workers
+  and the requests vLLM must release or resume;
+* worker: ``Worker`` registers the rank's KV tensors with a transport agent and carries out the
+  steps; its reports ride back to the scheduler in ``KVConnectorWorkerMetadata``.
+
+Every hook returns after a short call; Rust threads never call into Python.
+
+Pull mode (D reads P's blocks) with equal TP sizes and block sizes on P and D. Requests for P
+must not stream (vLLM puts ``kv_transfer_params`` only in non-streamed responses).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from handoff_vllm import _native
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("handoff_vllm")
+
+
+class _AllCpus:
+    """Widens the calling thread's CPU affinity to every CPU while handoff may start threads.
+
+    vLLM's CPU worker pins its main thread to the cores it computes on (on a small machine, one
+    core) and its OpenMP threads spin there; threads inherit the mask of the thread that starts
+    them, so the transport's threads would share that core and starve (peers declared silent).
+    The mask is restored on exit: vLLM's own threads are untouched.
+    """
+
+    def __enter__(self):
+        try:
+            self._saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except (AttributeError, OSError):
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            try:
+                os.sched_setaffinity(0, self._saved)
+            except OSError:
+                pass
+        return False
+
+
+@dataclass
+class HandoffMeta(KVConnectorMetadata):
+    """What the scheduler side tells every worker for one step."""
+
+    meta: bytes = b""
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HandoffWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler side after one step."""
+
+    reports: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, HandoffWorkerMeta):
+            return self
+        return HandoffWorkerMeta(self.reports + other.reports)
+
+
+@dataclass
+class HandoffHandshake(KVConnectorHandshakeMetadata):
+    """A worker's hello (its KV layout and transport agent), for the scheduler side."""
+
+    hello: bytes = b""
+    opaque_blocks: bool = True
+
+
+def _extra(vllm_config) -> dict[str, Any]:
+    ktc = vllm_config.kv_transfer_config
+    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+
+
+class HandoffConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._config = vllm_config
+        self._extra = _extra(vllm_config)
+        ktc = vllm_config.kv_transfer_config
+        self._engine_id = str(self._extra.get("engine_id") or ktc.engine_id)
+        self._block_size = vllm_config.cache_config.block_size
+        # Scheduler side.
+        self._sched = None
+        self._opaque = True
+        # Worker side.
+        self._worker = None
+        self._pending_sending: set[str] = set()
+        self._seen_finished: set[str] = set()
+        self._report: bytes | None = None
+        self._last: HandoffMeta | None = None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        mc = self._config.model_config
+        pc = self._config.parallel_config
+        tensors = [
+            {
+                "name": name,
+                "data_ptr": int(t.data_ptr()),
+                "shape": [int(d) for d in t.shape],
+                "strides": [int(s) for s in t.stride()],
+                "element_size": int(t.element_size()),
+            }
+            for name, t in kv_caches.items()
+        ]
+        cfg = {
+            "engine_id": self._engine_id,
+            "transport": self._extra.get("transport", "tcp"),
+            "data_bind": self._extra.get("data_bind", "127.0.0.1:0"),
+            "advertise_host": self._extra.get("advertise_host"),
+            "facts": {
+                "num_kv_heads": int(mc.get_total_num_kv_heads()),
+                "head_dim": int(mc.get_head_size()),
+                "block_size": int(self._block_size),
+                "tp": int(pc.tensor_parallel_size),
+                "rank": int(get_tensor_model_parallel_rank()),
+            },
+        }
+        with _AllCpus():
+            self._worker = _native.Worker(json.dumps(cfg), json.dumps(tensors))
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None:
+            return None
+        return HandoffHandshake(bytes(self._worker.hello()), self._worker.opaque_blocks())
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HandoffMeta) or self._worker is None:
+            return
+        if meta.meta:
+            # Loading a peer may start the transport's connection threads.
+            with _AllCpus():
+                self._worker.apply(meta.meta)
+        self._last = meta
+        self._pending_sending.update(meta.finished_sending)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None, r.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is not None:
+            report = self._worker.poll()
+            if report is not None:
+                self._report = bytes(report)
+        # A send may be reported only once vLLM named the request finished (base.py).
+        self._seen_finished.update(finished_req_ids)
+        sending = {r for r in self._pending_sending if r in self._seen_finished}
+        self._pending_sending -= sending
+        self._seen_finished -= sending
+        meta, self._last = self._last, None
+        recving = set(meta.finished_recving) if meta else set()
+        failed = set(meta.failed_recving) if meta else set()
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving | failed,
+            failed_recving=failed,
+        )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report, self._report = self._report, None
+        return HandoffWorkerMeta([report]) if report else None
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if not metadata or self._sched is not None:
+            return
+        hellos = [metadata[r] for r in sorted(metadata)]
+        self._opaque = all(getattr(h, "opaque_blocks", True) for h in hellos)
+        mc = self._config.model_config
+        cfg = {
+            "engine_id": self._engine_id,
+            "model": str(self._extra.get("model_name") or mc.served_model_name or mc.model),
+            "dtype": str(mc.dtype).replace("torch.", ""),
+            "mode": self._extra.get("mode", "pull"),
+            "side_channel_host": self._extra.get("side_channel_host", "127.0.0.1"),
+            "side_channel_port": int(self._extra.get("side_channel_port", 0)),
+            "advertise_host": self._extra.get("advertise_host"),
+            "initial_lease_ms": self._extra.get("initial_lease_ms"),
+            "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
+            "opaque_blocks": self._opaque,
+        }
+        self._sched = _native.Scheduler(json.dumps(cfg), [bytes(h.hello) for h in hellos])
+        logger.info(
+            "handoff connector %s: side channel on port %d",
+            self._engine_id,
+            self._sched.side_channel_port(),
+        )
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = request.kv_transfer_params
+        if self._sched is None or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not params.get("handoff_id"):
+            return 0, False
+        prompt = len(request.prompt_token_ids)
+        n = self._sched.remote_prefill_arrived(request.request_id, json.dumps(params), prompt)
+        if n is None:
+            return 0, False
+        count = n - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        params = request.kv_transfer_params
+        if self._sched is None or not params or not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        needed = -(-len(request.prompt_token_ids) // self._block_size)
+        self._sched.blocks_allocated(request.request_id, block_ids[:needed])
+        # One transfer per request: once rescheduled after its KV landed, it is a local request.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._sched is None:
+            return HandoffMeta()
+        meta, sending, recving, failed = self._sched.build_meta()
+        return HandoffMeta(bytes(meta), list(sending), list(recving), list(failed))
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._sched is not None and isinstance(wm, HandoffWorkerMeta) and wm.reports:
+            self._sched.worker_reports(wm.reports)
+
+    def request_finished(self, request, block_ids: list[int]):
+        if self._sched is None:
+            return False, None
+        params = request.kv_transfer_params
+        remote_decode = bool(params and params.get("do_remote_decode"))
+        if remote_decode and not self._finished_normally(request):
+            remote_decode = False
+        out = self._sched.request_finished(
+            request.request_id,
+            json.dumps(params) if remote_decode else None,
+            [int(b) for b in block_ids],
+            int(request.num_computed_tokens),
+        )
+        if out is None:
+            return False, None
+        return True, json.loads(out)
+
+    @staticmethod
+    def _finished_normally(request) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        return request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()

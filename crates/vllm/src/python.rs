@@ -1,0 +1,189 @@
+//! The Python module `handoff_vllm._native`: thin classes over [`SchedulerSide`] and
+//! [`WorkerBridge`]. Everything crosses as plain values (str, int, bytes, lists, JSON text); no
+//! torch, no vLLM, no NIXL on this side. Errors become `RuntimeError` with handoff's message.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use handoff_connector::WorkerHello;
+use handoff_proto::KvTransferParams;
+
+use crate::kv_tensors::KvTensorInfo;
+use crate::scheduler::{SchedulerConfig, SchedulerSide, StepMeta};
+use crate::worker::{WorkerBridge, WorkerConfig};
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+fn params(json: Option<&str>) -> PyResult<Option<KvTransferParams>> {
+    json.map(|j| serde_json::from_str(j).map_err(|e| err(format!("kv_transfer_params: {e}"))))
+        .transpose()
+}
+
+/// The scheduler side (EngineCore process).
+// `unsendable`: vLLM calls every hook from its process's main thread.
+#[pyclass(name = "Scheduler", module = "handoff_vllm._native", unsendable)]
+struct PyScheduler {
+    inner: SchedulerSide,
+}
+
+#[pymethods]
+impl PyScheduler {
+    /// `config_json`: [`SchedulerConfig`]; `hellos`: every worker's `hello()` bytes, by rank.
+    #[new]
+    fn new(config_json: &str, hellos: Vec<Vec<u8>>) -> PyResult<Self> {
+        let cfg: SchedulerConfig =
+            serde_json::from_str(config_json).map_err(|e| err(format!("config: {e}")))?;
+        let hellos = hellos
+            .iter()
+            .map(|h| postcard::from_bytes::<WorkerHello>(h).map_err(|e| err(format!("hello: {e}"))))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyScheduler {
+            inner: SchedulerSide::start(cfg, hellos).map_err(err)?,
+        })
+    }
+
+    fn side_channel_port(&self) -> u16 {
+        self.inner.side_channel_port()
+    }
+
+    /// P: returns the `kv_transfer_params` JSON for the response when the blocks are kept for
+    /// a D; `None` otherwise. D: a request that ends before its KV landed.
+    #[pyo3(signature = (request_id, params_json, blocks, num_tokens))]
+    fn request_finished(
+        &mut self,
+        request_id: &str,
+        params_json: Option<&str>,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> PyResult<Option<String>> {
+        let p = params(params_json)?;
+        let out = self
+            .inner
+            .request_finished(request_id, p.as_ref(), blocks, num_tokens)
+            .map_err(err)?;
+        out.map(|p| serde_json::to_string(&p).map_err(err))
+            .transpose()
+    }
+
+    /// D: how many prompt tokens come from P (`None`: not a remote prefill).
+    fn remote_prefill_arrived(
+        &mut self,
+        request_id: &str,
+        params_json: &str,
+        prompt_tokens: u32,
+    ) -> PyResult<Option<u32>> {
+        let p = params(Some(params_json))?.unwrap_or_default();
+        self.inner
+            .remote_prefill_arrived(request_id, &p, prompt_tokens)
+            .map_err(err)
+    }
+
+    fn blocks_allocated(&mut self, request_id: &str, blocks: Vec<u32>) -> PyResult<()> {
+        self.inner.blocks_allocated(request_id, blocks).map_err(err)
+    }
+
+    fn reject(&mut self, params_json: &str) -> PyResult<()> {
+        let p = params(Some(params_json))?.unwrap_or_default();
+        self.inner.reject(&p).map_err(err)
+    }
+
+    /// The step metadata (bytes) and, for vLLM, the request ids it settles:
+    /// `(meta, finished_sending, finished_recving, failed_recving)`.
+    fn build_meta<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyBytes>, Vec<String>, Vec<String>, Vec<String>) {
+        let meta = self.inner.build_meta();
+        let bytes = PyBytes::new(py, &meta.to_bytes());
+        (
+            bytes,
+            meta.finished_sending,
+            meta.finished_recving,
+            meta.failed_recving,
+        )
+    }
+
+    fn worker_reports(&mut self, reports: Vec<Vec<u8>>) -> PyResult<()> {
+        self.inner.worker_reports(&reports).map_err(err)
+    }
+
+    fn has_pending_work(&self) -> bool {
+        self.inner.has_pending_work()
+    }
+
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+/// One rank's worker side (a worker process).
+#[pyclass(name = "Worker", module = "handoff_vllm._native", unsendable)]
+struct PyWorker {
+    inner: WorkerBridge,
+}
+
+#[pymethods]
+impl PyWorker {
+    /// `config_json`: [`WorkerConfig`]; `tensors_json`: a list of [`KvTensorInfo`] (name,
+    /// data_ptr, shape, strides, element_size), one per attention layer in layer order.
+    #[new]
+    fn new(config_json: &str, tensors_json: &str) -> PyResult<Self> {
+        let cfg: WorkerConfig =
+            serde_json::from_str(config_json).map_err(|e| err(format!("config: {e}")))?;
+        let tensors: Vec<KvTensorInfo> =
+            serde_json::from_str(tensors_json).map_err(|e| err(format!("tensors: {e}")))?;
+        Ok(PyWorker {
+            inner: WorkerBridge::register(cfg, &tensors).map_err(err)?,
+        })
+    }
+
+    fn hello<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let h = self.inner.hello().map_err(err)?;
+        let b = postcard::to_allocvec(&h).map_err(err)?;
+        Ok(PyBytes::new(py, &b))
+    }
+
+    fn opaque_blocks(&self) -> bool {
+        self.inner.opaque_blocks()
+    }
+
+    fn apply(&mut self, meta: &[u8]) -> PyResult<()> {
+        let m = StepMeta::from_bytes(meta).map_err(err)?;
+        self.inner.apply(&m);
+        Ok(())
+    }
+
+    /// The report since the last call (bytes for the scheduler side), or `None`.
+    fn poll<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        match self.inner.poll() {
+            Some(r) => Ok(Some(PyBytes::new(
+                py,
+                &postcard::to_allocvec(&r).map_err(err)?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // handoff's logs go to the process's stderr (vLLM's log), filtered by RUST_LOG (default:
+    // warnings). A second init (another import) is a no-op.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .try_init();
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PyWorker>()?;
+    Ok(())
+}

@@ -1,0 +1,349 @@
+//! The scheduler side, in vLLM's EngineCore process: the connector's executor (and with it the
+//! core: both ledgers, the side channel, the timers) behind vLLM's scheduler hooks. Worker steps
+//! leave through [`StepMeta`] (vLLM's `build_connector_meta`, pickled to every worker), worker
+//! reports come back through `update_connector_output`: no socket or shared memory between the
+//! two processes but vLLM's own.
+//!
+//! Request ids: vLLM names requests with strings; the ledgers with numbers. The maps between the
+//! two hold one entry per request in flight and lose it when the request's outcome is known.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+
+use handoff_connector::{
+    Connector, ConnectorConfig, ConnectorError, ConnectorEvent, ReportSink, Role, WorkerHello,
+    WorkerLink, WorkerReport, WorkerStep,
+};
+use handoff_ledger::{ConsumerConfig, ProducerConfig};
+use handoff_proto::{KvTransferParams, ReleaseReason, TransferMode};
+use serde::{Deserialize, Serialize};
+
+/// What the scheduler tells every worker for one engine step (vLLM's `KVConnectorMetadata`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepMeta {
+    /// Work per rank (index = rank).
+    pub steps: Vec<WorkerStep>,
+    /// P: requests whose blocks the connector gave back (vLLM frees them).
+    pub finished_sending: Vec<String>,
+    /// D: requests whose KV landed.
+    pub finished_recving: Vec<String>,
+    /// D: requests whose KV will not come (vLLM's `kv_load_failure_policy` decides).
+    pub failed_recving: Vec<String>,
+}
+
+impl StepMeta {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).unwrap_or_default()
+    }
+
+    pub fn from_bytes(b: &[u8]) -> Result<Self, postcard::Error> {
+        postcard::from_bytes(b)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.steps.iter().all(|s| s.ops.is_empty())
+            && self.finished_sending.is_empty()
+            && self.finished_recving.is_empty()
+            && self.failed_recving.is_empty()
+    }
+}
+
+/// `kv_connector_extra_config`, plus what the Python side reads from vLLM's config.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    pub engine_id: String,
+    pub model: String,
+    pub dtype: String,
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// Where the side channel listens.
+    #[serde(default = "default_host")]
+    pub side_channel_host: String,
+    #[serde(default)]
+    pub side_channel_port: u16,
+    /// The host peers dial (default: `side_channel_host`).
+    #[serde(default)]
+    pub advertise_host: Option<String>,
+    #[serde(default)]
+    pub initial_lease_ms: Option<u64>,
+    #[serde(default)]
+    pub wait_deadline_ms: Option<u64>,
+    /// Workers' KV blocks are opaque pages (set from the layout the workers found).
+    #[serde(default)]
+    pub opaque_blocks: bool,
+}
+
+fn default_mode() -> String {
+    "pull".into()
+}
+
+fn default_host() -> String {
+    "127.0.0.1".into()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("invalid connector configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Connector(#[from] ConnectorError),
+    #[error("invalid kv_transfer_params: {0}")]
+    Params(String),
+    #[error("cannot decode a worker report: {0}")]
+    Report(postcard::Error),
+}
+
+/// A worker's steps, queued until the next `build_connector_meta`.
+struct QueueLink(std::sync::mpsc::Sender<WorkerStep>);
+
+impl WorkerLink for QueueLink {
+    fn send(&mut self, step: WorkerStep) -> bool {
+        self.0.send(step).is_ok()
+    }
+}
+
+pub struct SchedulerSide {
+    connector: Arc<Connector>,
+    sink: ReportSink,
+    steps: Vec<Receiver<WorkerStep>>,
+    /// P: first block of a handoff → the vLLM request holding its blocks.
+    sending: HashMap<u32, String>,
+    /// D: vLLM request id ↔ the ledgers' number, while the request waits for its KV.
+    ids: HashMap<String, u64>,
+    names: HashMap<u64, String>,
+    next_id: u64,
+    pending: StepMeta,
+    /// D requests vLLM must not be told about twice.
+    settled: HashSet<u64>,
+}
+
+impl SchedulerSide {
+    /// Starts the scheduler side once every worker said hello (vLLM:
+    /// `set_xfer_handshake_metadata`).
+    pub fn start(cfg: SchedulerConfig, hellos: Vec<WorkerHello>) -> Result<Self, SchedulerError> {
+        let mode = match cfg.mode.as_str() {
+            "pull" => TransferMode::Pull,
+            "push" => TransferMode::Push,
+            other => return Err(SchedulerError::Config(format!("mode {other:?}"))),
+        };
+        let ip: IpAddr = cfg
+            .side_channel_host
+            .parse()
+            .map_err(|e| SchedulerError::Config(format!("side_channel_host: {e}")))?;
+        let mut producer = ProducerConfig {
+            tp: hellos.len() as u16,
+            ..Default::default()
+        };
+        if let Some(ms) = cfg.initial_lease_ms {
+            producer.initial_lease = std::time::Duration::from_millis(ms);
+        }
+        let mut consumer = ConsumerConfig {
+            tp: hellos.len() as u16,
+            ..Default::default()
+        };
+        if let Some(ms) = cfg.wait_deadline_ms {
+            consumer.wait_deadline = std::time::Duration::from_millis(ms);
+        }
+        let ranks = hellos.len();
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| channel::<WorkerStep>()).unzip();
+        let mut registry = prometheus_client::registry::Registry::default();
+        let (connector, sink) = Connector::start_with(
+            ConnectorConfig {
+                engine_id: cfg.engine_id.clone(),
+                role: Role::Both,
+                mode,
+                model: cfg.model.clone(),
+                dtype: cfg.dtype.clone(),
+                side_channel_bind: SocketAddr::new(ip, cfg.side_channel_port),
+                advertise_host: cfg
+                    .advertise_host
+                    .clone()
+                    .unwrap_or_else(|| cfg.side_channel_host.clone()),
+                producer,
+                consumer,
+                opaque_blocks: cfg.opaque_blocks,
+            },
+            hellos,
+            &mut registry,
+            move |_| {
+                Ok(txs
+                    .into_iter()
+                    .map(|t| Box::new(QueueLink(t)) as Box<dyn WorkerLink>)
+                    .collect())
+            },
+        )?;
+        Ok(SchedulerSide {
+            connector,
+            sink,
+            steps: rxs,
+            sending: HashMap::new(),
+            ids: HashMap::new(),
+            names: HashMap::new(),
+            next_id: 1,
+            pending: StepMeta::default(),
+            settled: HashSet::new(),
+        })
+    }
+
+    pub fn side_channel_port(&self) -> u16 {
+        self.connector.side_channel_addr().port()
+    }
+
+    // ----- P -----
+
+    /// vLLM `request_finished` on P: a prompt that D decodes keeps its blocks; the returned
+    /// params go to the client (and the proxy) as `kv_transfer_params`. `None`: not a remote
+    /// decode, vLLM frees the blocks itself.
+    pub fn request_finished(
+        &mut self,
+        request_id: &str,
+        params: Option<&KvTransferParams>,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<Option<KvTransferParams>, SchedulerError> {
+        if let Some(&n) = self.ids.get(request_id) {
+            // D: a request still waiting for its KV ended (client gone, aborted).
+            if !self.settled.contains(&n) {
+                self.connector.on_request_ended(n, ReleaseReason::Aborted);
+            }
+            self.forget(n);
+            return Ok(None);
+        }
+        let remote_decode = params.is_some_and(|p| p.do_remote_decode);
+        if !remote_decode || blocks.is_empty() {
+            return Ok(None);
+        }
+        let first = blocks[0];
+        let out = self
+            .connector
+            .on_prefill_finished(request_id, blocks, num_tokens)?;
+        self.sending.insert(first, request_id.to_string());
+        Ok(Some(out))
+    }
+
+    // ----- D -----
+
+    /// vLLM `get_num_new_matched_tokens` on D: a request whose prompt P prefilled. Starts
+    /// tracking it (heartbeats begin while it still waits in vLLM's queue) and returns how many
+    /// prompt tokens will arrive from P; `None` when this is not such a request.
+    pub fn remote_prefill_arrived(
+        &mut self,
+        request_id: &str,
+        params: &KvTransferParams,
+        prompt_tokens: u32,
+    ) -> Result<Option<u32>, SchedulerError> {
+        if !params.do_remote_prefill || params.handoff_id.is_none() {
+            return Ok(None);
+        }
+        if self.ids.contains_key(request_id) {
+            return Ok(Some(prompt_tokens));
+        }
+        let n = self.next_id;
+        self.next_id += 1;
+        self.connector
+            .on_request_arrived(n, params, prompt_tokens)?;
+        self.ids.insert(request_id.to_string(), n);
+        self.names.insert(n, request_id.to_string());
+        Ok(Some(prompt_tokens))
+    }
+
+    /// vLLM `update_state_after_alloc` on D: the request got `blocks` for its prompt.
+    pub fn blocks_allocated(
+        &mut self,
+        request_id: &str,
+        blocks: Vec<u32>,
+    ) -> Result<(), SchedulerError> {
+        let Some(&n) = self.ids.get(request_id) else {
+            return Ok(());
+        };
+        if let Err(e) = self.connector.on_blocks_allocated(n, blocks) {
+            // The handoff already ended (P gone, refused): its outcome is queued as an event.
+            tracing::info!(request_id, error = %e, "blocks refused");
+        }
+        Ok(())
+    }
+
+    /// D refuses a request naming a remote prefill before tracking it (too long for this engine):
+    /// P releases at once.
+    pub fn reject(&mut self, params: &KvTransferParams) -> Result<(), SchedulerError> {
+        self.connector.reject(params)?;
+        Ok(())
+    }
+
+    fn forget(&mut self, n: u64) {
+        if let Some(name) = self.names.remove(&n) {
+            self.ids.remove(&name);
+        }
+        self.settled.remove(&n);
+    }
+
+    // ----- every step -----
+
+    /// vLLM `build_connector_meta`: what every worker must do this step, and what vLLM must
+    /// learn (blocks to free, KV landed or failed).
+    pub fn build_meta(&mut self) -> StepMeta {
+        for ev in self.connector.poll_events() {
+            match ev {
+                ConnectorEvent::BlocksReleased { blocks, .. } => {
+                    // P: a handoff ended. (D: a transfer's blocks the request keeps anyway.)
+                    if let Some(req) = blocks.first().and_then(|b| self.sending.remove(b)) {
+                        self.pending.finished_sending.push(req);
+                    }
+                }
+                ConnectorEvent::Ready { requests, .. } => {
+                    for n in requests {
+                        if let Some(name) = self.names.get(&n) {
+                            self.pending.finished_recving.push(name.clone());
+                            self.settled.insert(n);
+                        }
+                    }
+                }
+                ConnectorEvent::Recompute { requests, reason }
+                | ConnectorEvent::Failed { requests, reason } => {
+                    for n in requests {
+                        if let Some(name) = self.names.get(&n) {
+                            tracing::warn!(request = %name, %reason, "KV transfer failed");
+                            self.pending.failed_recving.push(name.clone());
+                            self.settled.insert(n);
+                        }
+                    }
+                }
+            }
+        }
+        let mut meta = std::mem::take(&mut self.pending);
+        meta.steps = self
+            .steps
+            .iter()
+            .map(|rx| {
+                let mut step = WorkerStep::default();
+                while let Ok(s) = rx.try_recv() {
+                    step.ops.extend(s.ops);
+                }
+                step
+            })
+            .collect();
+        meta
+    }
+
+    /// vLLM `update_connector_output`: the workers' reports of the last step.
+    pub fn worker_reports(&mut self, reports: &[Vec<u8>]) -> Result<(), SchedulerError> {
+        for r in reports {
+            let report: WorkerReport = postcard::from_bytes(r).map_err(SchedulerError::Report)?;
+            self.sink.report(report);
+        }
+        Ok(())
+    }
+
+    /// Whether vLLM must keep stepping (blocks held, transfers waited for, news to deliver).
+    pub fn has_pending_work(&self) -> bool {
+        let (p, d) = self.connector.held_blocks();
+        p + d > 0 || !self.ids.is_empty() || !self.sending.is_empty() || !self.pending.is_empty()
+    }
+
+    pub fn shutdown(&self) {
+        self.connector.shutdown();
+    }
+}

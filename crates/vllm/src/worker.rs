@@ -1,0 +1,132 @@
+//! The worker side, in each of vLLM's worker processes: the rank's KV tensors registered with its
+//! transport agent, and the steps the scheduler side sent (in [`StepMeta`]) carried out. It holds
+//! no ledger and decides nothing.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use handoff_connector::{RankMemory, WorkerHello, WorkerReport, WorkerSide};
+use handoff_transport::{open_backend_at, Endpoint, KvRegion};
+use serde::Deserialize;
+
+use crate::kv_tensors::{self, KvTensorInfo, KvTensors, ModelFacts};
+use crate::scheduler::StepMeta;
+
+/// How a worker reaches its peers.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WorkerConfig {
+    pub engine_id: String,
+    /// `tcp` (default) or `nixl`.
+    #[serde(default = "default_transport")]
+    pub transport: String,
+    /// Where the tcp transport's data listener binds (port 0: any free port).
+    #[serde(default = "default_bind")]
+    pub data_bind: String,
+    /// The host peers dial for data (default: the bind's host).
+    #[serde(default)]
+    pub advertise_host: Option<String>,
+    pub facts: ModelFacts,
+}
+
+fn default_transport() -> String {
+    "tcp".into()
+}
+
+fn default_bind() -> String {
+    "127.0.0.1:0".into()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("invalid worker configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Tensors(#[from] kv_tensors::KvTensorError),
+    #[error(transparent)]
+    Transport(#[from] handoff_transport::TransportError),
+    #[error(transparent)]
+    Connector(#[from] handoff_connector::ConnectorError),
+    #[error("cannot decode the step metadata: {0}")]
+    Meta(postcard::Error),
+}
+
+pub struct WorkerBridge {
+    side: WorkerSide,
+    rank: usize,
+    opaque_blocks: bool,
+}
+
+impl WorkerBridge {
+    /// Registers the rank's KV tensors (vLLM `register_kv_caches`).
+    ///
+    /// The tensors' memory must stay allocated for the life of the process, as vLLM's KV cache
+    /// does: handoff reads and writes it in place (see `KvRegion::from_foreign`).
+    pub fn register(cfg: WorkerConfig, tensors: &[KvTensorInfo]) -> Result<Self, WorkerError> {
+        let KvTensors {
+            layout,
+            regions,
+            block_bytes,
+            opaque_blocks,
+        } = kv_tensors::derive(tensors, cfg.facts)?;
+        let bind: SocketAddr = cfg
+            .data_bind
+            .parse()
+            .map_err(|e| WorkerError::Config(format!("data_bind {:?}: {e}", cfg.data_bind)))?;
+        let at = Endpoint {
+            advertise_host: cfg
+                .advertise_host
+                .clone()
+                .unwrap_or_else(|| bind.ip().to_string()),
+            bind,
+        };
+        let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
+        let transport = open_backend_at(&cfg.transport, &name, &at)?;
+        let regions = regions
+            .into_iter()
+            .map(|(id, base, len)| {
+                // SAFETY: vLLM allocates its KV cache once per worker process and keeps it for
+                // the process's life; handoff accesses it only through this region.
+                #[allow(unsafe_code)]
+                let r = unsafe {
+                    KvRegion::from_foreign(base as usize, len as usize, block_bytes as usize)
+                };
+                (id, Arc::new(r))
+            })
+            .collect();
+        let side = WorkerSide::new(RankMemory {
+            layout,
+            regions,
+            transport,
+        })?;
+        Ok(WorkerBridge {
+            side,
+            rank: cfg.facts.rank as usize,
+            opaque_blocks,
+        })
+    }
+
+    /// What the scheduler side needs of this worker (vLLM `get_handshake_metadata`).
+    pub fn hello(&self) -> Result<WorkerHello, WorkerError> {
+        Ok(self.side.hello()?)
+    }
+
+    pub fn opaque_blocks(&self) -> bool {
+        self.opaque_blocks
+    }
+
+    /// Carries out this rank's part of a step (vLLM `start_load_kv`).
+    pub fn apply(&mut self, meta: &StepMeta) {
+        if let Some(step) = meta.steps.get(self.rank) {
+            self.side.apply(step.clone());
+        }
+    }
+
+    /// What ended, arrived or died since the last call (vLLM `get_finished`).
+    pub fn poll(&mut self) -> Option<WorkerReport> {
+        self.side.poll()
+    }
+
+    pub fn shutdown(&mut self) {
+        self.side.abort_all();
+    }
+}

@@ -1,0 +1,195 @@
+//! The vLLM bridges driven as vLLM drives them, without Python: a P and a D engine, each a
+//! scheduler side and one worker over CPU-backend-shaped KV tensors (opaque pages), hooks
+//! called in vLLM's order, step metadata and worker reports carried between them as vLLM
+//! carries them (serialised bytes).
+
+use std::time::{Duration, Instant};
+
+use handoff_vllm::kv_tensors::{KvTensorInfo, ModelFacts};
+use handoff_vllm::scheduler::{SchedulerConfig, SchedulerSide, StepMeta};
+use handoff_vllm::worker::WorkerBridge;
+
+const BLOCKS: i64 = 64;
+const HEADS: i64 = 2;
+const BS: i64 = 16;
+const HD: i64 = 8;
+const LAYERS: usize = 2;
+
+fn block_bytes() -> usize {
+    (HEADS * BS * 2 * HD * 4) as usize
+}
+
+/// One engine: KV tensors as vLLM's CPU backend allocates them (one buffer, a view per layer).
+struct Engine {
+    sched: SchedulerSide,
+    worker: WorkerBridge,
+    kv: &'static mut [u8],
+}
+
+fn facts() -> ModelFacts {
+    ModelFacts {
+        num_kv_heads: HEADS as u32,
+        head_dim: HD as u32,
+        block_size: BS as u32,
+        tp: 1,
+        rank: 0,
+    }
+}
+
+fn engine(id: &str) -> Engine {
+    let layer = BLOCKS as usize * block_bytes();
+    let kv: &'static mut [u8] = Box::leak(vec![0u8; LAYERS * layer].into_boxed_slice());
+    let base = kv.as_mut_ptr() as u64;
+    let tensors: Vec<KvTensorInfo> = (0..LAYERS)
+        .map(|l| KvTensorInfo {
+            name: format!("model.layers.{l}.self_attn.attn"),
+            data_ptr: base + (l * layer) as u64,
+            shape: vec![BLOCKS, HEADS, BS, 2 * HD],
+            strides: vec![HEADS * BS * 2 * HD, BS * 2 * HD, 2 * HD, 1],
+            element_size: 4,
+        })
+        .collect();
+    let worker = WorkerBridge::register(
+        serde_json::from_value(serde_json::json!({
+            "engine_id": id,
+            "facts": facts(),
+        }))
+        .unwrap(),
+        &tensors,
+    )
+    .unwrap();
+    assert!(worker.opaque_blocks());
+    let cfg: SchedulerConfig = serde_json::from_value(serde_json::json!({
+        "engine_id": id,
+        "model": "tiny",
+        "dtype": "float32",
+        "opaque_blocks": true,
+    }))
+    .unwrap();
+    let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
+    Engine { sched, worker, kv }
+}
+
+impl Engine {
+    /// One engine step: build_connector_meta → (pickled) → worker start_load_kv / get_finished
+    /// → build_connector_worker_meta → (pickled) → update_connector_output.
+    fn step(&mut self) -> StepMeta {
+        let bytes = self.sched.build_meta().to_bytes();
+        let meta = StepMeta::from_bytes(&bytes).unwrap();
+        self.worker.apply(&meta);
+        std::thread::sleep(Duration::from_millis(1));
+        let reports: Vec<Vec<u8>> = self
+            .worker
+            .poll()
+            .map(|r| postcard::to_allocvec(&r).unwrap())
+            .into_iter()
+            .collect();
+        self.sched.worker_reports(&reports).unwrap();
+        meta
+    }
+
+    fn block(&self, layer: usize, b: u32) -> &[u8] {
+        let start = layer * BLOCKS as usize * block_bytes() + b as usize * block_bytes();
+        &self.kv[start..start + block_bytes()]
+    }
+}
+
+#[test]
+fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
+    let mut p = engine("vllm-p");
+    let mut d = engine("vllm-d");
+    // P prefilled 40 tokens into blocks 5, 6, 9: fill every byte of them (whole pages, tails
+    // too: the kernel's layout is not handoff's, so nothing may be zeroed or skipped).
+    let p_blocks = vec![5u32, 6, 9];
+    for l in 0..LAYERS {
+        for (i, b) in p_blocks.iter().enumerate() {
+            let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
+            for (j, x) in p.kv[start..start + block_bytes()].iter_mut().enumerate() {
+                *x = (l * 31 + i * 7 + j % 251) as u8 | 1;
+            }
+        }
+    }
+    let request: handoff_proto::KvTransferParams =
+        serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
+    let params = p
+        .sched
+        .request_finished("cmpl-p-1", Some(&request), p_blocks.clone(), 40)
+        .unwrap()
+        .expect("P keeps the blocks for D");
+    assert!(params.do_remote_prefill && params.handoff_id.is_some());
+    // What the client and the proxy see, and hand to D.
+    let json = serde_json::to_value(&params).unwrap();
+    let params: handoff_proto::KvTransferParams = serde_json::from_value(json).unwrap();
+
+    let n = d
+        .sched
+        .remote_prefill_arrived("cmpl-d-1", &params, 40)
+        .unwrap();
+    assert_eq!(n, Some(40));
+    let d_blocks = vec![11u32, 12, 13];
+    d.sched
+        .blocks_allocated("cmpl-d-1", d_blocks.clone())
+        .unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut recved, mut sent) = (false, false);
+    while !(recved && sent) {
+        assert!(Instant::now() < deadline, "recved {recved} sent {sent}");
+        let dm = d.step();
+        assert!(dm.failed_recving.is_empty(), "{dm:?}");
+        recved |= dm.finished_recving.contains(&"cmpl-d-1".to_string());
+        let pm = p.step();
+        sent |= pm.finished_sending.contains(&"cmpl-p-1".to_string());
+    }
+    for l in 0..LAYERS {
+        for (pb, db) in p_blocks.iter().zip(&d_blocks) {
+            assert_eq!(
+                p.block(l, *pb),
+                d.block(l, *db),
+                "layer {l} block {pb} -> {db}"
+            );
+        }
+    }
+    // Nothing else of D's memory was touched.
+    assert!(d.block(0, 10).iter().all(|&x| x == 0));
+    assert!(d.block(1, 14).iter().all(|&x| x == 0));
+    // D's request decodes and ends: nothing is left on either side.
+    d.sched
+        .request_finished("cmpl-d-1", None, d_blocks, 40)
+        .unwrap();
+    for _ in 0..20 {
+        p.step();
+        d.step();
+    }
+    assert!(!p.sched.has_pending_work());
+    assert!(!d.sched.has_pending_work());
+}
+
+#[test]
+fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
+    let mut p = engine("vllm-p2");
+    let mut d = engine("vllm-d2");
+    let request: handoff_proto::KvTransferParams =
+        serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
+    let params = p
+        .sched
+        .request_finished("p-req", Some(&request), vec![1, 2], 20)
+        .unwrap()
+        .unwrap();
+    d.sched
+        .remote_prefill_arrived("d-req", &params, 20)
+        .unwrap();
+    // The client leaves while the request still waits in D's queue.
+    d.sched.request_finished("d-req", None, vec![], 0).unwrap();
+    let t0 = Instant::now();
+    loop {
+        d.step();
+        if p.step().finished_sending.contains(&"p-req".to_string()) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "P still holds the blocks"
+        );
+    }
+}

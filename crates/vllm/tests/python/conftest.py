@@ -1,0 +1,137 @@
+"""Real vLLM servers (CPU build, dummy weights, the tiny local model) for the connector tests.
+
+Three servers per test session, started in parallel: a single reference engine without a
+connector, and a P and a D engine with ``HandoffConnector``. Every server binds 127.0.0.1 and is
+stopped (its whole process group) at the end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE / "model"
+LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
+STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
+MAX_MODEL_LEN = 2048
+BLOCK_SIZE = 128  # vLLM's default on CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOGS / f"{name}.log"
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(MODEL), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+            "--disable-log-stats",
+        ] + (extra_args or [])
+        if connector is not None:
+            args += ["--kv-transfer-config", json.dumps(connector)]
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", RUST_LOG=env.get("RUST_LOG", "info"))
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log_path}\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not healthy in time: see {self.log_path}\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        body.update(extra)
+        r = requests.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text[:500]}"
+        return r.json()
+
+    def metric(self, name: str) -> float:
+        text = requests.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def connector(engine_id: str, **extra) -> dict:
+    return {
+        "kv_connector": "HandoffConnector",
+        "kv_connector_module_path": "handoff_vllm",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"engine_id": engine_id, **extra},
+    }
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    servers = {
+        "single": Server("single", None),
+        "p": Server("p", connector("vllm-p")),
+        "d": Server("d", connector("vllm-d")),
+    }
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        for s in servers.values():
+            s.wait_healthy(deadline)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.kill(signal.SIGTERM)
