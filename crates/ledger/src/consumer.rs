@@ -368,6 +368,11 @@ impl ConsumerLedger {
     }
 
     /// What D learned of a handoff it tracks.
+    /// Whether this ledger tracks `id` or ended it recently (its tombstone is still kept).
+    pub fn knows(&self, id: HandoffId) -> bool {
+        self.handoffs.contains_key(&id) || self.tombstones.get(&id).is_some()
+    }
+
     pub fn incoming(&self, id: HandoffId) -> Option<&IncomingHandoff> {
         self.handoffs.get(&id).map(|h| &h.info)
     }

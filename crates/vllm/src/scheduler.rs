@@ -220,6 +220,7 @@ impl SchedulerSide {
         let out = self
             .connector
             .on_prefill_finished(request_id, blocks, num_tokens)?;
+        tracing::debug!(request_id, handoff = ?out.handoff_id, first, "P keeps blocks for D");
         self.sending.insert(first, request_id.to_string());
         Ok(Some(out))
     }
@@ -287,9 +288,10 @@ impl SchedulerSide {
     pub fn build_meta(&mut self) -> StepMeta {
         for ev in self.connector.poll_events() {
             match ev {
-                ConnectorEvent::BlocksReleased { blocks, .. } => {
+                ConnectorEvent::BlocksReleased { blocks, reason } => {
                     // P: a handoff ended. (D: a transfer's blocks the request keeps anyway.)
                     if let Some(req) = blocks.first().and_then(|b| self.sending.remove(b)) {
+                        tracing::debug!(request = %req, %reason, blocks = blocks.len(), "P's blocks back");
                         self.pending.finished_sending.push(req);
                     }
                 }

@@ -37,6 +37,10 @@ fn facts() -> ModelFacts {
 }
 
 fn engine(id: &str) -> Engine {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let layer = BLOCKS as usize * block_bytes();
     let kv: &'static mut [u8] = Box::leak(vec![0u8; LAYERS * layer].into_boxed_slice());
     let base = kv.as_mut_ptr() as u64;

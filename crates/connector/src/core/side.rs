@@ -3,7 +3,7 @@
 
 use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
-use handoff_proto::{Fingerprint, Hello, HelloReply, Message};
+use handoff_proto::{Fingerprint, Heartbeat, Hello, HelloReply, Message};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
@@ -155,6 +155,11 @@ impl ConnectorCore {
         if matches!(msg, Message::Heartbeat(_)) {
             self.out.observations.push(Observation::HeartbeatSent);
         }
+        if let Message::GrantBatch(g) = &msg {
+            if !g.gone.is_empty() {
+                tracing::debug!(engine = %self.cfg.engine_id, ?peer, gone = ?g.gone, "handoffs this P no longer holds");
+            }
+        }
         let Some(p) = self.peers.get_mut(peer) else {
             return;
         };
@@ -198,8 +203,34 @@ impl ConnectorCore {
                     c.handle_message(peer, msg, now);
                 }
             }
-            // Heartbeats and grants go both ways (pull: D→P; push: also P→D). Whoever does not
-            // know the ids ignores them.
+            // An engine with both ledgers: each heartbeat entry goes to the ledger it concerns.
+            // (Both answer a heartbeat, and a consumer answers "gone" for ids it does not
+            // know: given a D's pull heartbeat, it told that D its P no longer held the handoff
+            // and the D recomputed, whenever that answer beat the transfer.) The consumer gets
+            // the entries it tracks or ended recently; the producer everything else (it stages
+            // ids it does not know yet).
+            Message::Heartbeat(hb) if self.producer.is_some() && self.consumer.is_some() => {
+                let (mut to_p, mut to_c) = (Vec::new(), Vec::new());
+                if let (Some(p), Some(c)) = (&self.producer, &self.consumer) {
+                    for e in hb.entries {
+                        if !p.contains(e.handoff) && c.knows(e.handoff) {
+                            to_c.push(e);
+                        } else {
+                            to_p.push(e);
+                        }
+                    }
+                }
+                let seq = hb.seq;
+                if let (Some(p), false) = (self.producer.as_mut(), to_p.is_empty()) {
+                    let hb = Heartbeat { seq, entries: to_p };
+                    p.handle_message(peer, Message::Heartbeat(hb), now);
+                }
+                if let (Some(c), false) = (self.consumer.as_mut(), to_c.is_empty()) {
+                    let hb = Heartbeat { seq, entries: to_c };
+                    c.handle_message(peer, Message::Heartbeat(hb), now);
+                }
+            }
+            // Grants go to both: each ledger applies only those of handoffs it tracks.
             Message::Heartbeat(_) | Message::GrantBatch(_) => {
                 match (&mut self.producer, &mut self.consumer) {
                     (Some(p), Some(c)) => {

@@ -234,3 +234,48 @@ fn ended_requests_leave_nothing_behind() {
     assert_eq!((m.reads, m.pushes, m.jobs), (0, 0, 0));
     assert!(d.on_blocks_allocated(1, vec![3], t(5)).is_err());
 }
+
+#[test]
+fn an_engine_with_both_ledgers_answers_a_pull_heartbeat_with_a_grant_only() {
+    // vLLM's kv_both engines run both ledgers. A D's heartbeat for a handoff this engine
+    // produced must get a grant, and no "gone" from the consumer ledger (which never heard of
+    // the handoff): D fails a request on "gone".
+    let mut p = core("p", Role::Both);
+    let prm = params(&mut p, 1);
+    let _ = p.ready();
+    let handoff = prm.handoff_id.unwrap();
+    p.handle_accepted(
+        100,
+        Message::Hello(hello_of(&core("d", Role::Decode))),
+        t(1),
+    );
+    let r = p.ready();
+    p.advance(r);
+    p.handle_frame(
+        100,
+        Message::Heartbeat(Heartbeat {
+            seq: 1,
+            entries: vec![HeartbeatEntry {
+                handoff,
+                epoch: Epoch::FIRST,
+            }],
+        }),
+        t(2),
+    );
+    let r = p.ready();
+    let batches: Vec<_> = r
+        .messages
+        .iter()
+        .filter_map(|(_, m)| match m {
+            Message::GrantBatch(g) => Some(g.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        batches
+            .iter()
+            .any(|g| g.grants.iter().any(|x| x.handoff == handoff)),
+        "{batches:?}"
+    );
+    assert!(batches.iter().all(|g| g.gone.is_empty()), "{batches:?}");
+}

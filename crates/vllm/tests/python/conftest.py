@@ -51,7 +51,17 @@ class Server:
         if connector is not None:
             args += ["--kv-transfer-config", json.dumps(connector)]
         env = dict(os.environ)
-        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", RUST_LOG=env.get("RUST_LOG", "info"))
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            RUST_LOG=env.get("RUST_LOG", "info"),
+            # Three servers share this machine's few cores: vLLM's default pins every worker
+            # to the same core and its OpenMP threads spin there, which stalls whole engine
+            # steps for seconds. One passive OpenMP thread per server, unpinned.
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS="1",
+            OMP_WAIT_POLICY="PASSIVE",
+        )
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
