@@ -54,6 +54,20 @@ pub struct WorkerBridge {
     side: WorkerSide,
     rank: usize,
     opaque_blocks: bool,
+    /// Test-only: see [`CORRUPT_SWITCH`].
+    corrupt: Option<Corrupt>,
+}
+
+/// Test-only switch (negative controls): when this environment variable names a file, and
+/// while that file exists, every byte a READ landed is overwritten before the scheduler side
+/// hears that it completed, as a transfer that damaged its blocks would.
+pub const CORRUPT_SWITCH: &str = "HANDOFF_VLLM_TEST_CORRUPT_FILE";
+
+struct Corrupt {
+    file: std::path::PathBuf,
+    regions: Vec<(u32, Arc<KvRegion>)>,
+    /// Posted READs: job → the (region, offset, len) ranges it lands.
+    reads: std::collections::HashMap<handoff_connector::JobId, Vec<(u32, u64, u64)>>,
 }
 
 impl WorkerBridge {
@@ -81,7 +95,7 @@ impl WorkerBridge {
         };
         let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
         let transport = open_backend_at(&cfg.transport, &name, &at)?;
-        let regions = regions
+        let regions: Vec<(u32, Arc<KvRegion>)> = regions
             .into_iter()
             .map(|(id, base, len)| {
                 // SAFETY: vLLM allocates its KV cache once per worker process and keeps it for
@@ -93,6 +107,11 @@ impl WorkerBridge {
                 (id, Arc::new(r))
             })
             .collect();
+        let corrupt = std::env::var_os(CORRUPT_SWITCH).map(|f| Corrupt {
+            file: f.into(),
+            regions: regions.clone(),
+            reads: Default::default(),
+        });
         let side = WorkerSide::new(RankMemory {
             layout,
             regions,
@@ -102,6 +121,7 @@ impl WorkerBridge {
             side,
             rank: cfg.facts.rank as usize,
             opaque_blocks,
+            corrupt,
         })
     }
 
@@ -117,13 +137,49 @@ impl WorkerBridge {
     /// Carries out this rank's part of a step (vLLM `start_load_kv`).
     pub fn apply(&mut self, meta: &StepMeta) {
         if let Some(step) = meta.steps.get(self.rank) {
+            if let Some(c) = self.corrupt.as_mut() {
+                for op in &step.ops {
+                    if let handoff_connector::WorkerOp::Post(job) = op {
+                        if job.op == handoff_transport::XferOp::Read {
+                            let ranges = job
+                                .parts
+                                .iter()
+                                .flat_map(|p| &p.descs)
+                                .map(|d| (d.local_region, d.local_offset, d.len))
+                                .collect();
+                            c.reads.insert(job.job, ranges);
+                        }
+                    }
+                }
+            }
             self.side.apply(step.clone());
         }
     }
 
     /// What ended, arrived or died since the last call (vLLM `get_finished`).
     pub fn poll(&mut self) -> Option<WorkerReport> {
-        self.side.poll()
+        let report = self.side.poll()?;
+        if let Some(c) = self.corrupt.as_mut() {
+            for (job, ok) in &report.ended {
+                let Some(ranges) = c.reads.remove(job) else {
+                    continue;
+                };
+                if !*ok || !c.file.exists() {
+                    continue;
+                }
+                for (region, offset, len) in ranges {
+                    if let Some((_, r)) = c.regions.iter().find(|(id, _)| *id == region) {
+                        let junk: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ 0x3c).collect();
+                        let _ = r.write(offset as usize, &junk);
+                    }
+                }
+                tracing::warn!(
+                    job = job.0,
+                    "test switch: the landed blocks were overwritten"
+                );
+            }
+        }
+        Some(report)
     }
 
     pub fn shutdown(&mut self) {

@@ -33,8 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# While this file exists, D's worker overwrites part of every block it lands (a test-only
+# switch of handoff_vllm, see `CORRUPT_SWITCH` in worker.rs): the negative control.
+CORRUPT_FILE = Path(f"/tmp/handoff-vllm-corrupt-{os.getpid()}")
+
+
 class Server:
-    def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None):
+    def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
+                 env_extra: dict | None = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,6 +68,7 @@ class Server:
             OMP_NUM_THREADS="1",
             OMP_WAIT_POLICY="PASSIVE",
         )
+        env.update(env_extra or {})
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -119,6 +126,16 @@ class Server:
         return total
 
 
+# What the tests measured, written as one JSON object at the end (scripts/test-vllm prints it).
+REPORT: dict = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("HANDOFF_VLLM_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(dict(REPORT, tests_failed=session.testsfailed)))
+
+
 def connector(engine_id: str, **extra) -> dict:
     return {
         "kv_connector": "HandoffConnector",
@@ -135,7 +152,8 @@ def cluster():
     servers = {
         "single": Server("single", None),
         "p": Server("p", connector("vllm-p")),
-        "d": Server("d", connector("vllm-d")),
+        "d": Server("d", connector("vllm-d"),
+                    env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE)}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S
