@@ -56,12 +56,19 @@ pub struct WorkerBridge {
     opaque_blocks: bool,
     /// Test-only: see [`CORRUPT_SWITCH`].
     corrupt: Option<Corrupt>,
+    /// Test-only: see [`HOLD_SWITCH`].
+    hold: Option<(std::path::PathBuf, Vec<handoff_connector::WorkerOp>)>,
 }
 
 /// Test-only switch (negative controls): when this environment variable names a file, and
 /// while that file exists, every byte a READ landed is overwritten before the scheduler side
 /// hears that it completed, as a transfer that damaged its blocks would.
 pub const CORRUPT_SWITCH: &str = "HANDOFF_VLLM_TEST_CORRUPT_FILE";
+
+/// Test-only switch: when this environment variable names a file, and while that file exists,
+/// transfers the scheduler side asks for are held back (posted once the file is gone), so a
+/// test can kill an engine while its request waits for its KV.
+pub const HOLD_SWITCH: &str = "HANDOFF_VLLM_TEST_HOLD_FILE";
 
 struct Corrupt {
     file: std::path::PathBuf,
@@ -122,6 +129,7 @@ impl WorkerBridge {
             rank: cfg.facts.rank as usize,
             opaque_blocks,
             corrupt,
+            hold: std::env::var_os(HOLD_SWITCH).map(|f| (f.into(), Vec::new())),
         })
     }
 
@@ -152,7 +160,19 @@ impl WorkerBridge {
                     }
                 }
             }
-            self.side.apply(step.clone());
+            let mut step = step.clone();
+            if let Some((file, held)) = self.hold.as_mut() {
+                let (posts, rest): (Vec<_>, Vec<_>) = step
+                    .ops
+                    .into_iter()
+                    .partition(|op| matches!(op, handoff_connector::WorkerOp::Post(_)));
+                held.extend(posts);
+                step.ops = rest;
+                if !file.exists() {
+                    step.ops.append(held);
+                }
+            }
+            self.side.apply(step);
         }
     }
 

@@ -36,6 +36,9 @@ def free_port() -> int:
 # While this file exists, D's worker overwrites part of every block it lands (a test-only
 # switch of handoff_vllm, see `CORRUPT_SWITCH` in worker.rs): the negative control.
 CORRUPT_FILE = Path(f"/tmp/handoff-vllm-corrupt-{os.getpid()}")
+# While this file exists, D's worker holds the transfers it is asked to post (test-only switch,
+# `HOLD_SWITCH` in worker.rs): a request then waits on D for its KV as long as a test needs.
+HOLD_FILE = Path(f"/tmp/handoff-vllm-hold-{os.getpid()}")
 
 
 class Server:
@@ -151,9 +154,11 @@ def connector(engine_id: str, **extra) -> dict:
 def cluster():
     servers = {
         "single": Server("single", None),
-        "p": Server("p", connector("vllm-p")),
+        # P logs when it gives blocks back (the dead-D test reads the time from it).
+        "p": Server("p", connector("vllm-p"), env_extra={"RUST_LOG": "info,handoff_vllm=debug"}),
         "d": Server("d", connector("vllm-d"),
-                    env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE)}),
+                    env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
+                               "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE)}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S
