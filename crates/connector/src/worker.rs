@@ -91,6 +91,12 @@ impl WorkerSide {
         for op in step.ops {
             match op {
                 WorkerOp::LoadRemote { agent, metadata } => {
+                    // A death the transport noticed before this load is the old connection's:
+                    // reported after it, it would fail the peer that just came back (and its
+                    // requests). Other agents' deaths are kept for the next report.
+                    let dead = self.mem.transport.drain_dead_peers();
+                    self.report.dead_agents.extend(dead);
+                    self.report.dead_agents.retain(|a| *a != agent);
                     match self.mem.transport.load_remote(&metadata) {
                         Ok(name) if name == agent => {}
                         Ok(name) => {
@@ -262,4 +268,80 @@ pub fn spawn(
             }
             worker.abort_all();
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_plan::{BlockLayout, KvSpec, ModelShape};
+    use handoff_transport::tcp::{TcpConfig, TcpTransport};
+    use std::time::{Duration, Instant};
+
+    fn layout() -> RankLayout {
+        let spec = KvSpec {
+            shape: ModelShape {
+                num_layers: 1,
+                num_kv_heads: 1,
+                head_dim: 8,
+                dtype_size: 2,
+            },
+            tp: 1,
+            block_size: 16,
+            block_layout: BlockLayout::HeadMajor,
+        };
+        RankLayout::cross_layer(spec, 0, 4, 0).unwrap()
+    }
+
+    fn tcp(name: &str) -> Arc<TcpTransport> {
+        TcpTransport::new(
+            name,
+            TcpConfig {
+                keepalive: Duration::from_millis(50),
+                dead_after: Duration::from_millis(300),
+                ..TcpConfig::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_death_noticed_before_the_peer_was_loaded_again_is_not_reported() {
+        let l = layout();
+        let len = l.region_len(0).unwrap() as usize;
+        let mut d = WorkerSide::new(RankMemory {
+            layout: l,
+            regions: vec![(0, Arc::new(KvRegion::new(len, 256)))],
+            transport: tcp("d-r0"),
+        })
+        .unwrap();
+        let p1 = tcp("p-r0");
+        let load = |p: &Arc<TcpTransport>| WorkerStep {
+            ops: vec![WorkerOp::LoadRemote {
+                agent: "p-r0".into(),
+                metadata: p.local_metadata().unwrap(),
+            }],
+        };
+        d.apply(load(&p1));
+        // P's agent goes away; D's transport notices, but the worker does not poll (vLLM's
+        // worker polls once per engine step, which can be seconds apart under load).
+        p1.shutdown();
+        drop(p1);
+        std::thread::sleep(Duration::from_millis(800));
+        // P comes back (its side channel said hello again): the agent is loaded again.
+        let p2 = tcp("p-r0");
+        d.apply(load(&p2));
+        let t0 = Instant::now();
+        let mut dead = Vec::new();
+        while t0.elapsed() < Duration::from_millis(200) {
+            if let Some(r) = d.poll() {
+                dead.extend(r.dead_agents);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            dead.is_empty(),
+            "the old death failed the new peer: {dead:?}"
+        );
+        drop(p2);
+    }
 }
