@@ -36,7 +36,6 @@ impl KvRegion {
     /// A zeroed region of `len` bytes, locked in chunks of `chunk` bytes (the last may be
     /// shorter). A chunk of one KV block is a good choice.
     pub fn new(len: usize, chunk: usize) -> Self {
-        let chunk = chunk.max(1);
         let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
         // Fault every page in now (a zeroed allocation is mapped lazily): a transfer into pages
         // the process never touched runs measurably slower, even after they were first written
@@ -46,21 +45,11 @@ impl KvRegion {
         for i in (0..len).step_by(PAGE) {
             mem[i] = std::hint::black_box(0);
         }
-        let base = mem.as_ptr() as usize;
-        let chunks = mem
-            .chunks_mut(chunk)
-            .map(|c| Arc::new(RwLock::new(c)))
-            .collect();
-        KvRegion {
-            len,
-            chunk,
-            base,
-            chunks,
-        }
+        KvRegion::from_static(mem, chunk)
     }
 
-    /// A region over memory that lives as long as the process (see
-    /// [`KvRegion::from_foreign`], in `crate::foreign`).
+    /// A region over memory that lives as long as the process: its own leaked allocation
+    /// ([`KvRegion::new`]) or the engine's ([`KvRegion::from_foreign`], in `crate::foreign`).
     pub(crate) fn from_static(mem: &'static mut [u8], chunk: usize) -> Self {
         let chunk = chunk.max(1);
         let (len, base) = (mem.len(), mem.as_ptr() as usize);
