@@ -664,6 +664,7 @@ impl ConnectorCore {
                 Some(r) => format!("{reason}: {r}"),
                 None => reason.to_string(),
             };
+            let recomputed = matches!(o, Outcome::Recompute { .. });
             let ev = match o {
                 Outcome::Ready {
                     requests, blocks, ..
@@ -676,19 +677,8 @@ impl ConnectorCore {
                     reason,
                     peer,
                     ..
-                } => {
-                    self.out.observations.push(Observation::RequestFailed {
-                        reason: reason.as_str(),
-                        peer: self.peer_name(peer),
-                        requests: requests.len(),
-                        recomputed: true,
-                    });
-                    ConnectorEvent::Recompute {
-                        requests: requests.iter().map(|r| r.0).collect(),
-                        reason: why(reason.as_str()),
-                    }
                 }
-                Outcome::Failed {
+                | Outcome::Failed {
                     requests,
                     reason,
                     peer,
@@ -698,11 +688,14 @@ impl ConnectorCore {
                         reason: reason.as_str(),
                         peer: self.peer_name(peer),
                         requests: requests.len(),
-                        recomputed: false,
+                        recomputed,
                     });
-                    ConnectorEvent::Failed {
-                        requests: requests.iter().map(|r| r.0).collect(),
-                        reason: why(reason.as_str()),
+                    let requests = requests.iter().map(|r| r.0).collect();
+                    let reason = why(reason.as_str());
+                    if recomputed {
+                        ConnectorEvent::Recompute { requests, reason }
+                    } else {
+                        ConnectorEvent::Failed { requests, reason }
                     }
                 }
             };

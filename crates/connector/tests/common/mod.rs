@@ -99,7 +99,6 @@ pub struct Faults {
 enum Node {
     P,
     D(usize),
-    Stranger,
 }
 
 impl Node {
@@ -107,7 +106,14 @@ impl Node {
         match self {
             Node::P => 0,
             Node::D(d) => 1 + d,
-            Node::Stranger => 3,
+        }
+    }
+
+    /// The engine's transport agent (rank 0).
+    fn agent(self) -> String {
+        match self {
+            Node::P => "p-r0".into(),
+            Node::D(d) => format!("d{d}-r0"),
         }
     }
 }
@@ -194,7 +200,7 @@ struct Job {
     src: Vec<u32>,
     /// Blocks written (D's).
     dst: Vec<u32>,
-    /// Which handoff (P side) or request (D side) the blocks belonged to when posted.
+    /// Delivered to the peer once the job landed.
     notifications: Vec<Vec<u8>>,
     agent: String,
 }
@@ -391,7 +397,7 @@ impl Sim {
     }
 
     fn alive(&self, n: Node) -> bool {
-        n != Node::Stranger && self.engines[n.idx()].alive
+        self.engines[n.idx()].alive
     }
 
     /// When a frame sent now from `from` to `to` arrives.
@@ -825,15 +831,13 @@ impl Sim {
     fn post(&mut self, node: Node, job: &TransferJob) {
         let now = self.now;
         let part = &job.parts[0];
-        let peer = match part.agent.as_str() {
-            "p-r0" => Node::P,
-            "d0-r0" => Node::D(0),
-            "d1-r0" => Node::D(1),
-            other => {
-                self.errs
-                    .push(format!("{node:?} posts to unknown agent {other}"));
-                return;
-            }
+        let Some(peer) = [Node::P, Node::D(0), Node::D(1)]
+            .into_iter()
+            .find(|n| n.agent() == part.agent)
+        else {
+            self.errs
+                .push(format!("{node:?} posts to unknown agent {}", part.agent));
+            return;
         };
         let mut local = Vec::new();
         let mut remote = Vec::new();
@@ -853,14 +857,13 @@ impl Sim {
         };
         // Rule 2 / rule 3 at post time: the blocks on both sides belong to this transfer's
         // handoff (P) and request (D).
-        let (d, p_blocks_node) = match (node, peer) {
-            (Node::D(d), Node::P) | (Node::P, Node::D(d)) => (d, Node::P),
+        let d = match (node, peer) {
+            (Node::D(d), Node::P) | (Node::P, Node::D(d)) => d,
             _ => {
                 self.errs.push(format!("{node:?} posts to {peer:?}"));
                 return;
             }
         };
-        let _ = p_blocks_node;
         let d_owner: HashSet<u128> = dst
             .iter()
             .filter_map(|b| self.engines[1 + d].pool.owner.get(b).copied())
@@ -915,11 +918,7 @@ impl Sim {
                 src,
                 dst,
                 notifications,
-                agent: match node {
-                    Node::P => "p-r0".into(),
-                    Node::D(d) => format!("d{d}-r0"),
-                    Node::Stranger => "stranger".into(),
-                },
+                agent: node.agent(),
             },
         );
         let roll = self.below(100) as u8;
@@ -978,7 +977,6 @@ impl Sim {
                 }
             }
             (Node::P, other) => self.errs.push(format!("P emits {other:?}")),
-            _ => {}
         }
     }
 
@@ -1055,11 +1053,7 @@ impl Sim {
             }
         }
         if fin {
-            let agent = match node {
-                Node::P => "p-r0".to_string(),
-                Node::D(d) => format!("d{d}-r0"),
-                Node::Stranger => return,
-            };
+            let agent = node.agent();
             for to in [Node::P, Node::D(0), Node::D(1)] {
                 if to != node {
                     self.at(
