@@ -49,8 +49,8 @@ impl PyScheduler {
         self.inner.side_channel_port()
     }
 
-    /// P: returns the `kv_transfer_params` JSON for the response when the blocks are kept for
-    /// a D; `None` otherwise. D: a request that ends before its KV landed.
+    /// vLLM's `request_finished`: whether the connector keeps the blocks, and the
+    /// `kv_transfer_params` JSON for the response (P keeping blocks for a D).
     #[pyo3(signature = (request_id, params_json, blocks, num_tokens))]
     fn request_finished(
         &mut self,
@@ -58,14 +58,16 @@ impl PyScheduler {
         params_json: Option<&str>,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> PyResult<Option<String>> {
+    ) -> PyResult<(bool, Option<String>)> {
         let p = params(params_json)?;
-        let out = self
+        let (keep, out) = self
             .inner
             .request_finished(request_id, p.as_ref(), blocks, num_tokens)
             .map_err(err)?;
-        out.map(|p| serde_json::to_string(&p).map_err(err))
-            .transpose()
+        let out = out
+            .map(|p| serde_json::to_string(&p).map_err(err))
+            .transpose()?;
+        Ok((keep, out))
     }
 
     /// D: how many prompt tokens come from P (`None`: not a remote prefill).

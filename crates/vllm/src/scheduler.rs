@@ -109,8 +109,12 @@ pub struct SchedulerSide {
     connector: Arc<Connector>,
     sink: ReportSink,
     steps: Vec<Receiver<WorkerStep>>,
-    /// P: first block of a handoff → the vLLM request holding its blocks.
+    /// First block of blocks the connector holds → the finished vLLM request they belong to
+    /// (P: a handoff's; D: a request that ended while its READ may still land). vLLM frees
+    /// them when the request is named in `finished_sending`.
     sending: HashMap<u32, String>,
+    /// D: the first block given to each tracked request (its READ lands there).
+    first_block: HashMap<u64, u32>,
     /// D: vLLM request id ↔ the ledgers' number, while the request waits for its KV.
     ids: HashMap<String, u64>,
     names: HashMap<u64, String>,
@@ -180,6 +184,7 @@ impl SchedulerSide {
             sink,
             steps: rxs,
             sending: HashMap::new(),
+            first_block: HashMap::new(),
             ids: HashMap::new(),
             names: HashMap::new(),
             next_id: 1,
@@ -194,27 +199,35 @@ impl SchedulerSide {
 
     // ----- P -----
 
-    /// vLLM `request_finished` on P: a prompt that D decodes keeps its blocks; the returned
-    /// params go to the client (and the proxy) as `kv_transfer_params`. `None`: not a remote
-    /// decode, vLLM frees the blocks itself.
+    /// vLLM `request_finished`, answered as vLLM wants it: whether the connector keeps the
+    /// request's blocks (vLLM frees them once `finished_sending` names the request), and the
+    /// params for the response.
+    ///
+    /// P: a prompt that D decodes keeps its blocks; the params go to the client (and the
+    /// proxy) as `kv_transfer_params`. D: a request that ends before its KV landed (client gone,
+    /// aborted) keeps its blocks while its READ may still write into them (rule 3).
     pub fn request_finished(
         &mut self,
         request_id: &str,
         params: Option<&KvTransferParams>,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> Result<Option<KvTransferParams>, SchedulerError> {
+    ) -> Result<(bool, Option<KvTransferParams>), SchedulerError> {
         if let Some(&n) = self.ids.get(request_id) {
-            // D: a request still waiting for its KV ended (client gone, aborted).
+            let mut keep = false;
             if !self.settled.contains(&n) {
                 self.connector.on_request_ended(n, ReleaseReason::Aborted);
+                if let Some(&first) = self.first_block.get(&n) {
+                    self.sending.insert(first, request_id.to_string());
+                    keep = true;
+                }
             }
             self.forget(n);
-            return Ok(None);
+            return Ok((keep, None));
         }
         let remote_decode = params.is_some_and(|p| p.do_remote_decode);
         if !remote_decode || blocks.is_empty() {
-            return Ok(None);
+            return Ok((false, None));
         }
         let first = blocks[0];
         let out = self
@@ -222,7 +235,7 @@ impl SchedulerSide {
             .on_prefill_finished(request_id, blocks, num_tokens)?;
         tracing::debug!(request_id, handoff = ?out.handoff_id, first, "P keeps blocks for D");
         self.sending.insert(first, request_id.to_string());
-        Ok(Some(out))
+        Ok((true, Some(out)))
     }
 
     // ----- D -----
@@ -260,9 +273,16 @@ impl SchedulerSide {
         let Some(&n) = self.ids.get(request_id) else {
             return Ok(());
         };
-        if let Err(e) = self.connector.on_blocks_allocated(n, blocks) {
-            // The handoff already ended (P gone, refused): its outcome is queued as an event.
-            tracing::info!(request_id, error = %e, "blocks refused");
+        let first = blocks.first().copied();
+        match self.connector.on_blocks_allocated(n, blocks) {
+            Ok(()) => {
+                if let Some(b) = first {
+                    self.first_block.insert(n, b);
+                }
+            }
+            // The handoff already ended (P gone, refused): its outcome is queued as an event,
+            // and the blocks stay vLLM's.
+            Err(e) => tracing::info!(request_id, error = %e, "blocks refused"),
         }
         Ok(())
     }
@@ -279,6 +299,7 @@ impl SchedulerSide {
             self.ids.remove(&name);
         }
         self.settled.remove(&n);
+        self.first_block.remove(&n);
     }
 
     // ----- every step -----
@@ -289,9 +310,10 @@ impl SchedulerSide {
         for ev in self.connector.poll_events() {
             match ev {
                 ConnectorEvent::BlocksReleased { blocks, reason } => {
-                    // P: a handoff ended. (D: a transfer's blocks the request keeps anyway.)
+                    // P: a handoff ended; D: an ended request's READ can no longer land. (D's
+                    // other releases are blocks its running request keeps anyway.)
                     if let Some(req) = blocks.first().and_then(|b| self.sending.remove(b)) {
-                        tracing::debug!(request = %req, %reason, blocks = blocks.len(), "P's blocks back");
+                        tracing::debug!(request = %req, %reason, blocks = blocks.len(), "blocks back");
                         self.pending.finished_sending.push(req);
                     }
                 }

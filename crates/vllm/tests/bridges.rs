@@ -115,11 +115,12 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     }
     let request: handoff_proto::KvTransferParams =
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
-    let params = p
+    let (keep, params) = p
         .sched
         .request_finished("cmpl-p-1", Some(&request), p_blocks.clone(), 40)
-        .unwrap()
-        .expect("P keeps the blocks for D");
+        .unwrap();
+    assert!(keep, "P keeps the blocks for D");
+    let params = params.expect("params for D");
     assert!(params.do_remote_prefill && params.handoff_id.is_some());
     // What the client and the proxy see, and hand to D.
     let json = serde_json::to_value(&params).unwrap();
@@ -157,10 +158,12 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     // Nothing else of D's memory was touched.
     assert!(d.block(0, 10).iter().all(|&x| x == 0));
     assert!(d.block(1, 14).iter().all(|&x| x == 0));
-    // D's request decodes and ends: nothing is left on either side.
-    d.sched
+    // D's request decodes and ends (its blocks are vLLM's): nothing is left on either side.
+    let (keep, _) = d
+        .sched
         .request_finished("cmpl-d-1", None, d_blocks, 40)
         .unwrap();
+    assert!(!keep);
     for _ in 0..20 {
         p.step();
         d.step();
@@ -175,16 +178,17 @@ fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
     let mut d = engine("vllm-d2");
     let request: handoff_proto::KvTransferParams =
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
-    let params = p
+    let (_, params) = p
         .sched
         .request_finished("p-req", Some(&request), vec![1, 2], 20)
-        .unwrap()
         .unwrap();
+    let params = params.unwrap();
     d.sched
         .remote_prefill_arrived("d-req", &params, 20)
         .unwrap();
-    // The client leaves while the request still waits in D's queue.
-    d.sched.request_finished("d-req", None, vec![], 0).unwrap();
+    // The client leaves while the request still waits in D's queue: it has no blocks to keep.
+    let (keep, _) = d.sched.request_finished("d-req", None, vec![], 0).unwrap();
+    assert!(!keep);
     let t0 = Instant::now();
     loop {
         d.step();
@@ -194,6 +198,65 @@ fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
         assert!(
             t0.elapsed() < Duration::from_secs(2),
             "P still holds the blocks"
+        );
+    }
+}
+
+#[test]
+fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_ended() {
+    let mut p = engine("vllm-p3");
+    let mut d = engine("vllm-d3");
+    let request: handoff_proto::KvTransferParams =
+        serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
+    let (_, params) = p
+        .sched
+        .request_finished("p-req", Some(&request), vec![3, 4], 20)
+        .unwrap();
+    let params = params.unwrap();
+    d.sched
+        .remote_prefill_arrived("d-req", &params, 20)
+        .unwrap();
+    d.sched.blocks_allocated("d-req", vec![7, 8]).unwrap();
+    // D's worker posts the READ but is not polled (vLLM polls once per engine step): as far as
+    // the scheduler side knows, the READ may still be writing into blocks 7 and 8.
+    let t0 = Instant::now();
+    loop {
+        p.step();
+        let meta = d.sched.build_meta();
+        d.worker.apply(&meta);
+        let posted = meta.steps[0]
+            .ops
+            .iter()
+            .any(|op| matches!(op, handoff_connector::WorkerOp::Post(_)));
+        if posted {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "D never posted its READ"
+        );
+    }
+    // The client leaves: vLLM must not free blocks 7 and 8 yet.
+    let (keep, _) = d
+        .sched
+        .request_finished("d-req", None, vec![7, 8], 0)
+        .unwrap();
+    assert!(
+        keep,
+        "D's blocks were handed back to vLLM under a READ in flight"
+    );
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(20));
+        let meta = d.sched.build_meta();
+        assert!(!meta.finished_sending.contains(&"d-req".to_string()));
+    }
+    // Once the worker reports the READ ended, vLLM may free them.
+    let t0 = Instant::now();
+    while !d.step().finished_sending.contains(&"d-req".to_string()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "D's blocks never came back"
         );
     }
 }

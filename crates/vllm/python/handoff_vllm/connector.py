@@ -280,15 +280,13 @@ class HandoffConnector(KVConnectorBase_V1):
         remote_decode = bool(params and params.get("do_remote_decode"))
         if remote_decode and not self._finished_normally(request):
             remote_decode = False
-        out = self._sched.request_finished(
+        keep, out = self._sched.request_finished(
             request.request_id,
             json.dumps(params) if remote_decode else None,
             [int(b) for b in block_ids],
             int(request.num_computed_tokens),
         )
-        if out is None:
-            return False, None
-        return True, json.loads(out)
+        return bool(keep), (json.loads(out) if out else None)
 
     @staticmethod
     def _finished_normally(request) -> bool:
