@@ -362,9 +362,11 @@ impl SchedulerSide {
     }
 
     /// Whether vLLM must keep stepping (blocks held, transfers waited for, news to deliver).
+    /// Every block the connector holds is named here (`sending`: kept for a finished request;
+    /// `ids`: a D request waiting for its KV), so vLLM's loop asks no round trip of the
+    /// executor thread.
     pub fn has_pending_work(&self) -> bool {
-        let (p, d) = self.connector.held_blocks();
-        p + d > 0 || !self.ids.is_empty() || !self.sending.is_empty() || !self.pending.is_empty()
+        !self.ids.is_empty() || !self.sending.is_empty() || !self.pending.is_empty()
     }
 
     pub fn shutdown(&self) {
