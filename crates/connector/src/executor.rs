@@ -23,7 +23,9 @@ use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 
-use crate::core::{ConnId, ConnectorCore, CoreConfig, CoreMemory, Observation, Ready};
+use crate::core::{
+    ConnId, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
+};
 use crate::metrics::{DirLabels, HeldLabels, Metrics, ReasonLabels};
 use crate::side_channel::{self, ConnWriter, SendError, SideEvent, Sink};
 use crate::step::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
@@ -176,7 +178,7 @@ impl Connector {
             events: events_tx,
             metrics,
             stop: stop.clone(),
-            late_seen: 0,
+            counters_seen: LedgerCounters::default(),
             gauges_at: None,
             fallbacks: FallbackLog::default(),
         };
@@ -405,7 +407,7 @@ struct Executor {
     events: Sender<ConnectorEvent>,
     metrics: Metrics,
     stop: Arc<AtomicBool>,
-    late_seen: u64,
+    counters_seen: LedgerCounters,
     gauges_at: Option<Instant>,
     fallbacks: FallbackLog,
 }
@@ -690,14 +692,14 @@ impl Executor {
 
     fn update_gauges(&mut self) {
         self.gauges_at = Some(Instant::now());
-        // Late notifications are counted by the ledgers; the metric follows their total.
-        let late = self.core.late_notifications();
-        if late > self.late_seen {
-            self.metrics
-                .late_notifications
-                .inc_by(late - self.late_seen);
-            self.late_seen = late;
-        }
+        // These are counted by the ledgers; the metrics follow their totals.
+        let now = self.core.ledger_counters();
+        let seen = std::mem::replace(&mut self.counters_seen, now);
+        let m = &self.metrics;
+        m.late_notifications
+            .inc_by(now.late_notifications - seen.late_notifications);
+        m.stale_epoch.inc_by(now.stale_epoch - seen.stale_epoch);
+        m.read_retries.inc_by(now.read_retries - seen.read_retries);
         let spec = self.core.spec();
         let block_bytes = spec.block_bytes() * spec.shape.num_layers as u64 * spec.tp as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {

@@ -30,7 +30,9 @@ use std::net::SocketAddr;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_proto::TransferMode;
 
-pub use crate::core::{ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, Observation, Ready};
+pub use crate::core::{
+    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
+};
 pub use executor::{Connector, ReportSink, WorkerLink};
 pub use metrics::Metrics;
 pub use step::{JobId, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep};

@@ -38,6 +38,8 @@ pub struct Metrics {
     pub transfer_descriptors: Histogram,
     pub heartbeats: Family<DirLabels, Counter>,
     pub late_notifications: Counter,
+    pub stale_epoch: Counter,
+    pub read_retries: Counter,
     pub unknown_notifications: Counter,
     pub handshakes_refused: Counter,
     pub anonymous_refused: Counter,
@@ -59,6 +61,8 @@ impl Metrics {
             transfer_descriptors: Histogram::new(exponential_buckets(1.0, 2.0, 16)),
             heartbeats: Family::default(),
             late_notifications: Counter::default(),
+            stale_epoch: Counter::default(),
+            read_retries: Counter::default(),
             unknown_notifications: Counter::default(),
             handshakes_refused: Counter::default(),
             anonymous_refused: Counter::default(),
@@ -117,6 +121,16 @@ impl Metrics {
             "late_notifications",
             "Notifications naming a handoff that already ended",
             m.late_notifications.clone(),
+        );
+        r.register(
+            "stale_epoch_messages",
+            "Messages about a live handoff under another epoch than its current one (ignored)",
+            m.stale_epoch.clone(),
+        );
+        r.register(
+            "read_retries",
+            "Pull reads tried again under the next epoch after the transport reported them failed",
+            m.read_retries.clone(),
         );
         r.register(
             "unknown_notifications",

@@ -68,6 +68,9 @@ pub struct ConsumerConfig {
     pub read_grace: Duration,
     /// Longest quarantine of blocks under a failed read the transport never confirmed ended.
     pub read_fence: Duration,
+    /// A read the transport reported failed (not one that timed out) is tried again this many
+    /// times, each under the next epoch, while the request's wait deadline allows.
+    pub read_retries: u8,
     /// From arrival to KV ready; past it the request is recomputed or failed.
     pub wait_deadline: Duration,
     pub failure_policy: FailurePolicy,
@@ -90,6 +93,7 @@ impl Default for ConsumerConfig {
             read_timeout: Duration::from_secs(5),
             read_grace: Duration::from_millis(500),
             read_fence: Duration::from_secs(10),
+            read_retries: 1,
             wait_deadline: Duration::from_secs(60),
             failure_policy: FailurePolicy::Recompute,
             registration_lease: Duration::from_secs(2),
@@ -235,6 +239,10 @@ pub struct ConsumerStats {
     pub cancels_sent: u64,
     pub late_notifications: u64,
     pub ignored: u64,
+    /// Reads tried again under a new epoch after the transport reported them failed.
+    pub read_retries: u64,
+    /// Messages about a handoff we track that carried another epoch than its current one.
+    pub stale_epoch: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -261,7 +269,11 @@ enum State {
 
 #[derive(Debug)]
 struct Handoff {
+    /// `info.epoch` is the current epoch: a retried read moves it on.
     info: IncomingHandoff,
+    /// The epoch the handoff arrived with (what siblings' `kv_transfer_params` carry).
+    first_epoch: Epoch,
+    retries_left: u8,
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
@@ -417,7 +429,7 @@ impl ConsumerLedger {
         }
         if let Some(h) = self.handoffs.get_mut(&inc.handoff) {
             // n>1: a sibling joins the one transfer.
-            if h.info.peer != inc.peer || h.info.epoch != inc.epoch || h.info.mode != inc.mode {
+            if h.info.peer != inc.peer || h.first_epoch != inc.epoch || h.info.mode != inc.mode {
                 return Err(ArriveError::Conflict(inc.handoff));
             }
             if !h.wants_heartbeat() {
@@ -434,6 +446,8 @@ impl ConsumerLedger {
         let peer = inc.peer;
         let deadline = now + self.cfg.wait_deadline;
         let mut h = Handoff {
+            first_epoch: inc.epoch,
+            retries_left: self.cfg.read_retries,
             info: inc,
             requests: vec![req],
             deadline,
@@ -566,7 +580,10 @@ impl ConsumerLedger {
                     } else if now > *deadline {
                         *failed = Some(FailReason::ReadAfterGrace);
                     }
-                    if let Some(reason) = *failed {
+                    // A failed read that may be tried again keeps its requests until every
+                    // rank's read ended; otherwise they learn at once.
+                    let retry = *failed == Some(FailReason::ReadFailed) && h.retries_left > 0;
+                    if let (Some(reason), false) = (*failed, retry) {
                         self.fail_requests(handoff, reason);
                     }
                 }
@@ -605,7 +622,13 @@ impl ConsumerLedger {
                         }
                         self.end_handoff(handoff, now);
                     }
-                    Some(_) => self.after_failed_read(handoff, now),
+                    Some(reason) => {
+                        if reason == FailReason::ReadFailed && self.retry_read(handoff, now) {
+                            return;
+                        }
+                        self.fail_requests(handoff, reason);
+                        self.after_failed_read(handoff, now);
+                    }
                 }
             }
             State::Quarantine { pending, .. } => {
@@ -729,7 +752,11 @@ impl ConsumerLedger {
             let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
                 continue;
             };
-            if h.info.peer != from || h.info.epoch != grant.epoch {
+            if h.info.peer != from {
+                continue;
+            }
+            if h.info.epoch != grant.epoch {
+                self.stats.stale_epoch += 1;
                 continue;
             }
             // Anchored at the moment the heartbeat left: P's lease began no earlier, so this
@@ -744,7 +771,11 @@ impl ConsumerLedger {
             let Some(h) = self.handoffs.get(&e.handoff) else {
                 continue;
             };
-            if h.info.peer != from || h.info.epoch != e.epoch {
+            if h.info.peer != from {
+                continue;
+            }
+            if h.info.epoch != e.epoch {
+                self.stats.stale_epoch += 1;
                 continue;
             }
             match h.state {
@@ -965,9 +996,8 @@ impl ConsumerLedger {
                 failed,
             } => {
                 if now >= deadline {
-                    if failed.is_none() {
-                        self.fail_requests(id, FailReason::ReadTimedOut);
-                    }
+                    // Requests of a read that failed and waited for a retry learn it now.
+                    self.fail_requests(id, failed.unwrap_or(FailReason::ReadTimedOut));
                     self.actions
                         .push_back(ConsumerAction::CancelRead { handoff: id });
                     self.quarantine(id, pending, now);
@@ -1003,6 +1033,28 @@ impl ConsumerLedger {
                 }
             }
         }
+    }
+
+    /// Every rank's read of `id` ended and one failed: try again if a retry is left and the
+    /// request may still wait. The retry runs under the next epoch, so nothing the first attempt
+    /// left on its way (a `PullDone` riding a READ that landed, a grant for the old epoch) can
+    /// count for the new one; it starts only on a grant P issued for the new epoch.
+    fn retry_read(&mut self, id: HandoffId, now: Time) -> bool {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return false;
+        };
+        if h.retries_left == 0 || h.requests.is_empty() || now >= h.deadline {
+            return false;
+        }
+        h.retries_left -= 1;
+        h.info.epoch = h.info.epoch.next();
+        h.grant_until = None;
+        h.state = State::Admitted;
+        let deadline = h.deadline;
+        h.timer.arm(&mut self.timers, id, deadline);
+        self.urgent.entry(h.info.peer).or_default().insert(id);
+        self.stats.read_retries += 1;
+        true
     }
 
     fn after_failed_read(&mut self, id: HandoffId, now: Time) {

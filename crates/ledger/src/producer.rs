@@ -190,9 +190,15 @@ struct Part {
     done: Vec<u16>,
 }
 
+/// How many times one handoff's reader may move it to a new epoch (a retried read each). A
+/// bound, so a reader cannot keep a handoff's completions resetting forever.
+const MAX_EPOCH_MOVES: u8 = 4;
+
 #[derive(Debug)]
 struct Handoff {
     epoch: Epoch,
+    /// Epoch moves still allowed (see [`MAX_EPOCH_MOVES`]).
+    epoch_moves_left: u8,
     mode: TransferMode,
     blocks: Vec<BlockId>,
     created: Time,
@@ -210,6 +216,26 @@ struct Handoff {
 }
 
 impl Handoff {
+    /// The reader retries a failed read under the next epoch: completions of the first attempt
+    /// still on their way must not count for the retry, so every rank's count starts again.
+    /// Only the reader may do it, only while leased, one epoch at a time, a bounded number of
+    /// times.
+    fn adopt_epoch(&mut self, from: PeerId, epoch: Epoch) -> bool {
+        let adopt = self.mode == TransferMode::Pull
+            && self.phase == Phase::Leased
+            && self.reader == Some(from)
+            && epoch == self.epoch.next()
+            && self.epoch_moves_left > 0;
+        if adopt {
+            self.epoch = epoch;
+            self.epoch_moves_left -= 1;
+            for part in &mut self.parts {
+                part.done.clear();
+            }
+        }
+        adopt
+    }
+
     fn all_read(&self) -> bool {
         self.parts
             .iter()
@@ -366,6 +392,7 @@ impl ProducerLedger {
         self.held_blocks += blocks.len();
         let mut h = Handoff {
             epoch: Epoch::FIRST,
+            epoch_moves_left: MAX_EPOCH_MOVES,
             mode,
             blocks,
             created: now,
@@ -580,8 +607,13 @@ impl ProducerLedger {
         let mut grants = Vec::new();
         let mut gone = Vec::new();
         for e in hb.entries {
+            if let Some(h) = self.handoffs.get_mut(&e.handoff) {
+                if h.epoch != e.epoch && !h.adopt_epoch(from, e.epoch) {
+                    self.stats.stale_epoch += 1;
+                    continue;
+                }
+            }
             match self.handoffs.get_mut(&e.handoff) {
-                Some(h) if h.epoch != e.epoch => self.stats.stale_epoch += 1,
                 Some(h) if h.phase == Phase::Leased => {
                     let extended = (now + self.cfg.heartbeat_extension).min(h.cap_end);
                     h.lease_end = h.lease_end.max(extended);
@@ -661,7 +693,10 @@ impl ProducerLedger {
             }
             return;
         };
-        if h.epoch != r.epoch {
+        // The reader may release under an epoch we never heard of (its retry's heartbeat was
+        // lost): it moved on from ours, and its release still promises no READ is in flight.
+        let newer_from_reader = r.epoch > h.epoch && from.is_some() && h.reader == from;
+        if h.epoch != r.epoch && !newer_from_reader {
             self.stats.stale_epoch += 1;
             return;
         }

@@ -542,6 +542,126 @@ fn read_that_hangs_is_cancelled_and_its_blocks_quarantined() {
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Failed);
 }
 
+/// A read the transport reported failed is tried once more under the next epoch. The first
+/// attempt's `PullDone` may still be on its way to P (it rides on the READ, which can land while
+/// D's side of the transfer reports an error): arriving during the retry, it must not make P
+/// free blocks the retry is reading (rule 2), and a grant of the old epoch must not start it.
+#[test]
+fn a_failed_read_is_retried_under_the_next_epoch_and_old_messages_do_not_count() {
+    let mut pair = Pair::default_pair();
+    let id = hid(60);
+    let first = start_pull(&mut pair, id, 1);
+    assert_eq!(first.epoch, Epoch::FIRST);
+    let old_grant = pair
+        .log
+        .iter()
+        .rev()
+        .find_map(|(_, dir, m)| match m {
+            Message::GrantBatch(g) if *dir == "P>D" && !g.grants.is_empty() => Some(m.clone()),
+            _ => None,
+        })
+        .expect("the first read started on a grant");
+    pair.d.on_read_done(id, 0, false, pair.now);
+    pair.pump();
+    assert!(
+        pair.outcomes.is_empty(),
+        "the request waits for the retry, it is not recomputed yet"
+    );
+    assert!(pair.d_releases.is_empty() && pair.p_released(id).is_none());
+    assert_eq!(pair.d.stats().read_retries, 1);
+    let retry = pair.reads.last().cloned().unwrap();
+    assert_eq!(
+        pair.reads.len(),
+        2,
+        "P adopted the new epoch and granted it"
+    );
+    assert_eq!(retry.epoch, Epoch::FIRST.next());
+    assert!(retry.done.iter().all(|n| n.epoch == retry.epoch));
+
+    // The first attempt's completion arrives now: stale, counted, nothing freed.
+    for n in &first.done {
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
+    }
+    pair.pump();
+    assert!(
+        pair.p_released(id).is_none(),
+        "a completion of the failed attempt freed P's blocks under the retry's READ"
+    );
+    assert_eq!(pair.p.stats().stale_epoch, first.done.len() as u64);
+    // An old grant is stale too and starts nothing.
+    pair.d.handle_message(P_PEER, old_grant, pair.now);
+    pair.pump();
+    assert_eq!(pair.reads.len(), 2);
+    assert_eq!(pair.d.stats().stale_epoch, 1);
+
+    pair.advance(ms(5));
+    pair.complete_read(&retry);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+    assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+    assert!(pair.p.is_empty() && pair.d.is_empty());
+}
+
+/// One retry only: a second failure recomputes, and D's release (under the new epoch) frees P.
+#[test]
+fn a_read_that_fails_again_is_recomputed_and_released_under_its_epoch() {
+    let mut pair = Pair::default_pair();
+    let id = hid(61);
+    start_pull(&mut pair, id, 1);
+    pair.d.on_read_done(id, 0, false, pair.now);
+    pair.pump();
+    let retry = pair.reads.last().cloned().unwrap();
+    assert_eq!(retry.epoch, Epoch::FIRST.next());
+    pair.d.on_read_done(id, 0, false, pair.now);
+    pair.pump();
+    assert!(matches!(
+        pair.outcomes.as_slice(),
+        [Outcome::Recompute {
+            reason: FailReason::ReadFailed,
+            ..
+        }]
+    ));
+    assert_eq!(pair.reads.len(), 2, "no third attempt");
+    assert_eq!(pair.d_releases.len(), 1);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Failed);
+    assert_eq!(pair.p.stats().stale_epoch, 0);
+}
+
+/// Only the reader moves a handoff's epoch, one step at a time: anyone else's heartbeat under a
+/// new epoch is stale and renews nothing.
+#[test]
+fn only_the_reader_moves_the_epoch() {
+    let mut pair = Pair::default_pair();
+    let id = hid(62);
+    start_pull(&mut pair, id, 1);
+    let other = PeerId(77);
+    for epoch in [Epoch::FIRST.next(), Epoch(9)] {
+        pair.p.handle_message(
+            other,
+            Message::Heartbeat(Heartbeat {
+                seq: 1,
+                entries: vec![HeartbeatEntry { handoff: id, epoch }],
+            }),
+            pair.now,
+        );
+    }
+    assert_eq!(pair.p.stats().stale_epoch, 2);
+    while pair.p.poll_message().is_some() {}
+    // The reader skipping an epoch is stale too.
+    pair.p.handle_message(
+        D_PEER,
+        Message::Heartbeat(Heartbeat {
+            seq: 1,
+            entries: vec![HeartbeatEntry {
+                handoff: id,
+                epoch: Epoch(3),
+            }],
+        }),
+        pair.now,
+    );
+    assert_eq!(pair.p.stats().stale_epoch, 3);
+}
+
 #[test]
 fn p_dead_fails_waiting_requests_per_policy() {
     let mut pair = Pair::default_pair();

@@ -72,8 +72,10 @@ impl<'de> Deserialize<'de> for HandoffId {
     }
 }
 
-/// Bumped when a handoff's blocks change hands (a push registration replaced by a new one); a
-/// message carrying another epoch than the current one is ignored.
+/// Bumped when a handoff's blocks change hands: D retries a failed read under the next epoch and
+/// P adopts it from D's heartbeat, so nothing the first attempt left on its way (a completion
+/// riding a READ, a grant) counts for the retry. A message carrying another epoch than the
+/// current one is ignored and counted (`stale_epoch`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Epoch(pub u32);
 

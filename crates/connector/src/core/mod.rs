@@ -767,15 +767,16 @@ impl ConnectorCore {
         self.consumer.as_ref().map(|c| c.stats())
     }
 
-    /// Late notifications counted by both ledgers.
-    pub fn late_notifications(&self) -> u64 {
-        self.producer
-            .as_ref()
-            .map_or(0, |p| p.stats().late_notifications)
-            + self
-                .consumer
-                .as_ref()
-                .map_or(0, |c| c.stats().late_notifications)
+    /// Counters both ledgers keep that the metrics follow (totals since start).
+    pub fn ledger_counters(&self) -> LedgerCounters {
+        let p = self.producer.as_ref().map(|p| p.stats());
+        let c = self.consumer.as_ref().map(|c| c.stats());
+        LedgerCounters {
+            late_notifications: p.map_or(0, |p| p.late_notifications)
+                + c.map_or(0, |c| c.late_notifications),
+            stale_epoch: p.map_or(0, |p| p.stale_epoch) + c.map_or(0, |c| c.stale_epoch),
+            read_retries: c.map_or(0, |c| c.read_retries),
+        }
     }
 
     /// What the core keeps in memory: every entry is bounded or ends with its request.
@@ -809,6 +810,17 @@ fn dial_addr(host: &str, port: u16) -> String {
 }
 
 /// Sizes of what a [`ConnectorCore`] holds (tests and the soak benchmark watch them).
+/// Totals of the ledgers' counters (see [`ConnectorCore::ledger_counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LedgerCounters {
+    /// Notifications naming a handoff that already ended.
+    pub late_notifications: u64,
+    /// Messages about a live handoff that carried another epoch than its current one.
+    pub stale_epoch: u64,
+    /// Reads tried again under a new epoch.
+    pub read_retries: u64,
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CoreMemory {
     pub producer: MemoryUse,

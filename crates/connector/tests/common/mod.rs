@@ -288,6 +288,7 @@ impl Sim {
             read_timeout: ms(1500),
             read_grace: ms(400),
             read_fence: ms(4000),
+            read_retries: 1,
             wait_deadline: ms(12_000),
             registration_lease: ms(800),
             push_deadline: ms(6000),
