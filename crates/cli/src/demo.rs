@@ -89,6 +89,16 @@ pub(crate) fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Re
     spawn_engine_on(None, id, role, extra)
 }
 
+/// The cluster key of this run's engines, made on first use.
+fn cluster_key() -> anyhow::Result<&'static str> {
+    static KEY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(k) = KEY.get() {
+        return Ok(k);
+    }
+    let k = handoff_connector::ClusterKey::generate()?.to_hex();
+    Ok(KEY.get_or_init(|| k))
+}
+
 /// Starts an engine on loopback, or on node `id` of `net` at that node's address.
 fn spawn_engine_on(
     net: Option<&Net>,
@@ -112,6 +122,8 @@ fn spawn_engine_on(
     let mut child = cmd
         .args(["--role", role, "--port", "0", "--engine-id", id])
         .args(extra)
+        // The demo's engines prove one key made for this run (in the environment, not argv).
+        .env("HANDOFF_CLUSTER_KEY", cluster_key()?)
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),

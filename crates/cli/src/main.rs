@@ -31,6 +31,13 @@ enum Command {
     Engine(engine_cmd::EngineArgs),
     /// The P/D router.
     Proxy(ProxyArgs),
+    /// Writes a new cluster key (64 hex digits) to a file only its owner can read: give every
+    /// engine of the cluster the same file (`--set cluster_key_file=PATH`).
+    Keygen {
+        /// Where to write it (refuses to overwrite).
+        #[arg(long, default_value = "handoff-cluster.key")]
+        out: std::path::PathBuf,
+    },
     /// Benchmarks that print ratios against a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -56,6 +63,13 @@ struct ProxyArgs {
     mode: String,
     #[arg(long, default_value_t = 1000)]
     health_interval_ms: u64,
+    /// Address of the admin API (`/admin/instances`), or `off`. Not loopback: needs a token.
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    admin_listen: String,
+    /// File holding the admin API's bearer token (at least 16 visible ASCII characters); else
+    /// the HANDOFF_ADMIN_TOKEN environment variable; neither: no token (loopback only).
+    #[arg(long)]
+    admin_token_file: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -75,6 +89,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Bench { which } => bench::run(which),
         Command::Demo(args) => demo::run(args),
+        Command::Keygen { out } => keygen(&out),
         Command::Engine(args) => {
             let cfg = args.resolve()?;
             tokio::runtime::Builder::new_multi_thread()
@@ -94,8 +109,24 @@ fn main() -> anyhow::Result<()> {
                 "push" => handoff_proxy::TransferMode::Push,
                 other => anyhow::bail!("--mode {other:?}: expected pull or push"),
             };
+            let admin_bind = match a.admin_listen.as_str() {
+                "off" | "none" => None,
+                addr => Some(addr.parse::<SocketAddr>().map_err(|e| {
+                    anyhow::anyhow!("--admin-listen {addr:?}: {e} (an address:port, or off)")
+                })?),
+            };
+            let admin_token = match (&a.admin_token_file, std::env::var("HANDOFF_ADMIN_TOKEN")) {
+                (Some(path), _) => Some(handoff_proxy::AdminToken::from_file(path)?),
+                (None, Ok(t)) => Some(
+                    handoff_proxy::AdminToken::new(&t)
+                        .map_err(|e| e.context("HANDOFF_ADMIN_TOKEN"))?,
+                ),
+                (None, Err(_)) => None,
+            };
             let cfg = handoff_proxy::ProxyConfig {
                 bind: a.bind,
+                admin_bind,
+                admin_token,
                 prefill: a.prefill,
                 decode: a.decode,
                 policy,
@@ -109,9 +140,31 @@ fn main() -> anyhow::Result<()> {
                 .build()?
                 .block_on(async {
                     let p = handoff_proxy::start(cfg).await?;
+                    // One banner line on stdout (scripts read its last word, then may close
+                    // the pipe); the rest goes to the log.
                     println!("handoff proxy listening on {}", p.url());
+                    if let Some(admin) = p.admin_url() {
+                        eprintln!("handoff proxy admin API on {admin}/admin/instances");
+                    }
                     p.wait().await
                 })
         }
     }
+}
+
+/// `handoff keygen`: a fresh key, written with mode 0600, never over an existing file.
+fn keygen(out: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let key = handoff_connector::ClusterKey::generate()?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .with_context(|| format!("cannot create {} (it must not exist yet)", out.display()))?;
+    writeln!(f, "{}", key.to_hex())?;
+    println!("wrote a cluster key to {}", out.display());
+    Ok(())
 }

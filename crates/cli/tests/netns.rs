@@ -34,6 +34,16 @@ fn netns_available() -> bool {
     }
 }
 
+/// The key every engine of this test process proves.
+fn cluster_key() -> &'static str {
+    static KEY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        handoff_connector::ClusterKey::generate()
+            .expect("randomness")
+            .to_hex()
+    })
+}
+
 /// What the tests do with a [`Net`] beyond what the demo does.
 impl Net {
     fn new(nodes: &[&str]) -> Net {
@@ -47,6 +57,8 @@ impl Net {
             .exec(name)
             .arg(env!("CARGO_BIN_EXE_handoff"))
             .args(args)
+            // Engines off loopback need the cluster key (the proxy ignores it).
+            .env("HANDOFF_CLUSTER_KEY", cluster_key())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             // HANDOFF_NETNS_LOGS=1 shows what the engines say (debugging a failure).

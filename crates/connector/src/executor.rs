@@ -27,7 +27,7 @@ use crate::core::{
     ConnId, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
 };
 use crate::metrics::{DirLabels, HeldLabels, Metrics, ReasonLabels};
-use crate::side_channel::{self, ConnWriter, SendError, SideEvent, Sink};
+use crate::side_channel::{self, ConnWriter, SendError, SideChannel, SideConfig, SideEvent, Sink};
 use crate::step::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::worker::{self, RankMemory, WorkerSide};
 use crate::{ConnectorConfig, ConnectorError, ConnectorEvent, Role};
@@ -132,9 +132,18 @@ impl Connector {
             let inbox = inbox.clone();
             Arc::new(move |ev| inbox.send(Input::Side(ev)).is_ok())
         };
-        let side_addr =
-            side_channel::listen(cfg.side_channel_bind, side_sink.clone(), stop.clone())
-                .map_err(ConnectorError::Listen)?;
+        crate::check_exposure(cfg.side_channel_bind.ip(), cfg.key.as_ref(), cfg.insecure)?;
+        let side = SideChannel::new(
+            SideConfig {
+                engine_id: cfg.engine_id.clone(),
+                key: cfg.key.clone(),
+                max_connections: cfg.max_side_connections,
+            },
+            side_sink,
+        );
+        let side_addr = side
+            .listen(cfg.side_channel_bind, stop.clone())
+            .map_err(ConnectorError::Listen)?;
         let core = ConnectorCore::new(
             CoreConfig {
                 engine_id: cfg.engine_id.clone(),
@@ -172,7 +181,7 @@ impl Connector {
             core,
             start: Instant::now(),
             inputs,
-            side_sink,
+            side,
             conns: HashMap::new(),
             workers,
             events: events_tx,
@@ -401,7 +410,7 @@ struct Executor {
     core: ConnectorCore,
     start: Instant,
     inputs: Receiver<Input>,
-    side_sink: Sink,
+    side: SideChannel,
     conns: HashMap<ConnId, ConnWriter>,
     workers: Vec<Box<dyn WorkerLink>>,
     events: Sender<ConnectorEvent>,
@@ -528,9 +537,22 @@ impl Executor {
             }
             Input::Report(r) => self.core.handle_worker_report(r, now),
             Input::Side(ev) => match ev {
-                SideEvent::Accepted { conn, writer, msg } => {
+                SideEvent::Accepted {
+                    conn,
+                    writer,
+                    msg,
+                    proven,
+                } => {
                     self.conns.insert(conn, writer);
-                    self.core.handle_accepted(conn, msg, now);
+                    self.core.handle_accepted(conn, msg, proven.as_deref(), now);
+                }
+                SideEvent::Refused(why) => {
+                    self.metrics
+                        .side_refused
+                        .get_or_create(&ReasonLabels {
+                            reason: why.as_str(),
+                        })
+                        .inc();
                 }
                 SideEvent::Frame { conn, msg } => self.core.handle_frame(conn, msg, now),
                 SideEvent::Connected {
@@ -594,7 +616,7 @@ impl Executor {
             }
         }
         for c in ready.connects.drain(..) {
-            side_channel::connect(c.engine, c.attempt, c.addr, c.hello, self.side_sink.clone());
+            self.side.connect(c.engine, c.attempt, c.addr, c.hello);
         }
         let mut steps: Vec<WorkerStep> = vec![WorkerStep::default(); self.workers.len()];
         let ops = ready
@@ -655,6 +677,9 @@ impl Executor {
             Observation::AnonymousRefused => {
                 m.anonymous_refused.inc();
             }
+            Observation::TransportRefused(n) => {
+                m.transport_refused.inc_by(n);
+            }
             Observation::RejectOfTrackedHandoff => {
                 m.rejects_of_tracked_handoffs.inc();
             }
@@ -700,6 +725,16 @@ impl Executor {
             .inc_by(now.late_notifications - seen.late_notifications);
         m.stale_epoch.inc_by(now.stale_epoch - seen.stale_epoch);
         m.read_retries.inc_by(now.read_retries - seen.read_retries);
+        if now.client_blocks_replaced > seen.client_blocks_replaced {
+            tracing::warn!(
+                total = now.client_blocks_replaced,
+                "remote_block_ids in a request differed from the blocks P named: read P's"
+            );
+        }
+        m.client_blocks_replaced
+            .inc_by(now.client_blocks_replaced - seen.client_blocks_replaced);
+        m.blocks_refused
+            .inc_by(now.blocks_refused - seen.blocks_refused);
         let spec = self.core.spec();
         let block_bytes = spec.block_bytes() * spec.shape.num_layers as u64 * spec.tp as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {

@@ -34,6 +34,7 @@ pub use crate::core::{
     ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
 };
 pub use executor::{Connector, ReportSink, WorkerLink};
+pub use handoff_transport::auth::ClusterKey;
 pub use metrics::Metrics;
 pub use step::{JobId, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 pub use worker::{RankMemory, WorkerSide};
@@ -63,6 +64,34 @@ pub struct ConnectorConfig {
     pub consumer: ConsumerConfig,
     /// See [`CoreConfig::opaque_blocks`] (vLLM: true).
     pub opaque_blocks: bool,
+    /// The cluster key every side-channel connection proves in both directions (the
+    /// transports take theirs in their own settings). `None`: loopback only, unless
+    /// `insecure`.
+    pub key: Option<ClusterKey>,
+    /// Allows a non-loopback side channel without a key (anyone who reaches the port is a peer).
+    pub insecure: bool,
+    /// Most side-channel connections open at once (see [`side_channel::SideConfig`]).
+    pub max_side_connections: usize,
+}
+
+/// Default of [`ConnectorConfig::max_side_connections`].
+pub const DEFAULT_MAX_SIDE_CONNECTIONS: usize = 512;
+
+/// Refuses to expose an engine without a cluster key: with no key, only a loopback address
+/// may be bound (every process on the host is trusted then), unless `insecure` says otherwise.
+pub fn check_exposure(
+    bind: std::net::IpAddr,
+    key: Option<&ClusterKey>,
+    insecure: bool,
+) -> Result<(), ConnectorError> {
+    match (key, bind.is_loopback(), insecure) {
+        (Some(_), _, _) | (None, true, _) => Ok(()),
+        (None, false, true) => {
+            tracing::warn!(%bind, "no cluster key: any process that reaches this address is a peer (--insecure)");
+            Ok(())
+        }
+        (None, false, false) => Err(ConnectorError::Unauthenticated(bind)),
+    }
 }
 
 /// What the connector tells the engine's scheduler.
@@ -125,6 +154,12 @@ pub enum ConnectorError {
     Transport(#[from] handoff_transport::TransportError),
     #[error("cannot encode the handshake: {0}")]
     Encode(postcard::Error),
+    #[error(
+        "refusing to listen on {0} without a cluster key: anyone who reaches it could read or \
+         overwrite KV memory. Give every engine the same key (`handoff keygen`, then \
+         cluster_key_file / HANDOFF_CLUSTER_KEY), bind loopback, or pass --insecure"
+    )]
+    Unauthenticated(std::net::IpAddr),
     #[error("side channel cannot listen: {0}")]
     Listen(std::io::Error),
     #[error("cannot start a thread: {0}")]

@@ -40,9 +40,13 @@ pub struct Metrics {
     pub late_notifications: Counter,
     pub stale_epoch: Counter,
     pub read_retries: Counter,
+    pub client_blocks_replaced: Counter,
+    pub blocks_refused: Counter,
     pub unknown_notifications: Counter,
     pub handshakes_refused: Counter,
     pub anonymous_refused: Counter,
+    pub side_refused: Family<ReasonLabels, Counter>,
+    pub transport_refused: Counter,
     pub rejects_of_tracked_handoffs: Counter,
     pub queued_dropped: Counter,
     pub send_queue_full: Counter,
@@ -63,9 +67,13 @@ impl Metrics {
             late_notifications: Counter::default(),
             stale_epoch: Counter::default(),
             read_retries: Counter::default(),
+            client_blocks_replaced: Counter::default(),
+            blocks_refused: Counter::default(),
             unknown_notifications: Counter::default(),
             handshakes_refused: Counter::default(),
             anonymous_refused: Counter::default(),
+            side_refused: Family::default(),
+            transport_refused: Counter::default(),
             rejects_of_tracked_handoffs: Counter::default(),
             queued_dropped: Counter::default(),
             send_queue_full: Counter::default(),
@@ -133,9 +141,29 @@ impl Metrics {
             m.read_retries.clone(),
         );
         r.register(
+            "client_blocks_replaced",
+            "D: requests whose remote_block_ids differed from the blocks P named for the handoff (P's were read)",
+            m.client_blocks_replaced.clone(),
+        );
+        r.register(
+            "blocks_queries_refused",
+            "P: block queries from a peer other than the handoff's reader (unanswered)",
+            m.blocks_refused.clone(),
+        );
+        r.register(
             "unknown_notifications",
             "Notifications that could not be decoded or came from an unknown agent",
             m.unknown_notifications.clone(),
+        );
+        r.register(
+            "side_connections_refused",
+            "Side-channel connections closed before their first frame, per reason (connection_cap, authentication, handshake)",
+            m.side_refused.clone(),
+        );
+        r.register(
+            "transport_connections_refused",
+            "Transport connections refused at their handshake (no or wrong proof of the cluster key, an unproven name)",
+            m.transport_refused.clone(),
         );
         r.register(
             "handshakes_refused",

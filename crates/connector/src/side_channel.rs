@@ -11,12 +11,13 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
+use handoff_transport::auth::{self, ClusterKey};
 
 use crate::core::ConnId;
 
@@ -29,18 +30,56 @@ pub const SEND_QUEUE: usize = 1024;
 /// How long one frame may take to write before the connection counts as broken.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long a dialled peer, or one that dialled us, has to send its first frame.
+/// How long a whole handshake may take, from the connection to the hello's answer (the
+/// cluster key's proofs included): a peer that dribbles a byte at a time is cut off here.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Who this engine is on the side channel and what it demands of callers.
+#[derive(Debug, Clone)]
+pub struct SideConfig {
+    /// Proven to every peer, and the id a dialled peer must prove.
+    pub engine_id: String,
+    /// The cluster key both ends of every connection prove (`None`: no authentication).
+    pub key: Option<ClusterKey>,
+    /// Most connections open at once (accepted and dialled, handshaking or established); one
+    /// more is closed at once and counted ([`SideEvent::Refused`]). Each costs two threads.
+    pub max_connections: usize,
+}
+
+/// Why an inbound connection was turned away before it reached the connector core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusedBy {
+    /// [`SideConfig::max_connections`] were open.
+    ConnectionCap,
+    /// No, or a wrong, proof of the cluster key.
+    Authentication,
+    /// The handshake did not finish within its deadline, or its first frame was malformed.
+    Handshake,
+}
+
+impl RefusedBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusedBy::ConnectionCap => "connection_cap",
+            RefusedBy::Authentication => "authentication",
+            RefusedBy::Handshake => "handshake",
+        }
+    }
+}
 
 /// What the side channel's threads tell the executor.
 #[derive(Debug)]
 pub enum SideEvent {
     /// A peer connected to us; `msg` is its first frame (a hello, or a proxy's release).
+    /// `proven`: the engine id it proved holding the cluster key (`None` without a key).
     Accepted {
         conn: ConnId,
         writer: ConnWriter,
         msg: Message,
+        proven: Option<String>,
     },
+    /// An inbound connection was closed before its first frame reached the core.
+    Refused(RefusedBy),
     /// A frame on an established connection.
     Frame { conn: ConnId, msg: Message },
     /// Our connect attempt `attempt` to `engine` got `reply` to its hello.
@@ -192,7 +231,7 @@ fn write_loop(stream: TcpStream, frames: Receiver<Outgoing>, writer: ConnWriter)
 }
 
 /// Reads frames until the connection ends; every frame goes to the executor.
-fn read_loop(conn: ConnId, writer: ConnWriter, mut r: BufReader<TcpStream>, sink: Sink) {
+fn read_loop(conn: ConnId, writer: ConnWriter, mut r: impl Read, sink: Sink) {
     loop {
         match read_frame(&mut r) {
             Ok(msg) => {
@@ -210,132 +249,255 @@ fn read_loop(conn: ConnId, writer: ConnWriter, mut r: BufReader<TcpStream>, sink
     sink(SideEvent::Closed { conn });
 }
 
-/// Accepts connections until `stop` is set; returns the bound address.
-pub fn listen(bind: SocketAddr, sink: Sink, stop: Arc<AtomicBool>) -> std::io::Result<SocketAddr> {
-    let listener = TcpListener::bind(bind)?;
-    let addr = listener.local_addr()?;
-    listener.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("handoff-side-accept".into())
-        .spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let sink = sink.clone();
-                        let spawned = std::thread::Builder::new()
-                            .name("handoff-side-r".into())
-                            .spawn(move || accept_one(stream, sink));
-                        if let Err(e) = spawned {
-                            tracing::warn!(error = %e, "no thread for a side-channel connection");
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "side channel accept failed");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
-            }
-        })?;
-    Ok(addr)
+/// Counts the connections open at once; a slot is given back when its guard drops.
+#[derive(Debug, Clone)]
+struct Slots {
+    open: Arc<AtomicUsize>,
+    max: usize,
 }
 
-fn accept_one(stream: TcpStream, sink: Sink) {
-    let _ = stream.set_nonblocking(false);
-    // The first frame must come quickly: a silent connection must not hold a thread forever.
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let mut r = match stream.try_clone() {
-        Ok(s) => BufReader::new(s),
-        Err(_) => return,
-    };
-    let first = match read_frame(&mut r) {
-        Ok(m) => m,
-        Err(e) => {
-            tracing::debug!(error = %e, "side channel: no valid first frame");
-            let _ = stream.shutdown(Shutdown::Both);
-            return;
-        }
-    };
-    let _ = stream.set_read_timeout(None);
-    let Ok((conn, writer)) = open(&stream) else {
-        let _ = stream.shutdown(Shutdown::Both);
-        return;
-    };
-    if sink(SideEvent::Accepted {
-        conn,
-        writer: writer.clone(),
-        msg: first,
-    }) {
-        read_loop(conn, writer, r, sink);
-    } else {
-        writer.close();
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// Connects to `addr`, says `hello`, waits for the reply (bounded), then keeps reading. The
-/// outcome names `attempt`, so the executor can tell it from that of a newer attempt to the
-/// same engine (an attempt can take seconds to fail, and the peer may be retried meanwhile).
-pub fn connect(engine: String, attempt: u64, addr: String, hello: Message, sink: Sink) {
-    let spawned = std::thread::Builder::new()
-        .name("handoff-side-c".into())
-        .spawn({
-            let sink = sink.clone();
-            let engine = engine.clone();
-            move || {
-                let result =
-                    (|| -> Result<(ConnId, ConnWriter, BufReader<TcpStream>, Message), String> {
-                        let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
-                            .map_err(|e| format!("cannot resolve {addr}: {e}"))?
-                            .next()
-                            .ok_or_else(|| format!("cannot resolve {addr}"))?;
-                        let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
-                            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-                        let bytes = encode(&hello).map_err(|e| e.to_string())?;
-                        stream
-                            .set_write_timeout(Some(WRITE_TIMEOUT))
-                            .map_err(|e| e.to_string())?;
-                        write_frame(&mut &stream, &bytes).map_err(|e| format!("{addr}: {e}"))?;
-                        stream
-                            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-                            .map_err(|e| e.to_string())?;
-                        let mut r = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-                        let reply = read_frame(&mut r)
-                            .map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
-                        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
-                        let (conn, writer) = open(&stream).map_err(|e| e.to_string())?;
-                        Ok((conn, writer, r, reply))
-                    })();
-                match result {
-                    Ok((conn, writer, r, reply)) => {
-                        if sink(SideEvent::Connected {
-                            engine,
-                            attempt,
-                            conn,
-                            writer: writer.clone(),
-                            reply,
-                        }) {
-                            read_loop(conn, writer, r, sink);
-                        } else {
-                            writer.close();
+impl Slots {
+    fn take(&self) -> Option<Slot> {
+        let n = self.open.fetch_add(1, Ordering::Relaxed);
+        if n >= self.max {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Slot(self.open.clone()))
+    }
+}
+
+/// The side channel of one engine: its listener's settings and the connection count shared by
+/// what it accepts and what it dials.
+#[derive(Clone)]
+pub struct SideChannel {
+    cfg: Arc<SideConfig>,
+    slots: Slots,
+    sink: Sink,
+}
+
+impl SideChannel {
+    pub fn new(cfg: SideConfig, sink: Sink) -> Self {
+        SideChannel {
+            slots: Slots {
+                open: Arc::new(AtomicUsize::new(0)),
+                max: cfg.max_connections.max(1),
+            },
+            cfg: Arc::new(cfg),
+            sink,
+        }
+    }
+
+    /// Accepts connections until `stop` is set; returns the bound address.
+    pub fn listen(&self, bind: SocketAddr, stop: Arc<AtomicBool>) -> std::io::Result<SocketAddr> {
+        let listener = TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let side = self.clone();
+        std::thread::Builder::new()
+            .name("handoff-side-accept".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => side.accepted(stream),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "side channel accept failed");
+                            std::thread::sleep(Duration::from_millis(50));
                         }
                     }
-                    Err(error) => {
-                        sink(SideEvent::ConnectFailed {
-                            engine,
-                            attempt,
-                            error,
-                        });
+                }
+            })?;
+        Ok(addr)
+    }
+
+    fn accepted(&self, stream: TcpStream) {
+        let Some(slot) = self.slots.take() else {
+            // No thread for it: closed at once, before it costs anything.
+            let _ = stream.shutdown(Shutdown::Both);
+            (self.sink)(SideEvent::Refused(RefusedBy::ConnectionCap));
+            return;
+        };
+        let side = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("handoff-side-r".into())
+            .spawn(move || side.accept_one(stream, slot));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no thread for a side-channel connection");
+            (self.sink)(SideEvent::Refused(RefusedBy::ConnectionCap));
+        }
+    }
+
+    fn accept_one(&self, stream: TcpStream, slot: Slot) {
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let _ = stream.set_nonblocking(false);
+        let refuse = |why: RefusedBy, error: String| {
+            tracing::debug!(%error, "side channel: connection refused ({})", why.as_str());
+            let _ = stream.shutdown(Shutdown::Both);
+            (self.sink)(SideEvent::Refused(why));
+        };
+        let proven = match &self.cfg.key {
+            Some(key) => {
+                match auth::accept(&stream, key, "side", &self.cfg.engine_id, HANDSHAKE_TIMEOUT) {
+                    Ok(id) => Some(id),
+                    Err(auth::AuthError::Deadline(_)) => {
+                        return refuse(RefusedBy::Handshake, "deadline".into())
                     }
+                    Err(e) => return refuse(RefusedBy::Authentication, e.to_string()),
                 }
             }
-        });
-    if let Err(e) = spawned {
-        sink(SideEvent::ConnectFailed {
-            engine,
-            attempt,
-            error: format!("no thread to connect: {e}"),
-        });
+            None => None,
+        };
+        let mut r = match stream.try_clone() {
+            Ok(s) => BufReader::new(DeadlineRead {
+                stream: s,
+                deadline: Some(deadline),
+            }),
+            Err(_) => return,
+        };
+        let first = match read_frame(&mut r) {
+            Ok(m) => m,
+            Err(e) => return refuse(RefusedBy::Handshake, e),
+        };
+        r.get_mut().established();
+        let Ok((conn, writer)) = open(&stream) else {
+            let _ = stream.shutdown(Shutdown::Both);
+            return;
+        };
+        let sink = self.sink.clone();
+        if sink(SideEvent::Accepted {
+            conn,
+            writer: writer.clone(),
+            msg: first,
+            proven,
+        }) {
+            read_loop(conn, writer, r, sink);
+        } else {
+            writer.close();
+        }
+        drop(slot);
+    }
+
+    /// Connects to `addr`, proves the cluster key (and that the engine there is `engine`), says
+    /// `hello`, waits for the reply (all under one deadline), then keeps reading. The outcome
+    /// names `attempt`, so the executor can tell it from that of a newer attempt to the same
+    /// engine (an attempt can take seconds to fail, and the peer may be retried meanwhile).
+    pub fn connect(&self, engine: String, attempt: u64, addr: String, hello: Message) {
+        let sink = self.sink.clone();
+        let fail = |error: String| {
+            sink(SideEvent::ConnectFailed {
+                engine: engine.clone(),
+                attempt,
+                error,
+            });
+        };
+        let Some(slot) = self.slots.take() else {
+            return fail(format!(
+                "{} side-channel connections open: no more",
+                self.slots.max
+            ));
+        };
+        let side = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("handoff-side-c".into())
+            .spawn({
+                let engine = engine.clone();
+                move || side.dial(engine, attempt, addr, hello, slot)
+            });
+        if let Err(e) = spawned {
+            fail(format!("no thread to connect: {e}"));
+        }
+    }
+
+    fn dial(&self, engine: String, attempt: u64, addr: String, hello: Message, slot: Slot) {
+        let sink = self.sink.clone();
+        let result = (|| -> Result<_, String> {
+            let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+            let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+                .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("cannot resolve {addr}"))?;
+            let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
+                .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+            if let Some(key) = &self.cfg.key {
+                let left = deadline.saturating_duration_since(Instant::now());
+                auth::dial(&stream, key, "side", &self.cfg.engine_id, &engine, left)
+                    .map_err(|e| format!("{addr}: {e}"))?;
+            }
+            let bytes = encode(&hello).map_err(|e| e.to_string())?;
+            stream
+                .set_write_timeout(Some(WRITE_TIMEOUT))
+                .map_err(|e| e.to_string())?;
+            write_frame(&mut &stream, &bytes).map_err(|e| format!("{addr}: {e}"))?;
+            let mut r = BufReader::new(DeadlineRead {
+                stream: stream.try_clone().map_err(|e| e.to_string())?,
+                deadline: Some(deadline),
+            });
+            let reply =
+                read_frame(&mut r).map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
+            r.get_mut().established();
+            let (conn, writer) = open(&stream).map_err(|e| e.to_string())?;
+            Ok((conn, writer, r, reply))
+        })();
+        match result {
+            Ok((conn, writer, r, reply)) => {
+                if sink(SideEvent::Connected {
+                    engine,
+                    attempt,
+                    conn,
+                    writer: writer.clone(),
+                    reply,
+                }) {
+                    read_loop(conn, writer, r, sink);
+                } else {
+                    writer.close();
+                }
+            }
+            Err(error) => {
+                sink(SideEvent::ConnectFailed {
+                    engine,
+                    attempt,
+                    error,
+                });
+            }
+        }
+        drop(slot);
+    }
+}
+
+/// A socket's reading half with a deadline for everything read until [`Self::established`]
+/// (each read's timeout is what is left), none after.
+struct DeadlineRead {
+    stream: TcpStream,
+    deadline: Option<Instant>,
+}
+
+impl DeadlineRead {
+    fn established(&mut self) {
+        self.deadline = None;
+        let _ = self.stream.set_read_timeout(None);
+    }
+}
+
+impl Read for DeadlineRead {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(d) = self.deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        self.stream.read(buf)
     }
 }

@@ -82,6 +82,8 @@ pub struct WorkerReport {
     pub dead_agents: Vec<String>,
     /// Peer agents whose metadata could not be loaded: (agent, why).
     pub load_failed: Vec<(String, String)>,
+    /// Inbound transport connections refused at their handshake since the last report.
+    pub refused_connections: u64,
 }
 
 impl WorkerReport {
@@ -90,5 +92,6 @@ impl WorkerReport {
             && self.notifications.is_empty()
             && self.dead_agents.is_empty()
             && self.load_failed.is_empty()
+            && self.refused_connections == 0
     }
 }

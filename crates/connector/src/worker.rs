@@ -38,6 +38,8 @@ pub struct WorkerSide {
     mem: RankMemory,
     jobs: HashMap<JobId, Job>,
     report: WorkerReport,
+    /// The transport's refused-connection total at the last report.
+    refused_seen: u64,
 }
 
 impl WorkerSide {
@@ -61,6 +63,7 @@ impl WorkerSide {
             rank,
             mem,
             jobs: HashMap::new(),
+            refused_seen: 0,
             report: WorkerReport {
                 rank,
                 ..Default::default()
@@ -199,6 +202,9 @@ impl WorkerSide {
         self.report
             .dead_agents
             .extend(self.mem.transport.drain_dead_peers());
+        let refused = self.mem.transport.refused_connections();
+        self.report.refused_connections += refused.saturating_sub(self.refused_seen);
+        self.refused_seen = refused;
         if self.report.is_empty() {
             return None;
         }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use handoff_connector::Role;
+use handoff_connector::{ClusterKey, Role};
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
 use handoff_proto::TransferMode;
@@ -79,6 +79,29 @@ pub struct EngineConfig {
     /// many and for at most `tombstone_ttl_ms`: the bound on the memory ended requests leave.
     pub tombstone_capacity: usize,
     pub tombstone_ttl_ms: u64,
+    /// HTTP API: from a request's first byte to the end of its headers (slowloris bound); 408.
+    pub http_header_read_timeout_ms: u64,
+    /// HTTP API: from the end of a request's headers to the end of its body; 408.
+    pub http_body_read_timeout_ms: u64,
+    /// HTTP API: a connection with no request in progress is closed after this.
+    pub http_idle_timeout_ms: u64,
+    /// HTTP API: connections served at once; more are answered 503 and closed.
+    pub http_max_connections: usize,
+    /// HTTP API: largest request body; 413.
+    pub http_max_body_bytes: usize,
+    /// HTTP API: largest request head (8 KiB..=16 MiB); 431.
+    pub http_max_header_bytes: usize,
+    /// File holding the cluster key (64 hex digits, `handoff keygen` writes one). Every engine
+    /// of a cluster has the same key; the side channel and the tcp transport prove it in both
+    /// directions on every connection. Empty, and `cluster_key` empty: no key, and the engine
+    /// binds loopback only unless `insecure`.
+    pub cluster_key_file: String,
+    /// The cluster key itself, for `HANDOFF_CLUSTER_KEY` (wins over `cluster_key_file`).
+    pub cluster_key: String,
+    /// Allows binding a non-loopback address without a cluster key.
+    pub insecure: bool,
+    /// Most side-channel connections open at once.
+    pub max_side_connections: usize,
 }
 
 impl Default for EngineConfig {
@@ -123,6 +146,16 @@ impl Default for EngineConfig {
             wait_deadline_ms: 30_000,
             tombstone_capacity: 65_536,
             tombstone_ttl_ms: 300_000,
+            http_header_read_timeout_ms: 10_000,
+            http_body_read_timeout_ms: 30_000,
+            http_idle_timeout_ms: 60_000,
+            http_max_connections: 1024,
+            http_max_body_bytes: 4 << 20,
+            http_max_header_bytes: 64 << 10,
+            cluster_key_file: String::new(),
+            cluster_key: String::new(),
+            insecure: false,
+            max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
         }
     }
 }
@@ -171,6 +204,11 @@ impl EngineConfig {
                     v.parse()
                         .map_err(|_| bad("env", format!("{k}={v:?} is not a number")))?,
                 ),
+                toml::Value::Boolean(_) => toml::Value::Boolean(match v.as_str() {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => return Err(bad("env", format!("{k}={v:?} is not true or false"))),
+                }),
                 _ => continue,
             };
             table.insert(field, value);
@@ -254,8 +292,44 @@ impl EngineConfig {
         }
     }
 
+    /// The cluster key, from `cluster_key` or else `cluster_key_file`.
+    pub fn cluster_key(&self) -> Result<Option<ClusterKey>, ConfigError> {
+        if !self.cluster_key.is_empty() {
+            return ClusterKey::from_hex(&self.cluster_key)
+                .map(Some)
+                .map_err(|e| bad("cluster_key", e.to_string()));
+        }
+        if !self.cluster_key_file.is_empty() {
+            return ClusterKey::load(std::path::Path::new(&self.cluster_key_file))
+                .map(Some)
+                .map_err(|e| bad("cluster_key_file", e.to_string()));
+        }
+        Ok(None)
+    }
+
+    /// Whether `host` is a loopback address (a name other than `localhost` counts as not).
+    fn binds_loopback(&self) -> bool {
+        let h = self.host.trim_matches(|c| c == '[' || c == ']');
+        h == "localhost" || h.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback())
+    }
+
     /// Checks every field; the first problem is reported with its field name.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let key = self.cluster_key()?;
+        if key.is_none() && !self.insecure && !self.binds_loopback() {
+            return Err(bad(
+                "cluster_key_file",
+                format!(
+                    "host {} is not loopback and no cluster key is set: anyone who reaches it \
+                     could read or overwrite KV memory. Give every engine the same key \
+                     (`handoff keygen`), bind 127.0.0.1, or set insecure",
+                    self.host
+                ),
+            ));
+        }
+        if self.max_side_connections == 0 {
+            return Err(bad("max_side_connections", "must be at least 1"));
+        }
         self.role()?;
         self.mode()?;
         if self.num_layers == 0 || self.num_layers > 512 {
@@ -378,6 +452,33 @@ impl EngineConfig {
         if self.tombstone_capacity == 0 {
             return Err(bad("tombstone_capacity", "must be at least 1"));
         }
+        for (field, ms) in [
+            (
+                "http_header_read_timeout_ms",
+                self.http_header_read_timeout_ms,
+            ),
+            ("http_body_read_timeout_ms", self.http_body_read_timeout_ms),
+            ("http_idle_timeout_ms", self.http_idle_timeout_ms),
+        ] {
+            if ms == 0 {
+                return Err(bad(field, "must be at least 1"));
+            }
+        }
+        if self.http_max_connections == 0
+            || self.http_max_connections > handoff_http::MAX_CONNECTIONS
+        {
+            return Err(bad(
+                "http_max_connections",
+                format!("must be 1..={}", handoff_http::MAX_CONNECTIONS),
+            ));
+        }
+        if self.http_max_body_bytes == 0 {
+            return Err(bad("http_max_body_bytes", "must be at least 1"));
+        }
+        if !(8 << 10..=16 << 20).contains(&self.http_max_header_bytes) {
+            return Err(bad("http_max_header_bytes", "must be 8192..=16777216"));
+        }
+        self.http_limits().validate().map_err(|e| bad("http", e))?;
         if self.tombstone_ttl_ms < self.hard_cap_ms {
             return Err(bad(
                 "tombstone_ttl_ms",
@@ -427,6 +528,18 @@ impl EngineConfig {
             }
         }
         Ok(Some(plan))
+    }
+
+    /// The bounds of the HTTP API's listener.
+    pub fn http_limits(&self) -> handoff_http::Limits {
+        handoff_http::Limits {
+            header_read_timeout: Duration::from_millis(self.http_header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(self.http_body_read_timeout_ms),
+            idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
+            max_connections: self.http_max_connections,
+            max_body_bytes: self.http_max_body_bytes,
+            max_header_bytes: self.http_max_header_bytes,
+        }
     }
 
     /// The address peers dial.
@@ -491,6 +604,22 @@ mod tests {
             ("transport", Box::new(|c| c.transport = "udp".into())),
             ("fence_grace_ms", Box::new(|c| c.fence_grace_ms = 100)),
             ("num_blocks", Box::new(|c| c.num_blocks = 0)),
+            (
+                "http_header_read_timeout_ms",
+                Box::new(|c| c.http_header_read_timeout_ms = 0),
+            ),
+            (
+                "http_max_connections",
+                Box::new(|c| c.http_max_connections = 0),
+            ),
+            (
+                "http_max_body_bytes",
+                Box::new(|c| c.http_max_body_bytes = 0),
+            ),
+            (
+                "http_max_header_bytes",
+                Box::new(|c| c.http_max_header_bytes = 100),
+            ),
             ("mode", Box::new(|c| c.mode = "teleport".into())),
             (
                 "kv_pool_layout",

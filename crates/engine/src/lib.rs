@@ -88,11 +88,22 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     );
     let mut registry = Registry::default();
     let metrics = metrics::EngineMetrics::new(&mut registry);
+    let http_metrics =
+        handoff_http::HttpMetrics::register(registry.sub_registry_with_prefix("engine"))
+            .listener("api");
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
     let addr = listener.local_addr()?;
 
+    let key = cfg.cluster_key()?;
+    if key.is_none() {
+        tracing::warn!(
+            host = %cfg.host,
+            "no cluster key: peers are not authenticated{}",
+            if cfg.insecure { " (insecure)" } else { "; loopback only" }
+        );
+    }
     // Every role gets a connector: a monolithic engine (`both`) can also serve either side.
     let mut ranks = Vec::new();
     for (rank, layout) in kv.layouts.iter().enumerate() {
@@ -108,6 +119,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
                 let at = Endpoint {
                     bind: SocketAddr::new(addr.ip(), port),
                     advertise_host: cfg.advertise().to_string(),
+                    key: key.clone(),
                 };
                 open_backend_at(other, &name, &at)
                     .with_context(|| format!("cannot open the {other} transport at {}", at.bind))?
@@ -134,6 +146,9 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             producer: cfg.producer(),
             consumer: cfg.consumer(),
             opaque_blocks: false,
+            key: key.clone(),
+            insecure: cfg.insecure,
+            max_side_connections: cfg.max_side_connections,
         },
         ranks,
         &mut registry,
@@ -156,12 +171,14 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     });
     let (shutdown, rx) = oneshot::channel::<()>();
     let app = api::router(state);
+    let limits = cfg.http_limits();
     let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = rx.await;
-            })
-            .await;
+        let stopped = async {
+            let _ = rx.await;
+        };
+        if let Err(e) = handoff_http::serve(listener, app, limits, http_metrics, stopped).await {
+            tracing::error!(error = %e, "the HTTP API stopped");
+        }
     });
     tracing::info!(
         engine = %cfg.engine_id,

@@ -63,8 +63,34 @@ async fn a_pull_between_ipv6_engines_moves_the_kv() {
     }
 }
 
+/// Off loopback, peers must prove the cluster key: without one (and without `insecure`) the
+/// engine does not start, and says what to do.
+#[tokio::test]
+async fn a_bind_off_loopback_needs_a_cluster_key() {
+    for host in ["0.0.0.0", "10.0.0.1"] {
+        let err = match start(EngineConfig {
+            advertise_host: "10.0.0.1".into(),
+            ..cfg("prefill", host)
+        })
+        .await
+        {
+            Ok(_) => panic!("{host} without a cluster key must be refused"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            err.contains("cluster_key_file") && err.contains("keygen"),
+            "{host}: {err}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn an_unspecified_bind_needs_an_advertised_address() {
+    let key = handoff_connector::ClusterKey::generate().unwrap().to_hex();
+    let cfg = |role: &str, host: &str| EngineConfig {
+        cluster_key: key.clone(),
+        ..cfg(role, host)
+    };
     for host in ["0.0.0.0", "::"] {
         let err = match start(cfg("prefill", host)).await {
             Ok(_) => panic!("{host} without advertise_host must be refused"),

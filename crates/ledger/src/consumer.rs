@@ -30,9 +30,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
-    split_grants, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry, Message,
-    PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release,
-    ReleaseReason, TransferMode,
+    split_grants, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
+    Message, PullBlocks, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister,
+    Release, ReleaseReason, TransferMode,
 };
 
 use crate::heartbeat::HeartbeatSender;
@@ -241,6 +241,9 @@ pub struct ConsumerStats {
     pub ignored: u64,
     /// Reads tried again under a new epoch after the transport reported them failed.
     pub read_retries: u64,
+    /// Pull handoffs whose client-supplied `remote_block_ids` differed from P's answer (P's
+    /// were read).
+    pub client_blocks_replaced: u64,
     /// Messages about a handoff we track that carried another epoch than its current one.
     pub stale_epoch: u64,
 }
@@ -274,6 +277,9 @@ struct Handoff {
     /// The epoch the handoff arrived with (what siblings' `kv_transfer_params` carry).
     first_epoch: Epoch,
     retries_left: u8,
+    /// Pull: `info.p_blocks` are P's own answer ([`PullBlocks`]), not the client's claim. No
+    /// read starts before.
+    blocks_from_p: bool,
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
@@ -448,6 +454,7 @@ impl ConsumerLedger {
         let mut h = Handoff {
             first_epoch: inc.epoch,
             retries_left: self.cfg.read_retries,
+            blocks_from_p: false,
             info: inc,
             requests: vec![req],
             deadline,
@@ -650,6 +657,7 @@ impl ConsumerLedger {
             Message::PushDone(d) => self.on_push_done(from, d, now),
             Message::PushFailed(f) => self.on_push_failed(from, f, now),
             Message::PushCancelAck(a) => self.on_cancel_ack(from, a, now),
+            Message::PullBlocks(b) => self.on_pull_blocks(from, b, now),
             _ => self.stats.ignored += 1,
         }
     }
@@ -828,6 +836,35 @@ impl ConsumerLedger {
         }
     }
 
+    /// P names the blocks to read: they replace whatever the client claimed.
+    fn on_pull_blocks(&mut self, from: PeerId, b: PullBlocks, now: Time) {
+        let Some(h) = self.handoffs.get_mut(&b.handoff) else {
+            self.stats.late_notifications += 1;
+            return;
+        };
+        if h.info.peer != from || h.info.mode != TransferMode::Pull || h.blocks_from_p {
+            self.stats.ignored += 1;
+            return;
+        }
+        if h.info.epoch != b.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        if b.blocks.is_empty() {
+            self.stats.ignored += 1;
+            return;
+        }
+        if h.info.p_blocks != b.blocks {
+            // Counted; the connector's metrics and logs follow the counter.
+            self.stats.client_blocks_replaced += 1;
+            h.info.p_blocks = b.blocks;
+        }
+        h.blocks_from_p = true;
+        if h.state == State::Admitted {
+            self.try_start_read(b.handoff, now);
+        }
+    }
+
     fn on_push_done(&mut self, from: PeerId, d: PushDone, now: Time) {
         let write_grace = self.cfg.write_grace;
         let Some(h) = self.handoffs.get_mut(&d.handoff) else {
@@ -918,7 +955,7 @@ impl ConsumerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        if h.state != State::Admitted {
+        if h.state != State::Admitted || !h.blocks_from_p {
             return;
         }
         let Some(grant_until) = h.grant_until else {
@@ -1210,9 +1247,27 @@ impl ConsumerLedger {
             self.stats.heartbeats_sent +=
                 self.heartbeats
                     .send(peer, &entries, now, &mut self.messages) as u64;
+            self.ask_blocks(peer, entries.iter().map(|e| e.handoff));
         }
         self.urgent.clear();
         self.next_heartbeat = any.then(|| now + self.cfg.heartbeat_interval);
+    }
+
+    /// With each heartbeat, asks P for the blocks of every pull handoff it has not named yet
+    /// (usually once: the answer comes back within a round trip).
+    fn ask_blocks(&mut self, peer: PeerId, ids: impl Iterator<Item = HandoffId>) {
+        for id in ids {
+            let Some(h) = self.handoffs.get(&id) else {
+                continue;
+            };
+            if h.info.mode == TransferMode::Pull && !h.blocks_from_p {
+                let q = BlocksQuery {
+                    handoff: id,
+                    epoch: h.info.epoch,
+                };
+                self.messages.push_back((peer, Message::BlocksQuery(q)));
+            }
+        }
     }
 
     fn flush_urgent(&mut self, now: Time) {
@@ -1232,6 +1287,7 @@ impl ConsumerLedger {
                 self.stats.heartbeats_sent +=
                     self.heartbeats
                         .send(peer, &entries, now, &mut self.messages) as u64;
+                self.ask_blocks(peer, entries.iter().map(|e| e.handoff));
             }
         }
         if self.next_heartbeat.is_none() && !self.by_peer.is_empty() {

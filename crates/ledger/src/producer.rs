@@ -22,8 +22,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
-    split_grants, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry, Message,
-    PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister, Release, TransferMode,
+    split_grants, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
+    Message, PullBlocks, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister,
+    Release, TransferMode,
 };
 
 use crate::heartbeat::HeartbeatSender;
@@ -141,6 +142,8 @@ pub struct ProducerStats {
     pub stale_epoch: u64,
     pub staged: u64,
     pub ignored: u64,
+    /// Block queries from a peer other than the D that reads the handoff: refused, unanswered.
+    pub blocks_refused: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -438,11 +441,13 @@ impl ProducerLedger {
             Message::PushRegister(r) => self.on_push_register(from, r, now),
             Message::PushCancel(c) => self.on_push_cancel(from, c, now),
             Message::GrantBatch(g) => self.on_grants(from, g, now),
+            Message::BlocksQuery(q) => self.on_blocks_query(from, q),
             Message::Hello(_)
             | Message::HelloReply(_)
             | Message::PushDone(_)
             | Message::PushFailed(_)
-            | Message::PushCancelAck(_) => self.stats.ignored += 1,
+            | Message::PushCancelAck(_)
+            | Message::PullBlocks(_) => self.stats.ignored += 1,
         }
     }
 
@@ -648,6 +653,42 @@ impl ProducerLedger {
         for batch in split_grants(hb.seq, grants, gone) {
             self.messages.push_back((from, Message::GrantBatch(batch)));
         }
+    }
+
+    /// D asks which blocks to read. Only the handoff's reader (the first D that heartbeats or
+    /// asks for it) is answered: a client that names a handoff id learns nothing through another
+    /// D, and D never reads the block ids a client wrote into its request.
+    fn on_blocks_query(&mut self, from: PeerId, q: BlocksQuery) {
+        let Some(h) = self.handoffs.get_mut(&q.handoff) else {
+            // Not created yet, or ended: D asks again with its next heartbeat, or hears "gone".
+            self.stats.ignored += 1;
+            return;
+        };
+        if h.epoch != q.epoch {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        if h.mode != TransferMode::Pull || h.phase != Phase::Leased {
+            self.stats.ignored += 1;
+            return;
+        }
+        match h.reader {
+            Some(reader) if reader != from => {
+                self.stats.blocks_refused += 1;
+                return;
+            }
+            Some(_) => {}
+            None => {
+                h.reader = Some(from);
+                self.by_peer.entry(from).or_default().insert(q.handoff);
+            }
+        }
+        let answer = PullBlocks {
+            handoff: q.handoff,
+            epoch: h.epoch,
+            blocks: h.blocks.clone(),
+        };
+        self.messages.push_back((from, Message::PullBlocks(answer)));
     }
 
     fn on_pull_done(&mut self, from: PeerId, pd: PullDone, now: Time) {

@@ -662,6 +662,88 @@ fn only_the_reader_moves_the_epoch() {
     assert_eq!(pair.p.stats().stale_epoch, 3);
 }
 
+/// A client can write any `remote_block_ids` into its request to D (another request's blocks,
+/// to read that KV). D reads only the blocks P names for the handoff, and P names them only to
+/// the D that reads it.
+#[test]
+fn d_reads_the_blocks_p_names_not_those_the_client_claims() {
+    let mut pair = Pair::default_pair();
+    let id = hid(63);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let mut inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    inc.p_blocks = vec![500, 501, 502, 503]; // someone else's KV
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.pump();
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    pair.pump();
+    let read = pair.reads.last().cloned().expect("the read starts");
+    assert_eq!(
+        read.src_blocks,
+        BLOCKS.to_vec(),
+        "D read the client's block ids"
+    );
+    assert_eq!(pair.d.stats().client_blocks_replaced, 1);
+
+    // Another D that knows the handoff id asks for its blocks: no answer.
+    let other = PeerId(77);
+    pair.p.handle_message(
+        other,
+        Message::BlocksQuery(handoff_proto::BlocksQuery {
+            handoff: id,
+            epoch: Epoch::FIRST,
+        }),
+        pair.now,
+    );
+    assert!(pair.p.poll_message().is_none());
+    assert_eq!(pair.p.stats().blocks_refused, 1);
+}
+
+/// No read starts on the client's word alone: until P's answer comes, D waits (and asks again
+/// with every heartbeat, so a lost answer costs one interval, not the request).
+#[test]
+fn no_read_starts_before_p_names_the_blocks() {
+    let mut pair = Pair::default_pair();
+    let id = hid(64);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    // Deliver D's heartbeat and let P's grant through, but lose P's answer naming the blocks.
+    pair.d.handle_timeout(pair.now);
+    let mut asked = 0;
+    while let Some((_, m)) = pair.d.poll_message() {
+        asked += matches!(m, Message::BlocksQuery(_)) as usize;
+        pair.p.handle_message(D_PEER, m, pair.now);
+    }
+    assert_eq!(asked, 1);
+    while let Some((_, m)) = pair.p.poll_message() {
+        if !matches!(m, Message::PullBlocks(_)) {
+            pair.d.handle_message(P_PEER, m, pair.now);
+        }
+    }
+    assert!(
+        pair.d.poll_action().is_none(),
+        "a read started on the client's block ids"
+    );
+    // The next heartbeat asks again; this time the answer arrives and the read starts.
+    let interval = pair.d.config().heartbeat_interval;
+    pair.advance(interval);
+    assert_eq!(pair.reads.len(), 1);
+    assert_eq!(pair.reads[0].src_blocks, BLOCKS.to_vec());
+}
+
 #[test]
 fn p_dead_fails_waiting_requests_per_policy() {
     let mut pair = Pair::default_pair();
@@ -1107,11 +1189,16 @@ fn a_delayed_grant_is_anchored_at_the_heartbeat_send_time() {
     d.on_blocks_allocated(id, vec![8, 9], t0).unwrap();
     d.handle_timeout(t0);
     let (_, hb) = d.poll_message().expect("heartbeat sent on arrival");
+    let (_, query) = d.poll_message().expect("D asks P for the blocks");
+    assert!(matches!(query, Message::BlocksQuery(_)), "{query:?}");
     p.handle_message(D_PEER, hb, t0);
+    p.handle_message(D_PEER, query, t0);
     let (_, reply) = p.poll_message().expect("grant");
     let Message::GrantBatch(g) = &reply else {
         panic!("expected a grant, got {reply:?}")
     };
+    let (_, blocks) = p.poll_message().expect("P names the blocks");
+    d.handle_message(P_PEER, blocks, t0);
     let lease = ms(g.grants[0].lease_ms as u64);
     // The reply arrives 4 s late.
     let late = t0 + Duration::from_secs(4);

@@ -100,11 +100,13 @@ fn validate(msg: &Message) -> Result<(), DecodeError> {
         Message::Heartbeat(hb) => check("entries", hb.entries.len(), MAX_BATCH_ENTRIES),
         Message::GrantBatch(g) => check("grants", g.grants.len() + g.gone.len(), MAX_BATCH_ENTRIES),
         Message::PushRegister(r) => check("block_ids", r.block_ids.len(), MAX_REGISTERED_BLOCKS),
+        Message::PullBlocks(b) => check("blocks", b.blocks.len(), MAX_REGISTERED_BLOCKS),
         Message::PushFailed(f) => check("reason", f.reason.len(), MAX_TEXT_BYTES),
         Message::PullDone(_)
         | Message::Release(_)
         | Message::PushDone(_)
         | Message::PushCancel(_)
-        | Message::PushCancelAck(_) => Ok(()),
+        | Message::PushCancelAck(_)
+        | Message::BlocksQuery(_) => Ok(()),
     }
 }

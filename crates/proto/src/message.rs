@@ -28,6 +28,8 @@ pub enum Message {
     PushFailed(PushFailed),
     PushCancel(PushCancel),
     PushCancelAck(PushCancelAck),
+    BlocksQuery(BlocksQuery),
+    PullBlocks(PullBlocks),
 }
 
 impl Message {
@@ -41,6 +43,8 @@ impl Message {
             Message::PushFailed(m) => Some(m.handoff),
             Message::PushCancel(m) => Some(m.handoff),
             Message::PushCancelAck(m) => Some(m.handoff),
+            Message::BlocksQuery(m) => Some(m.handoff),
+            Message::PullBlocks(m) => Some(m.handoff),
             Message::Hello(_)
             | Message::HelloReply(_)
             | Message::Heartbeat(_)
@@ -62,6 +66,8 @@ impl Message {
             Message::PushFailed(_) => "push_failed",
             Message::PushCancel(_) => "push_cancel",
             Message::PushCancelAck(_) => "push_cancel_ack",
+            Message::BlocksQuery(_) => "blocks_query",
+            Message::PullBlocks(_) => "pull_blocks",
         }
     }
 }
@@ -232,6 +238,24 @@ pub struct Release {
     pub handoff: HandoffId,
     pub epoch: Epoch,
     pub reason: ReleaseReason,
+}
+
+/// Pull mode, D to P, repeated with D's heartbeats until answered: "which blocks hold this
+/// handoff's KV?". D reads only the blocks P names in its [`PullBlocks`] answer, never those a
+/// client wrote into `kv_transfer_params` (`remote_block_ids` may name another request's blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlocksQuery {
+    pub handoff: HandoffId,
+    pub epoch: Epoch,
+}
+
+/// Pull mode, P to the D that reads the handoff (and no one else): the handoff's blocks, in
+/// token order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullBlocks {
+    pub handoff: HandoffId,
+    pub epoch: Epoch,
+    pub blocks: Vec<u32>,
 }
 
 /// Push mode, D to every P rank that must write: the destination blocks D reserved for the

@@ -114,7 +114,9 @@
 //!
 //! # Admin API
 //!
-//! Instances can be added and removed while the proxy runs:
+//! Instances can be added and removed while the proxy runs, on the **admin listener**
+//! ([`ProxyConfig::admin_bind`], loopback by default), never on the public one (which answers
+//! `/admin` with 404):
 //!
 //! - `POST /admin/instances` with `{"role": "prefill"|"decode", "url": "http://host:port"}` adds one
 //!   (201; 200 with `"added": false` when already there). It is health-checked before the answer,
@@ -124,7 +126,24 @@
 //! - `GET /admin/instances` lists `{"prefill": [...], "decode": [...]}` with `url`, `healthy` and
 //!   `in_flight` for each.
 //!
-//! The admin API has no authentication: bind the proxy where only trusted callers reach it.
+//! With [`ProxyConfig::admin_token`] set, every admin request needs `Authorization: Bearer
+//! <token>` (compared in constant time; 401 and `WWW-Authenticate: Bearer` otherwise). Without
+//! one the admin API is open to whoever reaches the admin listener, so [`start`] refuses an
+//! `admin_bind` that is not a loopback address. An instance URL must be `http://host:port` and
+//! nothing more ([`normalize_url`]: no https, user info, path, query or fragment); anything else
+//! is answered 400 naming the problem. The proxy's HTTP client follows no redirects: an engine
+//! answering 3xx fails the leg (or its health check). Admin requests are counted in
+//! `handoff_proxy_admin_requests_total{outcome}`.
+//!
+//! # Bounded serving
+//!
+//! Both listeners are served by [`handoff_http::serve`] within [`ProxyConfig::http`] and
+//! [`ProxyConfig::admin_http`] ([`HttpLimits`]: header read, whole-body read and idle timeouts,
+//! a connection cap, body and head size limits; 408, 413, 503 and 431 when hit), each hit
+//! counted in `handoff_proxy_http_limit_hits_total{listener, limit}`. Upstream answers the proxy
+//! reads whole (P's answer and handoff info, a non-streamed D answer, `/v1/models`) are read up
+//! to [`ProxyConfig::max_upstream_body_bytes`]: a longer one is dropped (its connection closed)
+//! and the client gets 502, counted in `handoff_proxy_upstream_body_too_large_total{role}`.
 //!
 //! # Health
 //!
@@ -157,21 +176,30 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use axum::serve::ListenerExt;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+pub use handoff_http::Limits as HttpLimits;
 pub use handoff_proto::TransferMode;
 pub use pool::{normalize_url, InstanceInfo, Policy, Role};
 
 use metrics::Metrics;
 use pool::Pool;
 
-/// Everything the proxy needs to run. [`ProxyConfig::default`] gives sensible timeouts.
+/// Everything the proxy needs to run. [`ProxyConfig::default`] gives sensible timeouts and limits.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
-    /// Address to listen on; port 0 picks a free one ([`RunningProxy::local_addr`] tells which).
+    /// Address of the public listener (completions, models, health, metrics); port 0 picks a
+    /// free one ([`RunningProxy::local_addr`] tells which).
     pub bind: SocketAddr,
+    /// Address of the admin listener (`/admin/instances`); `None`: no admin listener (instances
+    /// can still be changed in-process, [`RunningProxy::add_instance`]). Default
+    /// `127.0.0.1:0` (a free loopback port, [`RunningProxy::admin_addr`] tells which). A
+    /// non-loopback address needs an [`admin_token`](Self::admin_token).
+    pub admin_bind: Option<SocketAddr>,
+    /// The bearer token every admin request must carry (`Authorization: Bearer <token>`).
+    /// `None`: the admin API is open to whoever reaches `admin_bind`, which must then be loopback.
+    pub admin_token: Option<AdminToken>,
     /// Base URLs of the prefill instances at start (`http://host:port`).
     pub prefill: Vec<String>,
     /// Base URLs of the decode instances at start.
@@ -192,14 +220,22 @@ pub struct ProxyConfig {
     pub stream_idle_timeout: Duration,
     /// Overall limit of one release request to P.
     pub release_timeout: Duration,
-    /// Largest client request body accepted.
-    pub max_body_bytes: usize,
+    /// Limits of the public listener: timeouts, connection cap, largest client request body.
+    pub http: handoff_http::Limits,
+    /// Limits of the admin listener.
+    pub admin_http: handoff_http::Limits,
+    /// Largest upstream answer the proxy reads whole (P's answer, P's handoff info, a
+    /// non-streaming D answer, `/v1/models`); a longer one is cut off and answered 502.
+    /// Streamed D answers are relayed chunk by chunk, never buffered, and not bound by it.
+    pub max_upstream_body_bytes: usize,
 }
 
 impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            admin_bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            admin_token: None,
             prefill: Vec::new(),
             decode: Vec::new(),
             policy: Policy::RoundRobin,
@@ -210,9 +246,74 @@ impl Default for ProxyConfig {
             request_timeout: Duration::from_secs(120),
             stream_idle_timeout: Duration::from_secs(60),
             release_timeout: Duration::from_secs(2),
-            max_body_bytes: 64 << 20,
+            http: handoff_http::Limits::default(),
+            admin_http: handoff_http::Limits {
+                max_connections: 32,
+                max_body_bytes: 64 << 10,
+                ..handoff_http::Limits::default()
+            },
+            max_upstream_body_bytes: 4 << 20,
         }
     }
+}
+
+/// The admin API's bearer token: at least [`AdminToken::MIN_LEN`] visible ASCII characters.
+/// Its `Debug` form does not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// The shortest token accepted.
+    pub const MIN_LEN: usize = 16;
+
+    /// Checks a token (surrounding whitespace, such as a file's final newline, is dropped).
+    pub fn new(token: &str) -> anyhow::Result<Self> {
+        let t = token.trim();
+        if t.len() < Self::MIN_LEN {
+            bail!(
+                "the admin token must be at least {} characters long (it has {})",
+                Self::MIN_LEN,
+                t.len()
+            );
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            bail!("the admin token must be visible ASCII characters only (no spaces)");
+        }
+        Ok(AdminToken(t.to_string()))
+    }
+
+    /// Reads a token from a file (its whole content, trimmed).
+    pub fn from_file(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the admin token from {}", path.display()))?;
+        Self::new(&text).with_context(|| format!("admin token file {}", path.display()))
+    }
+
+    /// The token, to put in an `Authorization: Bearer` header.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` is this token, in time that does not depend on where they differ.
+    pub(crate) fn matches(&self, presented: &[u8]) -> bool {
+        constant_time_eq(self.0.as_bytes(), presented)
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(<redacted>)")
+    }
+}
+
+/// Compares two byte strings in time that depends on their lengths only (so a wrong token
+/// tells nothing about how much of it was right).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
 }
 
 pub(crate) struct Shared {
@@ -279,14 +380,16 @@ impl Shared {
 /// [`RunningProxy::shutdown`] does but without waiting.
 pub struct RunningProxy {
     addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<std::io::Result<()>>>,
+    admin: Option<JoinHandle<std::io::Result<()>>>,
     health: Option<JoinHandle<()>>,
 }
 
 impl RunningProxy {
-    /// The address the proxy listens on.
+    /// The address of the public listener.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
@@ -294,6 +397,16 @@ impl RunningProxy {
     /// `http://{local_addr}`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The address of the admin listener, if there is one.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
+    /// `http://{admin_addr}`, if there is an admin listener.
+    pub fn admin_url(&self) -> Option<String> {
+        self.admin_addr.map(|a| format!("http://{a}"))
     }
 
     /// Adds an instance (as `POST /admin/instances`): returns whether it was new and how it
@@ -321,7 +434,7 @@ impl RunningProxy {
         v
     }
 
-    /// Runs until the server stops (it stops only on an accept error or a shutdown).
+    /// Runs until the public server stops (it stops only on a shutdown).
     pub async fn wait(mut self) -> anyhow::Result<()> {
         let server = self.server.take().context("proxy already stopped")?;
         server.await.context("proxy server task")??;
@@ -334,16 +447,28 @@ impl RunningProxy {
         if let Some(h) = self.health.take() {
             h.abort();
         }
-        if let Some(mut server) = self.server.take() {
-            match tokio::time::timeout(Duration::from_secs(10), &mut server).await {
-                Ok(res) => res.context("proxy server task")??,
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut result = Ok(());
+        for (name, server) in [("proxy", self.server.take()), ("admin", self.admin.take())] {
+            let Some(mut server) = server else { continue };
+            match tokio::time::timeout_at(deadline, &mut server).await {
+                Ok(res) => {
+                    if let Err(e) = res
+                        .with_context(|| format!("{name} server task"))
+                        .and_then(|r| r.with_context(|| format!("{name} server")))
+                    {
+                        result = result.and(Err(e));
+                    }
+                }
                 Err(_) => {
-                    tracing::warn!("proxy shutdown: requests still in flight after 10 s, stopping");
+                    tracing::warn!(
+                        "{name} shutdown: requests still in flight after 10 s, stopping"
+                    );
                     server.abort();
                 }
             }
         }
-        Ok(())
+        result
     }
 }
 
@@ -356,16 +481,47 @@ impl Drop for RunningProxy {
     }
 }
 
-/// Starts the proxy in this runtime and returns once it listens and has health-checked its
-/// instances once.
-pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
+/// Checks what [`start`] cannot fix later: limits, and that an admin listener reachable from
+/// elsewhere has a token.
+fn validate(cfg: &ProxyConfig) -> anyhow::Result<()> {
     if cfg.health_interval.is_zero() {
         bail!("health_interval must be greater than zero");
     }
+    cfg.http
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid public listener limit (http): {e}"))?;
+    cfg.admin_http
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid admin listener limit (admin_http): {e}"))?;
+    if cfg.max_upstream_body_bytes == 0 {
+        bail!("max_upstream_body_bytes must be at least 1");
+    }
+    if let Some(admin) = cfg.admin_bind {
+        if cfg.admin_token.is_none() && !admin.ip().is_loopback() {
+            bail!(
+                "the admin listener {admin} is not a loopback address and no admin token is set: \
+                 anyone who reaches it could add and remove instances. Set a token \
+                 (--admin-token-file or HANDOFF_ADMIN_TOKEN) or bind it to loopback"
+            );
+        }
+        if admin == cfg.bind && admin.port() != 0 {
+            bail!("the admin listener and the public listener cannot share {admin}");
+        }
+    }
+    Ok(())
+}
+
+/// Starts the proxy in this runtime and returns once it listens and has health-checked its
+/// instances once.
+pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
+    validate(&cfg)?;
     let http = reqwest::Client::builder()
         // Engines are reached directly: an HTTP(S)_PROXY in the environment must not divert
         // (or break) traffic between the proxy and its engines.
         .no_proxy()
+        // An instance is the URL it was added with: a redirect would send the client's request
+        // (and its Authorization header) somewhere nobody vetted.
+        .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(cfg.connect_timeout)
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(30))
@@ -390,22 +546,43 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
         .await
         .with_context(|| format!("binding the proxy to {}", cfg.bind))?;
     let addr = listener.local_addr()?;
-    // SSE chunks are small: without TCP_NODELAY each would wait for the previous one's ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let (tx, mut rx) = watch::channel(false);
-    let app = routes::router(shared.clone());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.wait_for(|stop| *stop).await;
-            })
-            .await
+    let admin_listener = match cfg.admin_bind {
+        Some(at) => Some(
+            tokio::net::TcpListener::bind(at)
+                .await
+                .with_context(|| format!("binding the proxy's admin listener to {at}"))?,
+        ),
+        None => None,
+    };
+    let admin_addr = admin_listener
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?;
+    let (tx, rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let server = tokio::spawn(handoff_http::serve(
+        listener,
+        routes::router(shared.clone()),
+        cfg.http.clone(),
+        shared.metrics.http.listener("public"),
+        stopped(rx.clone()),
+    ));
+    let admin = admin_listener.map(|l| {
+        tokio::spawn(handoff_http::serve(
+            l,
+            routes::admin_router(shared.clone()),
+            cfg.admin_http.clone(),
+            shared.metrics.http.listener("admin"),
+            stopped(rx.clone()),
+        ))
     });
     let health = tokio::spawn(health::run(shared.clone(), tx.subscribe()));
     tracing::info!(
         %addr,
+        admin = %admin_addr.map(|a| a.to_string()).unwrap_or_else(|| "none".into()),
+        admin_auth = if cfg.admin_token.is_some() { "bearer token" } else { "none (loopback only)" },
         prefill = shared.prefill.healthy_count(),
         decode = shared.decode.healthy_count(),
         policy = cfg.policy.as_str(),
@@ -414,9 +591,11 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
     );
     Ok(RunningProxy {
         addr,
+        admin_addr,
         shared,
         shutdown: tx,
         server: Some(server),
+        admin,
         health: Some(health),
     })
 }

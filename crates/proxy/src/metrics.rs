@@ -23,6 +23,41 @@ pub(crate) struct ReleaseLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct RoleLabels {
+    pub(crate) role: &'static str,
+}
+
+/// How an admin API request ended, as counted in `handoff_proxy_admin_requests_total{outcome}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AdminOutcome {
+    Ok,
+    /// No `Authorization: Bearer` token, or a wrong one (401).
+    Unauthorized,
+    /// A body that is not an instance, or an instance URL that is refused (400).
+    BadRequest,
+    /// Removing an instance that is not there (404).
+    NotFound,
+}
+
+impl AdminOutcome {
+    pub(crate) const ALL: [AdminOutcome; 4] = [
+        AdminOutcome::Ok,
+        AdminOutcome::Unauthorized,
+        AdminOutcome::BadRequest,
+        AdminOutcome::NotFound,
+    ];
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            AdminOutcome::Ok => "ok",
+            AdminOutcome::Unauthorized => "unauthorized",
+            AdminOutcome::BadRequest => "bad_request",
+            AdminOutcome::NotFound => "not_found",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct StreamEndLabels {
     pub(crate) end: &'static str,
 }
@@ -85,6 +120,10 @@ pub(crate) struct Metrics {
     pub(crate) instance_healthy: Family<InstanceLabels, Gauge>,
     pub(crate) releases: Family<ReleaseLabels, Counter>,
     pub(crate) stream_ends: Family<StreamEndLabels, Counter>,
+    pub(crate) admin: Family<OutcomeLabels, Counter>,
+    pub(crate) upstream_too_large: Family<RoleLabels, Counter>,
+    /// Both listeners' limits (`listener="public"|"admin"`).
+    pub(crate) http: handoff_http::HttpMetrics,
 }
 
 impl Metrics {
@@ -120,6 +159,27 @@ impl Metrics {
             "How relayed decode streams ended",
             stream_ends.clone(),
         );
+        let admin = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "admin_requests",
+            "Admin API requests by outcome (unauthorized: no or a wrong bearer token)",
+            admin.clone(),
+        );
+        for o in AdminOutcome::ALL {
+            let _ = admin.get_or_create(&OutcomeLabels {
+                outcome: o.as_str(),
+            });
+        }
+        let upstream_too_large = Family::<RoleLabels, Counter>::default();
+        registry.register(
+            "upstream_body_too_large",
+            "Upstream answers the proxy stopped reading because their body exceeded max_upstream_body_bytes (answered 502), by role",
+            upstream_too_large.clone(),
+        );
+        for role in ["prefill", "decode"] {
+            let _ = upstream_too_large.get_or_create(&RoleLabels { role });
+        }
+        let http = handoff_http::HttpMetrics::register(&mut registry);
         Metrics {
             registry,
             requests,
@@ -127,6 +187,9 @@ impl Metrics {
             instance_healthy,
             releases,
             stream_ends,
+            admin,
+            upstream_too_large,
+            http,
         }
     }
 
@@ -146,6 +209,20 @@ impl Metrics {
     pub(crate) fn stream_end(&self, end: StreamEnd) {
         self.stream_ends
             .get_or_create(&StreamEndLabels { end: end.as_str() })
+            .inc();
+    }
+
+    pub(crate) fn admin(&self, outcome: AdminOutcome) {
+        self.admin
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_too_large(&self, role: &'static str) {
+        self.upstream_too_large
+            .get_or_create(&RoleLabels { role })
             .inc();
     }
 

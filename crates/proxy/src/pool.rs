@@ -89,21 +89,90 @@ pub struct InstanceInfo {
     pub in_flight: usize,
 }
 
-/// Checks and normalises an instance base URL: `http://host:port[/prefix]`, no trailing slash.
-/// Only plain HTTP: the proxy is built without TLS, so an `https` URL would fail on every request;
-/// better to refuse it when it is added.
+/// Checks and normalises an instance base URL: `http://host:port`, nothing else. The error says
+/// what is wrong, naming the URL.
+///
+/// - only `http` (the proxy is built without TLS: an `https` URL would fail on every request);
+/// - a host (a name, an IPv4 address, or an IPv6 address in brackets) and an explicit port;
+/// - no user info (`user:pass@`), path, query or fragment: an instance is a base URL, and
+///   credentials in it would end up in logs and metrics. One trailing `/` is dropped.
 pub fn normalize_url(url: &str) -> Result<String, String> {
-    let url = url.trim().trim_end_matches('/');
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| format!("instance URL {url:?} must start with http://"))?;
-    if rest.is_empty() || rest.starts_with('/') {
-        return Err(format!("instance URL {url:?} has no host"));
+    let raw = url.trim();
+    let bad = |why: &str| Err(format!("instance URL {raw:?} {why}"));
+    if raw.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return bad("contains whitespace or control characters");
     }
-    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("instance URL {url:?} contains whitespace"));
+    let Some((scheme, rest)) = raw.split_once("://") else {
+        return bad("is not of the form http://host:port");
+    };
+    if !scheme.eq_ignore_ascii_case("http") {
+        return bad(&format!(
+            "has scheme {scheme:?}: only http:// is supported (the proxy speaks plain HTTP)"
+        ));
     }
-    Ok(url.to_string())
+    let cut = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(cut);
+    if authority.is_empty() {
+        return bad("has no host");
+    }
+    if authority.contains('@') {
+        return bad("has user info (user@host): credentials do not belong in an instance URL");
+    }
+    match tail {
+        "" | "/" => {}
+        t if t.starts_with('?') => return bad("has a query: give the base URL, http://host:port"),
+        t if t.starts_with('#') => {
+            return bad("has a fragment: give the base URL, http://host:port")
+        }
+        t if t.contains('?') => {
+            return bad("has a path and a query: give the base URL, http://host:port")
+        }
+        _ => return bad("has a path: give the base URL, http://host:port"),
+    }
+    let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
+        let Some((v6, after)) = inner.split_once(']') else {
+            return bad("has an unclosed [ in its host");
+        };
+        if v6.parse::<std::net::Ipv6Addr>().is_err() {
+            return bad(&format!(
+                "has {v6:?} in brackets, which is not an IPv6 address"
+            ));
+        }
+        match after.strip_prefix(':') {
+            Some(port) => (v6, port),
+            None if after.is_empty() => return bad("has no port: write http://host:port"),
+            None => return bad("has junk after its host"),
+        }
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, _)) if h.contains(':') => {
+                return bad("has an IPv6 host without brackets: write http://[addr]:port")
+            }
+            Some((h, p)) => (h, p),
+            None => return bad("has no port: write http://host:port"),
+        }
+    };
+    if host.is_empty() {
+        return bad("has no host");
+    }
+    let bracketed = authority.starts_with('[');
+    if !bracketed
+        && !host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    {
+        return bad(&format!(
+            "has host {host:?}, which is not a name or an address"
+        ));
+    }
+    if port.is_empty() {
+        return bad("has no port: write http://host:port");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && port.bytes().all(|b| b.is_ascii_digit()) => {}
+        _ => return bad(&format!("has port {port:?}, which is not 1..=65535")),
+    }
+    Ok(format!("http://{authority}"))
 }
 
 pub(crate) struct Instance {
@@ -300,10 +369,41 @@ mod tests {
     #[test]
     fn url_normalisation() {
         assert_eq!(normalize_url("http://a:1/").unwrap(), "http://a:1");
-        assert_eq!(normalize_url(" http://a:1/x/ ").unwrap(), "http://a:1/x");
-        assert!(normalize_url("https://a:1").is_err());
-        assert!(normalize_url("a:1").is_err());
-        assert!(normalize_url("http://").is_err());
+        assert_eq!(
+            normalize_url(" HTTP://a-b.c:80 ").unwrap(),
+            "http://a-b.c:80"
+        );
+        assert_eq!(
+            normalize_url("http://[::1]:8100").unwrap(),
+            "http://[::1]:8100"
+        );
+        for (url, why) in [
+            ("https://a:1", "only http://"),
+            ("ftp://a:1", "only http://"),
+            ("a:1", "not of the form"),
+            ("http://", "no host"),
+            ("http://:1", "no host"),
+            ("http://a", "no port"),
+            ("http://a:", "no port"),
+            ("http://a:0", "not 1..=65535"),
+            ("http://a:99999", "not 1..=65535"),
+            ("http://a:+1", "not 1..=65535"),
+            ("http://u:p@a:1", "user info"),
+            ("http://u@a:1", "user info"),
+            ("http://a:1/x", "has a path"),
+            ("http://a:1/x?y=1", "a path and a query"),
+            ("http://a:1?y=1", "has a query"),
+            ("http://a:1#f", "has a fragment"),
+            ("http://::1:80", "without brackets"),
+            ("http://[zz]:80", "not an IPv6 address"),
+            ("http://[::1]", "no port"),
+            ("http://a b:1", "whitespace"),
+            ("http://a%2f:1", "not a name or an address"),
+        ] {
+            let e = normalize_url(url).unwrap_err();
+            assert!(e.contains(why), "{url}: {e}");
+            assert!(e.contains(url.trim()), "{url}: {e}");
+        }
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::error::{snippet, ProxyError};
 use crate::pool::{InFlight, Instance, Role};
 use crate::relay::relay;
 use crate::routes::{
-    forward_headers, internal, mark_down_if_unreachable, prefill_leg, prefill_leg_body,
+    forward_headers, internal, mark_down_if_unreachable, prefill_leg, prefill_leg_body, read_body,
     read_capped, release, ReleaseGuard,
 };
 use crate::{Shared, TransferMode};
@@ -50,7 +50,7 @@ pub(crate) async fn fetch_info(
 ) -> Result<EngineInfo, ProxyError> {
     let req = s.http.get(format!("{}/v1/handoff/info", p.url)).timeout(t);
     let (status, body) =
-        crate::routes::call_prefill(p, req, t, "no answer to GET /v1/handoff/info").await?;
+        crate::routes::call_prefill(s, p, req, t, "no answer to GET /v1/handoff/info").await?;
     let bad = |reason: String| {
         ProxyError::upstream(
             Role::Prefill,
@@ -486,20 +486,20 @@ pub(crate) async fn push(
         let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse, leg));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
-    let bytes =
-        match watch_prefill(timeout_at(deadline, resp.bytes()), &mut leg, &mut release).await {
-            Err(f) => return Err(prefill_failed(f, &leg, &mut release, &d).await),
-            Ok(Ok(Ok(b))) => b,
-            Ok(Ok(Err(err))) => return Err(ProxyError::transport(Role::Decode, &d.url, &err)),
-            Ok(Err(_)) => {
-                return Err(ProxyError::timeout(
-                    Role::Decode,
-                    &d.url,
-                    "no complete response",
-                    t,
-                ))
-            }
-        };
+    let read = read_body(resp, s.cfg.max_upstream_body_bytes);
+    let bytes = match watch_prefill(timeout_at(deadline, read), &mut leg, &mut release).await {
+        Err(f) => return Err(prefill_failed(f, &leg, &mut release, &d).await),
+        Ok(Ok(Ok(b))) => b,
+        Ok(Ok(Err(err))) => return Err(err.into_error(s, Role::Decode, &d.url)),
+        Ok(Err(_)) => {
+            return Err(ProxyError::timeout(
+                Role::Decode,
+                &d.url,
+                "no complete response",
+                t,
+            ))
+        }
+    };
     leg.detach();
     drop(d_guard);
     builder

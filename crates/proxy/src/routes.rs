@@ -4,9 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{Request, State};
 use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -15,7 +16,7 @@ use serde_json::{json, Map, Value};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use crate::error::{chain, ProxyError};
-use crate::metrics::Outcome;
+use crate::metrics::{AdminOutcome, Outcome};
 use crate::pool::{Instance, Role};
 use crate::relay::relay;
 use crate::{push, Shared, TransferMode};
@@ -24,19 +25,26 @@ pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-i
 /// How much of an upstream error body is read to quote it to the client.
 const ERROR_BODY_CAP: usize = 16 << 10;
 
+/// The public listener's routes. Body limits and timeouts are the listener's
+/// ([`handoff_http::serve`]).
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
-    let limit = shared.cfg.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .with_state(shared)
+}
+
+/// The admin listener's routes, behind the bearer token when one is configured.
+pub(crate) fn admin_router(shared: Arc<Shared>) -> Router {
+    Router::new()
         .route(
             "/admin/instances",
             get(admin_list).post(admin_add).delete(admin_remove),
         )
-        .layer(DefaultBodyLimit::max(limit))
+        .route_layer(middleware::from_fn_with_state(shared.clone(), admin_auth))
         .with_state(shared)
 }
 
@@ -294,9 +302,9 @@ async fn pull(
         let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse, None));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
-    let bytes = match timeout_at(deadline, resp.bytes()).await {
+    let bytes = match timeout_at(deadline, read_body(resp, s.cfg.max_upstream_body_bytes)).await {
         Ok(Ok(b)) => b,
-        Ok(Err(err)) => return Err(ProxyError::transport(Role::Decode, &d.url, &err)),
+        Ok(Err(err)) => return Err(err.into_error(s, Role::Decode, &d.url)),
         Err(_) => {
             return Err(ProxyError::timeout(
                 Role::Decode,
@@ -324,25 +332,73 @@ pub(crate) fn internal(msg: String) -> ProxyError {
 /// Sends `req` to prefill instance `p` and reads its whole answer within `t`. An unreachable
 /// instance is marked down at once; `missing` says what a timeout lacked.
 pub(crate) async fn call_prefill(
+    s: &Shared,
     p: &Instance,
     req: reqwest::RequestBuilder,
     t: Duration,
     missing: &str,
 ) -> Result<(reqwest::StatusCode, Bytes), ProxyError> {
     let call = async {
-        let resp = req.send().await?;
+        let resp = req.send().await.map_err(BodyError::Http)?;
         let status = resp.status();
-        let body = resp.bytes().await?;
-        Ok::<_, reqwest::Error>((status, body))
+        let body = read_body(resp, s.cfg.max_upstream_body_bytes).await?;
+        Ok::<_, BodyError>((status, body))
     };
     match timeout(t, call).await {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(err)) => {
-            mark_down_if_unreachable(p, &err);
-            Err(ProxyError::transport(Role::Prefill, &p.url, &err))
+            if let BodyError::Http(e) = &err {
+                mark_down_if_unreachable(p, e);
+            }
+            Err(err.into_error(s, Role::Prefill, &p.url))
         }
         Err(_) => Err(ProxyError::timeout(Role::Prefill, &p.url, missing, t)),
     }
+}
+
+/// Why an upstream answer's body could not be had.
+pub(crate) enum BodyError {
+    Http(reqwest::Error),
+    /// Longer than `max_upstream_body_bytes` (the cap).
+    TooLarge(usize),
+}
+
+impl BodyError {
+    /// The client's error (502 for a body over the cap, counted), naming the instance.
+    pub(crate) fn into_error(self, s: &Shared, role: Role, url: &str) -> ProxyError {
+        match self {
+            BodyError::Http(e) => ProxyError::transport(role, url, &e),
+            BodyError::TooLarge(cap) => {
+                s.metrics.upstream_too_large(role.as_str());
+                ProxyError::upstream(
+                    role,
+                    url,
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_body_too_large",
+                    format!(
+                        "answered with a body over {cap} bytes (max_upstream_body_bytes); \
+                         it was not read further"
+                    ),
+                )
+            }
+        }
+    }
+}
+
+/// Reads an upstream answer's whole body, but never more than `cap` bytes: one that says (or
+/// turns out) to be longer is dropped, closing the connection.
+pub(crate) async fn read_body(mut resp: reqwest::Response, cap: usize) -> Result<Bytes, BodyError> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(BodyError::TooLarge(cap));
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(BodyError::Http)? {
+        if out.len() + chunk.len() > cap {
+            return Err(BodyError::TooLarge(cap));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(out))
 }
 
 /// The P leg (pull's leg 1, push's concurrent leg): POSTs `body` to P within `request_timeout`
@@ -360,7 +416,7 @@ pub(crate) async fn prefill_leg(
         .post(format!("{}{}", p.url, path))
         .headers(headers)
         .json(body);
-    let (status, body) = call_prefill(p, req, t, "no complete response").await?;
+    let (status, body) = call_prefill(s, p, req, t, "no complete response").await?;
     if !status.is_success() {
         return Err(ProxyError::upstream_status(
             Role::Prefill,
@@ -524,11 +580,12 @@ async fn models(State(s): State<Arc<Shared>>) -> Response {
             .get(format!("{}/v1/models", d.url))
             .timeout(t)
             .send()
-            .await?;
+            .await
+            .map_err(BodyError::Http)?;
         let status = resp.status();
         let ct = resp.headers().get(CONTENT_TYPE).cloned();
-        let body = resp.bytes().await?;
-        Ok::<_, reqwest::Error>((status, ct, body))
+        let body = read_body(resp, s.cfg.max_upstream_body_bytes).await?;
+        Ok::<_, BodyError>((status, ct, body))
     };
     match call.await {
         Ok((status, ct, body)) if status.is_success() => {
@@ -542,8 +599,10 @@ async fn models(State(s): State<Arc<Shared>>) -> Response {
             ProxyError::upstream_status(Role::Decode, &d.url, status, &body).into_response()
         }
         Err(err) => {
-            mark_down_if_unreachable(d, &err);
-            ProxyError::transport(Role::Decode, &d.url, &err).into_response()
+            if let BodyError::Http(e) = &err {
+                mark_down_if_unreachable(d, e);
+            }
+            err.into_error(&s, Role::Decode, &d.url).into_response()
         }
     }
 }
@@ -582,8 +641,45 @@ struct InstanceBody {
     url: String,
 }
 
-fn parse_instance(body: &[u8]) -> Result<InstanceBody, ProxyError> {
+/// The token of an `Authorization: Bearer <token>` header.
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let v = headers.get(AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = v.split_at(v.iter().position(|b| *b == b' ')?);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    Some(token.trim_ascii())
+}
+
+/// Lets an admin request through only with the configured bearer token (any request when none
+/// is configured: the listener is then loopback only, see `start`).
+async fn admin_auth(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if let Some(token) = &s.cfg.admin_token {
+        let why = match bearer(req.headers()) {
+            None => Some("no Authorization: Bearer token"),
+            Some(t) if !token.matches(t) => Some("a wrong bearer token"),
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            s.metrics.admin(AdminOutcome::Unauthorized);
+            tracing::warn!(method = %req.method(), path = %req.uri().path(), "admin request refused: {why}");
+            let mut e = ProxyError::bad_request(format!("admin request refused: {why}"));
+            e.status = StatusCode::UNAUTHORIZED;
+            e.kind = "unauthorized";
+            let mut resp = e.into_response();
+            resp.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"handoff-proxy-admin\""),
+            );
+            return resp;
+        }
+    }
+    next.run(req).await
+}
+
+fn parse_instance(s: &Shared, body: &[u8]) -> Result<InstanceBody, ProxyError> {
     serde_json::from_slice(body).map_err(|e| {
+        s.metrics.admin(AdminOutcome::BadRequest);
         ProxyError::bad_request(format!(
             "expected {{\"role\": \"prefill\"|\"decode\", \"url\": \"http://host:port\"}}: {e}"
         ))
@@ -591,6 +687,7 @@ fn parse_instance(body: &[u8]) -> Result<InstanceBody, ProxyError> {
 }
 
 async fn admin_list(State(s): State<Arc<Shared>>) -> Response {
+    s.metrics.admin(AdminOutcome::Ok);
     Json(json!({
         "prefill": s.instances(Role::Prefill),
         "decode": s.instances(Role::Decode),
@@ -601,12 +698,13 @@ async fn admin_list(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn admin_add(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let req = match parse_instance(&body) {
+    let req = match parse_instance(&s, &body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     match s.add_instance(req.role, &req.url).await {
         Ok((added, info)) => {
+            s.metrics.admin(AdminOutcome::Ok);
             let status = if added {
                 StatusCode::CREATED
             } else {
@@ -614,18 +712,24 @@ async fn admin_add(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             };
             (status, Json(json!({"added": added, "instance": info}))).into_response()
         }
-        Err(msg) => ProxyError::bad_request(msg).into_response(),
+        Err(msg) => {
+            s.metrics.admin(AdminOutcome::BadRequest);
+            tracing::warn!(role = %req.role, "admin: instance refused: {msg}");
+            ProxyError::bad_request(msg).into_response()
+        }
     }
 }
 
 async fn admin_remove(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let req = match parse_instance(&body) {
+    let req = match parse_instance(&s, &body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     if s.remove_instance(req.role, &req.url) {
+        s.metrics.admin(AdminOutcome::Ok);
         Json(json!({"removed": true})).into_response()
     } else {
+        s.metrics.admin(AdminOutcome::NotFound);
         let mut e = ProxyError::bad_request(format!(
             "no {} instance {} to remove",
             req.role,

@@ -60,7 +60,7 @@ fn completion() -> Value {
 
 async fn admin_list(proxy: &RunningProxy) -> Value {
     client()
-        .get(format!("{}/admin/instances", proxy.url()))
+        .get(format!("{}/admin/instances", proxy.admin_url().unwrap()))
         .send()
         .await
         .unwrap()
@@ -559,7 +559,7 @@ async fn instances_are_added_and_removed_at_run_time() {
         let d2 = Fake::decode("D2", &log).await;
         let proxy = proxy(&[&p], &[&d1]).await;
         let c = client();
-        let admin = format!("{}/admin/instances", proxy.url());
+        let admin = format!("{}/admin/instances", proxy.admin_url().unwrap());
 
         let r = c
             .post(&admin)

@@ -180,7 +180,7 @@ async fn both_legs_go_at_once_with_exact_push_params() {
         wait_until(|| find(&proxy.instances(), &p.url).in_flight == 0).await;
         assert_eq!(find(&proxy.instances(), &d.url).in_flight, 0);
         let admin: Value = client()
-            .get(format!("{}/admin/instances", proxy.url()))
+            .get(format!("{}/admin/instances", proxy.admin_url().unwrap()))
             .send()
             .await
             .unwrap()

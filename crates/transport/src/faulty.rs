@@ -306,6 +306,10 @@ impl Transport for FaultyTransport {
         }
         out
     }
+
+    fn refused_connections(&self) -> u64 {
+        self.inner.refused_connections()
+    }
 }
 
 #[cfg(test)]

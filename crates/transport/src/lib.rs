@@ -15,6 +15,7 @@
 // it for themselves.
 #![deny(unsafe_code)]
 
+pub mod auth;
 pub mod conformance;
 pub mod faulty;
 mod foreign;
@@ -157,6 +158,12 @@ pub trait Transport: Send + Sync {
     /// Takes the names of peers found dead since the last call (lost connection, keepalive
     /// timeout, disconnect reported by the backend).
     fn drain_dead_peers(&self) -> Vec<String>;
+
+    /// Inbound connections refused at their handshake so far (no or wrong proof of the cluster
+    /// key, a name the caller did not prove). Backends that authenticate nothing say 0.
+    fn refused_connections(&self) -> u64 {
+        0
+    }
 }
 
 /// Checks a descriptor against a region length without overflow.
@@ -184,6 +191,8 @@ pub struct Endpoint {
     pub bind: std::net::SocketAddr,
     /// tcp: the host written into the metadata peers load.
     pub advertise_host: String,
+    /// tcp: the cluster key every connection must prove (see [`auth`]).
+    pub key: Option<auth::ClusterKey>,
 }
 
 /// Opens a backend by name with its default settings, listening on loopback (`mem` needs a
@@ -193,6 +202,7 @@ pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, Transp
     let at = Endpoint {
         advertise_host: tcp.bind.ip().to_string(),
         bind: tcp.bind,
+        key: None,
     };
     open_backend_at(kind, name, &at)
 }
@@ -209,6 +219,7 @@ pub fn open_backend_at(
             let cfg = tcp::TcpConfig {
                 bind: at.bind,
                 advertise_host: Some(at.advertise_host.clone()),
+                key: at.key.clone(),
                 ..tcp::TcpConfig::from_env()
             };
             let t = tcp::TcpTransport::new(name, cfg)?;

@@ -22,3 +22,20 @@ pub mod kv_tensors;
 mod python;
 pub mod scheduler;
 pub mod worker;
+
+use handoff_transport::auth::{AuthError, ClusterKey};
+
+/// The cluster key both sides of the connector prove: `HANDOFF_CLUSTER_KEY` (64 hex digits) if
+/// set, else the file `kv_connector_extra_config.cluster_key_file` names, else none (loopback
+/// only unless `insecure`).
+pub fn cluster_key(file: Option<&str>) -> Result<Option<ClusterKey>, AuthError> {
+    if let Ok(hex) = std::env::var("HANDOFF_CLUSTER_KEY") {
+        if !hex.is_empty() {
+            return ClusterKey::from_hex(&hex).map(Some);
+        }
+    }
+    match file {
+        Some(f) if !f.is_empty() => ClusterKey::load(std::path::Path::new(f)).map(Some),
+        _ => Ok(None),
+    }
+}

@@ -74,6 +74,12 @@ pub struct SchedulerConfig {
     /// Workers' KV blocks are opaque pages (set from the layout the workers found).
     #[serde(default)]
     pub opaque_blocks: bool,
+    /// The cluster key's file (`HANDOFF_CLUSTER_KEY` wins); see [`crate::cluster_key`].
+    #[serde(default)]
+    pub cluster_key_file: Option<String>,
+    /// Allows a non-loopback side channel without a key.
+    #[serde(default)]
+    pub insecure: bool,
 }
 
 fn default_mode() -> String {
@@ -94,6 +100,8 @@ pub enum SchedulerError {
     Params(String),
     #[error("cannot decode a worker report: {0}")]
     Report(postcard::Error),
+    #[error(transparent)]
+    Key(#[from] handoff_transport::auth::AuthError),
 }
 
 /// A worker's steps, queued until the next `build_connector_meta`.
@@ -169,6 +177,9 @@ impl SchedulerSide {
                 producer,
                 consumer,
                 opaque_blocks: cfg.opaque_blocks,
+                key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
+                insecure: cfg.insecure,
+                max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
             },
             hellos,
             &mut registry,

@@ -25,6 +25,12 @@ pub struct WorkerConfig {
     /// The host peers dial for data (default: the bind's host).
     #[serde(default)]
     pub advertise_host: Option<String>,
+    /// The cluster key's file (`HANDOFF_CLUSTER_KEY` wins); see [`crate::cluster_key`].
+    #[serde(default)]
+    pub cluster_key_file: Option<String>,
+    /// Allows a non-loopback data listener without a key.
+    #[serde(default)]
+    pub insecure: bool,
     pub facts: ModelFacts,
 }
 
@@ -48,6 +54,8 @@ pub enum WorkerError {
     Connector(#[from] handoff_connector::ConnectorError),
     #[error("cannot decode the step metadata: {0}")]
     Meta(postcard::Error),
+    #[error(transparent)]
+    Key(#[from] handoff_transport::auth::AuthError),
 }
 
 pub struct WorkerBridge {
@@ -93,12 +101,15 @@ impl WorkerBridge {
             .data_bind
             .parse()
             .map_err(|e| WorkerError::Config(format!("data_bind {:?}: {e}", cfg.data_bind)))?;
+        let key = crate::cluster_key(cfg.cluster_key_file.as_deref())?;
+        handoff_connector::check_exposure(bind.ip(), key.as_ref(), cfg.insecure)?;
         let at = Endpoint {
             advertise_host: cfg
                 .advertise_host
                 .clone()
                 .unwrap_or_else(|| bind.ip().to_string()),
             bind,
+            key,
         };
         let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
         let transport = open_backend_at(&cfg.transport, &name, &at)?;

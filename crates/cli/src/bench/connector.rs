@@ -190,7 +190,7 @@ impl Pair {
         let hello = rd.connects.first().map(|c| c.hello.clone());
         self.d.advance(rd);
         let hello = hello.context("D did not dial P")?;
-        self.p.handle_accepted(P_CONN, hello, now);
+        self.p.handle_accepted(P_CONN, hello, None, now);
         let rp = self.p.ready();
         let reply = rp.messages.first().map(|(_, m)| m.clone());
         self.p.advance(rp);

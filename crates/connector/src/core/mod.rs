@@ -76,6 +76,8 @@ pub enum Observation {
     UnknownNotification,
     /// A message on a connection that never said hello, other than a release.
     AnonymousRefused,
+    /// Transport connections a worker refused at their handshake.
+    TransportRefused(u64),
     /// A reject for a handoff this engine is itself still tracking (a retried request): P is
     /// not told, the live request's transfer owns the handoff.
     RejectOfTrackedHandoff,
@@ -553,6 +555,11 @@ impl ConnectorCore {
 
     /// What a worker reports: jobs that ended, notifications, dead agents, failed loads.
     pub fn handle_worker_report(&mut self, report: WorkerReport, now: Time) {
+        if report.refused_connections > 0 {
+            self.out
+                .observations
+                .push(Observation::TransportRefused(report.refused_connections));
+        }
         for (agent, error) in report.load_failed {
             if let Some(peer) = self.peers.by_agent(&agent) {
                 self.fail_peer(peer, format!("cannot load agent {agent:?}: {error}"), now);
@@ -776,6 +783,8 @@ impl ConnectorCore {
                 + c.map_or(0, |c| c.late_notifications),
             stale_epoch: p.map_or(0, |p| p.stale_epoch) + c.map_or(0, |c| c.stale_epoch),
             read_retries: c.map_or(0, |c| c.read_retries),
+            client_blocks_replaced: c.map_or(0, |c| c.client_blocks_replaced),
+            blocks_refused: p.map_or(0, |p| p.blocks_refused),
         }
     }
 
@@ -819,6 +828,10 @@ pub struct LedgerCounters {
     pub stale_epoch: u64,
     /// Reads tried again under a new epoch.
     pub read_retries: u64,
+    /// D: requests whose `remote_block_ids` differed from the blocks P named (P's were read).
+    pub client_blocks_replaced: u64,
+    /// P: block queries from a peer other than the handoff's reader (unanswered).
+    pub blocks_refused: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

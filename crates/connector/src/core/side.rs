@@ -193,12 +193,16 @@ impl ConnectorCore {
             Message::PullDone(_)
             | Message::Release(_)
             | Message::PushRegister(_)
-            | Message::PushCancel(_) => {
+            | Message::PushCancel(_)
+            | Message::BlocksQuery(_) => {
                 if let Some(p) = self.producer.as_mut() {
                     p.handle_message(peer, msg, now);
                 }
             }
-            Message::PushDone(_) | Message::PushFailed(_) | Message::PushCancelAck(_) => {
+            Message::PushDone(_)
+            | Message::PushFailed(_)
+            | Message::PushCancelAck(_)
+            | Message::PullBlocks(_) => {
                 if let Some(c) = self.consumer.as_mut() {
                     c.handle_message(peer, msg, now);
                 }
@@ -250,9 +254,18 @@ impl ConnectorCore {
         }
     }
 
-    /// The first frame of a connection a peer opened to us.
-    pub fn handle_accepted(&mut self, conn: ConnId, msg: Message, now: Time) {
+    /// The first frame of a connection a peer opened to us. `proven`: the engine id the peer
+    /// proved holding the cluster key (`None` when the cluster has no key); a hello under any
+    /// other id is refused, so no one takes over another engine's name.
+    pub fn handle_accepted(&mut self, conn: ConnId, msg: Message, proven: Option<&str>, now: Time) {
         match msg {
+            Message::Hello(h) if proven.is_some_and(|p| p != h.engine_id) => {
+                let reason = format!(
+                    "the hello names {:?}, not the engine id the connection proved",
+                    h.engine_id.chars().take(64).collect::<String>()
+                );
+                self.refuse_hello(conn, &h.engine_id, reason);
+            }
             Message::Hello(h) => {
                 match self.check_hello(&h) {
                     Ok((layouts, agents)) => {

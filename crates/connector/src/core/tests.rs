@@ -76,7 +76,7 @@ fn connected_d(p: &mut ConnectorCore, prm: &KvTransferParams, conn: ConnId) -> C
     let hello = r.connects[0].hello.clone();
     let attempt = r.connects[0].attempt;
     d.advance(r);
-    p.handle_accepted(100, hello, t(1));
+    p.handle_accepted(100, hello, None, t(1));
     let rp = p.ready();
     let reply = rp.messages[0].1.clone();
     p.advance(rp);
@@ -132,7 +132,7 @@ fn a_connection_without_a_handshake_is_refused_and_reaches_no_ledger() {
             epoch: Epoch::FIRST,
         }],
     });
-    p.handle_accepted(7, hb.clone(), t(1));
+    p.handle_accepted(7, hb.clone(), None, t(1));
     let r = p.ready();
     assert!(r.messages.is_empty(), "no reply to an anonymous heartbeat");
     assert_eq!(r.closes, vec![7]);
@@ -144,7 +144,7 @@ fn a_connection_without_a_handshake_is_refused_and_reaches_no_ledger() {
         epoch: Epoch::FIRST,
         reason: ReleaseReason::Aborted,
     });
-    p.handle_accepted(8, rel, t(2));
+    p.handle_accepted(8, rel, None, t(2));
     assert!(p.ready().events.is_empty());
     assert_eq!(p.held_blocks().0, 2);
 }
@@ -158,7 +158,7 @@ fn a_peer_cannot_take_over_another_engines_agent_name() {
     let mut impostor = hello_of(&core("x", Role::Decode));
     impostor.agent_metadata =
         postcard::to_allocvec(&vec![("d-r0".to_string(), vec![9u8])]).unwrap();
-    p.handle_accepted(101, Message::Hello(impostor), t(3));
+    p.handle_accepted(101, Message::Hello(impostor), None, t(3));
     let r = p.ready();
     assert!(
         matches!(&r.messages[..], [(101, Message::HelloReply(HelloReply::Refused { reason }))] if reason.contains("another engine")),
@@ -168,6 +168,47 @@ fn a_peer_cannot_take_over_another_engines_agent_name() {
     assert_eq!(r.closes, vec![101]);
     // D keeps its name: its notifications still count as D's.
     assert_eq!(p.peers.by_agent("d-r0"), p.peers.by_engine("d"));
+}
+
+/// With a cluster key, the side channel tells the core which engine id the caller proved; a
+/// hello under another id (D's, to take over its connection and blocks) is refused.
+#[test]
+fn a_hello_under_an_id_the_connection_did_not_prove_is_refused() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let _d = connected_d(&mut p, &prm, 5);
+    let before = p.peers.by_engine("d");
+    p.handle_accepted(
+        102,
+        Message::Hello(hello_of(&core("d", Role::Decode))),
+        Some("mallory"),
+        t(3),
+    );
+    let r = p.ready();
+    assert!(
+        matches!(&r.messages[..], [(102, Message::HelloReply(HelloReply::Refused { reason }))] if reason.contains("proved")),
+        "{:?}",
+        r.messages
+    );
+    assert_eq!(r.closes, vec![102]);
+    assert_eq!(p.peers.by_engine("d"), before);
+    // The same hello on a connection that proved "d" is D reconnecting: accepted.
+    p.advance(r);
+    p.handle_accepted(
+        103,
+        Message::Hello(hello_of(&core("d", Role::Decode))),
+        Some("d"),
+        t(4),
+    );
+    let r = p.ready();
+    assert!(
+        matches!(
+            &r.messages[..],
+            [(103, Message::HelloReply(HelloReply::Accepted(_)))]
+        ),
+        "{:?}",
+        r.messages
+    );
 }
 
 #[test]
@@ -247,6 +288,7 @@ fn an_engine_with_both_ledgers_answers_a_pull_heartbeat_with_a_grant_only() {
     p.handle_accepted(
         100,
         Message::Hello(hello_of(&core("d", Role::Decode))),
+        None,
         t(1),
     );
     let r = p.ready();

@@ -621,7 +621,7 @@ impl Sim {
                     return;
                 }
                 if self.pending_accept.remove(&(to, conn)) {
-                    self.eng(to).core.handle_accepted(conn, msg, now);
+                    self.eng(to).core.handle_accepted(conn, msg, None, now);
                 } else {
                     self.eng(to).core.handle_frame(conn, msg, now);
                 }
@@ -1089,7 +1089,7 @@ impl Sim {
             }],
         });
         let p = &mut self.engines[0].core;
-        p.handle_accepted(conn, hb, now);
+        p.handle_accepted(conn, hb, None, now);
         p.handle_frame(
             conn,
             Message::Release(handoff_proto::Release {

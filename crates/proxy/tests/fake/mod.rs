@@ -82,6 +82,16 @@ pub struct FakeState {
     pub info: Mutex<Value>,
     /// GET /v1/handoff/info requests received.
     pub info_requests: AtomicU64,
+    /// When set, completions are answered 307 to this base URL (the same path).
+    pub redirect_to: Mutex<Option<String>>,
+    /// When set (with `redirect_to`), GET /health is redirected too.
+    pub redirect_health: AtomicBool,
+    /// When set, a completion is answered 200 with a JSON body that never ends.
+    pub endless_body: AtomicBool,
+    /// Bytes of endless bodies produced so far (the reader pulls them).
+    pub endless_bytes: AtomicU64,
+    /// Set when an endless body was dropped (its reader went away).
+    pub endless_dropped: AtomicBool,
 }
 
 static NEXT_HANDOFF: AtomicU64 = AtomicU64::new(1);
@@ -119,6 +129,11 @@ impl Fake {
                 "role": if kind == Kind::Prefill { "prefill" } else { "decode" },
             })),
             info_requests: AtomicU64::new(0),
+            redirect_to: Mutex::new(None),
+            redirect_health: AtomicBool::new(false),
+            endless_body: AtomicBool::new(false),
+            endless_bytes: AtomicU64::new(0),
+            endless_dropped: AtomicBool::new(false),
         });
         let app = Router::new()
             .route("/v1/completions", post(completion))
@@ -202,6 +217,17 @@ impl Fake {
             .store(d.as_millis() as u64, Ordering::SeqCst);
     }
 
+    /// Answers completions (and with `health`, GET /health) with a 307 to `url`.
+    pub fn redirect_to(&self, url: &str, health: bool) {
+        *self.state.redirect_to.lock().unwrap() = Some(url.to_string());
+        self.state.redirect_health.store(health, Ordering::SeqCst);
+    }
+
+    /// Answers completions with a body that never ends.
+    pub fn set_endless_body(&self) {
+        self.state.endless_body.store(true, Ordering::SeqCst);
+    }
+
     pub fn set_stream(&self, chunks: u64, delay: Duration) {
         self.state.chunks.store(chunks, Ordering::SeqCst);
         self.state
@@ -218,8 +244,56 @@ impl Drop for Fake {
     }
 }
 
-async fn health(State(s): State<Arc<FakeState>>) -> StatusCode {
-    StatusCode::from_u16(s.health.load(Ordering::SeqCst)).unwrap()
+fn redirect(to: &str, path: &str) -> Response {
+    Response::builder()
+        .status(StatusCode::TEMPORARY_REDIRECT)
+        .header(header::LOCATION, format!("{to}{path}"))
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn health(State(s): State<Arc<FakeState>>) -> Response {
+    if s.redirect_health.load(Ordering::SeqCst) {
+        if let Some(to) = s.redirect_to.lock().unwrap().clone() {
+            return redirect(&to, "/health");
+        }
+    }
+    StatusCode::from_u16(s.health.load(Ordering::SeqCst))
+        .unwrap()
+        .into_response()
+}
+
+/// Marks an endless body as dropped.
+struct Endless {
+    s: Arc<FakeState>,
+}
+
+impl Drop for Endless {
+    fn drop(&mut self) {
+        self.s.endless_dropped.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `{"choices": [` and then 64 KiB chunks of spaces forever (valid JSON so far, never ending).
+fn endless(s: Arc<FakeState>) -> Response {
+    let chunk = Bytes::from(vec![b' '; 64 << 10]);
+    let stream = futures_util::stream::unfold((Endless { s }, true), move |(st, first)| {
+        let chunk = chunk.clone();
+        async move {
+            let bytes = if first {
+                Bytes::from_static(b"{\"choices\": [")
+            } else {
+                chunk
+            };
+            st.s.endless_bytes
+                .fetch_add(bytes.len() as u64, Ordering::SeqCst);
+            Some((Ok::<_, std::io::Error>(bytes), (st, false)))
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(stream))
+        .unwrap()
 }
 
 async fn models(State(s): State<Arc<FakeState>>) -> Json<Value> {
@@ -258,6 +332,9 @@ async fn completion(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    if let Some(to) = s.redirect_to.lock().unwrap().clone() {
+        return redirect(&to, uri.path());
+    }
     let body: Value = serde_json::from_slice(&body).unwrap();
     s.log.push(&s.name);
     s.received.lock().unwrap().push(Recorded {
@@ -283,6 +360,9 @@ async fn completion(
             "engine error"
         };
         return (status, Json(json!({"error": {"message": msg}}))).into_response();
+    }
+    if s.endless_body.load(Ordering::SeqCst) {
+        return endless(s.clone());
     }
     match s.kind {
         Kind::Prefill => {

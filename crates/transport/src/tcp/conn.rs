@@ -685,6 +685,12 @@ fn connect(
         }
     }
     let stream = stream.ok_or(last_err)?;
+    if let Some(key) = &inner.cfg.key {
+        // Both ends prove the cluster key before a byte of the protocol: the target serves no
+        // one else, and we land nothing from an impostor.
+        crate::auth::dial(&stream, key, "tcp", &inner.name, peer, inner.cfg.dead_after)
+            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))?;
+    }
     configure(&stream, inner.tick())?;
     conn.set_stream(stream.try_clone()?)?;
     let mut tx = Tx::new(stream.try_clone()?, inner, conn.clone());
@@ -797,6 +803,25 @@ fn serve(
     jobs: Receiver<Job>,
     stream: TcpStream,
 ) -> io::Result<()> {
+    // With a cluster key, the caller's name is the one it proved, never just the one it claims.
+    let proven = match &inner.cfg.key {
+        Some(key) => {
+            match crate::auth::accept(&stream, key, "tcp", &inner.name, inner.cfg.dead_after) {
+                Ok(name) => Some(name),
+                Err(e) => {
+                    inner
+                        .refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(agent = %inner.name, error = %e, "tcp connection refused");
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        e.to_string(),
+                    ));
+                }
+            }
+        }
+        None => None,
+    };
     configure(&stream, inner.tick())?;
     conn.set_stream(stream.try_clone()?)?;
     let mut rx = Rx::new(stream.try_clone()?, inner, conn.clone());
@@ -812,12 +837,17 @@ fn serve(
     let to = rx.string(len, wire::MAX_NAME_BYTES)?;
     let refused = if to != inner.name || from.is_empty() {
         Some(format!("this agent is {:?}, not {to:?}", inner.name))
+    } else if proven.as_ref().is_some_and(|p| *p != from) {
+        Some(format!("{from:?} is not the name the caller proved"))
     } else if !inner.peer_connected(&from, conn.id) {
         Some(format!("{from:?} was found dead; connect again"))
     } else {
         None
     };
     if let Some(why) = refused {
+        inner
+            .refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let _ = tx.send(&wire::ack(false, &why));
         return Err(invalid(why));
     }

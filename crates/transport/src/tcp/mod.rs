@@ -50,6 +50,7 @@ use parking_lot::{Mutex, RwLock};
 
 use self::conn::{Conn, Job, Span, Xfer};
 use self::wire::{Meta, WireDesc};
+use crate::auth::ClusterKey;
 use crate::{
     check_bounds, KvRegion, Notification, RegionId, Transport, TransportError, XferDesc, XferId,
     XferOp, XferStatus, MAX_NOTIFICATION_BYTES,
@@ -77,6 +78,10 @@ pub struct TcpConfig {
     /// The price is up to one core per landing connection while a transfer runs (never between
     /// transfers); a host whose cores are all busy with other work may prefer zero.
     pub landing_spin: Duration,
+    /// The cluster key: every connection proves it in both directions before anything else
+    /// (see [`crate::auth`]), and a caller is known by the name it proved. `None`: no
+    /// authentication (loopback clusters, tests).
+    pub key: Option<ClusterKey>,
 }
 
 /// Longest [`TcpConfig::landing_spin`] accepted (a landing read's own timeout).
@@ -113,6 +118,7 @@ impl Default for TcpConfig {
             keepalive: Duration::from_millis(250),
             dead_after: Duration::from_millis(1500),
             landing_spin: Duration::from_micros(200),
+            key: None,
         }
     }
 }
@@ -152,6 +158,8 @@ pub(super) struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     next_xfer: AtomicU64,
     next_conn: AtomicU64,
+    /// Inbound connections refused at the handshake (no or wrong proof, a name not proved).
+    refused: AtomicU64,
 }
 
 impl Inner {
@@ -388,6 +396,7 @@ impl TcpTransport {
             threads: Mutex::new(Vec::new()),
             next_xfer: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
+            refused: AtomicU64::new(0),
         });
         let i = inner.clone();
         inner
@@ -707,5 +716,9 @@ impl Transport for TcpTransport {
 
     fn drain_dead_peers(&self) -> Vec<String> {
         std::mem::take(&mut self.inner.dead.lock().queue)
+    }
+
+    fn refused_connections(&self) -> u64 {
+        self.inner.refused.load(Ordering::Relaxed)
     }
 }

@@ -141,6 +141,8 @@ class HandoffConnector(KVConnectorBase_V1):
             "transport": self._extra.get("transport", "tcp"),
             "data_bind": self._extra.get("data_bind", "127.0.0.1:0"),
             "advertise_host": self._extra.get("advertise_host"),
+            "cluster_key_file": self._extra.get("cluster_key_file"),
+            "insecure": bool(self._extra.get("insecure", False)),
             "facts": {
                 "num_kv_heads": int(mc.get_total_num_kv_heads()),
                 "head_dim": int(mc.get_head_size()),
@@ -226,6 +228,8 @@ class HandoffConnector(KVConnectorBase_V1):
             "side_channel_host": self._extra.get("side_channel_host", "127.0.0.1"),
             "side_channel_port": int(self._extra.get("side_channel_port", 0)),
             "advertise_host": self._extra.get("advertise_host"),
+            "cluster_key_file": self._extra.get("cluster_key_file"),
+            "insecure": bool(self._extra.get("insecure", False)),
             "initial_lease_ms": self._extra.get("initial_lease_ms"),
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "opaque_blocks": self._opaque,
