@@ -41,8 +41,9 @@ pub struct SideConfig {
     pub engine_id: String,
     /// The cluster key both ends of every connection prove (`None`: no authentication).
     pub key: Option<ClusterKey>,
-    /// Most connections open at once (accepted and dialled, handshaking or established); one
-    /// more is closed at once and counted ([`SideEvent::Refused`]). Each costs two threads.
+    /// Most connections open at once, accepted and dialled each (handshaking or established);
+    /// one more accepted is closed at once and counted ([`SideEvent::Refused`]), one more
+    /// dialled fails its connect. Each costs two threads.
     pub max_connections: usize,
 }
 
@@ -162,6 +163,9 @@ impl ConnWriter {
     pub fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let _ = self.socket.shutdown(Shutdown::Both);
+        // Wake the writing thread if it waits for frames (it holds a sender itself, so the
+        // queue never disconnects): it ends, and with it the socket.
+        let _ = self.queue.try_send(Outgoing::Finish);
     }
 }
 
@@ -280,17 +284,23 @@ impl Slots {
 #[derive(Clone)]
 pub struct SideChannel {
     cfg: Arc<SideConfig>,
+    /// Connections peers opened to us. Separate from ours, so a flood of strangers that fills
+    /// it cannot stop this engine from dialling the peers it needs.
     slots: Slots,
+    /// Connections we dialled.
+    dial_slots: Slots,
     sink: Sink,
 }
 
 impl SideChannel {
     pub fn new(cfg: SideConfig, sink: Sink) -> Self {
+        let slots = || Slots {
+            open: Arc::new(AtomicUsize::new(0)),
+            max: cfg.max_connections.max(1),
+        };
         SideChannel {
-            slots: Slots {
-                open: Arc::new(AtomicUsize::new(0)),
-                max: cfg.max_connections.max(1),
-            },
+            slots: slots(),
+            dial_slots: slots(),
             cfg: Arc::new(cfg),
             sink,
         }
@@ -401,10 +411,10 @@ impl SideChannel {
                 error,
             });
         };
-        let Some(slot) = self.slots.take() else {
+        let Some(slot) = self.dial_slots.take() else {
             return fail(format!(
-                "{} side-channel connections open: no more",
-                self.slots.max
+                "{} side-channel connections dialled and open: no more",
+                self.dial_slots.max
             ));
         };
         let side = self.clone();

@@ -32,7 +32,7 @@ use std::time::Duration;
 use handoff_proto::{
     split_grants, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
     Message, PullBlocks, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister,
-    Release, ReleaseReason, TransferMode,
+    Release, ReleaseReason, TransferMode, MAX_BATCH_ENTRIES,
 };
 
 use crate::heartbeat::HeartbeatSender;
@@ -838,30 +838,32 @@ impl ConsumerLedger {
 
     /// P names the blocks to read: they replace whatever the client claimed.
     fn on_pull_blocks(&mut self, from: PeerId, b: PullBlocks, now: Time) {
-        let Some(h) = self.handoffs.get_mut(&b.handoff) else {
-            self.stats.late_notifications += 1;
-            return;
-        };
-        if h.info.peer != from || h.info.mode != TransferMode::Pull || h.blocks_from_p {
-            self.stats.ignored += 1;
-            return;
-        }
-        if h.info.epoch != b.epoch {
-            self.stats.stale_epoch += 1;
-            return;
-        }
-        if b.blocks.is_empty() {
-            self.stats.ignored += 1;
-            return;
-        }
-        if h.info.p_blocks != b.blocks {
-            // Counted; the connector's metrics and logs follow the counter.
-            self.stats.client_blocks_replaced += 1;
-            h.info.p_blocks = b.blocks;
-        }
-        h.blocks_from_p = true;
-        if h.state == State::Admitted {
-            self.try_start_read(b.handoff, now);
+        for list in b.lists {
+            let Some(h) = self.handoffs.get_mut(&list.handoff) else {
+                self.stats.late_notifications += 1;
+                continue;
+            };
+            if h.info.peer != from || h.info.mode != TransferMode::Pull || h.blocks_from_p {
+                self.stats.ignored += 1;
+                continue;
+            }
+            if h.info.epoch != list.epoch {
+                self.stats.stale_epoch += 1;
+                continue;
+            }
+            if list.blocks.is_empty() {
+                self.stats.ignored += 1;
+                continue;
+            }
+            if h.info.p_blocks != list.blocks {
+                // Counted; the connector's metrics and logs follow the counter.
+                self.stats.client_blocks_replaced += 1;
+                h.info.p_blocks = list.blocks;
+            }
+            h.blocks_from_p = true;
+            if h.state == State::Admitted {
+                self.try_start_read(list.handoff, now);
+            }
         }
     }
 
@@ -1256,17 +1258,20 @@ impl ConsumerLedger {
     /// With each heartbeat, asks P for the blocks of every pull handoff it has not named yet
     /// (usually once: the answer comes back within a round trip).
     fn ask_blocks(&mut self, peer: PeerId, ids: impl Iterator<Item = HandoffId>) {
-        for id in ids {
-            let Some(h) = self.handoffs.get(&id) else {
-                continue;
-            };
-            if h.info.mode == TransferMode::Pull && !h.blocks_from_p {
-                let q = BlocksQuery {
+        let entries: Vec<HeartbeatEntry> = ids
+            .filter_map(|id| {
+                let h = self.handoffs.get(&id)?;
+                (h.info.mode == TransferMode::Pull && !h.blocks_from_p).then_some(HeartbeatEntry {
                     handoff: id,
                     epoch: h.info.epoch,
-                };
-                self.messages.push_back((peer, Message::BlocksQuery(q)));
-            }
+                })
+            })
+            .collect();
+        for chunk in entries.chunks(MAX_BATCH_ENTRIES) {
+            let q = BlocksQuery {
+                entries: chunk.to_vec(),
+            };
+            self.messages.push_back((peer, Message::BlocksQuery(q)));
         }
     }
 

@@ -22,9 +22,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
-    split_grants, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId, Heartbeat, HeartbeatEntry,
-    Message, PullBlocks, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed, PushRegister,
-    Release, TransferMode,
+    split_block_lists, split_grants, BlockList, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId,
+    Heartbeat, HeartbeatEntry, Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed,
+    PushRegister, Release, TransferMode, MAX_REGISTERED_BLOCKS,
 };
 
 use crate::heartbeat::HeartbeatSender;
@@ -87,6 +87,8 @@ pub enum CreateError {
     Duplicate(HandoffId),
     #[error("handoff {0} has no blocks")]
     NoBlocks(HandoffId),
+    #[error("handoff {0} has {1} blocks, more than a peer accepts in one message")]
+    TooManyBlocks(HandoffId, usize),
 }
 
 /// Why P may not write into a registration now.
@@ -390,6 +392,9 @@ impl ProducerLedger {
         if blocks.is_empty() {
             return Err(CreateError::NoBlocks(id));
         }
+        if blocks.len() > MAX_REGISTERED_BLOCKS {
+            return Err(CreateError::TooManyBlocks(id, blocks.len()));
+        }
         let cap_end = now + self.cfg.hard_cap;
         let lease_end = (now + self.cfg.initial_lease).min(cap_end);
         self.held_blocks += blocks.len();
@@ -614,7 +619,13 @@ impl ProducerLedger {
         for e in hb.entries {
             if let Some(h) = self.handoffs.get_mut(&e.handoff) {
                 if h.epoch != e.epoch && !h.adopt_epoch(from, e.epoch) {
-                    self.stats.stale_epoch += 1;
+                    // The reader moved on to an epoch we cannot follow (fencing, or out of
+                    // moves): tell it at once rather than let it wait out its deadline.
+                    if e.epoch > h.epoch && h.reader == Some(from) {
+                        gone.push(e);
+                    } else {
+                        self.stats.stale_epoch += 1;
+                    }
                     continue;
                 }
             }
@@ -635,8 +646,11 @@ impl ProducerLedger {
                 // Fencing or draining: the lease is over, no new grant (rule 2).
                 Some(_) => gone.push(e),
                 // Ended well: its completions may still be on their way to D (they ride on the
-                // transfers, not on this channel), so "gone" would race them. Say nothing.
-                None if self.tombstones.get(&e.handoff) == Some(&EndReason::Done) => {}
+                // transfers, not on this channel), so "gone" would race them. Say nothing --
+                // unless D is retrying a read (a later epoch): nothing of the retry is in
+                // flight, and it must not wait for a grant that will never come.
+                None if self.tombstones.get(&e.handoff) == Some(&EndReason::Done)
+                    && e.epoch == Epoch::FIRST => {}
                 None if self.tombstones.get(&e.handoff).is_some() => gone.push(e),
                 None => {
                     self.stats.staged += 1;
@@ -655,40 +669,49 @@ impl ProducerLedger {
         }
     }
 
-    /// D asks which blocks to read. Only the handoff's reader (the first D that heartbeats or
+    /// D asks which blocks to read. Only a handoff's reader (the first D that heartbeats or
     /// asks for it) is answered: a client that names a handoff id learns nothing through another
     /// D, and D never reads the block ids a client wrote into its request.
     fn on_blocks_query(&mut self, from: PeerId, q: BlocksQuery) {
-        let Some(h) = self.handoffs.get_mut(&q.handoff) else {
-            // Not created yet, or ended: D asks again with its next heartbeat, or hears "gone".
-            self.stats.ignored += 1;
-            return;
-        };
-        if h.epoch != q.epoch {
-            self.stats.stale_epoch += 1;
-            return;
-        }
-        if h.mode != TransferMode::Pull || h.phase != Phase::Leased {
-            self.stats.ignored += 1;
-            return;
-        }
-        match h.reader {
-            Some(reader) if reader != from => {
-                self.stats.blocks_refused += 1;
-                return;
+        let mut lists = Vec::new();
+        for e in q.entries {
+            let Some(h) = self.handoffs.get_mut(&e.handoff) else {
+                // Not created yet, or ended: D asks again with its next heartbeat, or hears
+                // "gone" in the grant reply.
+                self.stats.ignored += 1;
+                continue;
+            };
+            if h.epoch != e.epoch {
+                self.stats.stale_epoch += 1;
+                continue;
             }
-            Some(_) => {}
-            None => {
-                h.reader = Some(from);
-                self.by_peer.entry(from).or_default().insert(q.handoff);
+            if h.mode != TransferMode::Pull || h.phase != Phase::Leased {
+                self.stats.ignored += 1;
+                continue;
             }
+            match h.reader {
+                Some(reader) if reader != from => {
+                    self.stats.blocks_refused += 1;
+                    continue;
+                }
+                Some(_) => {}
+                None => {
+                    h.reader = Some(from);
+                    self.by_peer.entry(from).or_default().insert(e.handoff);
+                }
+            }
+            lists.push(BlockList {
+                handoff: e.handoff,
+                epoch: h.epoch,
+                blocks: h.blocks.clone(),
+            });
         }
-        let answer = PullBlocks {
-            handoff: q.handoff,
-            epoch: h.epoch,
-            blocks: h.blocks.clone(),
-        };
-        self.messages.push_back((from, Message::PullBlocks(answer)));
+        // A handoff too long to name in one message was refused at creation (see
+        // `create_handoff`), so nothing is left over here.
+        let (answers, _too_long) = split_block_lists(lists);
+        for a in answers {
+            self.messages.push_back((from, Message::PullBlocks(a)));
+        }
     }
 
     fn on_pull_done(&mut self, from: PeerId, pd: PullDone, now: Time) {

@@ -647,7 +647,8 @@ fn only_the_reader_moves_the_epoch() {
     }
     assert_eq!(pair.p.stats().stale_epoch, 2);
     while pair.p.poll_message().is_some() {}
-    // The reader skipping an epoch is stale too.
+    // The reader skipping an epoch (or moving to one P cannot follow) is told "gone" at once,
+    // rather than left waiting for a grant that will never come.
     pair.p.handle_message(
         D_PEER,
         Message::Heartbeat(Heartbeat {
@@ -659,7 +660,41 @@ fn only_the_reader_moves_the_epoch() {
         }),
         pair.now,
     );
-    assert_eq!(pair.p.stats().stale_epoch, 3);
+    assert_eq!(pair.p.stats().stale_epoch, 2);
+    let Some((_, Message::GrantBatch(g))) = pair.p.poll_message() else {
+        panic!("the reader gets an answer");
+    };
+    assert!(g.grants.is_empty());
+    assert_eq!(g.gone.len(), 1);
+}
+
+/// A retry that finds the handoff already ended (the first attempt's completions reached P
+/// although D's side reported failure) hears "gone" at once instead of waiting its deadline.
+#[test]
+fn a_retry_of_a_handoff_p_already_freed_hears_gone() {
+    let mut pair = Pair::default_pair();
+    let id = hid(65);
+    let first = start_pull(&mut pair, id, 1);
+    for n in &first.done {
+        pair.p
+            .handle_message(D_PEER, Message::PullDone(*n), pair.now);
+    }
+    pair.pump();
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+    pair.d.on_read_done(id, 0, false, pair.now);
+    pair.pump();
+    assert!(
+        matches!(
+            pair.outcomes.as_slice(),
+            [Outcome::Recompute {
+                reason: FailReason::HandoffGone,
+                ..
+            }]
+        ),
+        "{:?}",
+        pair.outcomes
+    );
+    assert_eq!(pair.d_releases.len(), 1);
 }
 
 /// A client can write any `remote_block_ids` into its request to D (another request's blocks,
@@ -695,8 +730,10 @@ fn d_reads_the_blocks_p_names_not_those_the_client_claims() {
     pair.p.handle_message(
         other,
         Message::BlocksQuery(handoff_proto::BlocksQuery {
-            handoff: id,
-            epoch: Epoch::FIRST,
+            entries: vec![HeartbeatEntry {
+                handoff: id,
+                epoch: Epoch::FIRST,
+            }],
         }),
         pair.now,
     );

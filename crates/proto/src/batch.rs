@@ -1,6 +1,9 @@
 //! Splitting heartbeats and grant replies into messages under [`crate::MAX_MESSAGE_BYTES`].
 
-use crate::message::{Grant, GrantBatch, Heartbeat, HeartbeatEntry};
+use crate::message::{
+    BlockList, Grant, GrantBatch, Heartbeat, HeartbeatEntry, PullBlocks, MAX_LISTS_PER_MESSAGE,
+    MAX_REGISTERED_BLOCKS,
+};
 
 /// Most handoffs named in one heartbeat or grant batch. A grant is at most 16 + 5 + 5 bytes
 /// encoded, so 2000 of them (plus the header) stay well under the 64 KiB message cap, and a reply
@@ -41,4 +44,34 @@ pub fn split_grants(seq: u64, grants: Vec<Grant>, gone: Vec<HeartbeatEntry>) -> 
         });
     }
     out
+}
+
+/// Splits block lists into [`PullBlocks`] messages that each respect the decoder's limits. A
+/// single list longer than [`MAX_REGISTERED_BLOCKS`] cannot be sent and is returned apart.
+pub fn split_block_lists(lists: Vec<BlockList>) -> (Vec<PullBlocks>, Vec<BlockList>) {
+    let mut out = Vec::new();
+    let mut too_long = Vec::new();
+    let mut cur = PullBlocks { lists: Vec::new() };
+    let mut blocks = 0;
+    for l in lists {
+        if l.blocks.len() > MAX_REGISTERED_BLOCKS {
+            too_long.push(l);
+            continue;
+        }
+        if cur.lists.len() == MAX_LISTS_PER_MESSAGE
+            || blocks + l.blocks.len() > MAX_REGISTERED_BLOCKS
+        {
+            out.push(std::mem::replace(
+                &mut cur,
+                PullBlocks { lists: Vec::new() },
+            ));
+            blocks = 0;
+        }
+        blocks += l.blocks.len();
+        cur.lists.push(l);
+    }
+    if !cur.lists.is_empty() {
+        out.push(cur);
+    }
+    (out, too_long)
 }

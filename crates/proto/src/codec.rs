@@ -4,7 +4,8 @@ use crate::batch::MAX_BATCH_ENTRIES;
 use crate::message::*;
 
 /// Bumped on any incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u8 = 1;
+/// 2: `BlocksQuery` / `PullBlocks` (D reads the blocks P names).
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Hard cap on one encoded message. Heartbeats and grant batches are split to stay under it
 /// ([`crate::split_heartbeat`]), so a peer can size its receive buffer once.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -100,13 +101,17 @@ fn validate(msg: &Message) -> Result<(), DecodeError> {
         Message::Heartbeat(hb) => check("entries", hb.entries.len(), MAX_BATCH_ENTRIES),
         Message::GrantBatch(g) => check("grants", g.grants.len() + g.gone.len(), MAX_BATCH_ENTRIES),
         Message::PushRegister(r) => check("block_ids", r.block_ids.len(), MAX_REGISTERED_BLOCKS),
-        Message::PullBlocks(b) => check("blocks", b.blocks.len(), MAX_REGISTERED_BLOCKS),
+        Message::BlocksQuery(q) => check("entries", q.entries.len(), MAX_BATCH_ENTRIES),
+        Message::PullBlocks(b) => {
+            check("lists", b.lists.len(), MAX_LISTS_PER_MESSAGE)?;
+            let blocks = b.lists.iter().map(|l| l.blocks.len()).sum();
+            check("blocks", blocks, MAX_REGISTERED_BLOCKS)
+        }
         Message::PushFailed(f) => check("reason", f.reason.len(), MAX_TEXT_BYTES),
         Message::PullDone(_)
         | Message::Release(_)
         | Message::PushDone(_)
         | Message::PushCancel(_)
-        | Message::PushCancelAck(_)
-        | Message::BlocksQuery(_) => Ok(()),
+        | Message::PushCancelAck(_) => Ok(()),
     }
 }

@@ -19,7 +19,7 @@ mod ids;
 mod message;
 mod params;
 
-pub use batch::{split_grants, split_heartbeat, MAX_BATCH_ENTRIES};
+pub use batch::{split_block_lists, split_grants, split_heartbeat, MAX_BATCH_ENTRIES};
 pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 pub use ids::{Epoch, HandoffId, ParseHandoffIdError};
 pub use message::*;

@@ -43,9 +43,9 @@ impl Message {
             Message::PushFailed(m) => Some(m.handoff),
             Message::PushCancel(m) => Some(m.handoff),
             Message::PushCancelAck(m) => Some(m.handoff),
-            Message::BlocksQuery(m) => Some(m.handoff),
-            Message::PullBlocks(m) => Some(m.handoff),
             Message::Hello(_)
+            | Message::BlocksQuery(_)
+            | Message::PullBlocks(_)
             | Message::HelloReply(_)
             | Message::Heartbeat(_)
             | Message::GrantBatch(_) => None,
@@ -240,23 +240,33 @@ pub struct Release {
     pub reason: ReleaseReason,
 }
 
-/// Pull mode, D to P, repeated with D's heartbeats until answered: "which blocks hold this
-/// handoff's KV?". D reads only the blocks P names in its [`PullBlocks`] answer, never those a
-/// client wrote into `kv_transfer_params` (`remote_block_ids` may name another request's blocks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Pull mode, D to P, with D's heartbeats until answered: "which blocks hold these handoffs'
+/// KV?". D reads only the blocks P names in its [`PullBlocks`] answer, never those a client
+/// wrote into `kv_transfer_params` (`remote_block_ids` may name another request's blocks).
+/// At most [`crate::MAX_BATCH_ENTRIES`] entries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlocksQuery {
-    pub handoff: HandoffId,
-    pub epoch: Epoch,
+    pub entries: Vec<HeartbeatEntry>,
 }
 
-/// Pull mode, P to the D that reads the handoff (and no one else): the handoff's blocks, in
-/// token order.
+/// One handoff's blocks, in token order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PullBlocks {
+pub struct BlockList {
     pub handoff: HandoffId,
     pub epoch: Epoch,
     pub blocks: Vec<u32>,
 }
+
+/// Pull mode, P to the D that reads these handoffs (and no one else). At most
+/// [`MAX_LISTS_PER_MESSAGE`] lists and [`MAX_REGISTERED_BLOCKS`] blocks in all.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullBlocks {
+    pub lists: Vec<BlockList>,
+}
+
+/// Most block lists in one [`PullBlocks`] (with [`MAX_REGISTERED_BLOCKS`] blocks in all, it
+/// stays under the message size cap).
+pub const MAX_LISTS_PER_MESSAGE: usize = 512;
 
 /// Push mode, D to every P rank that must write: the destination blocks D reserved for the
 /// handoff. P writes only once a heartbeat round trip gave it a grant on this registration.

@@ -792,3 +792,33 @@ proptest! {
         prop_assert_eq!(flat, entries);
     }
 }
+
+#[test]
+fn block_lists_split_into_messages_a_peer_accepts() {
+    let lists: Vec<BlockList> = (0..1500u32)
+        .map(|i| BlockList {
+            handoff: HandoffId::from_bytes((i as u128 + 1).to_le_bytes()),
+            epoch: Epoch::FIRST,
+            blocks: (0..(i % 40)).map(|b| b * 1_000_003).collect(),
+        })
+        .collect();
+    let (msgs, too_long) = split_block_lists(lists.clone());
+    assert!(too_long.is_empty());
+    assert!(msgs.len() > 1);
+    for m in &msgs {
+        assert!(m.lists.len() <= MAX_LISTS_PER_MESSAGE);
+        assert!(m.lists.iter().map(|l| l.blocks.len()).sum::<usize>() <= MAX_REGISTERED_BLOCKS);
+        assert_roundtrip(&Message::PullBlocks(m.clone()));
+    }
+    let back: Vec<BlockList> = msgs.into_iter().flat_map(|m| m.lists).collect();
+    assert_eq!(back, lists);
+    // One list longer than a message may carry is set apart, never sent half.
+    let long = BlockList {
+        handoff: HandoffId::from_bytes([9; 16]),
+        epoch: Epoch::FIRST,
+        blocks: vec![1; MAX_REGISTERED_BLOCKS + 1],
+    };
+    let (msgs, too_long) = split_block_lists(vec![long.clone()]);
+    assert!(msgs.is_empty());
+    assert_eq!(too_long, vec![long]);
+}
