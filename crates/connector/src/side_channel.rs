@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
-use handoff_transport::auth::{self, ClusterKey};
+use handoff_transport::auth::{self, ClusterKey, FrameOpener, FrameSealer, TAG_BYTES};
 
 use crate::core::ConnId;
 
@@ -171,7 +171,9 @@ impl ConnWriter {
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
-fn read_frame(r: &mut impl Read) -> Result<Message, String> {
+/// Reads one frame: `[u32 length][message]`, then, on an authenticated connection, the
+/// frame's tag, which must check (a relay cannot change, drop, reorder or inject frames).
+fn read_frame(r: &mut impl Read, opener: Option<&mut FrameOpener>) -> Result<Message, String> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).map_err(|e| e.to_string())?;
     let len = u32::from_le_bytes(len) as usize;
@@ -180,16 +182,31 @@ fn read_frame(r: &mut impl Read) -> Result<Message, String> {
     }
     let mut buf = vec![0; len];
     r.read_exact(&mut buf).map_err(|e| e.to_string())?;
+    if let Some(o) = opener {
+        let mut tag = [0u8; TAG_BYTES];
+        r.read_exact(&mut tag).map_err(|e| e.to_string())?;
+        if !o.open(&buf, &tag) {
+            return Err("a frame failed authentication".into());
+        }
+    }
     decode(&buf).map_err(|e| e.to_string())
 }
 
-fn write_frame(w: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
+fn write_frame(
+    w: &mut impl Write,
+    bytes: &[u8],
+    sealer: Option<&mut FrameSealer>,
+) -> std::io::Result<()> {
     w.write_all(&(bytes.len() as u32).to_le_bytes())?;
-    w.write_all(bytes)
+    w.write_all(bytes)?;
+    if let Some(s) = sealer {
+        w.write_all(&s.seal(bytes))?;
+    }
+    Ok(())
 }
 
 /// Starts the writing thread of `stream`; returns its id and writer.
-fn open(stream: &TcpStream) -> std::io::Result<(ConnId, ConnWriter)> {
+fn open(stream: &TcpStream, sealer: Option<FrameSealer>) -> std::io::Result<(ConnId, ConnWriter)> {
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let socket = Arc::new(stream.try_clone()?);
@@ -204,11 +221,16 @@ fn open(stream: &TcpStream) -> std::io::Result<(ConnId, ConnWriter)> {
     let w = writer.clone();
     std::thread::Builder::new()
         .name(format!("handoff-side-w{id}"))
-        .spawn(move || write_loop(out, frames, w))?;
+        .spawn(move || write_loop(out, frames, w, sealer))?;
     Ok((id, writer))
 }
 
-fn write_loop(stream: TcpStream, frames: Receiver<Outgoing>, writer: ConnWriter) {
+fn write_loop(
+    stream: TcpStream,
+    frames: Receiver<Outgoing>,
+    writer: ConnWriter,
+    mut sealer: Option<FrameSealer>,
+) {
     let mut w = BufWriter::new(stream);
     while let Ok(first) = frames.recv() {
         let mut finish = false;
@@ -217,7 +239,7 @@ fn write_loop(stream: TcpStream, frames: Receiver<Outgoing>, writer: ConnWriter)
         let mut next = Some(first);
         while let (Ok(()), Some(out)) = (&r, next.take()) {
             match out {
-                Outgoing::Frame(bytes) => r = write_frame(&mut w, &bytes),
+                Outgoing::Frame(bytes) => r = write_frame(&mut w, &bytes, sealer.as_mut()),
                 Outgoing::Finish => {
                     finish = true;
                     break;
@@ -235,9 +257,15 @@ fn write_loop(stream: TcpStream, frames: Receiver<Outgoing>, writer: ConnWriter)
 }
 
 /// Reads frames until the connection ends; every frame goes to the executor.
-fn read_loop(conn: ConnId, writer: ConnWriter, mut r: impl Read, sink: Sink) {
+fn read_loop(
+    conn: ConnId,
+    writer: ConnWriter,
+    mut r: impl Read,
+    mut opener: Option<FrameOpener>,
+    sink: Sink,
+) {
     loop {
-        match read_frame(&mut r) {
+        match read_frame(&mut r, opener.as_mut()) {
             Ok(msg) => {
                 if !sink(SideEvent::Frame { conn, msg }) {
                     break;
@@ -356,18 +384,19 @@ impl SideChannel {
             let _ = stream.shutdown(Shutdown::Both);
             (self.sink)(SideEvent::Refused(why));
         };
-        let proven = match &self.cfg.key {
+        let (proven, session) = match &self.cfg.key {
             Some(key) => {
                 match auth::accept(&stream, key, "side", &self.cfg.engine_id, HANDSHAKE_TIMEOUT) {
-                    Ok(id) => Some(id),
+                    Ok((id, session)) => (Some(id), Some(session.split())),
                     Err(auth::AuthError::Deadline(_)) => {
                         return refuse(RefusedBy::Handshake, "deadline".into())
                     }
                     Err(e) => return refuse(RefusedBy::Authentication, e.to_string()),
                 }
             }
-            None => None,
+            None => (None, None),
         };
+        let (sealer, mut opener) = session.unzip();
         let mut r = match stream.try_clone() {
             Ok(s) => BufReader::new(DeadlineRead {
                 stream: s,
@@ -375,12 +404,12 @@ impl SideChannel {
             }),
             Err(_) => return,
         };
-        let first = match read_frame(&mut r) {
+        let first = match read_frame(&mut r, opener.as_mut()) {
             Ok(m) => m,
             Err(e) => return refuse(RefusedBy::Handshake, e),
         };
         r.get_mut().established();
-        let Ok((conn, writer)) = open(&stream) else {
+        let Ok((conn, writer)) = open(&stream, sealer) else {
             let _ = stream.shutdown(Shutdown::Both);
             return;
         };
@@ -391,7 +420,7 @@ impl SideChannel {
             msg: first,
             proven,
         }) {
-            read_loop(conn, writer, r, sink);
+            read_loop(conn, writer, r, opener, sink);
         } else {
             writer.close();
         }
@@ -439,28 +468,35 @@ impl SideChannel {
                 .ok_or_else(|| format!("cannot resolve {addr}"))?;
             let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
                 .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-            if let Some(key) = &self.cfg.key {
-                let left = deadline.saturating_duration_since(Instant::now());
-                auth::dial(&stream, key, "side", &self.cfg.engine_id, &engine, left)
-                    .map_err(|e| format!("{addr}: {e}"))?;
-            }
+            let (mut sealer, mut opener) = match &self.cfg.key {
+                Some(key) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let session =
+                        auth::dial(&stream, key, "side", &self.cfg.engine_id, &engine, left)
+                            .map_err(|e| format!("{addr}: {e}"))?;
+                    let (s, o) = session.split();
+                    (Some(s), Some(o))
+                }
+                None => (None, None),
+            };
             let bytes = encode(&hello).map_err(|e| e.to_string())?;
             stream
                 .set_write_timeout(Some(WRITE_TIMEOUT))
                 .map_err(|e| e.to_string())?;
-            write_frame(&mut &stream, &bytes).map_err(|e| format!("{addr}: {e}"))?;
+            write_frame(&mut &stream, &bytes, sealer.as_mut())
+                .map_err(|e| format!("{addr}: {e}"))?;
             let mut r = BufReader::new(DeadlineRead {
                 stream: stream.try_clone().map_err(|e| e.to_string())?,
                 deadline: Some(deadline),
             });
-            let reply =
-                read_frame(&mut r).map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
+            let reply = read_frame(&mut r, opener.as_mut())
+                .map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
             r.get_mut().established();
-            let (conn, writer) = open(&stream).map_err(|e| e.to_string())?;
-            Ok((conn, writer, r, reply))
+            let (conn, writer) = open(&stream, sealer).map_err(|e| e.to_string())?;
+            Ok((conn, writer, r, opener, reply))
         })();
         match result {
-            Ok((conn, writer, r, reply)) => {
+            Ok((conn, writer, r, opener, reply)) => {
                 if sink(SideEvent::Connected {
                     engine,
                     attempt,
@@ -468,7 +504,7 @@ impl SideChannel {
                     writer: writer.clone(),
                     reply,
                 }) {
-                    read_loop(conn, writer, r, sink);
+                    read_loop(conn, writer, r, opener, sink);
                 } else {
                     writer.close();
                 }
@@ -509,5 +545,89 @@ impl Read for DeadlineRead {
             self.stream.set_read_timeout(Some(left))?;
         }
         self.stream.read(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_proto::Heartbeat;
+    use std::sync::mpsc::{channel, Receiver};
+
+    fn p_side(key: &ClusterKey) -> (SocketAddr, Receiver<SideEvent>, Arc<AtomicBool>) {
+        let (tx, rx) = channel();
+        let tx = parking_lot::Mutex::new(tx);
+        let sink: Sink = Arc::new(move |ev| tx.lock().send(ev).is_ok());
+        let side = SideChannel::new(
+            SideConfig {
+                engine_id: "p".into(),
+                key: Some(key.clone()),
+                max_connections: 8,
+            },
+            sink,
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let addr = side
+            .listen("127.0.0.1:0".parse().unwrap(), stop.clone())
+            .unwrap();
+        (addr, rx, stop)
+    }
+
+    fn frame() -> Vec<u8> {
+        encode(&Message::Heartbeat(Heartbeat {
+            seq: 1,
+            entries: vec![],
+        }))
+        .unwrap()
+    }
+
+    /// A relay that passed the handshake through (to a P address a client chose) cannot change
+    /// what crosses afterwards: a frame whose tag does not check closes the connection.
+    #[test]
+    fn a_frame_changed_after_the_handshake_is_refused() {
+        let key = ClusterKey::generate().unwrap();
+        let (addr, events, stop) = p_side(&key);
+        let wait = |events: &Receiver<SideEvent>| {
+            events
+                .recv_timeout(Duration::from_secs(5))
+                .expect("an event")
+        };
+
+        // Honest: the sealed frame arrives, under the id the dialer proved.
+        let s = TcpStream::connect(addr).unwrap();
+        let session = auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2)).unwrap();
+        let (mut sealer, _) = session.split();
+        write_frame(&mut &s, &frame(), Some(&mut sealer)).unwrap();
+        match wait(&events) {
+            SideEvent::Accepted { proven, .. } => assert_eq!(proven.as_deref(), Some("d")),
+            other => panic!("{other:?}"),
+        }
+
+        // Changed in flight: one byte of the frame differs from what was tagged.
+        let s = TcpStream::connect(addr).unwrap();
+        let session = auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2)).unwrap();
+        let (mut sealer, _) = session.split();
+        let bytes = frame();
+        let tag = sealer.seal(&bytes);
+        let mut changed = bytes.clone();
+        changed[1] ^= 1;
+        (&s).write_all(&(changed.len() as u32).to_le_bytes()).unwrap();
+        (&s).write_all(&changed).unwrap();
+        (&s).write_all(&tag).unwrap();
+        match wait(&events) {
+            SideEvent::Refused(RefusedBy::Handshake) => {}
+            other => panic!("{other:?}"),
+        }
+
+        // Injected without a tag by someone who never had the session: refused too.
+        let s = TcpStream::connect(addr).unwrap();
+        auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2)).unwrap();
+        write_frame(&mut &s, &frame(), None).unwrap();
+        drop(s);
+        match wait(&events) {
+            SideEvent::Refused(_) => {}
+            other => panic!("{other:?}"),
+        }
+        stop.store(true, Ordering::Relaxed);
     }
 }

@@ -17,6 +17,12 @@
 //! whole cluster keeps outsiders out; it does not tell members apart (any holder of the key may
 //! claim any member's name), which is what separate keys per engine would add.
 //!
+//! The exchange also gives both ends a session key (an HMAC of the transcript under the cluster
+//! key). A channel that carries small control frames (the side channel) tags every frame with it
+//! ([`FrameSealer`], [`FrameOpener`]: a MAC over a per-direction sequence number and the frame),
+//! so a relay that passed the handshake through (say, to a P address a client chose) can neither
+//! change, drop, reorder nor inject a frame afterwards.
+//!
 //! The whole exchange runs under one deadline: a peer that sends a byte every few seconds is cut
 //! off when the deadline passes, not when a per-read timeout would.
 //!
@@ -135,6 +141,87 @@ impl ClusterKey {
     }
 }
 
+/// Bytes of a frame's tag ([`FrameSealer::seal`]).
+pub const TAG_BYTES: usize = 16;
+
+/// The key both ends of one authenticated connection share after the exchange.
+#[derive(Clone)]
+pub struct Session {
+    key: [u8; 32],
+    dialer: bool,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Session(..)")
+    }
+}
+
+impl Session {
+    /// The two halves: tags for what this end sends, checks for what it receives.
+    pub fn split(self) -> (FrameSealer, FrameOpener) {
+        let (out, inn) = if self.dialer {
+            (b"dialer->acceptor", b"acceptor->dialer")
+        } else {
+            (b"acceptor->dialer", b"dialer->acceptor")
+        };
+        (
+            FrameSealer(Direction {
+                key: self.key,
+                label: out,
+                seq: 0,
+            }),
+            FrameOpener(Direction {
+                key: self.key,
+                label: inn,
+                seq: 0,
+            }),
+        )
+    }
+}
+
+struct Direction {
+    key: [u8; 32],
+    label: &'static [u8; 16],
+    seq: u64,
+}
+
+impl Direction {
+    fn mac(&self, frame: &[u8]) -> Hmac<Sha256> {
+        let mut mac =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(self.label);
+        mac.update(&self.seq.to_le_bytes());
+        mac.update(frame);
+        mac
+    }
+}
+
+/// Tags the frames one end sends, in order.
+pub struct FrameSealer(Direction);
+
+impl FrameSealer {
+    pub fn seal(&mut self, frame: &[u8]) -> [u8; TAG_BYTES] {
+        let tag = self.0.mac(frame).finalize().into_bytes();
+        self.0.seq += 1;
+        let mut out = [0u8; TAG_BYTES];
+        out.copy_from_slice(&tag[..TAG_BYTES]);
+        out
+    }
+}
+
+/// Checks the frames one end receives, in order: a changed, dropped, replayed, reordered or
+/// injected frame fails.
+pub struct FrameOpener(Direction);
+
+impl FrameOpener {
+    pub fn open(&mut self, frame: &[u8], tag: &[u8]) -> bool {
+        let ok = self.0.mac(frame).verify_truncated_left(tag).is_ok() && tag.len() == TAG_BYTES;
+        self.0.seq += 1;
+        ok
+    }
+}
+
 /// What both proofs are computed over.
 struct Transcript<'a> {
     protocol: &'a str,
@@ -145,6 +232,13 @@ struct Transcript<'a> {
 }
 
 impl Transcript<'_> {
+    fn session(&self, key: &ClusterKey, dialer: bool) -> Session {
+        Session {
+            key: key.proof(b"session", self),
+            dialer,
+        }
+    }
+
     fn feed(&self, role: &[u8], mac: &mut Hmac<Sha256>) {
         for part in [
             b"handoff-auth-v1".as_slice(),
@@ -251,7 +345,7 @@ pub fn dial(
     me: &str,
     expect: &str,
     limit: Duration,
-) -> Result<(), AuthError> {
+) -> Result<Session, AuthError> {
     let mut s = Deadlined {
         stream,
         deadline: Instant::now() + limit,
@@ -295,18 +389,19 @@ pub fn dial(
         });
     }
     s.write_all(&key.proof(b"dialer", &t))?;
-    s.done()
+    s.done()?;
+    Ok(t.session(key, true))
 }
 
 /// Runs the acceptor's half: proves `me` holds `key`, checks the dialer does, and returns the
-/// id it proved. On return the stream has no timeouts set.
+/// id it proved and the session. On return the stream has no timeouts set.
 pub fn accept(
     stream: &TcpStream,
     key: &ClusterKey,
     protocol: &str,
     me: &str,
     limit: Duration,
-) -> Result<String, AuthError> {
+) -> Result<(String, Session), AuthError> {
     let mut s = Deadlined {
         stream,
         deadline: Instant::now() + limit,
@@ -344,7 +439,8 @@ pub fn accept(
         return Err(AuthError::BadProof);
     }
     s.done()?;
-    Ok(dialer)
+    let session = t.session(key, false);
+    Ok((dialer, session))
 }
 
 #[cfg(test)]
@@ -363,7 +459,10 @@ mod tests {
         dial_key: &ClusterKey,
         accept_key: &ClusterKey,
         expect: &str,
-    ) -> (Result<(), AuthError>, Result<String, AuthError>) {
+    ) -> (
+        Result<Session, AuthError>,
+        Result<(String, Session), AuthError>,
+    ) {
         let (c, s) = pair();
         let k = accept_key.clone();
         let acceptor =
@@ -377,8 +476,42 @@ mod tests {
     fn same_key_proves_both_ends_and_names_the_dialer() {
         let k = ClusterKey::generate().unwrap();
         let (d, a) = run(&k, &k, "P");
-        d.unwrap();
-        assert_eq!(a.unwrap(), "D");
+        let (d_seal, mut d_open) = d.unwrap().split();
+        let (id, a_session) = a.unwrap();
+        assert_eq!(id, "D");
+        // The session tags frames both ways; each direction checks only its own.
+        let (mut a_seal, mut a_open) = a_session.split();
+        let mut d_seal = d_seal;
+        let t1 = d_seal.seal(b"hello");
+        let t2 = d_seal.seal(b"heartbeat");
+        assert!(a_open.open(b"hello", &t1));
+        assert!(a_open.open(b"heartbeat", &t2));
+        let back = a_seal.seal(b"grant");
+        assert!(d_open.open(b"grant", &back));
+    }
+
+    #[test]
+    fn a_changed_replayed_reordered_or_reflected_frame_fails() {
+        let k = ClusterKey::generate().unwrap();
+        let (d, a) = run(&k, &k, "P");
+        let (mut seal, _) = d.unwrap().split();
+        let (_, a_session) = a.unwrap();
+        let t1 = seal.seal(b"release 1");
+        let t2 = seal.seal(b"release 2");
+        let (mut a_seal, mut open) = a_session.clone().split();
+        assert!(!open.open(b"release 9", &t1), "changed");
+        let (_, mut open) = a_session.clone().split();
+        assert!(
+            !open.open(b"release 2", &t2),
+            "reordered (or the first dropped)"
+        );
+        let (_, mut open) = a_session.clone().split();
+        assert!(open.open(b"release 1", &t1));
+        assert!(!open.open(b"release 1", &t1), "replayed");
+        // A's own frame sent back to A (reflection) does not pass as D's.
+        let mine = a_seal.seal(b"grant");
+        let (_, mut open) = a_session.split();
+        assert!(!open.open(b"grant", &mine), "reflected");
     }
 
     #[test]
