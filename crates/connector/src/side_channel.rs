@@ -611,7 +611,8 @@ mod tests {
         let tag = sealer.seal(&bytes);
         let mut changed = bytes.clone();
         changed[1] ^= 1;
-        (&s).write_all(&(changed.len() as u32).to_le_bytes()).unwrap();
+        (&s).write_all(&(changed.len() as u32).to_le_bytes())
+            .unwrap();
         (&s).write_all(&changed).unwrap();
         (&s).write_all(&tag).unwrap();
         match wait(&events) {

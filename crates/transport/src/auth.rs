@@ -319,6 +319,22 @@ impl Deadlined<'_> {
         String::from_utf8(b).map_err(|_| AuthError::Malformed("id is not UTF-8"))
     }
 
+    /// What each end sends first: magic, version, its id and its nonce.
+    fn greeting(&mut self) -> Result<(String, [u8; NONCE_BYTES]), AuthError> {
+        let mut head = [0u8; 7];
+        self.read_exact(&mut head)?;
+        if head[..6] != MAGIC {
+            return Err(AuthError::NotAuthenticating);
+        }
+        if head[6] != VERSION {
+            return Err(AuthError::Version(head[6]));
+        }
+        let id = self.id()?;
+        let mut nonce = [0u8; NONCE_BYTES];
+        self.read_exact(&mut nonce)?;
+        Ok((id, nonce))
+    }
+
     fn done(self) -> Result<(), AuthError> {
         self.stream.set_read_timeout(None)?;
         self.stream.set_write_timeout(None)?;
@@ -359,17 +375,7 @@ pub fn dial(
     hello.extend_from_slice(&dialer_nonce);
     s.write_all(&hello)?;
 
-    let mut head = [0u8; 7];
-    s.read_exact(&mut head)?;
-    if head[..6] != MAGIC {
-        return Err(AuthError::NotAuthenticating);
-    }
-    if head[6] != VERSION {
-        return Err(AuthError::Version(head[6]));
-    }
-    let acceptor = s.id()?;
-    let mut acceptor_nonce = [0u8; NONCE_BYTES];
-    s.read_exact(&mut acceptor_nonce)?;
+    let (acceptor, acceptor_nonce) = s.greeting()?;
     let mut proof = [0u8; PROOF_BYTES];
     s.read_exact(&mut proof)?;
     let t = Transcript {
@@ -407,17 +413,7 @@ pub fn accept(
         deadline: Instant::now() + limit,
         limit,
     };
-    let mut head = [0u8; 7];
-    s.read_exact(&mut head)?;
-    if head[..6] != MAGIC {
-        return Err(AuthError::NotAuthenticating);
-    }
-    if head[6] != VERSION {
-        return Err(AuthError::Version(head[6]));
-    }
-    let dialer = s.id()?;
-    let mut dialer_nonce = [0u8; NONCE_BYTES];
-    s.read_exact(&mut dialer_nonce)?;
+    let (dialer, dialer_nonce) = s.greeting()?;
     let acceptor_nonce = nonce()?;
     let t = Transcript {
         protocol,
