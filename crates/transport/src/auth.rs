@@ -261,7 +261,19 @@ fn nonce() -> Result<[u8; NONCE_BYTES], AuthError> {
     Ok(n)
 }
 
-/// Reads under a deadline for the whole exchange (each read's timeout is what is left).
+/// Reads what `stream` has before `deadline`: each read's timeout is what is left, so a peer
+/// that sends a byte at a time cannot stretch a handshake past it (`TimedOut` once it passed).
+pub fn read_before(stream: &TcpStream, deadline: Instant, buf: &mut [u8]) -> io::Result<usize> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_read_timeout(Some(left))?;
+    let mut s = stream;
+    s.read(buf)
+}
+
+/// Reads under a deadline for the whole exchange ([`read_before`]).
 struct Deadlined<'a> {
     stream: &'a TcpStream,
     deadline: Instant,
@@ -269,21 +281,10 @@ struct Deadlined<'a> {
 }
 
 impl Deadlined<'_> {
-    fn arm(&self) -> Result<(), AuthError> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(AuthError::Deadline(self.limit));
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.set_write_timeout(Some(left))?;
-        Ok(())
-    }
-
     fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), AuthError> {
         let mut got = 0;
         while got < buf.len() {
-            self.arm()?;
-            match (&mut &*self.stream).read(&mut buf[got..]) {
+            match read_before(self.stream, self.deadline, &mut buf[got..]) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -302,7 +303,11 @@ impl Deadlined<'_> {
     }
 
     fn write_all(&mut self, buf: &[u8]) -> Result<(), AuthError> {
-        self.arm()?;
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(AuthError::Deadline(self.limit));
+        }
+        self.stream.set_write_timeout(Some(left))?;
         (&mut &*self.stream).write_all(buf)?;
         Ok(())
     }
@@ -519,6 +524,53 @@ mod tests {
         );
         assert!(matches!(d, Err(AuthError::BadProof)), "{d:?}");
         assert!(a.is_err(), "the acceptor never accepts the dialer");
+    }
+
+    /// An attacker that skips checking P's proof and answers with a proof made under another
+    /// key, or with P's own proof sent back, is refused by the acceptor itself (the honest
+    /// dialer's own check never comes into it).
+    #[test]
+    fn the_acceptor_checks_the_dialers_proof_itself() {
+        let k = ClusterKey::generate().unwrap();
+        let wrong = ClusterKey::generate().unwrap();
+        for reflect in [false, true] {
+            let (c, s) = pair();
+            let key = k.clone();
+            let acceptor =
+                std::thread::spawn(move || accept(&s, &key, "side", "P", Duration::from_secs(2)));
+            let dialer_nonce = [7u8; NONCE_BYTES];
+            let mut hello = MAGIC.to_vec();
+            hello.push(VERSION);
+            put_id(&mut hello, "D").unwrap();
+            hello.extend_from_slice(&dialer_nonce);
+            (&c).write_all(&hello).unwrap();
+            let mut d = Deadlined {
+                stream: &c,
+                deadline: Instant::now() + Duration::from_secs(2),
+                limit: Duration::from_secs(2),
+            };
+            let (id, acceptor_nonce) = d.greeting().unwrap();
+            let mut ps_proof = [0u8; PROOF_BYTES];
+            d.read_exact(&mut ps_proof).unwrap();
+            let t = Transcript {
+                protocol: "side",
+                dialer: "D",
+                acceptor: &id,
+                dialer_nonce: &dialer_nonce,
+                acceptor_nonce: &acceptor_nonce,
+            };
+            let answer = if reflect {
+                ps_proof
+            } else {
+                wrong.proof(b"dialer", &t)
+            };
+            (&c).write_all(&answer).unwrap();
+            let r = acceptor.join().unwrap();
+            assert!(
+                matches!(r, Err(AuthError::BadProof)),
+                "reflect={reflect}: {r:?}"
+            );
+        }
     }
 
     #[test]
