@@ -680,6 +680,9 @@ impl Executor {
             Observation::TransportRefused(n) => {
                 m.transport_refused.inc_by(n);
             }
+            Observation::TransferRefused(n) => {
+                m.transfers_refused.inc_by(n);
+            }
             Observation::RejectOfTrackedHandoff => {
                 m.rejects_of_tracked_handoffs.inc();
             }

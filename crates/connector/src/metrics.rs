@@ -47,6 +47,7 @@ pub struct Metrics {
     pub anonymous_refused: Counter,
     pub side_refused: Family<ReasonLabels, Counter>,
     pub transport_refused: Counter,
+    pub transfers_refused: Counter,
     pub rejects_of_tracked_handoffs: Counter,
     pub queued_dropped: Counter,
     pub send_queue_full: Counter,
@@ -74,6 +75,7 @@ impl Metrics {
             anonymous_refused: Counter::default(),
             side_refused: Family::default(),
             transport_refused: Counter::default(),
+            transfers_refused: Counter::default(),
             rejects_of_tracked_handoffs: Counter::default(),
             queued_dropped: Counter::default(),
             send_queue_full: Counter::default(),
@@ -164,6 +166,11 @@ impl Metrics {
             "transport_connections_refused",
             "Transport connections refused at their handshake (no or wrong proof of the cluster key, an unproven name)",
             m.transport_refused.clone(),
+        );
+        r.register(
+            "transport_transfers_refused",
+            "Inbound READs and WRITEs the transport refused because no live grant to that peer covered them",
+            m.transfers_refused.clone(),
         );
         r.register(
             "handshakes_refused",

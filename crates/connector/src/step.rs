@@ -7,7 +7,7 @@
 //! Everything here is serialisable, so a worker may live in another process.
 
 use handoff_plan::RankLayout;
-use handoff_transport::{XferDesc, XferOp};
+use handoff_transport::{GrantId, XferDesc, XferOp};
 use serde::{Deserialize, Serialize};
 
 /// One transfer job, numbered by the scheduler side. A job is what one worker posts for one
@@ -45,6 +45,17 @@ pub enum WorkerOp {
     Post(TransferJob),
     /// Abort a job; its end is still reported (as failed), once the transport let it go.
     Abort { job: JobId },
+    /// Let the peer agents `agents` do `op` on every byte of `blocks` (P: a handoff's blocks,
+    /// to the D that reads them; D: a push registration's blocks, to the P that writes them),
+    /// until revoked. Acknowledged in [`WorkerReport::granted`].
+    Grant {
+        grant: GrantId,
+        op: XferOp,
+        agents: Vec<String>,
+        blocks: Vec<u32>,
+    },
+    /// End a grant (its handoff ended, after its fence).
+    Revoke { grant: GrantId },
     /// Zero the bytes of `blocks` past the first `num_tokens` tokens (push: the part of the last
     /// block that P does not write).
     ZeroTail { blocks: Vec<u32>, num_tokens: u32 },
@@ -84,6 +95,11 @@ pub struct WorkerReport {
     pub load_failed: Vec<(String, String)>,
     /// Inbound transport connections refused at their handshake since the last report.
     pub refused_connections: u64,
+    /// Grants in force on this rank's transport since the last report (and whether the
+    /// transport took them: false only for blocks outside the pool, which is a core bug).
+    pub granted: Vec<(GrantId, bool)>,
+    /// Inbound transfers refused outside any grant since the last report.
+    pub refused_transfers: u64,
 }
 
 impl WorkerReport {
@@ -93,5 +109,7 @@ impl WorkerReport {
             && self.dead_agents.is_empty()
             && self.load_failed.is_empty()
             && self.refused_connections == 0
+            && self.granted.is_empty()
+            && self.refused_transfers == 0
     }
 }

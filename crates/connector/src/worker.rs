@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_plan::RankLayout;
-use handoff_transport::{KvRegion, RegionId, Transport, TransportError, XferId, XferStatus};
+use handoff_transport::{
+    Extent, GrantId, KvRegion, RegionId, Transport, TransportError, XferId, XferOp, XferStatus,
+};
 
 use crate::step::{JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::ConnectorError;
@@ -38,8 +40,8 @@ pub struct WorkerSide {
     mem: RankMemory,
     jobs: HashMap<JobId, Job>,
     report: WorkerReport,
-    /// The transport's refused-connection total at the last report.
-    refused_seen: u64,
+    /// The transport's refused-connection and refused-transfer totals at the last report.
+    refused_seen: (u64, u64),
 }
 
 impl WorkerSide {
@@ -63,7 +65,7 @@ impl WorkerSide {
             rank,
             mem,
             jobs: HashMap::new(),
-            refused_seen: 0,
+            refused_seen: (0, 0),
             report: WorkerReport {
                 rank,
                 ..Default::default()
@@ -126,6 +128,22 @@ impl WorkerSide {
                         self.report.ended.push((job, false));
                     }
                 }
+                WorkerOp::Grant {
+                    grant,
+                    op,
+                    agents,
+                    blocks,
+                } => {
+                    let ok = match self.grant(grant, op, &agents, &blocks) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::error!(rank = self.rank, error = %e, "cannot grant blocks");
+                            false
+                        }
+                    };
+                    self.report.granted.push((grant, ok));
+                }
+                WorkerOp::Revoke { grant } => self.mem.transport.revoke(grant),
                 WorkerOp::ZeroTail { blocks, num_tokens } => {
                     if let Err(e) = self.zero_tail(&blocks, num_tokens) {
                         tracing::warn!(rank = self.rank, error = %e, "cannot zero a block tail");
@@ -202,8 +220,12 @@ impl WorkerSide {
         self.report
             .dead_agents
             .extend(self.mem.transport.drain_dead_peers());
-        let refused = self.mem.transport.refused_connections();
-        self.report.refused_connections += refused.saturating_sub(self.refused_seen);
+        let refused = (
+            self.mem.transport.refused_connections(),
+            self.mem.transport.refused_transfers(),
+        );
+        self.report.refused_connections += refused.0.saturating_sub(self.refused_seen.0);
+        self.report.refused_transfers += refused.1.saturating_sub(self.refused_seen.1);
         self.refused_seen = refused;
         if self.report.is_empty() {
             return None;
@@ -213,6 +235,27 @@ impl WorkerSide {
             ..Default::default()
         };
         Some(std::mem::replace(&mut self.report, fresh))
+    }
+
+    /// Opens every byte of `blocks` on this rank to `agents` for `op`.
+    fn grant(
+        &self,
+        grant: GrantId,
+        op: XferOp,
+        agents: &[String],
+        blocks: &[u32],
+    ) -> Result<(), ConnectorError> {
+        let extents: Vec<Extent> = handoff_plan::block_spans(&self.mem.layout, blocks)
+            .map_err(ConnectorError::Plan)?
+            .into_iter()
+            .map(|s| Extent {
+                region: s.region,
+                offset: s.offset,
+                len: s.len,
+            })
+            .collect();
+        self.mem.transport.grant(grant, op, agents, &extents)?;
+        Ok(())
     }
 
     /// Zeroes the bytes of `blocks` past the prompt's last token, so no stale byte (P's or a

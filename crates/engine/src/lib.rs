@@ -120,6 +120,8 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
                     bind: SocketAddr::new(addr.ip(), port),
                     advertise_host: cfg.advertise().to_string(),
                     key: key.clone(),
+                    // The connector grants each handoff's blocks to its reader or writer.
+                    check_grants: true,
                 };
                 open_backend_at(other, &name, &at)
                     .with_context(|| format!("cannot open the {other} transport at {}", at.bind))?

@@ -441,6 +441,64 @@ pub fn uncovered_dst(
     Ok(spans)
 }
 
+/// Every byte of `blocks` on this rank: every layer, K and V, every head, every token slot.
+/// What a transport may let a peer read (P) or write (D) for a handoff, and nothing more.
+/// Coalesced and sorted like descriptors; duplicate block ids count once.
+pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanError> {
+    validate(Side::Prefill, l)?;
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    check_pool(Side::Prefill, l, &sorted, max_id(&sorted))?;
+    let spec = &l.spec;
+    let ovf = PlanError::Overflow {
+        side: Side::Prefill,
+        rank: l.rank,
+    };
+    let mut out: Vec<Descriptor> = Vec::new();
+    for (layer, lp) in (0u32..).zip(&l.layers) {
+        // Heads inside the block: one plane per block; heads outside: one run per head.
+        let (pieces, piece_len) = if lp.head_stride == 0 {
+            (1, spec.plane_bytes())
+        } else {
+            (
+                spec.heads_per_rank(),
+                u64::from(spec.block_size) * spec.shape.row_bytes(),
+            )
+        };
+        for kv in 0..2 {
+            let region = lp.plane(kv).region;
+            for h in 0..pieces {
+                for &b in &sorted {
+                    let off = l.row_offset(layer, kv, b, h, 0).ok_or(ovf.clone())?;
+                    push_merge(
+                        &mut out,
+                        Descriptor {
+                            src_region: region,
+                            src_offset: off,
+                            dst_region: region,
+                            dst_offset: off,
+                            len: piece_len,
+                        },
+                    );
+                }
+            }
+        }
+    }
+    let spans: Vec<Span> = finish(out)
+        .iter()
+        .map(|x| Span {
+            region: x.src_region,
+            offset: x.src_offset,
+            len: x.len,
+        })
+        .collect();
+    for s in &spans {
+        bounds(Side::Prefill, l, s.region, s.offset, s.len)?;
+    }
+    Ok(spans)
+}
+
 /// One run of tokens that lies in one P block and one D block.
 #[derive(Debug, Clone, Copy)]
 struct Seg {

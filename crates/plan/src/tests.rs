@@ -783,3 +783,53 @@ fn layouts_travel_as_json() {
         .to_string();
     assert!(err.contains("P engine: tp is 0"), "{err}");
 }
+
+/// A transport's grant for a handoff covers exactly its blocks: every row of every listed block
+/// on every layer, plane and head, and no byte of any other block.
+#[test]
+fn block_spans_cover_exactly_the_listed_blocks() {
+    let s = layers(spec(4, 2, 16, HeadMajor), 3);
+    let layouts = [
+        RankLayout::per_layer(s, 1, 6, 10).unwrap(),
+        RankLayout::split_kv(s, 1, 6, 10).unwrap(),
+        RankLayout::cross_layer(s, 1, 6, 10).unwrap(),
+        RankLayout::heads_outermost(s, 1, 6, 10).unwrap(),
+        RankLayout::per_layer(layers(spec(4, 2, 16, TokenMajor), 3), 1, 6, 10).unwrap(),
+    ];
+    let granted = [4u32, 1, 2, 4];
+    for l in &layouts {
+        let spans = block_spans(l, &granted).unwrap();
+        let inside = |region: u32, off: u64| {
+            spans
+                .iter()
+                .any(|x| x.region == region && x.offset <= off && off < x.offset + x.len)
+        };
+        let total: u64 = spans.iter().map(|x| x.len).sum();
+        assert_eq!(
+            total,
+            3 * u64::from(s.shape.num_layers) * s.block_bytes(),
+            "{l:?}"
+        );
+        for layer in 0..s.shape.num_layers {
+            for kv in 0..2 {
+                let region = l.layers[layer as usize].plane(kv).region;
+                for b in 0..6 {
+                    for h in 0..s.heads_per_rank() {
+                        for t in 0..16 {
+                            let off = l.row_offset(layer, kv, b, h, t).unwrap();
+                            let want = granted.contains(&b);
+                            // The row's first and last byte.
+                            for byte in [off, off + s.shape.row_bytes() - 1] {
+                                assert_eq!(inside(region, byte), want, "{l:?} block {b}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(matches!(
+        block_spans(&layouts[0], &[6]),
+        Err(PlanError::BlockOutOfPool { block: 6, .. })
+    ));
+}

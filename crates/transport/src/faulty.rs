@@ -310,6 +310,28 @@ impl Transport for FaultyTransport {
     fn refused_connections(&self) -> u64 {
         self.inner.refused_connections()
     }
+
+    fn grant(
+        &self,
+        grant: crate::GrantId,
+        op: XferOp,
+        peers: &[String],
+        extents: &[crate::Extent],
+    ) -> Result<(), TransportError> {
+        self.inner.grant(grant, op, peers, extents)
+    }
+
+    fn revoke(&self, grant: crate::GrantId) {
+        self.inner.revoke(grant)
+    }
+
+    fn checks_grants(&self) -> bool {
+        self.inner.checks_grants()
+    }
+
+    fn refused_transfers(&self) -> u64 {
+        self.inner.refused_transfers()
+    }
 }
 
 #[cfg(test)]

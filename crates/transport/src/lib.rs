@@ -19,6 +19,7 @@ pub mod auth;
 pub mod conformance;
 pub mod faulty;
 mod foreign;
+pub mod grants;
 pub mod mem;
 pub mod nixl;
 mod region;
@@ -26,6 +27,7 @@ pub mod tcp;
 
 use std::sync::Arc;
 
+pub use grants::{Extent, GrantId, GrantTable};
 pub use region::{KvRegion, OwnedReadGuard, OwnedWriteGuard};
 
 /// A region of registered memory, as numbered by the engine (one per layer, or one in all).
@@ -98,6 +100,14 @@ pub enum TransportError {
     UnknownXfer(XferId),
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotificationTooLarge { len: usize, max: usize },
+    #[error("{peer:?} holds no grant to {op:?} {len} bytes at offset {offset} of region {region}")]
+    NotGranted {
+        peer: String,
+        op: XferOp,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    },
     #[error("transport failure: {0}")]
     Io(String),
 }
@@ -164,6 +174,32 @@ pub trait Transport: Send + Sync {
     fn refused_connections(&self) -> u64 {
         0
     }
+
+    /// Lets the agents `peers` do `op` (seen from them: `Read` = they read these bytes) on
+    /// `extents` of local regions until [`Transport::revoke`] (see [`grants`]). Granting an id
+    /// again replaces it. A backend that does not check grants accepts and ignores them.
+    fn grant(
+        &self,
+        _grant: GrantId,
+        _op: XferOp,
+        _peers: &[String],
+        _extents: &[Extent],
+    ) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    /// Ends a grant (no-op for an unknown one).
+    fn revoke(&self, _grant: GrantId) {}
+
+    /// Whether inbound READs and WRITEs are refused outside a live grant to their peer.
+    fn checks_grants(&self) -> bool {
+        false
+    }
+
+    /// Inbound transfers refused so far because no grant covered them.
+    fn refused_transfers(&self) -> u64 {
+        0
+    }
 }
 
 /// Checks a descriptor against a region length without overflow.
@@ -193,6 +229,9 @@ pub struct Endpoint {
     pub advertise_host: String,
     /// tcp: the cluster key every connection must prove (see [`auth`]).
     pub key: Option<auth::ClusterKey>,
+    /// tcp: serve only what [`Transport::grant`] opened to the peer (an engine's connector
+    /// grants each handoff's blocks to its reader or writer); off for a bare transport.
+    pub check_grants: bool,
 }
 
 /// Opens a backend by name with its default settings, listening on loopback (`mem` needs a
@@ -203,6 +242,7 @@ pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, Transp
         advertise_host: tcp.bind.ip().to_string(),
         bind: tcp.bind,
         key: None,
+        check_grants: false,
     };
     open_backend_at(kind, name, &at)
 }
@@ -220,6 +260,7 @@ pub fn open_backend_at(
                 bind: at.bind,
                 advertise_host: Some(at.advertise_host.clone()),
                 key: at.key.clone(),
+                check_grants: at.check_grants,
                 ..tcp::TcpConfig::from_env()
             };
             let t = tcp::TcpTransport::new(name, cfg)?;

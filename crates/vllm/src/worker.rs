@@ -110,6 +110,8 @@ impl WorkerBridge {
                 .unwrap_or_else(|| bind.ip().to_string()),
             bind,
             key,
+            // The connector grants each handoff's blocks to its reader or writer.
+            check_grants: true,
         };
         let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
         let transport = open_backend_at(&cfg.transport, &name, &at)?;

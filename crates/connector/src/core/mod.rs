@@ -12,6 +12,7 @@
 //! Every path that frees a block or sends a message goes through a ledger: there are no side
 //! tables of requests or handoffs here that a ledger does not bound.
 
+mod grants;
 mod peers;
 mod side;
 #[cfg(test)]
@@ -29,6 +30,7 @@ use handoff_proto::{
     PROTOCOL_VERSION,
 };
 
+use grants::{Grants, Opens};
 pub use peers::ConnId;
 use peers::PeerTable;
 use transfers::Transfers;
@@ -78,6 +80,8 @@ pub enum Observation {
     AnonymousRefused,
     /// Transport connections a worker refused at their handshake.
     TransportRefused(u64),
+    /// Transfers a worker's transport refused because no grant covered them.
+    TransferRefused(u64),
     /// A reject for a handoff this engine is itself still tracking (a retried request): P is
     /// not told, the live request's transfer owns the handoff.
     RejectOfTrackedHandoff,
@@ -155,6 +159,7 @@ pub struct ConnectorCore {
     consumer: Option<ConsumerLedger>,
     peers: PeerTable,
     transfers: Transfers,
+    grants: Grants,
     out: Ready,
     /// A `Ready` given back by `advance`, reused for its capacity.
     spare: Option<Ready>,
@@ -204,6 +209,7 @@ impl ConnectorCore {
             fingerprint,
             peers: PeerTable::default(),
             transfers: Transfers::default(),
+            grants: Grants::default(),
             out: Ready::default(),
             spare: None,
         })
@@ -560,6 +566,14 @@ impl ConnectorCore {
                 .observations
                 .push(Observation::TransportRefused(report.refused_connections));
         }
+        if report.refused_transfers > 0 {
+            self.out
+                .observations
+                .push(Observation::TransferRefused(report.refused_transfers));
+        }
+        for (grant, ok) in report.granted {
+            self.grant_confirmed(report.rank, grant, ok);
+        }
         for (agent, error) in report.load_failed {
             if let Some(peer) = self.peers.by_agent(&agent) {
                 self.fail_peer(peer, format!("cannot load agent {agent:?}: {error}"), now);
@@ -626,6 +640,7 @@ impl ConnectorCore {
             }
             while let Some(rel) = self.consumer.as_mut().and_then(|c| c.poll_release()) {
                 progressed = true;
+                self.revoke(Opens::Writes, rel.handoff);
                 self.out.events.push(ConnectorEvent::BlocksReleased {
                     blocks: rel.blocks,
                     reason: rel.reason.as_str().into(),
@@ -650,6 +665,7 @@ impl ConnectorCore {
             reason: rel.reason.as_str(),
             held_for: rel.held_for,
         });
+        self.revoke(Opens::Reads, rel.handoff);
         // Writes still posted are aborted: the ledger only releases after they ended or were
         // fenced, so this only cleans up.
         for (rank, job) in self.transfers.end_push(rel.handoff) {
@@ -667,6 +683,13 @@ impl ConnectorCore {
         let mut any = false;
         while let Some(o) = self.consumer.as_mut().and_then(|c| c.poll_outcome()) {
             any = true;
+            // The transfer is over: no WRITE may land in these blocks any more.
+            let handoff = match &o {
+                Outcome::Ready { handoff, .. }
+                | Outcome::Recompute { handoff, .. }
+                | Outcome::Failed { handoff, .. } => *handoff,
+            };
+            self.revoke(Opens::Writes, handoff);
             let why = |reason: &'static str| match refusal {
                 Some(r) => format!("{reason}: {r}"),
                 None => reason.to_string(),
@@ -805,6 +828,7 @@ impl ConnectorCore {
             reads: self.transfers.reads_len(),
             pushes: self.transfers.pushes_len(),
             jobs: self.transfers.jobs_len(),
+            grants: self.grants.len(),
         }
     }
 }
@@ -842,4 +866,6 @@ pub struct CoreMemory {
     pub reads: usize,
     pub pushes: usize,
     pub jobs: usize,
+    /// Transport grants in force or being put in force (one per live handoff at most).
+    pub grants: usize,
 }

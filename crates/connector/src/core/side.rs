@@ -122,8 +122,11 @@ impl ConnectorCore {
         let Some(conn) = p.conn else {
             return;
         };
-        for m in p.queued.drain(..) {
-            self.out.messages.push((conn, m));
+        let queued: Vec<Message> = p.queued.drain(..).collect();
+        for m in queued {
+            if let Some(m) = self.gate(peer, m) {
+                self.out.messages.push((conn, m));
+            }
         }
     }
 
@@ -164,7 +167,11 @@ impl ConnectorCore {
             return;
         };
         match (&p.state, p.conn) {
-            (PeerState::Ready, Some(conn)) => self.out.messages.push((conn, msg)),
+            (PeerState::Ready, Some(conn)) => {
+                if let Some(msg) = self.gate(peer, msg) {
+                    self.out.messages.push((conn, msg));
+                }
+            }
             (PeerState::Idle | PeerState::Connecting, _) => {
                 if p.queued.len() >= MAX_QUEUED {
                     p.queued.pop_front();

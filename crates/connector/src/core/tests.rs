@@ -10,7 +10,7 @@ use handoff_proto::{
 };
 
 use super::*;
-use crate::step::WorkerHello;
+use crate::step::{WorkerHello, WorkerOp, WorkerReport};
 
 fn spec() -> KvSpec {
     KvSpec {
@@ -320,4 +320,117 @@ fn an_engine_with_both_ledgers_answers_a_pull_heartbeat_with_a_grant_only() {
         "{batches:?}"
     );
     assert!(batches.iter().all(|g| g.gone.is_empty()), "{batches:?}");
+}
+
+/// P tells a reader where a handoff's blocks are only once every worker's transport serves them
+/// to that reader's agents, and closes them again when the blocks are released: a READ never
+/// reaches a transport that would refuse it, and none is served after the handoff ended.
+#[test]
+fn p_names_blocks_only_once_granted_and_revokes_at_release() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let handoff = prm.handoff_id.unwrap();
+    let entry = HeartbeatEntry {
+        handoff,
+        epoch: Epoch::FIRST,
+    };
+    let r = p.ready();
+    p.advance(r);
+    p.handle_accepted(
+        100,
+        Message::Hello(hello_of(&core("d", Role::Decode))),
+        None,
+        t(1),
+    );
+    let r = p.ready();
+    p.advance(r);
+    let query = |p: &mut ConnectorCore, at: u64| {
+        p.handle_frame(
+            100,
+            Message::Heartbeat(Heartbeat {
+                seq: at,
+                entries: vec![entry],
+            }),
+            t(at),
+        );
+        p.handle_frame(
+            100,
+            Message::BlocksQuery(handoff_proto::BlocksQuery {
+                entries: vec![entry],
+            }),
+            t(at),
+        );
+        p.ready()
+    };
+    let names_blocks = |r: &Ready| {
+        r.messages
+            .iter()
+            .any(|(_, m)| matches!(m, Message::PullBlocks(b) if b.lists.iter().any(|l| l.handoff == handoff)))
+    };
+    let r = query(&mut p, 2);
+    assert!(
+        !names_blocks(&r),
+        "blocks named before the grant is in force"
+    );
+    let grant = r
+        .worker_ops
+        .iter()
+        .find_map(|(rank, op)| match op {
+            WorkerOp::Grant {
+                grant,
+                op,
+                agents,
+                blocks,
+            } => {
+                assert_eq!(*rank, 0);
+                assert_eq!(*op, handoff_transport::XferOp::Read);
+                assert_eq!(agents, &["d-r0".to_string()]);
+                assert_eq!(blocks, &[1, 2]);
+                Some(*grant)
+            }
+            _ => None,
+        })
+        .expect("a grant to the reader's agents");
+    p.advance(r);
+    // Asked again before the worker confirmed: still held, and no second grant.
+    let r = query(&mut p, 3);
+    assert!(!names_blocks(&r));
+    assert!(r.worker_ops.is_empty(), "{:?}", r.worker_ops);
+    p.advance(r);
+    p.handle_worker_report(
+        WorkerReport {
+            rank: 0,
+            granted: vec![(grant, true)],
+            ..Default::default()
+        },
+        t(4),
+    );
+    let r = p.ready();
+    assert!(names_blocks(&r), "the held answer leaves once confirmed");
+    p.advance(r);
+    let r = query(&mut p, 5);
+    assert!(names_blocks(&r), "later queries are answered at once");
+    p.advance(r);
+    p.handle_frame(
+        100,
+        Message::Release(handoff_proto::Release {
+            handoff,
+            epoch: Epoch::FIRST,
+            reason: ReleaseReason::Aborted,
+        }),
+        t(6),
+    );
+    let r = p.ready();
+    assert!(r
+        .events
+        .iter()
+        .any(|e| matches!(e, ConnectorEvent::BlocksReleased { .. })));
+    assert!(
+        r.worker_ops
+            .iter()
+            .any(|(_, op)| *op == WorkerOp::Revoke { grant }),
+        "{:?}",
+        r.worker_ops
+    );
+    assert_eq!(p.memory().grants, 0);
 }

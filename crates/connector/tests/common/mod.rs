@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use handoff_connector::{
     ConnId, ConnectorCore, ConnectorEvent, CoreConfig, JobId, Ready, Role, TransferJob,
-    WorkerHello, WorkerReport,
+    WorkerHello, WorkerOp, WorkerReport,
 };
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
@@ -23,7 +23,7 @@ use handoff_proto::{
     Epoch, HandoffId, Heartbeat, HeartbeatEntry, KvTransferParams, Message, ReleaseReason,
     TransferMode,
 };
-use handoff_transport::XferOp;
+use handoff_transport::{GrantId, XferOp};
 
 pub const POOL_BLOCKS: u32 = 64;
 const LAYERS: u32 = 2;
@@ -149,6 +149,12 @@ enum Ev {
         node: Node,
         job: JobId,
     },
+    /// A worker put a grant in force on its transport.
+    Granted {
+        node: Node,
+        rank: u16,
+        grant: GrantId,
+    },
     Notify {
         to: Node,
         from: String,
@@ -210,6 +216,8 @@ struct Engine {
     alive: bool,
     pool: Pool,
     jobs: BTreeMap<JobId, Job>,
+    /// What the transport would serve: grant → (op, peer agents, blocks).
+    grants: HashMap<GrantId, (XferOp, Vec<String>, Vec<u32>)>,
 }
 
 #[derive(Default)]
@@ -325,6 +333,7 @@ impl Sim {
             alive: true,
             pool: Pool::new(),
             jobs: BTreeMap::new(),
+            grants: HashMap::new(),
         };
         let mut sim = Sim {
             now: Duration::ZERO,
@@ -679,6 +688,16 @@ impl Sim {
                 };
                 self.eng(node).core.handle_worker_report(report, now);
             }
+            Ev::Granted { node, rank, grant } => {
+                if self.alive(node) {
+                    let report = WorkerReport {
+                        rank,
+                        granted: vec![(grant, true)],
+                        ..Default::default()
+                    };
+                    self.eng(node).core.handle_worker_report(report, now);
+                }
+            }
             Ev::Aborted { node, job } => {
                 if self.alive(node) {
                     let report = WorkerReport {
@@ -753,6 +772,38 @@ impl Sim {
 
     fn carry_out(&mut self, node: Node, r: &Ready) {
         let now = self.now;
+        // The workers' transports: a grant is in force (and confirmed) a little later (now and
+        // then much later: a busy worker), a revoke at once.
+        for (rank, op) in &r.worker_ops {
+            match op {
+                WorkerOp::Grant {
+                    grant,
+                    op,
+                    agents,
+                    blocks,
+                } => {
+                    self.eng(node)
+                        .grants
+                        .insert(*grant, (*op, agents.clone(), blocks.clone()));
+                    let t = match self.below(4) {
+                        0 => now + ms(self.below(300)),
+                        _ => now + ms(self.below(4)),
+                    };
+                    self.at(
+                        t,
+                        Ev::Granted {
+                            node,
+                            rank: *rank,
+                            grant: *grant,
+                        },
+                    );
+                }
+                WorkerOp::Revoke { grant } => {
+                    self.eng(node).grants.remove(grant);
+                }
+                _ => {}
+            }
+        }
         for (conn, msg) in &r.messages {
             if let Some(&(to, their)) = self.links.get(&(node, *conn)) {
                 let t = self.arrival((node, *conn), to);
@@ -905,6 +956,24 @@ impl Sim {
                     job.op
                 ));
             }
+        }
+        // The target's transport serves only what it granted to the poster's agent (a second
+        // enforcement of rules 2 and 3, beside the ledgers).
+        let touched = match job.op {
+            XferOp::Read => &src,
+            XferOp::Write => &dst,
+        };
+        let me = node.agent();
+        let granted = touched.iter().all(|b| {
+            self.eng(peer).grants.values().any(|(op, agents, blocks)| {
+                *op == job.op && agents.contains(&me) && blocks.contains(b)
+            })
+        });
+        if self.alive(peer) && !granted {
+            self.errs.push(format!(
+                "grant: {node:?} posts a {:?} of {peer:?} blocks {touched:?} outside any grant to it, at {now:?}",
+                job.op
+            ));
         }
         let notifications = job
             .parts

@@ -865,7 +865,7 @@ fn serve(
             wire::READ_REQ => {
                 let xfer = rx.u64()?;
                 let descs = rx.descs()?;
-                let job = match inner.resolve(&descs) {
+                let job = match inner.resolve(&from, XferOp::Read, &descs) {
                     Ok((spans, total)) => Job::ReadData { xfer, total, spans },
                     Err(e) => Job::XferErr {
                         kind: wire::READ_ERR,
@@ -892,7 +892,7 @@ fn serve(
                     .iter()
                     .try_fold(0u64, |t, d| t.checked_add(d.len))
                     .ok_or_else(|| invalid("write length overflows".into()))?;
-                let job = match inner.resolve(&descs) {
+                let job = match inner.resolve(&from, XferOp::Write, &descs) {
                     Ok((spans, _)) => {
                         rx.landing(true)?;
                         for s in &spans {

@@ -51,6 +51,7 @@ use parking_lot::{Mutex, RwLock};
 use self::conn::{Conn, Job, Span, Xfer};
 use self::wire::{Meta, WireDesc};
 use crate::auth::ClusterKey;
+use crate::grants::{Extent, GrantId, GrantTable};
 use crate::{
     check_bounds, KvRegion, Notification, RegionId, Transport, TransportError, XferDesc, XferId,
     XferOp, XferStatus, MAX_NOTIFICATION_BYTES,
@@ -82,6 +83,10 @@ pub struct TcpConfig {
     /// (see [`crate::auth`]), and a caller is known by the name it proved. `None`: no
     /// authentication (loopback clusters, tests).
     pub key: Option<ClusterKey>,
+    /// Serve a peer's READ or WRITE only inside a live grant to the name it proved (see
+    /// [`crate::grants`]); every refusal is counted in [`Transport::refused_transfers`]. Off by
+    /// default: a bare transport serves all registered memory, as a NIXL agent does.
+    pub check_grants: bool,
 }
 
 /// Longest [`TcpConfig::landing_spin`] accepted (a landing read's own timeout).
@@ -119,6 +124,7 @@ impl Default for TcpConfig {
             dead_after: Duration::from_millis(1500),
             landing_spin: Duration::from_micros(200),
             key: None,
+            check_grants: false,
         }
     }
 }
@@ -160,6 +166,9 @@ pub(super) struct Inner {
     next_conn: AtomicU64,
     /// Inbound connections refused at the handshake (no or wrong proof, a name not proved).
     refused: AtomicU64,
+    grants: RwLock<GrantTable>,
+    /// Inbound READs and WRITEs refused for want of a grant.
+    refused_xfers: AtomicU64,
 }
 
 impl Inner {
@@ -195,8 +204,35 @@ impl Inner {
         Ok(())
     }
 
-    /// The target's check of a request: every descriptor inside a registered region.
-    fn resolve(&self, descs: &[WireDesc]) -> Result<(Vec<Span>, u64), TransportError> {
+    /// The target's check of a request from `peer`: every descriptor inside a registered region
+    /// and, when grants are checked, inside a live grant of `op` to `peer`.
+    fn resolve(
+        &self,
+        peer: &str,
+        op: XferOp,
+        descs: &[WireDesc],
+    ) -> Result<(Vec<Span>, u64), TransportError> {
+        if self.cfg.check_grants {
+            let grants = self.grants.read();
+            if let Some(d) = descs
+                .iter()
+                .find(|d| !grants.allows(peer, op, d.region, d.offset, d.len))
+            {
+                let n = self.refused_xfers.fetch_add(1, Ordering::Relaxed) + 1;
+                let err = TransportError::NotGranted {
+                    peer: peer.to_string(),
+                    op,
+                    region: d.region,
+                    offset: d.offset,
+                    len: d.len,
+                };
+                // Logged at 1, 2, 4, 8, ... refusals: a flood cannot flood the log.
+                if n.is_power_of_two() {
+                    tracing::warn!(agent = %self.name, refused = n, error = %err, "transfer refused");
+                }
+                return Err(err);
+            }
+        }
         let regions = self.regions.read();
         let mut spans = Vec::with_capacity(descs.len());
         let mut total = 0u64;
@@ -397,6 +433,8 @@ impl TcpTransport {
             next_xfer: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             refused: AtomicU64::new(0),
+            grants: RwLock::new(GrantTable::default()),
+            refused_xfers: AtomicU64::new(0),
         });
         let i = inner.clone();
         inner
@@ -720,5 +758,35 @@ impl Transport for TcpTransport {
 
     fn refused_connections(&self) -> u64 {
         self.inner.refused.load(Ordering::Relaxed)
+    }
+
+    fn grant(
+        &self,
+        grant: GrantId,
+        op: XferOp,
+        peers: &[String],
+        extents: &[Extent],
+    ) -> Result<(), TransportError> {
+        let regions = self.inner.regions.read();
+        for e in extents {
+            let r = regions
+                .get(&e.region)
+                .ok_or(TransportError::UnknownRegion { region: e.region })?;
+            check_bounds(e.region, e.offset, e.len, r.len() as u64)?;
+        }
+        self.inner.grants.write().grant(grant, op, peers, extents);
+        Ok(())
+    }
+
+    fn revoke(&self, grant: GrantId) {
+        self.inner.grants.write().revoke(grant);
+    }
+
+    fn checks_grants(&self) -> bool {
+        self.inner.cfg.check_grants
+    }
+
+    fn refused_transfers(&self) -> u64 {
+        self.inner.refused_xfers.load(Ordering::Relaxed)
     }
 }
