@@ -738,6 +738,8 @@ impl Executor {
             .inc_by(now.client_blocks_replaced - seen.client_blocks_replaced);
         m.blocks_refused
             .inc_by(now.blocks_refused - seen.blocks_refused);
+        m.not_from_reader
+            .inc_by(now.not_from_reader - seen.not_from_reader);
         let spec = self.core.spec();
         let block_bytes = spec.block_bytes() * spec.shape.num_layers as u64 * spec.tp as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {

@@ -42,6 +42,7 @@ pub struct Metrics {
     pub read_retries: Counter,
     pub client_blocks_replaced: Counter,
     pub blocks_refused: Counter,
+    pub not_from_reader: Counter,
     pub unknown_notifications: Counter,
     pub handshakes_refused: Counter,
     pub anonymous_refused: Counter,
@@ -70,6 +71,7 @@ impl Metrics {
             read_retries: Counter::default(),
             client_blocks_replaced: Counter::default(),
             blocks_refused: Counter::default(),
+            not_from_reader: Counter::default(),
             unknown_notifications: Counter::default(),
             handshakes_refused: Counter::default(),
             anonymous_refused: Counter::default(),
@@ -151,6 +153,11 @@ impl Metrics {
             "blocks_queries_refused",
             "P: block queries from a peer other than the handoff's reader (unanswered)",
             m.blocks_refused.clone(),
+        );
+        r.register(
+            "not_from_reader_refused",
+            "P: completions and push registrations from a peer other than the handoff's reader (ignored)",
+            m.not_from_reader.clone(),
         );
         r.register(
             "unknown_notifications",

@@ -146,6 +146,10 @@ pub struct ProducerStats {
     pub ignored: u64,
     /// Block queries from a peer other than the D that reads the handoff: refused, unanswered.
     pub blocks_refused: u64,
+    /// Completions (`PullDone`) and push registrations from a peer other than the D that reads
+    /// the handoff: ignored (another peer's completion must not free blocks under the reader's
+    /// READ, nor its registration make P write KV to it).
+    pub not_from_reader: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -723,6 +727,12 @@ impl ProducerLedger {
             self.stats.stale_epoch += 1;
             return;
         }
+        // Only the reader was told where the blocks are (PullBlocks goes to it alone), so only
+        // the reader can have read them.
+        if h.reader != Some(from) {
+            self.stats.not_from_reader += 1;
+            return;
+        }
         let Some(part) = h.parts.get_mut(pd.p_rank as usize) else {
             self.stats.ignored += 1;
             return;
@@ -733,10 +743,6 @@ impl ProducerLedger {
             return;
         }
         part.done.push(pd.consumer_rank);
-        if h.reader.is_none() {
-            h.reader = Some(from);
-            self.by_peer.entry(from).or_default().insert(pd.handoff);
-        }
         if h.all_read() {
             // The notification rides on the READ and is delivered after its bytes: nothing is in
             // flight any more, so the blocks go back now, whatever the phase.
@@ -813,6 +819,10 @@ impl ProducerLedger {
         }
         if h.mode != TransferMode::Push || r.d_tp == 0 || r.d_rank >= r.d_tp {
             self.stats.ignored += 1;
+            return;
+        }
+        if h.reader.is_some_and(|reader| reader != from) {
+            self.stats.not_from_reader += 1;
             return;
         }
         if h.registrations.iter().any(|x| x.d_rank == r.d_rank) {

@@ -202,7 +202,7 @@ fn hard_cap_reclaims_a_d_that_heartbeats_but_never_pulls() {
 #[test]
 fn notification_before_registration_settles_on_registration() {
     let mut pair = Pair::default_pair();
-    // A release (D rejected the request) and a read completion arrive before P created them.
+    // A release (D rejected the request) and a "read completion" arrive before P created them.
     let (a, b) = (hid(7), hid(8));
     pair.p.handle_message(
         D_PEER,
@@ -234,9 +234,12 @@ fn notification_before_registration_settles_on_registration() {
         .unwrap();
     pair.pump();
     assert_eq!(pair.p_released(a).unwrap().reason, EndReason::Rejected);
-    assert_eq!(pair.p_released(b).unwrap().reason, EndReason::Done);
+    // A completion can only come from the reader P named the blocks to, which cannot happen
+    // before the handoff exists: this one is no read's, and frees nothing.
+    assert!(pair.p_released(b).is_none());
+    assert_eq!(pair.p.stats().not_from_reader, 1);
     assert_eq!(pair.p.staged_messages(), 0);
-    assert!(pair.p.is_empty());
+    assert_eq!(pair.p.held_blocks(), 1);
 }
 
 #[test]
@@ -1400,4 +1403,44 @@ fn no_read_starts_inside_the_read_margin() {
     pair.complete_read(&read);
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
     assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+}
+
+/// Another peer that knows a handoff id (a member of the cluster, or a stale D) says it read the
+/// blocks while the reader's READ runs: P must not free under that READ (rule 2), and a push
+/// registration from it must not make P write the KV to it.
+#[test]
+fn completions_and_registrations_from_others_than_the_reader_are_ignored() {
+    let mut pair = Pair::default_pair();
+    let id = hid(64);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.pump();
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    pair.pump();
+    assert!(!pair.reads.is_empty(), "the read starts");
+    let mallory = PeerId(77);
+    pair.p.handle_message(
+        mallory,
+        Message::PullDone(PullDone {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            p_rank: 0,
+            consumer_rank: 0,
+            consumers: 1,
+        }),
+        pair.now,
+    );
+    assert!(
+        pair.p.poll_release().is_none(),
+        "freed under the reader's READ"
+    );
+    assert_eq!(pair.p.held_blocks(), BLOCKS.len());
+    assert_eq!(pair.p.stats().not_from_reader, 1);
 }

@@ -808,6 +808,7 @@ impl ConnectorCore {
             read_retries: c.map_or(0, |c| c.read_retries),
             client_blocks_replaced: c.map_or(0, |c| c.client_blocks_replaced),
             blocks_refused: p.map_or(0, |p| p.blocks_refused),
+            not_from_reader: p.map_or(0, |p| p.not_from_reader),
         }
     }
 
@@ -856,6 +857,9 @@ pub struct LedgerCounters {
     pub client_blocks_replaced: u64,
     /// P: block queries from a peer other than the handoff's reader (unanswered).
     pub blocks_refused: u64,
+    /// P: completions and push registrations from a peer other than the handoff's reader
+    /// (ignored).
+    pub not_from_reader: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
