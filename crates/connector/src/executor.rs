@@ -740,6 +740,8 @@ impl Executor {
             .inc_by(now.blocks_refused - seen.blocks_refused);
         m.not_from_reader
             .inc_by(now.not_from_reader - seen.not_from_reader);
+        m.staged_over_quota
+            .inc_by(now.staged_over_quota - seen.staged_over_quota);
         let spec = self.core.spec();
         let block_bytes = spec.block_bytes() * spec.shape.num_layers as u64 * spec.tp as u64;
         let set = |side: &'static str, state: &'static str, blocks: usize| {

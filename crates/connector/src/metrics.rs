@@ -43,6 +43,7 @@ pub struct Metrics {
     pub client_blocks_replaced: Counter,
     pub blocks_refused: Counter,
     pub not_from_reader: Counter,
+    pub staged_over_quota: Counter,
     pub unknown_notifications: Counter,
     pub handshakes_refused: Counter,
     pub anonymous_refused: Counter,
@@ -72,6 +73,7 @@ impl Metrics {
             client_blocks_replaced: Counter::default(),
             blocks_refused: Counter::default(),
             not_from_reader: Counter::default(),
+            staged_over_quota: Counter::default(),
             unknown_notifications: Counter::default(),
             handshakes_refused: Counter::default(),
             anonymous_refused: Counter::default(),
@@ -158,6 +160,11 @@ impl Metrics {
             "not_from_reader_refused",
             "P: completions and push registrations from a peer other than the handoff's reader (ignored)",
             m.not_from_reader.clone(),
+        );
+        r.register(
+            "staged_over_quota",
+            "P: messages for handoffs not created yet dropped because their sender had staging_per_peer of them staged",
+            m.staged_over_quota.clone(),
         );
         r.register(
             "unknown_notifications",

@@ -75,6 +75,10 @@ pub struct EngineConfig {
     pub read_timeout_ms: u64,
     pub read_grace_ms: u64,
     pub wait_deadline_ms: u64,
+    /// P: messages kept for handoffs not created yet (early registrations and releases), in all
+    /// and per sending peer (a peer over its quota has its new ones dropped and counted).
+    pub staging_capacity: usize,
+    pub staging_per_peer: usize,
     /// Ended handoffs each ledger remembers (so a late message is known as late), at most this
     /// many and for at most `tombstone_ttl_ms`: the bound on the memory ended requests leave.
     pub tombstone_capacity: usize,
@@ -144,6 +148,8 @@ impl Default for EngineConfig {
             read_timeout_ms: 5_000,
             read_grace_ms: 300,
             wait_deadline_ms: 30_000,
+            staging_capacity: 4096,
+            staging_per_peer: 1024,
             tombstone_capacity: 65_536,
             tombstone_ttl_ms: 300_000,
             http_header_read_timeout_ms: 10_000,
@@ -449,6 +455,12 @@ impl EngineConfig {
         if self.data_port != 0 && u32::from(self.data_port) + self.tp > 65_536 {
             return Err(bad("data_port", "data_port + tp must stay below 65536"));
         }
+        if self.staging_per_peer == 0 || self.staging_per_peer > self.staging_capacity {
+            return Err(bad(
+                "staging_per_peer",
+                "must be at least 1 and at most staging_capacity",
+            ));
+        }
         if self.tombstone_capacity == 0 {
             return Err(bad("tombstone_capacity", "must be at least 1"));
         }
@@ -559,6 +571,8 @@ impl EngineConfig {
             fence_grace: Duration::from_millis(self.fence_grace_ms),
             hard_cap: Duration::from_millis(self.hard_cap_ms),
             heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
+            staging_capacity: self.staging_capacity,
+            staging_per_peer: self.staging_per_peer,
             tombstone_capacity: self.tombstone_capacity,
             tombstone_ttl: Duration::from_millis(self.tombstone_ttl_ms),
             ..ProducerConfig::default()

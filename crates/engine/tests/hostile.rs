@@ -20,8 +20,8 @@ use handoff_connector::{ClusterKey, ConnectorCore, CoreConfig, Role, WorkerHello
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use handoff_http::probe::{read_until_closed, slowloris};
 use handoff_proto::{
-    Epoch, Heartbeat, HeartbeatEntry, HelloReply, KvTransferParams, Message, PullDone, Release,
-    ReleaseReason, TransferMode,
+    Epoch, HandoffId, Heartbeat, HeartbeatEntry, HelloReply, KvTransferParams, Message, PullDone,
+    Release, ReleaseReason, TransferMode,
 };
 use handoff_transport::tcp::{TcpConfig, TcpTransport};
 use handoff_transport::{KvRegion, Transport, XferDesc, XferOp, XferStatus};
@@ -47,6 +47,8 @@ fn cfg(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
         cluster_key: key.map(ClusterKey::to_hex).unwrap_or_default(),
         max_side_connections: SIDE_CAP,
         lease_ms: 2_000,
+        staging_capacity: 256,
+        staging_per_peer: 64,
         http_header_read_timeout_ms: 1500,
         http_max_body_bytes: 256 << 10,
         ..EngineConfig::default()
@@ -522,6 +524,37 @@ async fn suite() {
     row(
         "forged completions (side channel, transport notification)",
         held >= params.block_ids().map_or(1, <[u32]>::len),
+        cnt,
+        &legit,
+        before,
+    );
+
+    // A flood of made-up handoff ids from the member: P stages at most its quota of them.
+    let before = legit.affected();
+    let m0 = now_of(&c, &p, "handoff_staged_over_quota_total").await;
+    for batch in 0..30u32 {
+        let entries = (0..100u32)
+            .map(|i| {
+                let mut id = [0xbb; 16];
+                id[..4].copy_from_slice(&(batch * 100 + i).to_le_bytes());
+                HeartbeatEntry {
+                    handoff: HandoffId::from_bytes(id),
+                    epoch: Epoch::FIRST,
+                }
+            })
+            .collect();
+        mallory_conn
+            .try_send(&Message::Heartbeat(Heartbeat {
+                seq: u64::from(batch),
+                entries,
+            }))
+            .unwrap();
+    }
+    let cnt = counted(&c, &p, "handoff_staged_over_quota_total", m0 + 2000.0).await;
+    let staged = p.connector.as_ref().unwrap().staged_messages();
+    row(
+        "flood of made-up handoff ids (3,000)",
+        staged <= 64 + 16,
         cnt,
         &legit,
         before,

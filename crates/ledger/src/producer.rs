@@ -54,8 +54,12 @@ pub struct ProducerConfig {
     pub write_timeout: Duration,
     /// Push: how often P heartbeats the registrations it waits to write into.
     pub heartbeat_interval: Duration,
+    /// Most messages kept for handoffs not created yet (rule 7).
     pub staging_capacity: usize,
     pub staging_per_handoff: usize,
+    /// Most of those from one sender: past it that sender's new ones are dropped (and counted),
+    /// so one peer's flood of made-up ids cannot evict another peer's early messages.
+    pub staging_per_peer: usize,
     pub staging_ttl: Duration,
     pub tombstone_capacity: usize,
     pub tombstone_ttl: Duration,
@@ -74,6 +78,7 @@ impl Default for ProducerConfig {
             heartbeat_interval: Duration::from_millis(500),
             staging_capacity: 4096,
             staging_per_handoff: 16,
+            staging_per_peer: 1024,
             staging_ttl: Duration::from_secs(10),
             tombstone_capacity: 65536,
             tombstone_ttl: Duration::from_secs(300),
@@ -150,6 +155,8 @@ pub struct ProducerStats {
     /// the handoff: ignored (another peer's completion must not free blocks under the reader's
     /// READ, nor its registration make P write KV to it).
     pub not_from_reader: u64,
+    /// Early messages dropped because their sender had `staging_per_peer` staged already.
+    pub staged_over_quota: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,6 +304,7 @@ impl ProducerLedger {
             staging: Staging::new(
                 cfg.staging_capacity,
                 cfg.staging_per_handoff,
+                cfg.staging_per_peer,
                 cfg.staging_ttl,
             ),
             tombstones: Tombstones::new(cfg.tombstone_capacity, cfg.tombstone_ttl),
@@ -664,6 +672,7 @@ impl ProducerLedger {
                     };
                     self.staging
                         .stage(e.handoff, Some(from), Message::Heartbeat(single), now);
+                    self.stats.staged_over_quota = self.staging.over_quota;
                 }
             }
         }
@@ -964,6 +973,7 @@ impl ProducerLedger {
             // (unless the bounded staging is full or it expires).
             self.stats.staged += 1;
             self.staging.stage(id, from, msg, now);
+            self.stats.staged_over_quota = self.staging.over_quota;
         }
     }
 

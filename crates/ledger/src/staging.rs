@@ -9,28 +9,41 @@ use crate::{PeerId, Time};
 
 /// Messages that arrived before their handoff was created (a push registration before P's
 /// prefill ended, a release from the proxy that raced P's response, ...). Bounded in count, per
-/// handoff and in age; the oldest is dropped first when full.
+/// handoff, per sender and in age. One sender's flood of made-up ids never evicts another's
+/// messages: past its quota its own new messages are dropped, and when the whole store is full
+/// the oldest message of the sender holding the most goes first.
 #[derive(Debug)]
 pub(crate) struct Staging<M> {
     by_id: HashMap<HandoffId, Vec<(Option<PeerId>, M, Time)>>,
-    order: VecDeque<(Time, HandoffId)>,
+    /// Per sender, when each of its messages was staged, oldest first. Entries whose message was
+    /// taken stay until they reach the front (or a compaction).
+    queues: HashMap<Option<PeerId>, VecDeque<(Time, HandoffId)>>,
+    /// Per sender, its messages still staged.
+    counts: HashMap<Option<PeerId>, usize>,
     count: usize,
     capacity: usize,
     per_handoff: usize,
+    per_peer: usize,
     ttl: Time,
+    /// Messages dropped: expired, evicted, over a quota.
     pub dropped: u64,
+    /// Of those, dropped because their sender was over its quota.
+    pub over_quota: u64,
 }
 
 impl<M> Staging<M> {
-    pub fn new(capacity: usize, per_handoff: usize, ttl: Time) -> Self {
+    pub fn new(capacity: usize, per_handoff: usize, per_peer: usize, ttl: Time) -> Self {
         Staging {
             by_id: HashMap::new(),
-            order: VecDeque::new(),
+            queues: HashMap::new(),
+            counts: HashMap::new(),
             count: 0,
             capacity,
             per_handoff,
+            per_peer,
             ttl,
             dropped: 0,
+            over_quota: 0,
         }
     }
 
@@ -38,84 +51,118 @@ impl<M> Staging<M> {
         self.count
     }
 
-    /// `from`: the peer that sent it, or `None` for a release from outside the cluster's peers
-    /// (the proxy).
     pub fn stage(&mut self, id: HandoffId, from: Option<PeerId>, msg: M, now: Time) {
         self.expire(now);
         if self.capacity == 0 {
             self.dropped += 1;
             return;
         }
-        while self.count >= self.capacity {
-            if !self.drop_oldest() {
-                break;
-            }
+        if self.counts.get(&from).copied().unwrap_or(0) >= self.per_peer {
+            self.dropped += 1;
+            self.over_quota += 1;
+            return;
         }
-        let list = self.by_id.entry(id).or_default();
-        if list.len() >= self.per_handoff {
-            // One handoff cannot take the whole budget: its newest message is the one dropped.
+        if self
+            .by_id
+            .get(&id)
+            .is_some_and(|l| l.len() >= self.per_handoff)
+        {
             self.dropped += 1;
             return;
         }
-        list.push((from, msg, now));
-        self.order.push_back((now, id));
+        while self.count >= self.capacity {
+            let Some(biggest) = self.counts.iter().max_by_key(|(_, n)| **n).map(|(p, _)| *p) else {
+                break;
+            };
+            if !self.drop_oldest_of(biggest) {
+                break;
+            }
+        }
+        self.by_id.entry(id).or_default().push((from, msg, now));
+        self.queues.entry(from).or_default().push_back((now, id));
+        *self.counts.entry(from).or_default() += 1;
         self.count += 1;
     }
 
-    /// Everything staged for `id`, oldest first.
     pub fn take(&mut self, id: HandoffId, now: Time) -> Vec<(Option<PeerId>, M)> {
         self.expire(now);
         let list = self.by_id.remove(&id).unwrap_or_default();
-        self.count -= list.len();
-        // `order` keeps stale (time, id) pairs; drop_oldest and expire skip them.
+        for (from, _, _) in &list {
+            self.uncount(*from);
+        }
         list.into_iter().map(|(p, m, _)| (p, m)).collect()
     }
 
     pub fn expire(&mut self, now: Time) {
-        while let Some(&(t, id)) = self.order.front() {
-            if now.saturating_sub(t) < self.ttl {
-                break;
-            }
-            self.order.pop_front();
-            self.remove_entry(id, t);
-        }
-        // `order` may hold entries for ids already taken; bound it by the live count.
-        if self.order.len() > 2 * self.capacity.max(1) + 64 {
-            self.compact();
-        }
-    }
-
-    fn remove_entry(&mut self, id: HandoffId, t: Time) -> bool {
-        if let Some(list) = self.by_id.get_mut(&id) {
-            if let Some(pos) = list.iter().position(|(_, _, at)| *at == t) {
-                list.remove(pos);
-                self.count -= 1;
-                self.dropped += 1;
-                if list.is_empty() {
-                    self.by_id.remove(&id);
+        let senders: Vec<Option<PeerId>> = self.queues.keys().copied().collect();
+        for from in senders {
+            while let Some(&(t, id)) = self.queues.get(&from).and_then(|q| q.front()) {
+                if now.saturating_sub(t) < self.ttl {
+                    break;
                 }
+                if let Some(q) = self.queues.get_mut(&from) {
+                    q.pop_front();
+                }
+                self.remove_entry(id, from, t);
+            }
+            self.tidy(from);
+        }
+    }
+
+    /// One less message of `from` staged; its queue goes once it holds none.
+    fn uncount(&mut self, from: Option<PeerId>) {
+        self.count -= 1;
+        if let Some(n) = self.counts.get_mut(&from) {
+            *n -= 1;
+            if *n == 0 {
+                self.counts.remove(&from);
+                self.queues.remove(&from);
+            }
+        }
+    }
+
+    /// Drops the queue entries of `from` whose messages were taken once they outnumber the live
+    /// ones (so a sender whose messages are all taken in time costs nothing).
+    fn tidy(&mut self, from: Option<PeerId>) {
+        let live = self.counts.get(&from).copied().unwrap_or(0);
+        let Some(q) = self.queues.get_mut(&from) else {
+            return;
+        };
+        if live == 0 {
+            self.queues.remove(&from);
+        } else if q.len() > 2 * live + 64 {
+            let by_id = &self.by_id;
+            q.retain(|(t, id)| {
+                by_id
+                    .get(id)
+                    .is_some_and(|l| l.iter().any(|(f, _, at)| *f == from && at == t))
+            });
+        }
+    }
+
+    fn remove_entry(&mut self, id: HandoffId, from: Option<PeerId>, t: Time) -> bool {
+        let Some(list) = self.by_id.get_mut(&id) else {
+            return false;
+        };
+        let Some(pos) = list.iter().position(|(f, _, at)| *f == from && *at == t) else {
+            return false;
+        };
+        list.remove(pos);
+        if list.is_empty() {
+            self.by_id.remove(&id);
+        }
+        self.dropped += 1;
+        self.uncount(from);
+        true
+    }
+
+    fn drop_oldest_of(&mut self, from: Option<PeerId>) -> bool {
+        while let Some((t, id)) = self.queues.get_mut(&from).and_then(|q| q.pop_front()) {
+            if self.remove_entry(id, from, t) {
                 return true;
             }
         }
         false
-    }
-
-    fn drop_oldest(&mut self) -> bool {
-        while let Some((t, id)) = self.order.pop_front() {
-            if self.remove_entry(id, t) {
-                return true;
-            }
-        }
-        false
-    }
-
-    fn compact(&mut self) {
-        let by_id = &self.by_id;
-        self.order.retain(|(t, id)| {
-            by_id
-                .get(id)
-                .is_some_and(|l| l.iter().any(|(_, _, at)| at == t))
-        });
     }
 }
 

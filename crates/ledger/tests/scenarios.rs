@@ -1444,3 +1444,63 @@ fn completions_and_registrations_from_others_than_the_reader_are_ignored() {
     assert_eq!(pair.p.held_blocks(), BLOCKS.len());
     assert_eq!(pair.p.stats().not_from_reader, 1);
 }
+
+/// A member floods P with messages for made-up handoff ids. Past its staging quota its own new
+/// messages are dropped and counted (it holds at most its quota of the store); and when the
+/// store is full the sender holding the most loses its oldest, never another peer's. Either way
+/// D's early release (it refused the request before P's prefill ended) stays staged and applies
+/// when the handoff is created.
+#[test]
+fn one_peers_flood_of_made_up_ids_cannot_evict_anothers_early_messages() {
+    let run = |per_peer: usize| {
+        let mut p = ProducerLedger::new(ProducerConfig {
+            staging_capacity: 64,
+            staging_per_peer: per_peer,
+            ..Default::default()
+        });
+        let early = hid(5000);
+        p.handle_message(
+            D_PEER,
+            Message::Release(Release {
+                handoff: early,
+                epoch: Epoch::FIRST,
+                reason: ReleaseReason::Rejected,
+            }),
+            ms(0),
+        );
+        let mallory = PeerId(66);
+        for i in 0..1000 {
+            p.handle_message(
+                mallory,
+                Message::Release(Release {
+                    handoff: hid(10_000 + i),
+                    epoch: Epoch::FIRST,
+                    reason: ReleaseReason::Aborted,
+                }),
+                ms(1),
+            );
+            assert!(p.staged_messages() <= 64);
+        }
+        let staged = p.staged_messages();
+        p.create_handoff(early, vec![1, 2], TransferMode::Pull, ms(2))
+            .unwrap();
+        (
+            p.poll_release().map(|r| r.reason),
+            p.stats().staged_over_quota,
+            staged,
+        )
+    };
+    // The quota: mallory keeps 16, the rest of its flood is dropped and counted.
+    let (released, over, staged) = run(16);
+    assert_eq!(
+        released,
+        Some(EndReason::Rejected),
+        "D's early release was evicted"
+    );
+    assert_eq!((over, staged), (1000 - 16, 1 + 16));
+    // Negative control of the quota: as large as the store, mallory fills it...
+    let (released, over, staged) = run(64);
+    assert_eq!((over, staged), (0, 64));
+    // ... and eviction takes mallory's own oldest, not D's.
+    assert_eq!(released, Some(EndReason::Rejected));
+}

@@ -809,6 +809,7 @@ impl ConnectorCore {
             client_blocks_replaced: c.map_or(0, |c| c.client_blocks_replaced),
             blocks_refused: p.map_or(0, |p| p.blocks_refused),
             not_from_reader: p.map_or(0, |p| p.not_from_reader),
+            staged_over_quota: p.map_or(0, |p| p.staged_over_quota),
         }
     }
 
@@ -860,6 +861,8 @@ pub struct LedgerCounters {
     /// P: completions and push registrations from a peer other than the handoff's reader
     /// (ignored).
     pub not_from_reader: u64,
+    /// P: early messages dropped because their sender was over its staging quota.
+    pub staged_over_quota: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -235,6 +235,7 @@ impl Sim {
             heartbeat_interval: ms(250),
             staging_capacity: 64,
             staging_per_handoff: 8,
+            staging_per_peer: 32,
             staging_ttl: ms(5000),
             tombstone_capacity: 1000,
             tombstone_ttl: ms(30_000),
