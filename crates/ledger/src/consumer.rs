@@ -376,6 +376,12 @@ impl ConsumerLedger {
         self.held_blocks
     }
 
+    /// Whether any live handoff or pending message names `peer` (the connector forgets a peer
+    /// only when none does).
+    pub fn uses_peer(&self, peer: PeerId) -> bool {
+        self.by_peer.contains_key(&peer) || self.messages.iter().any(|(p, _)| *p == peer)
+    }
+
     pub fn is_tracking(&self, req: RequestId) -> bool {
         self.by_request.contains_key(&req)
     }

@@ -370,6 +370,14 @@ impl ProducerLedger {
     }
 
     /// Blocks held by handoffs that `peer` reads (or registered for).
+    /// Whether any live handoff or pending work names `peer` (the connector forgets a peer only
+    /// when none does).
+    pub fn uses_peer(&self, peer: PeerId) -> bool {
+        self.by_peer.contains_key(&peer)
+            || self.push_waiting.contains_key(&peer)
+            || self.messages.iter().any(|(p, _)| *p == peer)
+    }
+
     pub fn held_blocks_for(&self, peer: PeerId) -> usize {
         self.by_peer.get(&peer).map_or(0, |ids| {
             ids.iter()

@@ -37,10 +37,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use handoff_plan::{plan_pair, BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_transport::auth::ClusterKey;
 use handoff_transport::conformance::{from_hex, to_hex};
 use handoff_transport::nixl::{raw, NixlConfig, NixlTransport};
 use handoff_transport::tcp::{TcpConfig, TcpTransport};
-use handoff_transport::{KvRegion, RegionId, Transport, XferDesc, XferOp, XferStatus};
+use handoff_transport::{
+    Extent, GrantId, KvRegion, RegionId, Transport, XferDesc, XferOp, XferStatus,
+};
 use serde_json::{json, Value};
 
 const MIB: usize = 1 << 20;
@@ -364,9 +367,13 @@ fn open_transport(
 ) -> anyhow::Result<Arc<dyn Transport>> {
     Ok(match backend {
         "tcp" => {
+            // As engines run it: every connection proves the cluster key, and the target serves
+            // only what it granted (the peer grants its regions to the initiator it loads).
             let cfg = TcpConfig {
                 bind: std::net::SocketAddr::new(host.parse()?, 0),
                 advertise_host: Some(host.to_string()),
+                key: Some(bench_key()?),
+                check_grants: true,
                 ..TcpConfig::from_env()
             };
             TcpTransport::new(name, cfg)? as Arc<dyn Transport>
@@ -374,6 +381,56 @@ fn open_transport(
         "nixl" => NixlTransport::open(name, nixl.clone())? as Arc<dyn Transport>,
         other => bail!("unknown backend {other:?} (tcp or nixl)"),
     })
+}
+
+/// The cluster key of a run: made by the benchmark, handed to its peer in the environment.
+fn bench_key() -> anyhow::Result<ClusterKey> {
+    static KEY: std::sync::OnceLock<ClusterKey> = std::sync::OnceLock::new();
+    if let Some(k) = KEY.get() {
+        return Ok(k.clone());
+    }
+    let k = match std::env::var(BENCH_KEY_ENV) {
+        Ok(hex) => ClusterKey::from_hex(&hex)?,
+        Err(_) => ClusterKey::generate()?,
+    };
+    Ok(KEY.get_or_init(|| k).clone())
+}
+
+const BENCH_KEY_ENV: &str = "HANDOFF_BENCH_CLUSTER_KEY";
+
+/// Median time of the cluster-key handshake (both proofs) between two ends over loopback: what
+/// authentication adds to each new connection of a peer pair.
+fn handshake_ms(n: usize) -> anyhow::Result<f64> {
+    let key = bench_key()?;
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut times = Vec::with_capacity(n);
+    let limit = Duration::from_secs(5);
+    std::thread::scope(|sc| -> anyhow::Result<()> {
+        for _ in 0..n {
+            let acceptor = sc.spawn(|| -> anyhow::Result<()> {
+                let (s, _) = listener.accept()?;
+                handoff_transport::auth::accept(&s, &key, "tcp", "bench-target", limit)?;
+                Ok(())
+            });
+            let t0 = Instant::now();
+            let s = TcpStream::connect(addr)?;
+            handoff_transport::auth::dial(
+                &s,
+                &key,
+                "tcp",
+                "bench-initiator",
+                "bench-target",
+                limit,
+            )?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            acceptor
+                .join()
+                .map_err(|_| anyhow!("the acceptor panicked"))??;
+        }
+        Ok(())
+    })?;
+    Ok(median(times))
 }
 
 /// `handoff bench transfer-peer`: prints `READY <raw tcp port> <hex metadata>`, then answers
@@ -428,7 +485,10 @@ fn serve_peer(args: &PeerArgs) -> anyhow::Result<()> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let reply = match words.as_slice() {
             ["LOAD", hex] => match from_hex(hex).map(|md| t.load_remote(&md)) {
-                Some(Ok(name)) => format!("OK {name}"),
+                Some(Ok(name)) => match grant_all(t.as_ref(), &name, &regions) {
+                    Ok(()) => format!("OK {name}"),
+                    Err(e) => format!("ERR {e}"),
+                },
                 Some(Err(e)) => format!("ERR {e}"),
                 None => "ERR bad hex".into(),
             },
@@ -444,6 +504,22 @@ fn serve_peer(args: &PeerArgs) -> anyhow::Result<()> {
         writeln!(out, "{reply}")?;
         out.flush()?;
     }
+    Ok(())
+}
+
+/// Lets `peer` read and write every region (a transport that checks grants serves only those).
+fn grant_all(t: &dyn Transport, peer: &str, regions: &[Arc<KvRegion>]) -> anyhow::Result<()> {
+    let extents: Vec<Extent> = (0..)
+        .zip(regions)
+        .map(|(region, r)| Extent {
+            region,
+            offset: 0,
+            len: r.len() as u64,
+        })
+        .collect();
+    let peers = [peer.to_string()];
+    t.grant(GrantId(1), XferOp::Read, &peers, &extents)?;
+    t.grant(GrantId(2), XferOp::Write, &peers, &extents)?;
     Ok(())
 }
 
@@ -526,6 +602,7 @@ impl Peer {
             .args(["--host", peer_host()])
             .args(["--total-mib", &total_mib.to_string()])
             .args(["--progress-delay-us", &delay_us.to_string()])
+            .env(BENCH_KEY_ENV, bench_key()?.to_hex())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -1231,6 +1308,11 @@ fn report(
         ratios.insert(format!("{name}_write"), json!(w));
         ratios.insert(format!("{name}_target"), json!(target));
     }
+    let handshake = handshake_ms(20)?;
+    println!(
+        "cluster-key handshake per new connection (both proofs, loopback): {handshake:.3} ms \
+         (median of 20); the tcp rows above ran keyed and grant-checked, as engines run"
+    );
     let secs = started.elapsed().as_secs_f64();
     println!("total run time {secs:.0} s");
     if args.json {
@@ -1270,6 +1352,7 @@ fn report(
             },
             "gbps": gb,
             "ratios": ratios,
+            "auth_handshake_ms": handshake,
             "run_seconds": secs,
         });
         println!("{}", serde_json::to_string(&report)?);

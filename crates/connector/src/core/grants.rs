@@ -54,6 +54,10 @@ impl Grants {
     pub fn len(&self) -> usize {
         self.live.len()
     }
+
+    pub fn uses_peer(&self, peer: PeerId) -> bool {
+        self.live.values().any(|l| l.peer == peer)
+    }
 }
 
 impl ConnectorCore {

@@ -21,8 +21,8 @@ mod transfers;
 
 use handoff_ledger::{
     BlockRelease, ConsumerAction, ConsumerConfig, ConsumerLedger, ConsumerStats, IncomingHandoff,
-    MemoryUse, Outcome, ProducerAction, ProducerConfig, ProducerLedger, ProducerStats, RequestId,
-    Time,
+    MemoryUse, Outcome, PeerId, ProducerAction, ProducerConfig, ProducerLedger, ProducerStats,
+    RequestId, Time,
 };
 use handoff_plan::KvSpec;
 use handoff_proto::{
@@ -160,6 +160,8 @@ pub struct ConnectorCore {
     peers: PeerTable,
     transfers: Transfers,
     grants: Grants,
+    /// Peer table size at which the next new peer first prunes forgotten ones.
+    prune_at: usize,
     out: Ready,
     /// A `Ready` given back by `advance`, reused for its capacity.
     spare: Option<Ready>,
@@ -210,6 +212,7 @@ impl ConnectorCore {
             peers: PeerTable::default(),
             transfers: Transfers::default(),
             grants: Grants::default(),
+            prune_at: MIN_PRUNE_AT,
             out: Ready::default(),
             spare: None,
         })
@@ -498,7 +501,7 @@ impl ConnectorCore {
         ) else {
             return Err(ConnectorError::BadParams("cannot name the P to release"));
         };
-        let peer = self.peers.peer_for(engine);
+        let peer = self.peer_named(engine);
         self.dial_if_needed(peer, dial_addr(host, port), now);
         let inc = IncomingHandoff {
             handoff,
@@ -544,7 +547,7 @@ impl ConnectorCore {
                 engine: self.cfg.mode,
             });
         }
-        let peer = self.peers.peer_for(engine);
+        let peer = self.peer_named(engine);
         self.dial_if_needed(peer, dial_addr(host, port), now);
         Ok(IncomingHandoff {
             handoff,
@@ -813,6 +816,35 @@ impl ConnectorCore {
         }
     }
 
+    /// The peer for `engine` (created if new). Peers accumulate as requests name engines (a
+    /// client may name any), so once the table has grown past twice its size after the last
+    /// pruning, peers that are down and that no ledger or grant names any more are forgotten,
+    /// with their agents on every worker.
+    pub(super) fn peer_named(&mut self, engine: &str) -> PeerId {
+        if self.peers.by_engine(engine).is_none() && self.peers.len() >= self.prune_at {
+            for id in self.peers.forgettable() {
+                let used = self.producer.as_ref().is_some_and(|p| p.uses_peer(id))
+                    || self.consumer.as_ref().is_some_and(|c| c.uses_peer(id))
+                    || self.grants.uses_peer(id);
+                if used {
+                    continue;
+                }
+                for agent in self.peers.remove(id) {
+                    for rank in 0..self.ranks.len() as u16 {
+                        self.out.worker_ops.push((
+                            rank,
+                            WorkerOp::ForgetRemote {
+                                agent: agent.clone(),
+                            },
+                        ));
+                    }
+                }
+            }
+            self.prune_at = (2 * self.peers.len()).max(MIN_PRUNE_AT);
+        }
+        self.peers.peer_for(engine)
+    }
+
     /// What the core keeps in memory: every entry is bounded or ends with its request.
     pub fn memory(&self) -> CoreMemory {
         CoreMemory {
@@ -834,6 +866,9 @@ impl ConnectorCore {
         }
     }
 }
+
+/// The peer table is never pruned below this size.
+const MIN_PRUNE_AT: usize = 64;
 
 /// `host:port` to dial, with an IPv6 address in brackets.
 fn dial_addr(host: &str, port: u16) -> String {

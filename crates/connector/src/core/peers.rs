@@ -175,6 +175,30 @@ impl PeerTable {
         Ok(())
     }
 
+    /// Peers that may be forgotten: down (closed or failed) with no connection.
+    pub fn forgettable(&self) -> Vec<PeerId> {
+        self.by_id
+            .iter()
+            .filter(|(_, p)| p.is_down() && p.conn.is_none())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Forgets a peer entirely; returns its agents.
+    pub fn remove(&mut self, id: PeerId) -> Vec<String> {
+        let Some(p) = self.by_id.remove(&id) else {
+            return Vec::new();
+        };
+        self.by_engine.remove(&p.engine);
+        if let Some(c) = p.conn {
+            self.by_conn.remove(&c);
+        }
+        for a in &p.agents {
+            self.by_agent.remove(a);
+        }
+        p.agents
+    }
+
     pub fn mark_anonymous(&mut self, conn: ConnId) {
         self.anonymous.insert(conn);
     }

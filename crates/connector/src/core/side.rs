@@ -276,7 +276,7 @@ impl ConnectorCore {
             Message::Hello(h) => {
                 match self.check_hello(&h) {
                     Ok((layouts, agents)) => {
-                        let peer = self.peers.peer_for(&h.engine_id);
+                        let peer = self.peer_named(&h.engine_id);
                         // Whatever this peer was before, it is the one on this connection now.
                         let was_down = self.peers.get(peer).is_some_and(|p| p.is_down());
                         match self.bind_peer(peer, conn, layouts, agents) {

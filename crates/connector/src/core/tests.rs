@@ -434,3 +434,39 @@ fn p_names_blocks_only_once_granted_and_revokes_at_release() {
     );
     assert_eq!(p.memory().grants, 0);
 }
+
+/// Clients may name any engine id in `kv_transfer_params`: a peer is created for each. Peers
+/// that are down and that nothing names any more are forgotten, so the table stays bounded
+/// however many made-up engines requests name (it grew by one per name before).
+#[test]
+fn peers_named_by_requests_are_forgotten_once_down_and_unused() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let mut d = core("d", Role::Decode);
+    let mut forgotten = 0;
+    for i in 0..1000u64 {
+        let mut fake = prm.clone();
+        fake.remote_engine_id = Some(format!("made-up-{i}"));
+        let mut id = [0u8; 16];
+        id[..8].copy_from_slice(&i.to_le_bytes());
+        id[15] = 0x5a;
+        fake.handoff_id = Some(HandoffId::from_bytes(id));
+        d.on_request_arrived(i, &fake, 32, t(i)).unwrap();
+        let r = d.ready();
+        let connect = r.connects[0].clone();
+        forgotten += r
+            .worker_ops
+            .iter()
+            .filter(|(_, op)| matches!(op, WorkerOp::ForgetRemote { .. }))
+            .count();
+        d.advance(r);
+        d.handle_connect_failed(&connect.engine, connect.attempt, "refused".into(), t(i));
+        let r = d.ready();
+        d.advance(r);
+    }
+    let m = d.memory();
+    assert!(m.peers <= 2 * 64, "{m:?}");
+    assert_eq!(m.consumer.handoffs, 0, "{m:?}");
+    // The made-up engines announced no agents: nothing to forget on the workers.
+    assert_eq!(forgotten, 0);
+}
