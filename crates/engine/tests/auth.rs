@@ -6,25 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_until, pool_whole_within, post, released_within, texts};
+use common::{keyed_tcp, metric, metrics_until, pool_whole_within, post, released_within, texts};
 use handoff_connector::ClusterKey;
-use handoff_engine::{start, EngineConfig, RunningEngine};
+use handoff_engine::{start, RunningEngine};
 use serde_json::{json, Value};
-
-fn cfg(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
-    EngineConfig {
-        role: role.into(),
-        port: 0,
-        transport: "tcp".into(),
-        num_blocks: 256,
-        prefill_us_per_token: 1.0,
-        decode_step_ms: 0.2,
-        decode_us_per_seq: 0.0,
-        cluster_key: key.map(ClusterKey::to_hex).unwrap_or_default(),
-        lease_ms: 2_000,
-        ..EngineConfig::default()
-    }
-}
 
 const PROMPT: &str = "the lease is a capability and the fence is its end";
 
@@ -57,7 +42,7 @@ async fn through(client: &reqwest::Client, p: &RunningEngine, d: &RunningEngine)
 async fn only_engines_with_the_cluster_key_pair() {
     let key = ClusterKey::generate().unwrap();
     let client = reqwest::Client::new();
-    let mono = start(cfg("both", None)).await.unwrap();
+    let mono = start(keyed_tcp("both", None)).await.unwrap();
     let (s, m) = post(
         &client,
         &mono.url(),
@@ -67,8 +52,8 @@ async fn only_engines_with_the_cluster_key_pair() {
     assert_eq!(s, 200);
     let expected = texts(&m);
 
-    let p = start(cfg("prefill", Some(&key))).await.unwrap();
-    let member = start(cfg("decode", Some(&key))).await.unwrap();
+    let p = start(keyed_tcp("prefill", Some(&key))).await.unwrap();
+    let member = start(keyed_tcp("decode", Some(&key))).await.unwrap();
     assert_eq!(through(&client, &p, &member).await, expected);
     let page = metrics_until(
         &client,
@@ -88,7 +73,7 @@ async fn only_engines_with_the_cluster_key_pair() {
     // P counts the refusal, and nothing stays held.
     let other = ClusterKey::generate().unwrap();
     for (n, outsider) in [Some(&other), None].into_iter().enumerate() {
-        let d = start(cfg("decode", outsider)).await.unwrap();
+        let d = start(keyed_tcp("decode", outsider)).await.unwrap();
         assert_eq!(through(&client, &p, &d).await, expected);
         let page = metrics_until(
             &client,

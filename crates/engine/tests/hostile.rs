@@ -37,21 +37,12 @@ const SIDE_CAP: usize = 24;
 
 fn cfg(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
     EngineConfig {
-        role: role.into(),
-        port: 0,
-        transport: "tcp".into(),
-        num_blocks: 256,
-        prefill_us_per_token: 1.0,
-        decode_step_ms: 0.2,
-        decode_us_per_seq: 0.0,
-        cluster_key: key.map(ClusterKey::to_hex).unwrap_or_default(),
         max_side_connections: SIDE_CAP,
-        lease_ms: 2_000,
         staging_capacity: 256,
         staging_per_peer: 64,
         http_header_read_timeout_ms: 1500,
         http_max_body_bytes: 256 << 10,
-        ..EngineConfig::default()
+        ..common::keyed_tcp(role, key)
     }
 }
 
@@ -352,13 +343,11 @@ async fn suite() {
     // --- outsiders: no key, or another key ---
     let before = legit.affected();
     let m0 = now_of(&c, &p, "handoff_side_connections_refused_total").await;
-    let (k, pc, hello) = (
+    let (k, hello) = (
         other_key.clone(),
-        p_cfg.clone(),
         hello_as(&p_cfg, "outsider", "outsider-r0", vec![], &params),
     );
     let res = blocking(move || {
-        let _ = &pc;
         let (side, rx) = side_client("outsider", Some(&k));
         let with_other_key = dial(&side, &rx, p_id, p_side, hello.clone());
         let (side, rx) = side_client("outsider", None);

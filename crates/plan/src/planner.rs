@@ -411,32 +411,11 @@ pub fn uncovered_dst(
                 let off = d
                     .row_offset(layer, kv, last_block, h, filled)
                     .ok_or(ovf.clone())?;
-                // Spans reuse the descriptor merge logic with src = dst.
-                push_merge(
-                    &mut out,
-                    Descriptor {
-                        src_region: region,
-                        src_offset: off,
-                        dst_region: region,
-                        dst_offset: off,
-                        len: piece_len,
-                    },
-                );
+                push_span(&mut out, region, off, piece_len);
             }
         }
     }
-    let out = finish(out);
-    let spans: Vec<Span> = out
-        .iter()
-        .map(|x| Span {
-            region: x.dst_region,
-            offset: x.dst_offset,
-            len: x.len,
-        })
-        .collect();
-    for s in &spans {
-        bounds(Side::Decode, d, s.region, s.offset, s.len)?;
-    }
+    let spans = finish_spans(Side::Decode, d, out)?;
     check_disjoint(Side::Decode, d.rank, spans.clone())?;
     Ok(spans)
 }
@@ -471,20 +450,32 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
             for h in 0..pieces {
                 for &b in &sorted {
                     let off = l.row_offset(layer, kv, b, h, 0).ok_or(ovf.clone())?;
-                    push_merge(
-                        &mut out,
-                        Descriptor {
-                            src_region: region,
-                            src_offset: off,
-                            dst_region: region,
-                            dst_offset: off,
-                            len: piece_len,
-                        },
-                    );
+                    push_span(&mut out, region, off, piece_len);
                 }
             }
         }
     }
+    finish_spans(Side::Prefill, l, out)
+}
+
+/// Adds a span of one rank's memory to `out`, merged with the previous one when contiguous
+/// (spans reuse the descriptor merge logic with src = dst).
+fn push_span(out: &mut Vec<Descriptor>, region: u32, offset: u64, len: u64) {
+    push_merge(
+        out,
+        Descriptor {
+            src_region: region,
+            src_offset: offset,
+            dst_region: region,
+            dst_offset: offset,
+            len,
+        },
+    );
+}
+
+/// The spans collected with [`push_span`], sorted and coalesced, each checked inside `l`'s
+/// regions.
+fn finish_spans(side: Side, l: &RankLayout, out: Vec<Descriptor>) -> Result<Vec<Span>, PlanError> {
     let spans: Vec<Span> = finish(out)
         .iter()
         .map(|x| Span {
@@ -494,7 +485,7 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
         })
         .collect();
     for s in &spans {
-        bounds(Side::Prefill, l, s.region, s.offset, s.len)?;
+        bounds(side, l, s.region, s.offset, s.len)?;
     }
     Ok(spans)
 }

@@ -3,8 +3,26 @@
 
 use std::time::{Duration, Instant};
 
-use handoff_engine::RunningEngine;
+use handoff_connector::ClusterKey;
+use handoff_engine::{EngineConfig, RunningEngine};
 use serde_json::Value;
+
+/// A fast engine on loopback over the tcp transport, proving `key` (none: unauthenticated),
+/// with a 2 s lease so an unread handoff ends within a test.
+pub fn keyed_tcp(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "tcp".into(),
+        num_blocks: 256,
+        prefill_us_per_token: 1.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        cluster_key: key.map(ClusterKey::to_hex).unwrap_or_default(),
+        lease_ms: 2_000,
+        ..EngineConfig::default()
+    }
+}
 
 /// POSTs a completion request and returns its status and JSON body (bounded: no hang).
 pub async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
