@@ -138,6 +138,7 @@ impl Connector {
                 engine_id: cfg.engine_id.clone(),
                 key: cfg.key.clone(),
                 max_connections: cfg.max_side_connections,
+                max_handshakes_per_source: cfg.max_side_handshakes_per_source,
             },
             side_sink,
         );

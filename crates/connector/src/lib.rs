@@ -72,10 +72,16 @@ pub struct ConnectorConfig {
     pub insecure: bool,
     /// Most side-channel connections open at once (see [`side_channel::SideConfig`]).
     pub max_side_connections: usize,
+    /// Most inbound side-channel handshakes open at once from one source address (see
+    /// [`side_channel::SideConfig`]).
+    pub max_side_handshakes_per_source: usize,
 }
 
 /// Default of [`ConnectorConfig::max_side_connections`].
 pub const DEFAULT_MAX_SIDE_CONNECTIONS: usize = 512;
+
+/// Default of [`ConnectorConfig::max_side_handshakes_per_source`].
+pub const DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE: usize = 32;
 
 /// Refuses to expose an engine without a cluster key: with no key, only a loopback address
 /// may be bound (every process on the host is trusted then), unless `insecure` says otherwise.

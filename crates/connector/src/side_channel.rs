@@ -9,12 +9,15 @@
 //! SIGKILLed engine's socket is closed by the kernel at once), which is how P reclaims a dead
 //! D's blocks in milliseconds rather than after a lease.
 
+use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
 use handoff_transport::auth::{self, ClusterKey, FrameOpener, FrameSealer, TAG_BYTES};
@@ -45,6 +48,10 @@ pub struct SideConfig {
     /// one more accepted is closed at once and counted ([`SideEvent::Refused`]), one more
     /// dialled fails its connect. Each costs two threads.
     pub max_connections: usize,
+    /// Most inbound connections from one source address still in their handshake: a stranger
+    /// on one host cannot hold the whole inbound cap with connections that never prove
+    /// anything. One more is closed at once and counted.
+    pub max_handshakes_per_source: usize,
 }
 
 /// Why an inbound connection was turned away before it reached the connector core.
@@ -52,6 +59,8 @@ pub struct SideConfig {
 pub enum RefusedBy {
     /// [`SideConfig::max_connections`] were open.
     ConnectionCap,
+    /// Its source address had [`SideConfig::max_handshakes_per_source`] handshakes open.
+    SourceBudget,
     /// No, or a wrong, proof of the cluster key.
     Authentication,
     /// The handshake did not finish within its deadline, or its first frame was malformed.
@@ -62,6 +71,7 @@ impl RefusedBy {
     pub fn as_str(self) -> &'static str {
         match self {
             RefusedBy::ConnectionCap => "connection_cap",
+            RefusedBy::SourceBudget => "source_budget",
             RefusedBy::Authentication => "authentication",
             RefusedBy::Handshake => "handshake",
         }
@@ -307,6 +317,24 @@ impl Slots {
     }
 }
 
+/// An inbound handshake in progress, counted against its source address until dropped.
+struct HandshakeTicket {
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    source: IpAddr,
+}
+
+impl Drop for HandshakeTicket {
+    fn drop(&mut self) {
+        let mut open = self.open.lock();
+        if let Some(n) = open.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.source);
+            }
+        }
+    }
+}
+
 /// The side channel of one engine: its settings and the counts of the connections it accepted
 /// and dialled.
 #[derive(Clone)]
@@ -317,6 +345,8 @@ pub struct SideChannel {
     slots: Slots,
     /// Connections we dialled.
     dial_slots: Slots,
+    /// Inbound handshakes open per source address.
+    handshaking: Arc<Mutex<HashMap<IpAddr, usize>>>,
     sink: Sink,
 }
 
@@ -329,6 +359,7 @@ impl SideChannel {
         SideChannel {
             slots: slots(),
             dial_slots: slots(),
+            handshaking: Arc::default(),
             cfg: Arc::new(cfg),
             sink,
         }
@@ -360,23 +391,45 @@ impl SideChannel {
     }
 
     fn accepted(&self, stream: TcpStream) {
-        let Some(slot) = self.slots.take() else {
+        let refuse = |why| {
             // No thread for it: closed at once, before it costs anything.
             let _ = stream.shutdown(Shutdown::Both);
-            (self.sink)(SideEvent::Refused(RefusedBy::ConnectionCap));
-            return;
+            (self.sink)(SideEvent::Refused(why));
+        };
+        let Some(source) = stream.peer_addr().ok().map(|a| a.ip()) else {
+            return refuse(RefusedBy::Handshake);
+        };
+        let Some(ticket) = self.handshake_ticket(source) else {
+            return refuse(RefusedBy::SourceBudget);
+        };
+        let Some(slot) = self.slots.take() else {
+            return refuse(RefusedBy::ConnectionCap);
         };
         let side = self.clone();
         let spawned = std::thread::Builder::new()
             .name("handoff-side-r".into())
-            .spawn(move || side.accept_one(stream, slot));
+            .spawn(move || side.accept_one(stream, slot, ticket));
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "no thread for a side-channel connection");
             (self.sink)(SideEvent::Refused(RefusedBy::ConnectionCap));
         }
     }
 
-    fn accept_one(&self, stream: TcpStream, slot: Slot) {
+    /// One more handshake from `source`, if its budget allows.
+    fn handshake_ticket(&self, source: IpAddr) -> Option<HandshakeTicket> {
+        let mut open = self.handshaking.lock();
+        let n = open.entry(source).or_insert(0);
+        if *n >= self.cfg.max_handshakes_per_source.max(1) {
+            return None;
+        }
+        *n += 1;
+        Some(HandshakeTicket {
+            open: self.handshaking.clone(),
+            source,
+        })
+    }
+
+    fn accept_one(&self, stream: TcpStream, slot: Slot, ticket: HandshakeTicket) {
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let _ = stream.set_nonblocking(false);
         let refuse = |why: RefusedBy, error: String| {
@@ -409,6 +462,7 @@ impl SideChannel {
             Err(e) => return refuse(RefusedBy::Handshake, e),
         };
         r.get_mut().established();
+        drop(ticket);
         let Ok((conn, writer)) = open(&stream, sealer) else {
             let _ = stream.shutdown(Shutdown::Both);
             return;
@@ -551,6 +605,13 @@ mod tests {
     use std::sync::mpsc::{channel, Receiver};
 
     fn p_side(key: &ClusterKey) -> (SocketAddr, Receiver<SideEvent>, Arc<AtomicBool>) {
+        p_side_with(key, 8)
+    }
+
+    fn p_side_with(
+        key: &ClusterKey,
+        per_source: usize,
+    ) -> (SocketAddr, Receiver<SideEvent>, Arc<AtomicBool>) {
         let (tx, rx) = channel();
         let sink: Sink = Arc::new(move |ev| tx.send(ev).is_ok());
         let side = SideChannel::new(
@@ -558,6 +619,7 @@ mod tests {
                 engine_id: "p".into(),
                 key: Some(key.clone()),
                 max_connections: 8,
+                max_handshakes_per_source: per_source,
             },
             sink,
         );
@@ -627,6 +689,60 @@ mod tests {
             SideEvent::Refused(_) => {}
             other => panic!("{other:?}"),
         }
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    /// One source's connections still in their handshake are capped below the inbound cap:
+    /// past its budget one more is closed at once and counted, while connections that finished
+    /// their handshake no longer count against it.
+    #[test]
+    fn a_source_holds_at_most_its_budget_of_open_handshakes() {
+        let key = ClusterKey::generate().unwrap();
+        let (addr, events, stop) = p_side_with(&key, 2);
+        let next = || {
+            events
+                .recv_timeout(Duration::from_secs(5))
+                .expect("an event")
+        };
+        let honest = || {
+            let s = TcpStream::connect(addr).unwrap();
+            let session = auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2));
+            let (mut sealer, _) = session.expect("proved").split();
+            write_frame(&mut &s, &frame(), Some(&mut sealer)).unwrap();
+            s
+        };
+        let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut third = TcpStream::connect(addr).unwrap();
+        third
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let start = Instant::now();
+        let mut b = [0u8; 1];
+        assert!(matches!(third.read(&mut b), Ok(0) | Err(_)));
+        assert!(start.elapsed() < Duration::from_secs(1), "closed at once");
+        assert!(matches!(
+            next(),
+            SideEvent::Refused(RefusedBy::SourceBudget)
+        ));
+        // The idle ones go: their handshakes end, and an honest peer from the source is served.
+        drop(idle);
+        for _ in 0..2 {
+            // A peer that hangs up before proving anything fails its authentication.
+            assert!(matches!(
+                next(),
+                SideEvent::Refused(RefusedBy::Authentication)
+            ));
+        }
+        let a = honest();
+        let b = honest();
+        for _ in 0..2 {
+            assert!(matches!(next(), SideEvent::Accepted { .. }));
+        }
+        // Established connections hold no budget: two more handshakes may open.
+        let again: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(events.try_recv().is_err(), "no refusal within the budget");
+        drop((a, b, again));
         stop.store(true, Ordering::Relaxed);
     }
 }

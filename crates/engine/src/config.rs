@@ -106,6 +106,8 @@ pub struct EngineConfig {
     pub insecure: bool,
     /// Most side-channel connections open at once.
     pub max_side_connections: usize,
+    /// Most inbound side-channel handshakes open at once from one source address.
+    pub max_side_handshakes_per_source: usize,
 }
 
 impl Default for EngineConfig {
@@ -162,6 +164,8 @@ impl Default for EngineConfig {
             cluster_key: String::new(),
             insecure: false,
             max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
+            max_side_handshakes_per_source:
+                handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
         }
     }
 }
@@ -335,6 +339,9 @@ impl EngineConfig {
         }
         if self.max_side_connections == 0 {
             return Err(bad("max_side_connections", "must be at least 1"));
+        }
+        if self.max_side_handshakes_per_source == 0 {
+            return Err(bad("max_side_handshakes_per_source", "must be at least 1"));
         }
         self.role()?;
         self.mode()?;
@@ -625,6 +632,10 @@ mod tests {
             (
                 "http_max_connections",
                 Box::new(|c| c.http_max_connections = 0),
+            ),
+            (
+                "max_side_handshakes_per_source",
+                Box::new(|c| c.max_side_handshakes_per_source = 0),
             ),
             (
                 "http_max_body_bytes",

@@ -38,6 +38,8 @@ const SIDE_CAP: usize = 24;
 fn cfg(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
     EngineConfig {
         max_side_connections: SIDE_CAP,
+        // Below the cap: one source's flood meets its own budget before the engine's cap.
+        max_side_handshakes_per_source: 8,
         staging_capacity: 256,
         staging_per_peer: 64,
         http_header_read_timeout_ms: 1500,
@@ -125,6 +127,7 @@ fn side_client(engine_id: &str, key: Option<&ClusterKey>) -> (SideChannel, Recei
             engine_id: engine_id.into(),
             key: key.cloned(),
             max_connections: 8,
+            max_handshakes_per_source: 8,
         },
         Arc::new(move |ev| tx.lock().send(ev).is_ok()),
     );
@@ -454,6 +457,58 @@ async fn suite() {
         before,
     );
 
+    // One READ naming more descriptors than P serves in a transfer (its header alone is 5 MiB):
+    // refused without being held, and the connection keeps serving.
+    let before = legit.affected();
+    let m0 = now_of(&c, &p, "handoff_transport_transfers_refused_total").await;
+    let (k, agents) = (key.clone(), p_agents.clone());
+    let res = blocking(move || {
+        let (p_agent, meta) = &agents[0];
+        let n = TcpConfig::default().max_descs + 1;
+        let t = TcpTransport::new(
+            "mallory-r1",
+            TcpConfig {
+                key: Some(k),
+                max_descs: n,
+                max_queued_descs: n,
+                ..TcpConfig::default()
+            },
+        )
+        .unwrap();
+        t.register(0, Arc::new(KvRegion::new(n, 4096))).unwrap();
+        t.load_remote(meta).unwrap();
+        let descs: Vec<XferDesc> = (0..n as u64)
+            .map(|i| XferDesc {
+                local_region: 0,
+                local_offset: i,
+                remote_region: 0,
+                remote_offset: i % 4096,
+                len: 1,
+            })
+            .collect();
+        let id = t.post(XferOp::Read, p_agent, &descs, None).unwrap();
+        let start = Instant::now();
+        loop {
+            match t.status(id).unwrap() {
+                XferStatus::InProgress if start.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                XferStatus::Failed(e) => break e.contains("limit"),
+                _ => break false,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let cnt = counted(&c, &p, "handoff_transport_transfers_refused_total", m0).await;
+    row(
+        "READ over P's descriptor limit (2^18 + 1)",
+        res,
+        cnt,
+        &legit,
+        before,
+    );
+
     let before = legit.affected();
     let m0 = now_of(&c, &d, "handoff_transport_transfers_refused_total").await;
     let h = hello_as(
@@ -643,8 +698,9 @@ async fn suite() {
         before,
     );
 
-    // A flood of side-channel connections that never speak: past the cap they are closed at
-    // once, and the rest at the handshake deadline; established peers keep working.
+    // A flood of side-channel connections that never speak, from one source: past its
+    // handshake budget (and the cap) they are closed at once, the rest at the handshake
+    // deadline; established peers keep working.
     let before = legit.affected();
     let m0 = now_of(&c, &p, "handoff_side_connections_refused_total").await;
     let mut held = Vec::new();
@@ -666,7 +722,7 @@ async fn suite() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     drop(held);
     row(
-        "flood of side-channel connections",
+        "flood of side-channel connections (one source)",
         closed_early == 8,
         cnt,
         &legit,

@@ -108,6 +108,8 @@ pub enum TransportError {
         offset: u64,
         len: u64,
     },
+    #[error("{count} descriptors in one transfer exceed this agent's limit of {max}")]
+    TooManyDescriptors { count: usize, max: usize },
     #[error("transport failure: {0}")]
     Io(String),
 }

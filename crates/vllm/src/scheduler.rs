@@ -180,6 +180,8 @@ impl SchedulerSide {
                 key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
                 insecure: cfg.insecure,
                 max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
+                max_side_handshakes_per_source:
+                    handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
             },
             hellos,
             &mut registry,

@@ -10,12 +10,12 @@
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::wire::{self, WireDesc};
 use super::Inner;
@@ -80,6 +80,27 @@ pub(super) enum Job {
     },
 }
 
+impl Job {
+    /// What a target-side answer weighs against [`Conn::serve_later`]'s backlog (its
+    /// descriptors, at least 1); `None` for the initiator's own jobs, which are not counted.
+    fn served_weight(&self) -> Option<usize> {
+        match self {
+            Job::ReadData { spans, .. } => Some(spans.len().max(1)),
+            Job::XferErr { .. } | Job::WriteDone { .. } => Some(1),
+            _ => None,
+        }
+    }
+}
+
+/// Descriptors of a connection's answers queued for its writer, and their cap.
+struct Backlog {
+    queued: Mutex<usize>,
+    room: Condvar,
+    max: usize,
+    /// The most ever queued (tests check the bound holds).
+    peak: AtomicUsize,
+}
+
 struct ConnState {
     dead: bool,
     inflight: HashMap<u64, Arc<Xfer>>,
@@ -94,10 +115,11 @@ pub(super) struct Conn {
     stream: Mutex<Option<TcpStream>>,
     closed: AtomicBool,
     state: Mutex<ConnState>,
+    backlog: Backlog,
 }
 
 impl Conn {
-    pub fn new(id: u64, peer: Option<String>) -> (Arc<Conn>, Receiver<Job>) {
+    pub fn new(id: u64, peer: Option<String>, max_queued: usize) -> (Arc<Conn>, Receiver<Job>) {
         let (tx, rx) = mpsc::channel();
         let cell = OnceLock::new();
         if let Some(p) = peer {
@@ -113,6 +135,12 @@ impl Conn {
                 dead: false,
                 inflight: HashMap::new(),
             }),
+            backlog: Backlog {
+                queued: Mutex::new(0),
+                room: Condvar::new(),
+                max: max_queued,
+                peak: AtomicUsize::new(0),
+            },
         };
         (Arc::new(conn), rx)
     }
@@ -153,6 +181,41 @@ impl Conn {
 
     fn get_inflight(&self, id: u64) -> Option<Arc<Xfer>> {
         self.state.lock().inflight.get(&id).cloned()
+    }
+
+    /// Queues a target-side answer for the writer, first waiting (this is the connection's
+    /// reader: the peer's further requests wait unread) while the answers already queued hold
+    /// the backlog's descriptors. A lone answer always fits, so a legal request never waits for
+    /// ever; fails once the connection is closed.
+    pub fn serve_later(&self, job: Job, tick: Duration) -> io::Result<()> {
+        let w = job.served_weight().unwrap_or(0);
+        let b = &self.backlog;
+        let mut queued = b.queued.lock();
+        while *queued > 0 && *queued + w > b.max {
+            if self.is_closed() {
+                return Err(io::Error::other("connection closed"));
+            }
+            b.room.wait_for(&mut queued, tick);
+        }
+        *queued += w;
+        b.peak.fetch_max(*queued, Ordering::Relaxed);
+        drop(queued);
+        let _ = self.tx.send(job);
+        Ok(())
+    }
+
+    /// The most answers' descriptors ever queued at once.
+    #[cfg(test)]
+    pub fn backlog_peak(&self) -> usize {
+        self.backlog.peak.load(Ordering::Relaxed)
+    }
+
+    /// The writer sent (or dropped) an answer of this weight.
+    fn served(&self, w: usize) {
+        let b = &self.backlog;
+        let mut queued = b.queued.lock();
+        *queued = queued.saturating_sub(w);
+        b.room.notify_one();
     }
 
     /// A READ landed: send its notification, then report it done.
@@ -449,15 +512,25 @@ impl Rx {
         String::from_utf8(self.bytes(len)?).map_err(|_| invalid("string is not UTF-8".into()))
     }
 
-    fn descs(&mut self) -> io::Result<Vec<WireDesc>> {
-        let n = self.u32()? as usize;
-        if n > wire::MAX_DESCS {
-            return Err(invalid(format!(
-                "{n} descriptors exceed {}",
-                wire::MAX_DESCS
-            )));
-        }
+    /// Reads `n` descriptors (`n` already checked against the agent's limit).
+    fn descs(&mut self, n: usize) -> io::Result<Vec<WireDesc>> {
         Ok(wire::parse_descs(&self.bytes(n * wire::DESC_BYTES)?))
+    }
+
+    /// Reads past `n` descriptors without holding them, returning the bytes they span.
+    fn skip_descs(&mut self, mut n: usize) -> io::Result<u64> {
+        const CHUNK: usize = 4096;
+        let mut total = 0u64;
+        while n > 0 {
+            let k = n.min(CHUNK);
+            for d in self.descs(k)? {
+                total = total
+                    .checked_add(d.len)
+                    .ok_or_else(|| invalid("transfer length overflows".into()))?;
+            }
+            n -= k;
+        }
+        Ok(total)
     }
 }
 
@@ -603,6 +676,9 @@ fn writer_loop(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, mut tx: 
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
+        if let Some(w) = job.served_weight() {
+            conn.served(w);
+        }
         let res = match job {
             Job::Stop => break,
             Job::Goodbye => {
@@ -784,6 +860,14 @@ fn land(rx: &mut Rx, x: &Xfer) -> io::Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Target side.
 
+/// A request over the agent's descriptor limit, refused and counted.
+fn too_many(inner: &Inner, count: usize) -> crate::TransportError {
+    inner.refuse_xfer(crate::TransportError::TooManyDescriptors {
+        count,
+        max: inner.cfg.max_descs,
+    })
+}
+
 /// Thread body of an accepted connection: handshake, then serve requests.
 pub(super) fn inbound(inner: Arc<Inner>, conn: Arc<Conn>, jobs: Receiver<Job>, stream: TcpStream) {
     match serve(&inner, &conn, jobs, stream) {
@@ -810,10 +894,7 @@ fn serve(
             match crate::auth::accept(&stream, key, "tcp", &inner.name, inner.cfg.dead_after) {
                 Ok((name, _session)) => Some(name),
                 Err(e) => {
-                    inner
-                        .refused
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(agent = %inner.name, error = %e, "tcp connection refused");
+                    inner.refuse_conn(&e.to_string());
                     return Err(io::Error::new(
                         io::ErrorKind::PermissionDenied,
                         e.to_string(),
@@ -846,9 +927,7 @@ fn serve(
         None
     };
     if let Some(why) = refused {
-        inner
-            .refused
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        inner.refuse_conn(&why);
         let _ = tx.send(&wire::ack(false, &why));
         return Err(invalid(why));
     }
@@ -864,8 +943,14 @@ fn serve(
             wire::PING => {}
             wire::READ_REQ => {
                 let xfer = rx.u64()?;
-                let descs = rx.descs()?;
-                let job = match inner.resolve(&from, XferOp::Read, &descs) {
+                let n = rx.u32()? as usize;
+                let res = if n > inner.cfg.max_descs {
+                    rx.skip_descs(n)?;
+                    Err(too_many(inner, n))
+                } else {
+                    inner.resolve(&from, XferOp::Read, &rx.descs(n)?)
+                };
+                let job = match res {
                     Ok((spans, total)) => Job::ReadData { xfer, total, spans },
                     Err(e) => Job::XferErr {
                         kind: wire::READ_ERR,
@@ -873,16 +958,27 @@ fn serve(
                         msg: e.to_string(),
                     },
                 };
-                let _ = conn.tx.send(job);
+                conn.serve_later(job, inner.tick())?;
             }
             wire::WRITE_REQ => {
                 let xfer = rx.u64()?;
                 let n = rx.u32()? as usize;
                 let nlen = rx.u32()?;
-                if n > wire::MAX_DESCS {
-                    return Err(invalid(format!("{n} descriptors")));
+                if n > inner.cfg.max_descs {
+                    // Refused unheld: skip the descriptors, the notification and the bytes.
+                    let total = rx.skip_descs(n)?;
+                    match nlen {
+                        wire::NO_NOTIFICATION => {}
+                        l if l as usize <= MAX_NOTIFICATION_BYTES => rx.discard(l.into())?,
+                        l => return Err(invalid(format!("notification of {l} bytes"))),
+                    }
+                    rx.discard(total)?;
+                    let msg = too_many(inner, n).to_string();
+                    let kind = wire::WRITE_ERR;
+                    conn.serve_later(Job::XferErr { kind, xfer, msg }, inner.tick())?;
+                    continue;
                 }
-                let descs = wire::parse_descs(&rx.bytes(n * wire::DESC_BYTES)?);
+                let descs = rx.descs(n)?;
                 let note = match nlen {
                     wire::NO_NOTIFICATION => None,
                     l if l as usize <= MAX_NOTIFICATION_BYTES => Some(rx.bytes(l as usize)?),
@@ -913,7 +1009,7 @@ fn serve(
                         }
                     }
                 };
-                let _ = conn.tx.send(job);
+                conn.serve_later(job, inner.tick())?;
             }
             wire::NOTIFY => {
                 let len = rx.u32()? as usize;

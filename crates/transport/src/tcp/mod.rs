@@ -87,14 +87,30 @@ pub struct TcpConfig {
     /// [`crate::grants`]); every refusal is counted in [`Transport::refused_transfers`]. Off by
     /// default: a bare transport serves all registered memory, as a NIXL agent does.
     pub check_grants: bool,
+    /// Most descriptors in one transfer, posted or served. A peer's request with more is
+    /// refused (counted in [`Transport::refused_transfers`]) without being held in memory.
+    /// Default 2^18 (a 5 MiB request header); at most 2^20, the wire's own limit.
+    pub max_descs: usize,
+    /// Most descriptors of a connection's requests queued for its writer at once: past it the
+    /// connection's reader stops reading until the writer catches up (backpressure on the
+    /// requester, never a refusal). Bounds the memory one peer's queued requests hold.
+    /// Default 2^20; at least `max_descs`.
+    pub max_queued_descs: usize,
+    /// Most inbound connections open at once (handshaking or serving; each costs a thread, two
+    /// once authenticated). One more is closed at once and counted in
+    /// [`Transport::refused_connections`]. Default 1024.
+    pub max_connections: usize,
 }
 
 /// Longest [`TcpConfig::landing_spin`] accepted (a landing read's own timeout).
 pub const MAX_LANDING_SPIN: Duration = conn::STALL;
 
 impl TcpConfig {
-    /// Defaults, with `landing_spin` from `HANDOFF_TCP_LANDING_SPIN_US` when set (a value that
-    /// is not a number of µs up to [`MAX_LANDING_SPIN`] is ignored with a warning).
+    /// Defaults, with settings from the environment where set: `landing_spin` from
+    /// `HANDOFF_TCP_LANDING_SPIN_US` (µs up to [`MAX_LANDING_SPIN`]), and the bounds from
+    /// `HANDOFF_TCP_MAX_DESCS`, `HANDOFF_TCP_MAX_QUEUED_DESCS` and `HANDOFF_TCP_MAX_CONNECTIONS`.
+    /// A value that does not parse is ignored with a warning; one out of range fails
+    /// [`TcpTransport::new`] with the reason.
     pub fn from_env() -> Self {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -111,6 +127,18 @@ impl TcpConfig {
                 ),
             }
         }
+        for (var, field) in [
+            ("HANDOFF_TCP_MAX_DESCS", &mut cfg.max_descs),
+            ("HANDOFF_TCP_MAX_QUEUED_DESCS", &mut cfg.max_queued_descs),
+            ("HANDOFF_TCP_MAX_CONNECTIONS", &mut cfg.max_connections),
+        ] {
+            if let Some(v) = get(var) {
+                match v.trim().parse::<usize>() {
+                    Ok(n) => *field = n,
+                    Err(_) => tracing::warn!("ignoring {var}={v:?} (want a count)"),
+                }
+            }
+        }
         cfg
     }
 }
@@ -125,6 +153,9 @@ impl Default for TcpConfig {
             landing_spin: Duration::from_micros(200),
             key: None,
             check_grants: false,
+            max_descs: 1 << 18,
+            max_queued_descs: 1 << 20,
+            max_connections: 1024,
         }
     }
 }
@@ -218,19 +249,13 @@ impl Inner {
                 .iter()
                 .find(|d| !grants.allows(peer, op, d.region, d.offset, d.len))
             {
-                let n = self.refused_xfers.fetch_add(1, Ordering::Relaxed) + 1;
-                let err = TransportError::NotGranted {
+                return Err(self.refuse_xfer(TransportError::NotGranted {
                     peer: peer.to_string(),
                     op,
                     region: d.region,
                     offset: d.offset,
                     len: d.len,
-                };
-                // Logged at 1, 2, 4, 8, ... refusals: a flood cannot flood the log.
-                if n.is_power_of_two() {
-                    tracing::warn!(agent = %self.name, refused = n, error = %err, "transfer refused");
-                }
-                return Err(err);
+                }));
             }
         }
         let regions = self.regions.read();
@@ -251,6 +276,35 @@ impl Inner {
                 .ok_or_else(|| TransportError::Io("transfer length overflows".into()))?;
         }
         Ok((spans, total))
+    }
+
+    /// The most answer descriptors any live inbound connection ever had queued.
+    #[cfg(test)]
+    pub(super) fn backlog_peak(&self) -> usize {
+        let inbound = self.inbound.lock();
+        inbound
+            .values()
+            .map(|c| c.backlog_peak())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Counts a peer's READ or WRITE refused, logging it at 1, 2, 4, 8, ... refusals so that a
+    /// flood cannot flood the log.
+    pub(super) fn refuse_xfer(&self, err: TransportError) -> TransportError {
+        let n = self.refused_xfers.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(agent = %self.name, refused = n, error = %err, "transfer refused");
+        }
+        err
+    }
+
+    /// Counts an inbound connection refused (cap, handshake), logged like [`Self::refuse_xfer`].
+    pub(super) fn refuse_conn(&self, why: &str) {
+        let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(agent = %self.name, refused = n, why, "tcp connection refused");
+        }
     }
 
     fn push_notification(&self, from: &str, msg: Vec<u8>) {
@@ -308,8 +362,18 @@ impl Inner {
 
     fn accept(self: &Arc<Self>, stream: TcpStream) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (conn, jobs) = Conn::new(id, None);
-        self.inbound.lock().insert(id, conn.clone());
+        let (conn, jobs) = Conn::new(id, None, self.cfg.max_queued_descs);
+        {
+            let mut inbound = self.inbound.lock();
+            if inbound.len() >= self.cfg.max_connections {
+                drop(inbound);
+                // Closed before it costs a thread.
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                self.refuse_conn("connection cap");
+                return;
+            }
+            inbound.insert(id, conn.clone());
+        }
         if self.is_shut_down() {
             conn.close("transport shut down", false);
             self.inbound.lock().remove(&id);
@@ -398,6 +462,19 @@ impl TcpTransport {
             return Err(TransportError::Io(format!(
                 "tcp config: need 0 < keepalive ({:?}) < dead_after ({:?})",
                 cfg.keepalive, cfg.dead_after
+            )));
+        }
+        if cfg.max_descs == 0 || cfg.max_descs > wire::MAX_DESCS {
+            return Err(TransportError::Io(format!(
+                "max_descs {} is not in 1..={}",
+                cfg.max_descs,
+                wire::MAX_DESCS
+            )));
+        }
+        if cfg.max_queued_descs < cfg.max_descs || cfg.max_connections == 0 {
+            return Err(TransportError::Io(format!(
+                "max_queued_descs {} must be at least max_descs {}, and max_connections {} at least 1",
+                cfg.max_queued_descs, cfg.max_descs, cfg.max_connections
             )));
         }
         if cfg.landing_spin > MAX_LANDING_SPIN {
@@ -598,7 +675,7 @@ impl Transport for TcpTransport {
             }
         }
         let id = self.inner.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (conn, jobs) = Conn::new(id, Some(name.clone()));
+        let (conn, jobs) = Conn::new(id, Some(name.clone()), self.inner.cfg.max_queued_descs);
         let old = peers.insert(
             name.clone(),
             Peer {
@@ -644,12 +721,11 @@ impl Transport for TcpTransport {
         if let Some(n) = notification {
             check_notification(n)?;
         }
-        if descs.len() > wire::MAX_DESCS {
-            return Err(TransportError::Io(format!(
-                "{} descriptors exceed the tcp limit of {} per transfer",
-                descs.len(),
-                wire::MAX_DESCS
-            )));
+        if descs.len() > inner.cfg.max_descs {
+            return Err(TransportError::TooManyDescriptors {
+                count: descs.len(),
+                max: inner.cfg.max_descs,
+            });
         }
         let (conn, remote_regions) = self.peer(peer)?;
         let mut local = Vec::with_capacity(descs.len());
