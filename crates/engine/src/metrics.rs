@@ -12,8 +12,18 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub phase: &'static str,
+}
+
 #[derive(Clone)]
 pub struct EngineMetrics {
+    /// How long each phase of a request took here: `queued` (arrival to admission: blocks
+    /// allocated), `prefill` (the forward pass; P and a monolithic engine), `kv_wait` (D:
+    /// admission to the KV in place: claim, P's answer, grant, transfer), `first_token` (from
+    /// the prompt's KV in place to the first token sent).
+    pub phase: Family<PhaseLabels, Histogram>,
     pub requests: Family<OutcomeLabels, Counter>,
     pub ttft: Histogram,
     pub blocks_free: Gauge,
@@ -27,6 +37,7 @@ impl EngineMetrics {
     pub fn new(registry: &mut Registry) -> Self {
         let m = EngineMetrics {
             requests: Family::default(),
+            phase: Family::new_with_constructor(phase_histogram),
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             blocks_free: Gauge::default(),
             blocks_used: Gauge::default(),
@@ -36,6 +47,11 @@ impl EngineMetrics {
         };
         let r = registry.sub_registry_with_prefix("engine");
         r.register("requests", "Requests per outcome", m.requests.clone());
+        r.register(
+            "phase_seconds",
+            "Time a request spent in each phase of its timeline on this engine",
+            m.phase.clone(),
+        );
         r.register(
             "time_to_first_token_seconds",
             "From arrival to first token",
@@ -69,9 +85,21 @@ impl EngineMetrics {
         m
     }
 
+    pub fn phase(&self, phase: &'static str, took: std::time::Duration) {
+        self.phase
+            .get_or_create(&PhaseLabels { phase })
+            .observe(took.as_secs_f64());
+    }
+
     pub fn outcome(&self, outcome: &'static str) {
         self.requests
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
+}
+
+/// 100 µs to ~127 s in steps of 25%: a timeline phase is anything from a channel hop to a
+/// deadline.
+pub fn phase_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 1.25, 64))
 }

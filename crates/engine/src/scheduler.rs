@@ -71,6 +71,8 @@ pub enum Command {
 struct Request {
     sub: Submission,
     arrived: Instant,
+    /// When its blocks were allocated (the end of its `queued` phase).
+    admitted: Option<Instant>,
     /// Blocks for the generated tokens of each choice, reserved at admission.
     gen_blocks: Vec<Vec<u32>>,
     prompt_blocks: Vec<u32>,
@@ -262,6 +264,7 @@ impl Scheduler {
         self.waiting.push_back(Request {
             sub,
             arrived: Instant::now(),
+            admitted: None,
             gen_blocks: vec![],
             prompt_blocks: vec![],
             recompute: false,
@@ -293,8 +296,11 @@ impl Scheduler {
         let gen_blocks: Vec<Vec<u32>> = (0..sub.n)
             .map(|_| self.pool.alloc(gen_each).unwrap_or_default())
             .collect();
+        let now = Instant::now();
+        self.metrics.phase("queued", Duration::ZERO);
         let r = Request {
-            arrived: Instant::now(),
+            arrived: now,
+            admitted: Some(now),
             gen_blocks,
             prompt_blocks: prompt.clone(),
             recompute: false,
@@ -472,6 +478,11 @@ impl Scheduler {
                 }
             }
             r.prompt_blocks = prompt_blocks;
+            if r.admitted.is_none() {
+                let now = Instant::now();
+                self.metrics.phase("queued", now - r.arrived);
+                r.admitted = Some(now);
+            }
             if is_remote {
                 let result = match &self.connector {
                     Some(c) => c
@@ -508,6 +519,7 @@ impl Scheduler {
     }
 
     fn prefill(&mut self, r: Request) {
+        let started = Instant::now();
         let prompt = &r.sub.prompt;
         let prefix = model::prefix_hashes(prompt, 0);
         let layers = self.cfg.num_layers.max(1) as f64;
@@ -543,13 +555,16 @@ impl Scheduler {
                 }
             }
         }
+        self.metrics.phase("prefill", started.elapsed());
         match &r.sub.kind {
             Kind::RemoteDecode(_) => {
-                // P: sample the first token (as vLLM's P does), then hand the KV over.
-                let digest = match self
-                    .kv
-                    .digest_positions(0, 0..prompt.len(), &r.prompt_blocks)
-                {
+                // P: sample the first token (as vLLM's P does), then hand the KV over. A real
+                // P's token comes out of the forward pass it just ran, at no extra cost: its
+                // logits read the last position only. Reading the whole KV here (as D's first
+                // step and a monolithic engine's do, which is what proves the KV arrived whole)
+                // would put a second full scan on the critical path that no real P pays.
+                let last = prompt.len() - 1..prompt.len();
+                let digest = match self.kv.digest_positions(0, last, &r.prompt_blocks) {
                     Ok(d) => d,
                     Err(e) => return self.fail_local(r, e),
                 };
@@ -625,6 +640,10 @@ impl Scheduler {
     /// The prompt's KV is in `r.prompt_blocks` (prefilled here or transferred): read it back,
     /// sample each choice's first token, and start decoding.
     fn start_decoding(&mut self, r: Request) {
+        let started = Instant::now();
+        if let (Kind::RemotePrefill(_), false, Some(at)) = (&r.sub.kind, r.recompute, r.admitted) {
+            self.metrics.phase("kv_wait", started - at);
+        }
         let prompt_len = r.sub.prompt.len();
         let digest = match self.kv.digest_positions(0, 0..prompt_len, &r.prompt_blocks) {
             Ok(d) => d,
@@ -662,6 +681,7 @@ impl Scheduler {
             };
             self.emit(seq);
         }
+        self.metrics.phase("first_token", started.elapsed());
     }
 
     /// Sends a sequence's current token; keeps it running or finishes it.

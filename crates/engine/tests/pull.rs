@@ -392,6 +392,20 @@ async fn metrics_parse_and_held_gauge_returns_to_zero() {
     }
     let dm = metrics_text(&client, &d).await;
     assert!(metric(&dm, "handoff_transfer_bytes_total") > 0.0);
+    // The request's timeline: each engine observed its phases once.
+    let phase = |m: &str, phase: &str| {
+        let key = format!("engine_phase_seconds_count{{phase=\"{phase}\"}}");
+        m.lines()
+            .find(|l| l.starts_with(&key))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let pm = metrics_text(&client, &p).await;
+    assert_eq!(phase(&pm, "prefill"), Some(1.0), "{pm}");
+    assert_eq!(phase(&pm, "kv_wait"), None, "P waits for no KV");
+    for ph in ["queued", "kv_wait", "first_token"] {
+        assert_eq!(phase(&dm, ph), Some(1.0), "D's {ph}:\n{dm}");
+    }
+    assert_eq!(phase(&dm, "prefill"), None, "D prefilled nothing");
     assert!(metric(&dm, "handoff_heartbeats_total") > 0.0);
     let pm = metrics_text(&client, &p).await;
     assert_eq!(

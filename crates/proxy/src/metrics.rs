@@ -4,6 +4,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -55,6 +56,11 @@ impl AdminOutcome {
             AdminOutcome::NotFound => "not_found",
         }
     }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PhaseLabels {
+    pub(crate) phase: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -124,6 +130,8 @@ pub(crate) struct Metrics {
     pub(crate) upstream_too_large: Family<RoleLabels, Counter>,
     /// Both listeners' limits (`listener="public"|"admin"`).
     pub(crate) http: handoff_http::HttpMetrics,
+    /// A request's timeline as the proxy sees it (see [`Metrics::phase`]).
+    pub(crate) phases: Family<PhaseLabels, Histogram>,
 }
 
 impl Metrics {
@@ -180,7 +188,21 @@ impl Metrics {
             let _ = upstream_too_large.get_or_create(&RoleLabels { role });
         }
         let http = handoff_http::HttpMetrics::register(&mut registry);
+        // 100 µs to ~127 s in steps of 25%, as the engines' phases.
+        let phases = Family::<PhaseLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0001, 1.25, 64))
+        });
+        registry.register(
+            "phase_seconds",
+            "A request's timeline at the proxy: to_decode (from the client's request to sending \
+             it to D), prefill_leg (P's answer, pull and push), \
+             decode_head (D's answer head, from sending to D), decode_first_chunk (D's first \
+             body chunk, from sending to D), first_chunk (the first chunk relayed to the \
+             client, from the client's request)",
+            phases.clone(),
+        );
         Metrics {
+            phases,
             registry,
             requests,
             in_flight,
@@ -204,6 +226,12 @@ impl Metrics {
     pub(crate) fn release(&self, ok: bool) {
         let result = if ok { "ok" } else { "failed" };
         self.releases.get_or_create(&ReleaseLabels { result }).inc();
+    }
+
+    pub(crate) fn phase(&self, phase: &'static str, took: std::time::Duration) {
+        self.phases
+            .get_or_create(&PhaseLabels { phase })
+            .observe(took.as_secs_f64());
     }
 
     pub(crate) fn stream_end(&self, end: StreamEnd) {

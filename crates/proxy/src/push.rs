@@ -19,7 +19,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 
 use crate::error::{snippet, ProxyError};
 use crate::pool::{InFlight, Instance, Role};
-use crate::relay::relay;
+use crate::relay::{relay, Marks};
 use crate::routes::{
     forward_headers, internal, mark_down_if_unreachable, prefill_leg, prefill_leg_body, read_body,
     read_capped, release, ReleaseGuard,
@@ -384,6 +384,7 @@ pub(crate) async fn push(
     rid: &str,
     headers: &HeaderMap,
     client: Map<String, Value>,
+    received: Instant,
 ) -> Result<Response, ProxyError> {
     let policy = s.cfg.policy;
     if s.decode.healthy_count() == 0 {
@@ -426,7 +427,9 @@ pub(crate) async fn push(
     );
 
     let t = s.cfg.request_timeout;
-    let deadline = Instant::now() + t;
+    let decode_sent = Instant::now();
+    s.metrics.phase("to_decode", decode_sent - received);
+    let deadline = decode_sent + t;
     let send = s
         .http
         .post(format!("{}{}", d.url, path))
@@ -468,6 +471,11 @@ pub(crate) async fn push(
     // D has accepted the request: it owns its side of the handoff now (it cancels its
     // registration with P if it ends early). P's leg is still watched until D's answer is done.
     release.disarm();
+    s.metrics.phase("decode_head", decode_sent.elapsed());
+    let marks = Marks {
+        received,
+        decode_sent,
+    };
 
     let content_type = resp.headers().get(CONTENT_TYPE).cloned();
     let mut builder = Response::builder().status(status);
@@ -483,7 +491,7 @@ pub(crate) async fn push(
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let leg = leg.pending().then_some(leg);
-        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse, leg));
+        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid, sse, leg, marks));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
     let read = read_body(resp, s.cfg.max_upstream_body_bytes);

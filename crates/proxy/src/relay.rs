@@ -4,6 +4,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use axum::body::Bytes;
 use futures_util::stream::{BoxStream, Stream, StreamExt};
 use serde_json::json;
@@ -13,6 +15,14 @@ use crate::metrics::StreamEnd;
 use crate::pool::InFlight;
 use crate::push::{PrefillFailure, PrefillLeg};
 use crate::Shared;
+
+/// When a request reached the proxy and when it was sent to D: the first chunk relayed closes
+/// the proxy's `decode_first_chunk` and `first_chunk` phases.
+#[derive(Clone, Copy)]
+pub(crate) struct Marks {
+    pub(crate) received: Instant,
+    pub(crate) decode_sent: Instant,
+}
 
 struct Relay {
     body: BoxStream<'static, reqwest::Result<Bytes>>,
@@ -27,6 +37,8 @@ struct Relay {
     prefill: Option<PrefillLeg>,
     /// `None` while running; how it ended otherwise.
     end: Option<StreamEnd>,
+    /// Until the first chunk went out.
+    marks: Option<Marks>,
 }
 
 enum Next {
@@ -115,20 +127,22 @@ pub(crate) fn relay(
     resp: reqwest::Response,
     shared: Arc<Shared>,
     guard: InFlight,
-    request_id: String,
+    request_id: &str,
     sse: bool,
     prefill: Option<PrefillLeg>,
+    marks: Marks,
 ) -> impl Stream<Item = Result<Bytes, io::Error>> + Send + 'static {
     let idle = shared.cfg.stream_idle_timeout;
     let state = Relay {
         body: resp.bytes_stream().boxed(),
         shared,
         guard,
-        request_id,
+        request_id: request_id.to_string(),
         sse,
         idle,
         prefill,
         end: None,
+        marks: Some(marks),
     };
     futures_util::stream::unfold(state, |mut st| async move {
         if st.end.is_some() {
@@ -151,7 +165,14 @@ pub(crate) fn relay(
                     let leg = st.prefill.take().expect("watched leg");
                     break st.fail_prefill(leg, f);
                 }
-                Next::Decode(Ok(Some(Ok(chunk)))) => break Some(Ok(chunk)),
+                Next::Decode(Ok(Some(Ok(chunk)))) => {
+                    if let Some(m) = st.marks.take() {
+                        let metrics = &st.shared.metrics;
+                        metrics.phase("decode_first_chunk", m.decode_sent.elapsed());
+                        metrics.phase("first_chunk", m.received.elapsed());
+                    }
+                    break Some(Ok(chunk));
+                }
                 Next::Decode(Ok(None)) => {
                     st.end = Some(StreamEnd::Complete);
                     if let Some(leg) = st.prefill.take() {

@@ -18,7 +18,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use crate::error::{chain, ProxyError};
 use crate::metrics::{AdminOutcome, Outcome};
 use crate::pool::{Instance, Role};
-use crate::relay::relay;
+use crate::relay::{relay, Marks};
 use crate::{push, Shared, TransferMode};
 
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -83,6 +83,7 @@ impl Drop for OutcomeTracker {
 }
 
 async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let received = Instant::now();
     let rid = request_id(&headers);
     let mut tracker = OutcomeTracker {
         shared: s.clone(),
@@ -92,8 +93,8 @@ async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: By
         Err(e) => Err(e),
         // Each mode is its own flow.
         Ok(client) => match s.cfg.mode {
-            TransferMode::Pull => pull(&s, path, &rid, &headers, client).await,
-            TransferMode::Push => push::push(&s, path, &rid, &headers, client).await,
+            TransferMode::Pull => pull(&s, path, &rid, &headers, client, received).await,
+            TransferMode::Push => push::push(&s, path, &rid, &headers, client, received).await,
         },
     };
     let mut resp = match result {
@@ -220,6 +221,7 @@ async fn pull(
     rid: &str,
     headers: &HeaderMap,
     client: Map<String, Value>,
+    received: Instant,
 ) -> Result<Response, ProxyError> {
     let policy = s.cfg.policy;
     // Check D before calling P: a prefill that no D can decode only pins P's blocks.
@@ -254,7 +256,9 @@ async fn pull(
     d_body.insert("kv_transfer_params".into(), params);
 
     let t = s.cfg.request_timeout;
-    let deadline = Instant::now() + t;
+    let decode_sent = Instant::now();
+    s.metrics.phase("to_decode", decode_sent - received);
+    let deadline = decode_sent + t;
     let send = s
         .http
         .post(format!("{}{}", d.url, path))
@@ -285,6 +289,11 @@ async fn pull(
     // D has accepted the request: it owns the handoff now (its connector releases P after the
     // pull, or when the request ends early).
     release.disarm();
+    s.metrics.phase("decode_head", decode_sent.elapsed());
+    let marks = Marks {
+        received,
+        decode_sent,
+    };
 
     let content_type = resp.headers().get(CONTENT_TYPE).cloned();
     let mut builder = Response::builder().status(status);
@@ -299,7 +308,7 @@ async fn pull(
             .as_ref()
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
-        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid.to_string(), sse, None));
+        let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid, sse, None, marks));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
     let bytes = match timeout_at(deadline, read_body(resp, s.cfg.max_upstream_body_bytes)).await {
@@ -411,12 +420,14 @@ pub(crate) async fn prefill_leg(
     body: &Value,
 ) -> Result<Value, ProxyError> {
     let t = s.cfg.request_timeout;
+    let started = Instant::now();
     let req = s
         .http
         .post(format!("{}{}", p.url, path))
         .headers(headers)
         .json(body);
     let (status, body) = call_prefill(s, p, req, t, "no complete response").await?;
+    s.metrics.phase("prefill_leg", started.elapsed());
     if !status.is_success() {
         return Err(ProxyError::upstream_status(
             Role::Prefill,

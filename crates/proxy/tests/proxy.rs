@@ -797,6 +797,16 @@ async fn models_health_and_metrics_endpoints() {
             d.url
         )));
         assert!(m.contains("# TYPE handoff_proxy_releases counter"));
+        // The one request's timeline (not streamed: no first chunk relayed).
+        for phase in ["to_decode", "prefill_leg", "decode_head"] {
+            assert!(
+                m.contains(&format!(
+                    "handoff_proxy_phase_seconds_count{{phase=\"{phase}\"}} 1"
+                )),
+                "{phase}: {m}"
+            );
+        }
+        assert!(!m.contains("phase=\"first_chunk\""), "{m}");
     })
     .await
 }

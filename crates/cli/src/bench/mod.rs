@@ -4,6 +4,7 @@
 mod connector;
 mod ledger;
 mod soak;
+mod timeline;
 mod transfer;
 mod ttft;
 
@@ -36,13 +37,10 @@ pub enum BenchCommand {
     /// tcp and nixl throughput (READ and WRITE, scattered 4 KiB / 64 KiB / 1 MiB blocks and a
     /// real model's blocks, two processes) against raw TCP, raw NIXL and memcpy.
     Transfer(transfer::TransferArgs),
-    /// Time to first token through pull, through push and on one monolithic engine (prompts of
-    /// 512, 2048 and 8192 tokens, concurrency 1 and 8), with the ratios between them.
-    Ttft {
-        /// Print the report as one JSON object on the last line.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Time to first token through pull, through push and on one monolithic engine (by default
+    /// prompts of 512, 2048 and 8192 tokens, concurrency 1 and 8), with the ratios between them
+    /// and each case's timeline broken down into phases.
+    Ttft(ttft::TtftArgs),
     /// The peer process of `bench transfer` (serves until stdin closes).
     #[command(hide = true)]
     TransferPeer(transfer::PeerArgs),
@@ -55,6 +53,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::TransferPeer(args) => transfer::peer(args),
-        BenchCommand::Ttft { json } => ttft::run(json),
+        BenchCommand::Ttft(args) => ttft::run(args),
     }
 }
