@@ -3,6 +3,7 @@
 
 mod connector;
 mod ledger;
+mod report;
 mod soak;
 mod timeline;
 mod transfer;

@@ -35,6 +35,10 @@ pub struct TtftArgs {
     /// Paths to run (comma separated): single, pull, push.
     #[arg(long, value_delimiter = ',', default_values_t = vec!["single".to_string(), "pull".into(), "push".into()])]
     pub mode: Vec<String>,
+    /// Also write DIR/ttft.html (TTFT CDFs per prompt length, the timeline as stacked bars)
+    /// and DIR/ttft.json.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<std::path::PathBuf>,
 }
 
 impl TtftArgs {
@@ -84,6 +88,9 @@ struct Case {
     /// The proxy's phases up to D's first chunk (`to_decode` + `decode_first_chunk`) over the
     /// client's TTFT, in means: how much of the TTFT the timeline accounts for.
     accounted: f64,
+    /// Each request's TTFT (ms), for the report's CDFs.
+    #[serde(skip)]
+    samples: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -220,6 +227,7 @@ async fn run_cases(
             let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
             let proxy = |p: &str| phases.get(&format!("proxy.{p}")).map_or(0.0, |s| s.mean_ms);
             let case = Case {
+                samples: times.clone(),
                 path,
                 prompt_tokens: len,
                 concurrency: conc,
@@ -428,8 +436,116 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         "pull_vs_single_ttft_p99_c8 {:.2}, push_vs_single_ttft_p99_c8 {:.2} (targets ≤ 1.2; worst over prompt lengths)",
         report.pull_vs_single_ttft_p99_c8, report.push_vs_single_ttft_p99_c8
     );
+    let json = serde_json::to_string(&report)?;
+    if let Some(dir) = &args.report {
+        write_report(dir, &report)?;
+    }
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        println!("{json}");
     }
     Ok(())
+}
+
+/// The timeline's parts of one case, in the order the report stacks them (means, ms); what the
+/// proxy saw beyond its engines' own phases is the hops between them.
+fn parts(c: &Case) -> [f64; 7] {
+    let m = |k: &str| c.phases.get(k).map_or(0.0, |s| s.mean_ms);
+    if c.path == "single" {
+        return [
+            m("engine.queued"),
+            m("engine.prefill"),
+            0.0,
+            0.0,
+            0.0,
+            m("engine.first_token"),
+            0.0,
+        ];
+    }
+    let (p_queued, p_prefill) = if c.path == "pull" {
+        (m("p.queued"), m("p.prefill"))
+    } else {
+        // Push: P's leg runs beside D's wait, which already holds it.
+        (0.0, 0.0)
+    };
+    let d = [m("d.queued"), m("d.kv_wait"), m("d.first_token")];
+    [
+        p_queued,
+        p_prefill,
+        (m("proxy.to_decode") - p_queued - p_prefill).max(0.0),
+        d[0],
+        d[1],
+        d[2],
+        (m("proxy.decode_first_chunk") - d.iter().sum::<f64>()).max(0.0),
+    ]
+}
+
+fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
+    let mut lengths: Vec<usize> = r.cases.iter().map(|c| c.prompt_tokens).collect();
+    lengths.dedup();
+    let mut charts = Vec::new();
+    for len in lengths {
+        let series: Vec<(String, Vec<f64>)> = r
+            .cases
+            .iter()
+            .filter(|c| c.prompt_tokens == len)
+            .map(|c| (format!("{} c={}", c.path, c.concurrency), c.samples.clone()))
+            .collect();
+        charts.push(super::report::cdf(
+            &format!("TTFT, {len}-token prompts"),
+            &series,
+        )?);
+    }
+    const NAMES: [&str; 7] = [
+        "queued (P / engine)",
+        "prefill",
+        "to D: P's answer, hops",
+        "D queued",
+        "D KV wait (claim, grant, transfer)",
+        "first token",
+        "D hops",
+    ];
+    let categories: Vec<String> = r
+        .cases
+        .iter()
+        .map(|c| format!("{} {} tok c={}", c.path, c.prompt_tokens, c.concurrency))
+        .collect();
+    let per_case: Vec<[f64; 7]> = r.cases.iter().map(parts).collect();
+    let layers: Vec<(String, Vec<f64>)> = NAMES
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.to_string(), per_case.iter().map(|p| p[i]).collect()))
+        .collect();
+    charts.push(super::report::stacked(
+        "Where the TTFT goes (means)",
+        &categories,
+        &layers,
+    )?);
+    let mut notes = format!("{}; {}\n\n", r.kv_shape, r.cost_model);
+    for c in &r.cases {
+        notes.push_str(&format!(
+            "{:>6} {:>5} tokens c={}: TTFT p50 {:.1} ms, p99 {:.1} ms, {} requests, {} failed\n",
+            c.path,
+            c.prompt_tokens,
+            c.concurrency,
+            c.ttft_p50_ms,
+            c.ttft_p99_ms,
+            c.requests,
+            c.failed
+        ));
+    }
+    notes.push_str(&format!(
+        "\npull_vs_single_ttft_p50 {:.2}, push_vs_single_ttft_p50 {:.2}, pull_vs_single_ttft_p99_c8 {:.2}, push_vs_single_ttft_p99_c8 {:.2}\n",
+        r.pull_vs_single_ttft_p50,
+        r.push_vs_single_ttft_p50,
+        r.pull_vs_single_ttft_p99_c8,
+        r.push_vs_single_ttft_p99_c8
+    ));
+    super::report::write(
+        dir,
+        "ttft",
+        "handoff bench ttft",
+        &charts,
+        &notes,
+        &serde_json::to_string_pretty(r)?,
+    )
 }
