@@ -367,9 +367,10 @@ impl Inner {
             let mut inbound = self.inbound.lock();
             if inbound.len() >= self.cfg.max_connections {
                 drop(inbound);
-                // Closed before it costs a thread.
-                let _ = stream.shutdown(std::net::Shutdown::Both);
+                // Counted, then closed before it costs a thread (counted first, so whoever sees
+                // it closed sees it counted).
                 self.refuse_conn("connection cap");
+                let _ = stream.shutdown(std::net::Shutdown::Both);
                 return;
             }
             inbound.insert(id, conn.clone());
