@@ -964,31 +964,32 @@ fn serve(
                 let xfer = rx.u64()?;
                 let n = rx.u32()? as usize;
                 let nlen = rx.u32()?;
-                if n > inner.cfg.max_descs {
-                    // Refused unheld: skip the descriptors, the notification and the bytes.
-                    let total = rx.skip_descs(n)?;
-                    match nlen {
-                        wire::NO_NOTIFICATION => {}
-                        l if l as usize <= MAX_NOTIFICATION_BYTES => rx.discard(l.into())?,
-                        l => return Err(invalid(format!("notification of {l} bytes"))),
-                    }
-                    rx.discard(total)?;
-                    let msg = too_many(inner, n).to_string();
-                    let kind = wire::WRITE_ERR;
-                    conn.serve_later(Job::XferErr { kind, xfer, msg }, inner.tick())?;
-                    continue;
-                }
-                let descs = rx.descs(n)?;
+                // Over the limit: skipped unheld (only the bytes they span are counted).
+                let descs = if n > inner.cfg.max_descs {
+                    Err(rx.skip_descs(n)?)
+                } else {
+                    Ok(rx.descs(n)?)
+                };
                 let note = match nlen {
                     wire::NO_NOTIFICATION => None,
                     l if l as usize <= MAX_NOTIFICATION_BYTES => Some(rx.bytes(l as usize)?),
                     l => return Err(invalid(format!("notification of {l} bytes"))),
                 };
-                let total = descs
-                    .iter()
-                    .try_fold(0u64, |t, d| t.checked_add(d.len))
-                    .ok_or_else(|| invalid("write length overflows".into()))?;
-                let job = match inner.resolve(&from, XferOp::Write, &descs) {
+                // Refused (over the limit, or outside what may be written): the bytes that
+                // follow are read and dropped, nothing lands.
+                let checked = match descs {
+                    Err(skipped) => Err((skipped, too_many(inner, n))),
+                    Ok(descs) => {
+                        let total = descs
+                            .iter()
+                            .try_fold(0u64, |t, d| t.checked_add(d.len))
+                            .ok_or_else(|| invalid("write length overflows".into()))?;
+                        inner
+                            .resolve(&from, XferOp::Write, &descs)
+                            .map_err(|e| (total, e))
+                    }
+                };
+                let job = match checked {
                     Ok((spans, _)) => {
                         rx.landing(true)?;
                         for s in &spans {
@@ -1000,8 +1001,8 @@ fn serve(
                         }
                         Job::WriteDone { xfer }
                     }
-                    Err(e) => {
-                        rx.discard(total)?;
+                    Err((bytes, e)) => {
+                        rx.discard(bytes)?;
                         Job::XferErr {
                             kind: wire::WRITE_ERR,
                             xfer,
