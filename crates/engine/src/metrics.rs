@@ -12,18 +12,13 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PhaseLabels {
-    pub phase: &'static str,
-}
-
 #[derive(Clone)]
 pub struct EngineMetrics {
     /// How long each phase of a request took here: `queued` (arrival to admission: blocks
     /// allocated), `prefill` (the forward pass; P and a monolithic engine), `kv_wait` (D:
     /// admission to the KV in place: claim, P's answer, grant, transfer), `first_token` (from
     /// the prompt's KV in place to the first token sent).
-    pub phase: Family<PhaseLabels, Histogram>,
+    pub phase: handoff_http::PhaseTimes,
     pub requests: Family<OutcomeLabels, Counter>,
     pub ttft: Histogram,
     pub blocks_free: Gauge,
@@ -35,9 +30,14 @@ pub struct EngineMetrics {
 
 impl EngineMetrics {
     pub fn new(registry: &mut Registry) -> Self {
+        let r = registry.sub_registry_with_prefix("engine");
+        let phase = handoff_http::PhaseTimes::register(
+            r,
+            "Time a request spent in each phase of its timeline on this engine",
+        );
         let m = EngineMetrics {
+            phase,
             requests: Family::default(),
-            phase: Family::new_with_constructor(phase_histogram),
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             blocks_free: Gauge::default(),
             blocks_used: Gauge::default(),
@@ -45,13 +45,7 @@ impl EngineMetrics {
             running: Gauge::default(),
             awaiting_kv: Gauge::default(),
         };
-        let r = registry.sub_registry_with_prefix("engine");
         r.register("requests", "Requests per outcome", m.requests.clone());
-        r.register(
-            "phase_seconds",
-            "Time a request spent in each phase of its timeline on this engine",
-            m.phase.clone(),
-        );
         r.register(
             "time_to_first_token_seconds",
             "From arrival to first token",
@@ -86,9 +80,7 @@ impl EngineMetrics {
     }
 
     pub fn phase(&self, phase: &'static str, took: std::time::Duration) {
-        self.phase
-            .get_or_create(&PhaseLabels { phase })
-            .observe(took.as_secs_f64());
+        self.phase.observe(phase, took);
     }
 
     pub fn outcome(&self, outcome: &'static str) {
@@ -96,10 +88,4 @@ impl EngineMetrics {
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
-}
-
-/// 100 µs to ~127 s in steps of 25%: a timeline phase is anything from a channel hop to a
-/// deadline.
-pub fn phase_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.0001, 1.25, 64))
 }

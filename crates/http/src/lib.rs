@@ -22,6 +22,7 @@
 
 mod metrics;
 pub mod probe;
+mod timeline;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -48,6 +49,7 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 
 pub use metrics::{HttpMetrics, Limit, ListenerMetrics};
+pub use timeline::PhaseTimes;
 
 /// The bounds one listener enforces (see the crate docs for what each does).
 #[derive(Debug, Clone, PartialEq, Eq)]

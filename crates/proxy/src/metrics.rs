@@ -4,7 +4,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -56,11 +55,6 @@ impl AdminOutcome {
             AdminOutcome::NotFound => "not_found",
         }
     }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(crate) struct PhaseLabels {
-    pub(crate) phase: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -131,7 +125,7 @@ pub(crate) struct Metrics {
     /// Both listeners' limits (`listener="public"|"admin"`).
     pub(crate) http: handoff_http::HttpMetrics,
     /// A request's timeline as the proxy sees it (see [`Metrics::phase`]).
-    pub(crate) phases: Family<PhaseLabels, Histogram>,
+    pub(crate) phases: handoff_http::PhaseTimes,
 }
 
 impl Metrics {
@@ -188,18 +182,13 @@ impl Metrics {
             let _ = upstream_too_large.get_or_create(&RoleLabels { role });
         }
         let http = handoff_http::HttpMetrics::register(&mut registry);
-        // 100 µs to ~127 s in steps of 25%, as the engines' phases.
-        let phases = Family::<PhaseLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0001, 1.25, 64))
-        });
-        registry.register(
-            "phase_seconds",
+        let phases = handoff_http::PhaseTimes::register(
+            &mut registry,
             "A request's timeline at the proxy: to_decode (from the client's request to sending \
              it to D), prefill_leg (P's answer, pull and push), \
              decode_head (D's answer head, from sending to D), decode_first_chunk (D's first \
              body chunk, from sending to D), first_chunk (the first chunk relayed to the \
              client, from the client's request)",
-            phases.clone(),
         );
         Metrics {
             phases,
@@ -229,9 +218,7 @@ impl Metrics {
     }
 
     pub(crate) fn phase(&self, phase: &'static str, took: std::time::Duration) {
-        self.phases
-            .get_or_create(&PhaseLabels { phase })
-            .observe(took.as_secs_f64());
+        self.phases.observe(phase, took);
     }
 
     pub(crate) fn stream_end(&self, end: StreamEnd) {
