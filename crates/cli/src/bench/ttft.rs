@@ -436,12 +436,11 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         "pull_vs_single_ttft_p99_c8 {:.2}, push_vs_single_ttft_p99_c8 {:.2} (targets ≤ 1.2; worst over prompt lengths)",
         report.pull_vs_single_ttft_p99_c8, report.push_vs_single_ttft_p99_c8
     );
-    let json = serde_json::to_string(&report)?;
     if let Some(dir) = &args.report {
         write_report(dir, &report)?;
     }
     if args.json {
-        println!("{json}");
+        println!("{}", serde_json::to_string(&report)?);
     }
     Ok(())
 }
@@ -480,7 +479,9 @@ fn parts(c: &Case) -> [f64; 7] {
 }
 
 fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
+    // Cases run path by path: a length recurs once per path.
     let mut lengths: Vec<usize> = r.cases.iter().map(|c| c.prompt_tokens).collect();
+    lengths.sort_unstable();
     lengths.dedup();
     let mut charts = Vec::new();
     for len in lengths {
@@ -548,4 +549,55 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
         &notes,
         &serde_json::to_string_pretty(r)?,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case(path: &'static str, prompt_tokens: usize) -> Case {
+        Case {
+            path,
+            prompt_tokens,
+            concurrency: 1,
+            requests: 2,
+            ttft_p50_ms: 10.0,
+            ttft_p99_ms: 12.0,
+            ttft_mean_ms: 11.0,
+            failed: 0,
+            phases: BTreeMap::new(),
+            accounted: 1.0,
+            samples: vec![10.0, 12.0],
+        }
+    }
+
+    /// One CDF per prompt length however many paths ran it, then the phase bars.
+    #[test]
+    fn the_report_draws_one_cdf_per_prompt_length() {
+        let r = Report {
+            bench: "ttft",
+            kv_shape: String::new(),
+            cost_model: String::new(),
+            cases: vec![
+                case("single", 512),
+                case("single", 2048),
+                case("pull", 512),
+                case("pull", 2048),
+            ],
+            push_vs_pull_ttft_p50: f64::NAN,
+            pull_vs_single_ttft_p50: 1.0,
+            push_vs_single_ttft_p50: f64::NAN,
+            pull_vs_single_ttft_p99_c8: f64::NAN,
+            push_vs_single_ttft_p99_c8: f64::NAN,
+            requests_recomputed: BTreeMap::new(),
+            targets: BTreeMap::new(),
+        };
+        let dir = std::env::temp_dir().join(format!("handoff-ttft-report-{}", std::process::id()));
+        write_report(&dir, &r).unwrap();
+        let page = std::fs::read_to_string(dir.join("ttft.html")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(page.matches("<svg").count(), 3);
+        assert_eq!(page.matches("TTFT, 512-token prompts").count(), 1);
+        assert_eq!(page.matches("TTFT, 2048-token prompts").count(), 1);
+    }
 }
