@@ -24,7 +24,7 @@ use handoff_proto::{
     Release, ReleaseReason, TransferMode,
 };
 use handoff_transport::tcp::{TcpConfig, TcpTransport};
-use handoff_transport::{KvRegion, Transport, XferDesc, XferOp, XferStatus};
+use handoff_transport::{KvRegion, Transport, XferDesc, XferId, XferOp, XferStatus};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -232,10 +232,15 @@ fn try_transfer(t: &TcpTransport, op: XferOp, peer: &str, offset: u64, len: u64)
     ) else {
         return XferStatus::Failed("post refused".into());
     };
+    wait_status(t, id, Duration::from_secs(5))
+}
+
+/// A transfer's status once it ended, or still in progress after `limit`.
+fn wait_status(t: &TcpTransport, id: XferId, limit: Duration) -> XferStatus {
     let start = Instant::now();
     loop {
         let s = t.status(id).unwrap();
-        if s != XferStatus::InProgress || start.elapsed() > Duration::from_secs(5) {
+        if s != XferStatus::InProgress || start.elapsed() > limit {
             return s;
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -487,16 +492,10 @@ async fn suite() {
             })
             .collect();
         let id = t.post(XferOp::Read, p_agent, &descs, None).unwrap();
-        let start = Instant::now();
-        loop {
-            match t.status(id).unwrap() {
-                XferStatus::InProgress if start.elapsed() < Duration::from_secs(10) => {
-                    std::thread::sleep(Duration::from_millis(2))
-                }
-                XferStatus::Failed(e) => break e.contains("limit"),
-                _ => break false,
-            }
-        }
+        matches!(
+            wait_status(&t, id, Duration::from_secs(10)),
+            XferStatus::Failed(e) if e.contains("limit")
+        )
     })
     .await
     .unwrap();
