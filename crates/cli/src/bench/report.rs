@@ -24,6 +24,21 @@ fn chart_err(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!("drawing a chart: {e}")
 }
 
+/// Every chart's legend, in its lower right corner.
+fn legend<'a, DB, CT>(chart: &mut ChartContext<'a, DB, CT>) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.9))
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(chart_err)
+}
+
 /// Empirical CDFs: one line per series of samples (ms), x on a log scale.
 pub fn cdf(title: &str, series: &[(String, Vec<f64>)]) -> anyhow::Result<String> {
     let all = series.iter().flat_map(|(_, v)| v.iter().copied());
@@ -67,13 +82,7 @@ pub fn cdf(title: &str, series: &[(String, Vec<f64>)]) -> anyhow::Result<String>
                 .label(name.as_str())
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
         }
-        chart
-            .configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.9))
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(chart_err)?;
+        legend(&mut chart)?;
         root.present().map_err(chart_err)?;
     }
     Ok(svg)
@@ -142,13 +151,7 @@ pub fn stacked(
                     Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.9))
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(chart_err)?;
+        legend(&mut chart)?;
         root.present().map_err(chart_err)?;
     }
     Ok(svg)
