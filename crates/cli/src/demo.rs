@@ -253,15 +253,22 @@ pub(crate) fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<S
         if l.split(['{', ' ']).next() != Some(name) {
             continue;
         }
-        let key = format!("{label}=\"");
-        let Some(start) = l.find(&key) else { continue };
-        let rest = &l[start + key.len()..];
-        let Some(end) = rest.find('"') else { continue };
+        let Some(value) = label_value(l, label) else {
+            continue;
+        };
         if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
-            *out.entry(rest[..end].to_string()).or_default() += v;
+            *out.entry(value.to_string()).or_default() += v;
         }
     }
     out
+}
+
+/// The value of label `key` in an OpenMetrics sample line (or its label set).
+pub(crate) fn label_value<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let k = format!("{key}=\"");
+    let start = line.find(&k)? + k.len();
+    let rest = &line[start..];
+    Some(&rest[..rest.find('"')?])
 }
 
 pub(crate) async fn get_text(client: &reqwest::Client, url: &str) -> String {

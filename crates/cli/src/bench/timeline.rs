@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use crate::demo::label_value as label;
+
 /// One phase histogram: cumulative counts per upper bound, sum and count.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Hist {
@@ -52,13 +54,6 @@ pub fn parse(text: &str, name: &str) -> BTreeMap<String, Hist> {
         h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
     out
-}
-
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let k = format!("{key}=\"");
-    let start = labels.find(&k)? + k.len();
-    let rest = &labels[start..];
-    Some(&rest[..rest.find('"')?])
 }
 
 impl Hist {
