@@ -157,6 +157,7 @@ impl Connector {
                 producer: cfg.producer.clone(),
                 consumer: cfg.consumer.clone(),
                 opaque_blocks: cfg.opaque_blocks,
+                kv_digest: cfg.kv_digest,
             },
             hellos,
         );
@@ -715,6 +716,12 @@ impl Executor {
                 m.transfer_bytes.inc_by(bytes);
                 m.transfer_duration.observe(duration.as_secs_f64());
                 m.transfer_descriptors.observe(descriptors as f64);
+            }
+            Observation::DigestChecked { matched } => {
+                let matched = if matched { "true" } else { "false" };
+                m.digests_checked
+                    .get_or_create(&crate::metrics::MatchedLabels { matched })
+                    .inc();
             }
         }
     }

@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 mod core;
+pub mod digest;
 mod executor;
 mod metrics;
 pub mod remote;
@@ -64,6 +65,8 @@ pub struct ConnectorConfig {
     pub consumer: ConsumerConfig,
     /// See [`CoreConfig::opaque_blocks`] (vLLM: true).
     pub opaque_blocks: bool,
+    /// See [`CoreConfig::kv_digest`].
+    pub kv_digest: bool,
     /// The cluster key every side-channel connection proves in both directions (the
     /// transports take theirs in their own settings). `None`: loopback only, unless
     /// `insecure`.
@@ -174,4 +177,6 @@ pub enum ConnectorError {
     Random(String),
     #[error("the connector stopped")]
     Stopped,
+    #[error("cannot digest layer {layer}: its rows are not addressable in this layout")]
+    Digest { layer: u32 },
 }

@@ -53,6 +53,12 @@ pub struct Metrics {
     pub rejects_of_tracked_handoffs: Counter,
     pub queued_dropped: Counter,
     pub send_queue_full: Counter,
+    pub digests_checked: Family<MatchedLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MatchedLabels {
+    pub matched: &'static str,
 }
 
 impl Metrics {
@@ -83,6 +89,7 @@ impl Metrics {
             rejects_of_tracked_handoffs: Counter::default(),
             queued_dropped: Counter::default(),
             send_queue_full: Counter::default(),
+            digests_checked: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("handoff");
         r.register(
@@ -210,6 +217,11 @@ impl Metrics {
             "side_channel_send_queue_full",
             "Connections closed because the peer stopped reading (its send queue filled)",
             m.send_queue_full.clone(),
+        );
+        r.register(
+            "kv_digests_checked",
+            "Pulled handoffs whose landed KV digest D compared with P's, by result (matched=false: the transfer failed, never decoded)",
+            m.digests_checked.clone(),
         );
         m
     }

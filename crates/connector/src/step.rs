@@ -7,6 +7,8 @@
 //! Everything here is serialisable, so a worker may live in another process.
 
 use handoff_plan::RankLayout;
+
+use crate::digest::DigestOf;
 use handoff_transport::{GrantId, XferDesc, XferOp};
 use serde::{Deserialize, Serialize};
 
@@ -47,12 +49,15 @@ pub enum WorkerOp {
     Abort { job: JobId },
     /// Let the peer agents `agents` do `op` on every byte of `blocks` (P: a handoff's blocks,
     /// to the D that reads them; D: a push registration's blocks, to the P that writes them),
-    /// until revoked. Acknowledged in [`WorkerReport::granted`].
+    /// until revoked. Acknowledged in [`WorkerReport::granted`]; with `digest`, the rank's
+    /// share of the KV digest of `blocks` is computed first and reported in
+    /// [`WorkerReport::digests`].
     Grant {
         grant: GrantId,
         op: XferOp,
         agents: Vec<String>,
         blocks: Vec<u32>,
+        digest: Option<DigestOf>,
     },
     /// End a grant (its handoff ended, after its fence).
     Revoke { grant: GrantId },
@@ -70,6 +75,18 @@ pub struct TransferJob {
     /// Pull: once every part landed, zero the bytes of these blocks past this many tokens (whole
     /// blocks are moved, so the tail holds P's stale bytes) before the job counts as done.
     pub zero_tail: Option<(Vec<u32>, u32)>,
+    /// Once every part landed (and the tail was zeroed), compute the rank's share of the KV
+    /// digest of these blocks and report it in [`WorkerReport::digests`].
+    pub digest: Option<(Vec<u32>, DigestOf)>,
+}
+
+/// What a reported digest is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Digested {
+    /// P: the blocks of a grant.
+    Grant(GrantId),
+    /// D: the blocks a job landed in.
+    Job(JobId),
 }
 
 /// One transfer with one peer agent.
@@ -100,6 +117,9 @@ pub struct WorkerReport {
     pub granted: Vec<(GrantId, bool)>,
     /// Inbound transfers refused outside any grant since the last report.
     pub refused_transfers: u64,
+    /// KV digests asked for (this rank's share), reported before the grant or job they belong
+    /// to.
+    pub digests: Vec<(Digested, u64)>,
 }
 
 impl WorkerReport {
@@ -111,5 +131,6 @@ impl WorkerReport {
             && self.refused_connections == 0
             && self.granted.is_empty()
             && self.refused_transfers == 0
+            && self.digests.is_empty()
     }
 }

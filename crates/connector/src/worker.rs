@@ -16,7 +16,8 @@ use handoff_transport::{
     Extent, GrantId, KvRegion, RegionId, Transport, TransportError, XferId, XferOp, XferStatus,
 };
 
-use crate::step::{JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
+use crate::digest::{rank_digest, DigestOf};
+use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::ConnectorError;
 
 /// How often a worker polls its transport for progress, notifications and dead peers.
@@ -33,6 +34,7 @@ struct Job {
     xfers: Vec<XferId>,
     failed: bool,
     zero_tail: Option<(Vec<u32>, u32)>,
+    digest: Option<(Vec<u32>, DigestOf)>,
 }
 
 pub struct WorkerSide {
@@ -133,7 +135,14 @@ impl WorkerSide {
                     op,
                     agents,
                     blocks,
+                    digest,
                 } => {
+                    // Before the grant: once the peer hears of it, it may read.
+                    if let Some(of) = digest {
+                        if let Some(d) = self.digest(&blocks, of) {
+                            self.report.digests.push((Digested::Grant(grant), d));
+                        }
+                    }
                     let ok = match self.grant(grant, op, &agents, &blocks) {
                         Ok(()) => true,
                         Err(e) => {
@@ -158,6 +167,7 @@ impl WorkerSide {
             xfers: Vec::with_capacity(t.parts.len()),
             failed: false,
             zero_tail: t.zero_tail,
+            digest: t.digest,
         };
         for part in &t.parts {
             match self.mem.transport.post(
@@ -211,6 +221,11 @@ impl WorkerSide {
                         ok = false;
                     }
                 }
+                if let (true, Some((blocks, of))) = (ok, &job.digest) {
+                    if let Some(d) = self.digest(blocks, *of) {
+                        self.report.digests.push((Digested::Job(id), d));
+                    }
+                }
                 self.report.ended.push((id, ok));
             }
         }
@@ -235,6 +250,18 @@ impl WorkerSide {
             ..Default::default()
         };
         Some(std::mem::replace(&mut self.report, fresh))
+    }
+
+    /// This rank's share of the KV digest of `blocks`; `None` (logged) when it cannot be
+    /// computed, which the scheduler side treats as a digest it cannot check.
+    fn digest(&self, blocks: &[u32], of: DigestOf) -> Option<u64> {
+        match rank_digest(&self.mem.layout, &self.mem.regions, blocks, of) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!(rank = self.rank, error = %e, "cannot compute a KV digest");
+                None
+            }
+        }
     }
 
     /// Opens every byte of `blocks` on this rank to `agents` for `op`.

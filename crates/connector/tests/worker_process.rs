@@ -45,6 +45,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         producer: Default::default(),
         consumer: Default::default(),
         opaque_blocks: false,
+        kv_digest: false,
         key: None,
         insecure: false,
         max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,

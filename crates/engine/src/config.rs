@@ -60,8 +60,8 @@ pub struct EngineConfig {
     /// `tcp` (default), `nixl` or `mem` (in-process tests).
     pub transport: String,
     /// Fault injection on this engine's transport, for tests and demos of failure handling:
-    /// `seed=N,drop=P,dup=P,delay=P,fail=P` (percentages of notifications dropped, duplicated,
-    /// delayed, and of transfers failed). Empty: none.
+    /// `seed=N,drop=P,dup=P,delay=P,fail=P,corrupt=P` (percentages of notifications dropped,
+    /// duplicated, delayed, of transfers failed, and of READs that land damaged). Empty: none.
     pub transport_faults: String,
     /// `pull` or `push`.
     pub mode: String,
@@ -108,6 +108,9 @@ pub struct EngineConfig {
     pub max_side_connections: usize,
     /// Most inbound side-channel handshakes open at once from one source address.
     pub max_side_handshakes_per_source: usize,
+    /// Pull: check each handoff's KV digest (P computes it over its blocks, D over what landed;
+    /// a mismatch fails the transfer). Costs one pass over the KV on each side.
+    pub kv_digest: bool,
 }
 
 impl Default for EngineConfig {
@@ -166,6 +169,7 @@ impl Default for EngineConfig {
             max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
             max_side_handshakes_per_source:
                 handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
+            kv_digest: false,
         }
     }
 }
@@ -538,6 +542,7 @@ impl EngineConfig {
                 "dup" => plan.duplicate_notification_pct = pct()?,
                 "delay" => plan.delay_notification_pct = pct()?,
                 "fail" => plan.fail_transfer_pct = pct()?,
+                "corrupt" => plan.corrupt_read_pct = pct()?,
                 other => {
                     return Err(bad(
                         "transport_faults",

@@ -148,6 +148,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             producer: cfg.producer(),
             consumer: cfg.consumer(),
             opaque_blocks: false,
+            kv_digest: cfg.kv_digest,
             key: key.clone(),
             insecure: cfg.insecure,
             max_side_connections: cfg.max_side_connections,

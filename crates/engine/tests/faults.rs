@@ -1,13 +1,13 @@
 //! Pull and push through transports that drop, duplicate and delay completion notifications and
 //! fail transfers (the `faulty` backend over `mem`, seeded): every request still ends with the
 //! monolithic engine's output (transferred, or recomputed after a failure), every block of both
-//! pools comes back, and nothing hangs.
+//! pools comes back, and nothing hangs. READs that land damaged are caught by the KV digest.
 
 mod common;
 
 use std::time::Duration;
 
-use common::{pool_whole_within, post, released_within};
+use common::{metric, metrics_text, pool_whole_within, post, released_within};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -114,6 +114,63 @@ async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_ne
         }
         assert_eq!(ok, 16);
         // Lost completions end by lease + fence; everything comes back.
+        released_within(&p, Duration::from_secs(10)).await;
+        released_within(&d, Duration::from_secs(10)).await;
+        pool_whole_within(&c, &p, Duration::from_secs(2)).await;
+        pool_whole_within(&c, &d, Duration::from_secs(2)).await;
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
+
+/// Every READ lands with one byte changed (`corrupt=100` on D's transport). With the KV digest
+/// on, D notices each time, recomputes, and answers the monolithic engine's output; with it off
+/// (the negative control) the damaged KV is decoded and the output differs: the check is what
+/// keeps damaged KV from being decoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_kv_is_caught_by_the_digest_and_never_decoded() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", "pull", "")).await.unwrap();
+    for digest in [true, false] {
+        let with = |mut e: EngineConfig| {
+            e.kv_digest = digest;
+            e
+        };
+        let p = start(with(cfg("prefill", "pull", ""))).await.unwrap();
+        let d = start(with(cfg("decode", "pull", "seed=5,corrupt=100")))
+            .await
+            .unwrap();
+        let mut differing = 0;
+        let n = 6;
+        for i in 0..n {
+            let text = prompt(i, 40 + i * 53);
+            let (s, v) = one(&c, &p, &d, "pull", &text, i as u128).await;
+            assert_eq!(s, 200, "request {i}: {v}");
+            let (_, m) = post(&c, &mono.url(), json!({"prompt": text, "max_tokens": 6})).await;
+            if v["choices"][0]["text"] != m["choices"][0]["text"] {
+                differing += 1;
+            }
+        }
+        let text = metrics_text(&c, &d).await;
+        let mismatched = text
+            .lines()
+            .filter(|l| {
+                l.starts_with("handoff_kv_digests_checked_total") && l.contains("matched=\"false\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        if digest {
+            assert_eq!(differing, 0, "damaged KV was decoded despite the digest");
+            assert_eq!(mismatched, n as f64, "every damaged READ is counted");
+            assert!(metric(&text, "handoff_requests_failed_total") >= n as f64);
+        } else {
+            assert!(
+                differing > 0,
+                "the damage does not show in the output: the test has no power"
+            );
+            assert_eq!(mismatched, 0.0);
+        }
         released_within(&p, Duration::from_secs(10)).await;
         released_within(&d, Duration::from_secs(10)).await;
         pool_whole_within(&c, &p, Duration::from_secs(2)).await;

@@ -181,6 +181,7 @@ fn hello_as(
             producer: Default::default(),
             consumer: Default::default(),
             opaque_blocks: false,
+            kv_digest: false,
         },
         vec![WorkerHello {
             rank: 0,

@@ -156,6 +156,8 @@ pub enum FailReason {
     WatchdogExpired,
     /// A push write completed after D's grant + grace.
     LateWrite,
+    /// The KV that landed does not have the digest P computed over its blocks: never decoded.
+    DigestMismatch,
 }
 
 impl FailReason {
@@ -170,6 +172,7 @@ impl FailReason {
             FailReason::WriteFailed => "write_failed",
             FailReason::WatchdogExpired => "watchdog_expired",
             FailReason::LateWrite => "late_write",
+            FailReason::DigestMismatch => "kv_digest_mismatch",
         }
     }
 }
@@ -224,6 +227,8 @@ pub struct StartRead {
     /// The read has failed if not done by then.
     pub deadline: Time,
     pub done: Vec<PullDone>,
+    /// The KV digest P sent with its block list, if any: what the landed KV must have.
+    pub p_digest: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -280,6 +285,8 @@ struct Handoff {
     /// Pull: `info.p_blocks` are P's own answer ([`PullBlocks`]), not the client's claim. No
     /// read starts before.
     blocks_from_p: bool,
+    /// Pull: the KV digest P sent with its block list.
+    p_digest: Option<u64>,
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
@@ -461,6 +468,7 @@ impl ConsumerLedger {
             first_epoch: inc.epoch,
             retries_left: self.cfg.read_retries,
             blocks_from_p: false,
+            p_digest: None,
             info: inc,
             requests: vec![req],
             deadline,
@@ -572,6 +580,23 @@ impl ConsumerLedger {
     }
 
     /// One D rank's reads of `handoff` ended (`ok`: every byte landed).
+    /// Like [`Self::on_read_done`] with `ok` false, for a read whose bytes landed but whose KV
+    /// digest differs from P's: the handoff fails with [`FailReason::DigestMismatch`] (not
+    /// retried: P's blocks would give the same bytes) and its requests never see the KV.
+    pub fn on_read_mismatch(&mut self, handoff: HandoffId, d_rank: u16, now: Time) {
+        if let Some(Handoff {
+            state: State::Reading { failed, .. },
+            ..
+        }) = self.handoffs.get_mut(&handoff)
+        {
+            if failed.is_none() {
+                *failed = Some(FailReason::DigestMismatch);
+                self.fail_requests(handoff, FailReason::DigestMismatch);
+            }
+        }
+        self.on_read_done(handoff, d_rank, false, now);
+    }
+
     pub fn on_read_done(&mut self, handoff: HandoffId, d_rank: u16, ok: bool, now: Time) {
         self.last_now = self.last_now.max(now);
         let Some(h) = self.handoffs.get_mut(&handoff) else {
@@ -867,6 +892,7 @@ impl ConsumerLedger {
                 h.info.p_blocks = list.blocks;
             }
             h.blocks_from_p = true;
+            h.p_digest = list.digest;
             if h.state == State::Admitted {
                 self.try_start_read(list.handoff, now);
             }
@@ -1002,6 +1028,7 @@ impl ConsumerLedger {
             num_tokens: h.info.num_tokens,
             deadline,
             done,
+            p_digest: h.p_digest,
         }));
         h.state = State::Reading {
             deadline,

@@ -725,6 +725,8 @@ impl ProducerLedger {
                 handoff: e.handoff,
                 epoch: h.epoch,
                 blocks: h.blocks.clone(),
+                // Filled in by the connector once its workers computed it.
+                digest: None,
             });
         }
         // A handoff too long to name in one message was refused at creation (see

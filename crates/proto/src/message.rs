@@ -255,6 +255,9 @@ pub struct BlockList {
     pub handoff: HandoffId,
     pub epoch: Epoch,
     pub blocks: Vec<u32>,
+    /// The KV digest of these blocks summed over P's ranks (see the connector's `digest`
+    /// module), when P computed one: D compares it with its own after the READ landed.
+    pub digest: Option<u64>,
 }
 
 /// Pull mode, P to the D that reads these handoffs (and no one else). At most

@@ -800,6 +800,7 @@ fn block_lists_split_into_messages_a_peer_accepts() {
             handoff: HandoffId::from_bytes((i as u128 + 1).to_le_bytes()),
             epoch: Epoch::FIRST,
             blocks: (0..(i % 40)).map(|b| b * 1_000_003).collect(),
+            digest: Some(u64::MAX - i as u64),
         })
         .collect();
     let (msgs, too_long) = split_block_lists(lists.clone());
@@ -817,6 +818,7 @@ fn block_lists_split_into_messages_a_peer_accepts() {
         handoff: HandoffId::from_bytes([9; 16]),
         epoch: Epoch::FIRST,
         blocks: vec![1; MAX_REGISTERED_BLOCKS + 1],
+        digest: None,
     };
     let (msgs, too_long) = split_block_lists(vec![long.clone()]);
     assert!(msgs.is_empty());

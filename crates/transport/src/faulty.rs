@@ -6,7 +6,7 @@
 //! and transfers. A delayed notification is held back and sent after a number of later calls
 //! into the agent (any method), which also reorders it behind newer ones.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -26,6 +26,9 @@ pub struct FaultPlan {
     /// A delayed notification is sent after this many later calls (at most).
     pub max_delay_calls: u32,
     pub fail_transfer_pct: u8,
+    /// READs that land with one byte of their first destination changed (a transfer that
+    /// damaged what it moved, reported done): what a KV digest check must catch.
+    pub corrupt_read_pct: u8,
 }
 
 /// One injected fault, for the replay log.
@@ -48,6 +51,10 @@ pub enum Fault {
         peer: String,
         id: XferId,
     },
+    CorruptedRead {
+        peer: String,
+        id: XferId,
+    },
     KilledPeer {
         peer: String,
     },
@@ -63,6 +70,9 @@ struct State {
     rng: u64,
     held: VecDeque<Held>,
     failed: HashSet<XferId>,
+    /// READs to damage when they report done: the byte to flip.
+    corrupt: HashMap<XferId, (RegionId, u64)>,
+    regions: HashMap<RegionId, Arc<KvRegion>>,
     next_failed: u64,
     killed: HashSet<String>,
     dead_reported: VecDeque<String>,
@@ -83,6 +93,8 @@ impl FaultyTransport {
                 rng: plan.seed | 1,
                 held: VecDeque::new(),
                 failed: HashSet::new(),
+                corrupt: HashMap::new(),
+                regions: HashMap::new(),
                 next_failed: u64::MAX / 2,
                 killed: HashSet::new(),
                 dead_reported: VecDeque::new(),
@@ -196,10 +208,12 @@ impl Transport for FaultyTransport {
     }
 
     fn register(&self, id: RegionId, region: Arc<KvRegion>) -> Result<(), TransportError> {
+        self.state.lock().regions.insert(id, region.clone());
         self.inner.register(id, region)
     }
 
     fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        self.state.lock().regions.remove(&id);
         self.inner.deregister(id)
     }
 
@@ -240,20 +254,32 @@ impl Transport for FaultyTransport {
                 return Ok(id);
             }
         }
-        match notification {
-            None => self.inner.post(op, peer, descs, None),
+        let id = match notification {
+            None => self.inner.post(op, peer, descs, None)?,
             Some(n) => match self.fate(peer, n) {
                 Some(copies) => {
                     let id = self.inner.post(op, peer, descs, Some(n))?;
                     for _ in 1..copies {
                         let _ = self.inner.send_notification(peer, n);
                     }
-                    Ok(id)
+                    id
                 }
                 // Dropped or held: the bytes still move; the held copy is sent later.
-                None => self.inner.post(op, peer, descs, None),
+                None => self.inner.post(op, peer, descs, None)?,
             },
+        };
+        if let (XferOp::Read, Some(first)) = (op, descs.first()) {
+            let mut st = self.state.lock();
+            if Self::roll(&mut st, self.plan.corrupt_read_pct) {
+                let at = first.local_offset + first.len / 2;
+                st.corrupt.insert(id, (first.local_region, at));
+                st.log.push(Fault::CorruptedRead {
+                    peer: peer.into(),
+                    id,
+                });
+            }
         }
+        Ok(id)
     }
 
     fn status(&self, id: XferId) -> Result<XferStatus, TransportError> {
@@ -261,13 +287,28 @@ impl Transport for FaultyTransport {
         if self.state.lock().failed.contains(&id) {
             return Ok(XferStatus::Failed("injected failure".into()));
         }
-        self.inner.status(id)
+        let status = self.inner.status(id)?;
+        if status == XferStatus::Done {
+            let mut st = self.state.lock();
+            if let Some((region, at)) = st.corrupt.remove(&id) {
+                if let Some(r) = st.regions.get(&region) {
+                    let mut b = [0u8; 1];
+                    if r.read(at as usize, &mut b).is_ok() {
+                        let _ = r.write(at as usize, &[b[0] ^ 0x5a]);
+                    }
+                }
+            }
+        }
+        Ok(status)
     }
 
     fn release(&self, id: XferId) -> Result<(), TransportError> {
-        if self.state.lock().failed.remove(&id) {
+        let mut st = self.state.lock();
+        st.corrupt.remove(&id);
+        if st.failed.remove(&id) {
             return Ok(());
         }
+        drop(st);
         self.inner.release(id)
     }
 
@@ -380,6 +421,44 @@ mod tests {
     }
 
     #[test]
+    fn a_corrupted_read_lands_with_one_byte_changed_and_reports_done() {
+        let fabric = MemFabric::new();
+        let a = MemTransport::new(&fabric, "a").unwrap();
+        let b = MemTransport::new(&fabric, "b").unwrap();
+        let a = FaultyTransport::new(
+            a,
+            FaultPlan {
+                corrupt_read_pct: 100,
+                ..Default::default()
+            },
+        );
+        let (ra, rb) = (
+            Arc::new(KvRegion::new(1024, 256)),
+            Arc::new(KvRegion::new(1024, 256)),
+        );
+        rb.write(0, &[7; 1024]).unwrap();
+        a.register(0, ra.clone()).unwrap();
+        b.register(0, rb).unwrap();
+        a.load_remote(&b.local_metadata().unwrap()).unwrap();
+        let desc = XferDesc {
+            local_region: 0,
+            local_offset: 0,
+            remote_region: 0,
+            remote_offset: 0,
+            len: 100,
+        };
+        let id = a.post(XferOp::Read, "b", &[desc], None).unwrap();
+        while a.status(id).unwrap() == XferStatus::InProgress {
+            std::thread::yield_now();
+        }
+        let mut out = [0u8; 100];
+        ra.read(0, &mut out).unwrap();
+        let changed = out.iter().filter(|b| **b != 7).count();
+        assert_eq!(changed, 1, "{out:?}");
+        assert!(matches!(a.faults()[..], [Fault::CorruptedRead { .. }]));
+    }
+
+    #[test]
     fn duplicated_notification_arrives_twice() {
         let (a, b, _) = pair(FaultPlan {
             duplicate_notification_pct: 100,
@@ -436,6 +515,7 @@ mod tests {
             delay_notification_pct: 30,
             max_delay_calls: 3,
             fail_transfer_pct: 20,
+            corrupt_read_pct: 0,
         };
         let run = || {
             let (a, _b, _) = pair(plan.clone());

@@ -80,6 +80,9 @@ pub struct SchedulerConfig {
     /// Allows a non-loopback side channel without a key.
     #[serde(default)]
     pub insecure: bool,
+    /// Check each pulled handoff's KV digest (see `handoff_connector::digest`).
+    #[serde(default)]
+    pub kv_digest: bool,
 }
 
 fn default_mode() -> String {
@@ -177,6 +180,7 @@ impl SchedulerSide {
                 producer,
                 consumer,
                 opaque_blocks: cfg.opaque_blocks,
+                kv_digest: cfg.kv_digest,
                 key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
                 insecure: cfg.insecure,
                 max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,

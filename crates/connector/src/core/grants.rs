@@ -10,6 +10,9 @@
 //!   `PushRegister`s leave once every worker confirmed. Revoked when the transfer has an
 //!   outcome or its blocks are released, whichever comes first (a WRITE after that is refused).
 //!
+//! With `kv_digest`, P's workers compute their share of a pulled handoff's KV digest when they
+//! put its grant in force, and the `PullBlocks` answer carries the sum of every rank's share.
+//!
 //! With a backend that does not check grants (NIXL, mem) the workers confirm at once and
 //! nothing else changes.
 
@@ -20,6 +23,7 @@ use handoff_proto::{HandoffId, Message, PullBlocks};
 use handoff_transport::{GrantId, XferOp};
 
 use super::ConnectorCore;
+use crate::digest::DigestOf;
 use crate::step::WorkerOp;
 
 /// Which of this engine's memory a grant opens.
@@ -40,6 +44,32 @@ struct Live {
     /// Messages waiting for every rank to confirm, one per slot (a PullBlocks' list, one
     /// PushRegister per D rank).
     held: BTreeMap<u16, Message>,
+    /// Whether the workers were asked for the KV digest of the blocks, and the shares so far
+    /// (sum, ranks).
+    digest: Option<(u64, usize)>,
+}
+
+impl Live {
+    /// The KV digest for the reader: every rank's share, or none (not asked, or a rank could
+    /// not compute it).
+    fn digest(&self) -> Option<u64> {
+        self.digest
+            .filter(|(_, n)| *n == self.confirmed.len())
+            .map(|(sum, _)| sum)
+    }
+}
+
+/// `msg` with the grant's KV digest on its block lists.
+fn with_digest(msg: Message, digest: Option<u64>) -> Message {
+    match msg {
+        Message::PullBlocks(mut p) => {
+            for l in &mut p.lists {
+                l.digest = digest;
+            }
+            Message::PullBlocks(p)
+        }
+        other => other,
+    }
 }
 
 /// Live grants, one per (what they open, handoff): bounded by the ledgers' live handoffs.
@@ -57,6 +87,17 @@ impl Grants {
 
     pub fn uses_peer(&self, peer: PeerId) -> bool {
         self.live.values().any(|l| l.peer == peer)
+    }
+
+    /// A worker's share of the KV digest of grant `id`'s blocks.
+    pub fn add_digest_share(&mut self, id: GrantId, share: u64) {
+        let Some(key) = self.by_id.get(&id) else {
+            return; // revoked meanwhile
+        };
+        if let Some((sum, n)) = self.live.get_mut(key).and_then(|l| l.digest.as_mut()) {
+            *sum = sum.wrapping_add(share);
+            *n += 1;
+        }
     }
 }
 
@@ -105,7 +146,7 @@ impl ConnectorCore {
         }
         if let Some(l) = self.grants.live.get_mut(&key) {
             if l.confirmed.iter().all(|c| *c) {
-                return Some(msg);
+                return Some(with_digest(msg, l.digest()));
             }
             l.held.insert(slot, msg);
             return None;
@@ -122,6 +163,13 @@ impl ConnectorCore {
             Opens::Writes => XferOp::Write,
         };
         let ranks = self.ranks.len() as u16;
+        let digest = match (opens, self.prompt_tokens.get(&handoff)) {
+            (Opens::Reads, Some(&num_tokens)) => Some(DigestOf {
+                num_tokens,
+                whole_blocks: self.cfg.opaque_blocks,
+            }),
+            _ => None,
+        };
         for rank in 0..ranks {
             self.out.worker_ops.push((
                 rank,
@@ -130,6 +178,7 @@ impl ConnectorCore {
                     op,
                     agents: agents.clone(),
                     blocks: blocks.to_vec(),
+                    digest,
                 },
             ));
         }
@@ -141,6 +190,7 @@ impl ConnectorCore {
                 peer,
                 confirmed: vec![false; ranks as usize],
                 held: BTreeMap::from([(slot, msg)]),
+                digest: digest.map(|_| (0, 0)),
             },
         );
         None
@@ -169,10 +219,10 @@ impl ConnectorCore {
         if !l.confirmed.iter().all(|c| *c) {
             return;
         }
-        let peer = l.peer;
+        let (peer, digest) = (l.peer, l.digest());
         let held = std::mem::take(&mut l.held);
         for (_, msg) in held {
-            self.send(peer, msg);
+            self.send(peer, with_digest(msg, digest));
         }
     }
 

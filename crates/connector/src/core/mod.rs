@@ -19,6 +19,8 @@ mod side;
 mod tests;
 mod transfers;
 
+use std::collections::HashMap;
+
 use handoff_ledger::{
     BlockRelease, ConsumerAction, ConsumerConfig, ConsumerLedger, ConsumerStats, IncomingHandoff,
     MemoryUse, Outcome, PeerId, ProducerAction, ProducerConfig, ProducerLedger, ProducerStats,
@@ -35,7 +37,7 @@ pub use peers::ConnId;
 use peers::PeerTable;
 use transfers::Transfers;
 
-use crate::step::{JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
+use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
 use crate::{ConnectorError, ConnectorEvent, Role};
 
 /// What the core needs to know of its engine.
@@ -57,6 +59,10 @@ pub struct CoreConfig {
     /// inside a block): transfers move whole blocks, never touch a block's tail, and only pair
     /// with engines of exactly the same KV spec (TP size, block size, layout).
     pub opaque_blocks: bool,
+    /// Check every pulled handoff's KV digest (see [`crate::digest`]): as P, compute it before
+    /// answering the reader's block query and send it along; as D, compare it with the digest
+    /// of what landed, failing the transfer on a mismatch.
+    pub kv_digest: bool,
 }
 
 /// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
@@ -103,6 +109,10 @@ pub enum Observation {
         bytes: u64,
         duration: Time,
         descriptors: usize,
+    },
+    /// D compared a landed handoff's KV digest with P's.
+    DigestChecked {
+        matched: bool,
     },
 }
 
@@ -160,6 +170,9 @@ pub struct ConnectorCore {
     peers: PeerTable,
     transfers: Transfers,
     grants: Grants,
+    /// P, pull, with `kv_digest`: each live handoff's prompt length (its digest covers those
+    /// tokens). Emptied when the handoff's blocks are released.
+    prompt_tokens: HashMap<HandoffId, u32>,
     /// Peer table size at which the next new peer first prunes forgotten ones.
     prune_at: usize,
     out: Ready,
@@ -212,6 +225,7 @@ impl ConnectorCore {
             peers: PeerTable::default(),
             transfers: Transfers::default(),
             grants: Grants::default(),
+            prompt_tokens: HashMap::new(),
             prune_at: MIN_PRUNE_AT,
             out: Ready::default(),
             spare: None,
@@ -288,6 +302,9 @@ impl ConnectorCore {
             .as_mut()
             .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
         let grant = p.create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)?;
+        if self.cfg.kv_digest {
+            self.prompt_tokens.insert(handoff, num_tokens);
+        }
         self.redeclare_dead(now);
         self.pump(now);
         Ok(self.params_for(
@@ -574,6 +591,13 @@ impl ConnectorCore {
                 .observations
                 .push(Observation::TransferRefused(report.refused_transfers));
         }
+        // Digests first: each belongs to a grant or job reported below.
+        for (what, share) in report.digests {
+            match what {
+                Digested::Grant(id) => self.grants.add_digest_share(id, share),
+                Digested::Job(job) => self.transfers.add_digest_share(job, share),
+            }
+        }
         for (grant, ok) in report.granted {
             self.grant_confirmed(report.rank, grant, ok);
         }
@@ -669,6 +693,7 @@ impl ConnectorCore {
             held_for: rel.held_for,
         });
         self.revoke(Opens::Reads, rel.handoff);
+        self.prompt_tokens.remove(&rel.handoff);
         // Writes still posted are aborted: the ledger only releases after they ended or were
         // fenced, so this only cleans up.
         for (rank, job) in self.transfers.end_push(rel.handoff) {
@@ -863,6 +888,7 @@ impl ConnectorCore {
             pushes: self.transfers.pushes_len(),
             jobs: self.transfers.jobs_len(),
             grants: self.grants.len(),
+            prompt_tokens: self.prompt_tokens.len(),
         }
     }
 }
@@ -910,4 +936,6 @@ pub struct CoreMemory {
     pub jobs: usize,
     /// Transport grants in force or being put in force (one per live handoff at most).
     pub grants: usize,
+    /// P's prompt lengths kept for the KV digest (one per live pull handoff at most).
+    pub prompt_tokens: usize,
 }

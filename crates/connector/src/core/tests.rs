@@ -27,6 +27,10 @@ fn spec() -> KvSpec {
 }
 
 fn core(engine: &str, role: Role) -> ConnectorCore {
+    core_with(engine, role, false)
+}
+
+fn core_with(engine: &str, role: Role, kv_digest: bool) -> ConnectorCore {
     ConnectorCore::new(
         CoreConfig {
             engine_id: engine.into(),
@@ -39,6 +43,7 @@ fn core(engine: &str, role: Role) -> ConnectorCore {
             producer: Default::default(),
             consumer: Default::default(),
             opaque_blocks: false,
+            kv_digest,
         },
         vec![WorkerHello {
             rank: 0,
@@ -69,7 +74,15 @@ fn params(p: &mut ConnectorCore, n: u8) -> KvTransferParams {
 
 /// A D core connected to P on `conn` (what an executor would do with D's connect).
 fn connected_d(p: &mut ConnectorCore, prm: &KvTransferParams, conn: ConnId) -> ConnectorCore {
-    let mut d = core("d", Role::Decode);
+    connect(p, core("d", Role::Decode), prm, conn)
+}
+
+fn connect(
+    p: &mut ConnectorCore,
+    mut d: ConnectorCore,
+    prm: &KvTransferParams,
+    conn: ConnId,
+) -> ConnectorCore {
     d.on_request_arrived(1, prm, 32, t(1)).unwrap();
     let r = d.ready();
     assert_eq!(r.connects.len(), 1, "D dials P once");
@@ -381,6 +394,7 @@ fn p_names_blocks_only_once_granted_and_revokes_at_release() {
                 op,
                 agents,
                 blocks,
+                ..
             } => {
                 assert_eq!(*rank, 0);
                 assert_eq!(*op, handoff_transport::XferOp::Read);
@@ -469,4 +483,93 @@ fn peers_named_by_requests_are_forgotten_once_down_and_unused() {
     assert_eq!(m.consumer.handoffs, 0, "{m:?}");
     // The made-up engines announced no agents: nothing to forget on the workers.
     assert_eq!(forgotten, 0);
+}
+
+/// One pull between a P and a D core with `kv_digest`, their workers played by the test: P's
+/// worker reports `p_share` as its digest when it grants, D's reports `d_share` when its READ
+/// landed. Returns D's events and observations.
+fn pull_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Observation>) {
+    let mut p = core_with("p", Role::Prefill, true);
+    let prm = params(&mut p, 1);
+    let r = p.ready();
+    p.advance(r);
+    let mut d = connect(&mut p, core_with("d", Role::Decode, true), &prm, 5);
+    d.on_blocks_allocated(1, vec![7, 8], t(3)).unwrap();
+    let (mut events, mut observations) = (Vec::new(), Vec::new());
+    for step in 0..40u64 {
+        let now = t(4 + 50 * step);
+        for c in [&mut p, &mut d] {
+            if c.poll_timeout().is_some_and(|at| at <= now) {
+                c.handle_timeout(now);
+            }
+        }
+        let rd = d.ready();
+        let to_p: Vec<Message> = rd.messages.iter().map(|(_, m)| m.clone()).collect();
+        let mut d_report = WorkerReport::default();
+        for (_, job) in &rd.transfers_to_post {
+            let (blocks, of) = job
+                .digest
+                .clone()
+                .expect("D asks its worker for the digest");
+            assert_eq!((blocks, of.num_tokens), (vec![7, 8], 32));
+            d_report.digests.push((Digested::Job(job.job), d_share));
+            d_report.ended.push((job.job, true));
+        }
+        events.extend(rd.events.iter().cloned());
+        observations.extend(rd.observations.iter().cloned());
+        d.advance(rd);
+        for m in to_p {
+            p.handle_frame(100, m, now);
+        }
+        let rp = p.ready();
+        let to_d: Vec<Message> = rp.messages.iter().map(|(_, m)| m.clone()).collect();
+        let mut p_report = WorkerReport::default();
+        for (_, op) in &rp.worker_ops {
+            if let WorkerOp::Grant { grant, digest, .. } = op {
+                let of = digest.expect("P asks its worker for the digest");
+                assert_eq!(of.num_tokens, 32);
+                p_report.digests.push((Digested::Grant(*grant), p_share));
+                p_report.granted.push((*grant, true));
+            }
+        }
+        p.advance(rp);
+        p.handle_worker_report(p_report, now);
+        for m in to_d {
+            d.handle_frame(5, m, now);
+        }
+        d.handle_worker_report(d_report, now);
+    }
+    (events, observations)
+}
+
+#[test]
+fn a_pulled_handoff_whose_digest_matches_p_s_is_ready() {
+    let (events, observations) = pull_with_digests(0xabc, 0xabc);
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, ConnectorEvent::Ready { requests, .. } if requests == &vec![1])),
+        "{events:?}"
+    );
+    assert!(observations.contains(&Observation::DigestChecked { matched: true }));
+}
+
+/// The negative control of the check: the same pull, with what landed on D differing from P's
+/// KV, is never handed to the request.
+#[test]
+fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
+    let (events, observations) = pull_with_digests(0xabc, 0xabd);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, ConnectorEvent::Ready { .. })),
+        "damaged KV was handed to the request: {events:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(e,
+            ConnectorEvent::Recompute { requests, reason } | ConnectorEvent::Failed { requests, reason }
+            if requests == &vec![1] && reason.contains("kv_digest_mismatch"))),
+        "{events:?}"
+    );
+    assert!(observations.contains(&Observation::DigestChecked { matched: false }));
 }

@@ -11,6 +11,7 @@ use handoff_transport::{XferDesc, XferOp};
 
 use super::peers::PeerState;
 use super::{ConnectorCore, Observation};
+use crate::digest::DigestOf;
 use crate::step::{JobId, TransferJob, TransferPart};
 
 #[derive(Debug, Clone, Copy)]
@@ -26,6 +27,16 @@ struct ReadInFlight {
     descs: usize,
     /// Per D rank, its job still running.
     jobs: HashMap<u16, JobId>,
+    /// With a KV digest from P: (P's digest, the sum of D's shares so far, shares).
+    digest: Option<(u64, u64, usize)>,
+}
+
+/// What D's KV digest check found once every rank's read ended.
+enum DigestCheck {
+    Matched,
+    Mismatched,
+    /// Not asked for, or a share is missing (a failed rank, a worker that could not compute it).
+    Unchecked,
 }
 
 /// P, push mode: one handoff's prefill and the writes into each registered D rank.
@@ -143,6 +154,17 @@ impl Transfers {
     pub fn jobs_len(&self) -> usize {
         self.jobs.len()
     }
+
+    /// A D worker's share of the KV digest of what its read job landed.
+    pub fn add_digest_share(&mut self, job: JobId, share: u64) {
+        let Some(JobOwner::Read { handoff, .. }) = self.jobs.get(&job) else {
+            return;
+        };
+        if let Some((_, sum, n)) = self.reads.get_mut(handoff).and_then(|r| r.digest.as_mut()) {
+            *sum = sum.wrapping_add(share);
+            *n += 1;
+        }
+    }
 }
 
 impl ConnectorCore {
@@ -151,6 +173,7 @@ impl ConnectorCore {
     pub(super) fn start_read(&mut self, r: StartRead, now: Time) {
         let d_tp = self.spec.tp as u16;
         let opaque = self.cfg.opaque_blocks;
+        let digest = r.p_digest.filter(|_| self.cfg.kv_digest);
         let fail_all = |core: &mut ConnectorCore, why: String| {
             tracing::warn!(handoff = %r.handoff, %why, "read not started");
             if let Some(c) = core.consumer.as_mut() {
@@ -225,6 +248,13 @@ impl ConnectorCore {
                             op: XferOp::Read,
                             parts,
                             zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), r.num_tokens)),
+                            digest: digest.map(|_| {
+                                let of = DigestOf {
+                                    num_tokens: r.num_tokens,
+                                    whole_blocks: opaque,
+                                };
+                                (r.dst_blocks.clone(), of)
+                            }),
                         },
                     ));
                     jobs.insert(d_rank, job);
@@ -240,6 +270,7 @@ impl ConnectorCore {
                     bytes,
                     descs,
                     jobs,
+                    digest: digest.map(|d| (d, 0, 0)),
                 },
             );
         }
@@ -266,6 +297,7 @@ impl ConnectorCore {
         };
         match owner {
             JobOwner::Read { handoff, d_rank } => {
+                let mut check = DigestCheck::Unchecked;
                 if let Some(read) = self.transfers.reads.get_mut(&handoff) {
                     read.jobs.remove(&d_rank);
                     if read.jobs.is_empty() {
@@ -275,11 +307,38 @@ impl ConnectorCore {
                                 duration: now.saturating_sub(read.started),
                                 descriptors: read.descs,
                             });
+                            check = match read.digest {
+                                Some((p, d, n)) if ok && n == self.spec.tp as usize => {
+                                    if p == d {
+                                        DigestCheck::Matched
+                                    } else {
+                                        DigestCheck::Mismatched
+                                    }
+                                }
+                                _ => DigestCheck::Unchecked,
+                            };
                         }
                     }
                 }
+                match check {
+                    DigestCheck::Matched => self
+                        .out
+                        .observations
+                        .push(Observation::DigestChecked { matched: true }),
+                    DigestCheck::Mismatched => {
+                        tracing::warn!(%handoff, "KV digest mismatch: the landed KV differs from P's; not decoded");
+                        self.out
+                            .observations
+                            .push(Observation::DigestChecked { matched: false });
+                    }
+                    DigestCheck::Unchecked => {}
+                }
                 if let Some(c) = self.consumer.as_mut() {
-                    c.on_read_done(handoff, d_rank, ok, now);
+                    if matches!(check, DigestCheck::Mismatched) {
+                        c.on_read_mismatch(handoff, d_rank, now);
+                    } else {
+                        c.on_read_done(handoff, d_rank, ok, now);
+                    }
                 }
             }
             JobOwner::Write { handoff, d_rank } => {
@@ -416,6 +475,7 @@ impl ConnectorCore {
                                 notification,
                             }],
                             zero_tail: None,
+                            digest: None,
                         },
                     ));
                 }

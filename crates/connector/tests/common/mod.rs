@@ -318,6 +318,7 @@ impl Sim {
                     producer: pcfg.clone(),
                     consumer: dcfg.clone(),
                     opaque_blocks: false,
+                    kv_digest: false,
                 },
                 vec![WorkerHello {
                     rank: 0,
@@ -781,6 +782,7 @@ impl Sim {
                     op,
                     agents,
                     blocks,
+                    ..
                 } => {
                     self.eng(node)
                         .grants

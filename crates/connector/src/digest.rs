@@ -1,0 +1,317 @@
+//! The KV digest: a checksum of a handoff's KV that P computes over its blocks before D reads
+//! them and D computes over its own blocks after the READ landed. D compares the two (P's rides
+//! in its `PullBlocks` answer); a mismatch fails the transfer, and the KV is never decoded.
+//!
+//! The digest is defined on the KV's logical content, not on where it sits: it is the wrapping
+//! sum, over every row (layer, K or V, global KV head, prompt token), of a hash of the row's
+//! bytes keyed by those coordinates. A sum does not depend on which rank holds which head or on
+//! how tokens are cut into blocks, so the digests of P's ranks add up to the same value as those
+//! of D's ranks whatever the two engines' TP sizes and block sizes (the sum of each side's
+//! ranks is compared). Rows past the prompt's last token are left out: their bytes are stale on
+//! P and zeroed on D.
+//!
+//! Engines whose blocks are opaque pages (vLLM's CPU backend: the kernel decides what is where
+//! inside a block) only pair with engines of the same spec and move whole blocks; there a unit is
+//! one layer's whole block, keyed by (layer, the block's index in the handoff, its span).
+//!
+//! It catches blocks damaged or misplaced on the way (a wrong block id, a short or shifted copy,
+//! a race with reuse); it is a checksum, not a MAC: the cluster key is what keeps strangers out.
+
+use std::sync::Arc;
+
+use handoff_plan::RankLayout;
+use handoff_transport::{KvRegion, RegionId, TransportError};
+use serde::{Deserialize, Serialize};
+
+use crate::ConnectorError;
+
+/// What a digest covers: the first `num_tokens` tokens of a list of blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DigestOf {
+    pub num_tokens: u32,
+    /// Opaque pages: hash whole blocks (see the module doc).
+    pub whole_blocks: bool,
+}
+
+/// This rank's share of the digest of `blocks` (the handoff's blocks in token order).
+pub fn rank_digest(
+    layout: &RankLayout,
+    regions: &[(RegionId, Arc<KvRegion>)],
+    blocks: &[u32],
+    of: DigestOf,
+) -> Result<u64, ConnectorError> {
+    let region = |id: RegionId| {
+        regions
+            .iter()
+            .find(|(r, _)| *r == id)
+            .map(|(_, r)| r)
+            .ok_or(TransportError::UnknownRegion { region: id })
+    };
+    let mut sum = 0u64;
+    if of.whole_blocks {
+        for (index, &block) in blocks.iter().enumerate() {
+            let spans =
+                handoff_plan::block_spans(layout, &[block]).map_err(ConnectorError::Plan)?;
+            for (n, s) in spans.iter().enumerate() {
+                let h = hash_span(region(s.region)?, s.offset, s.len)?;
+                sum = sum.wrapping_add(keyed(h, &[index as u64, n as u64]));
+            }
+        }
+        return Ok(sum);
+    }
+    let spec = &layout.spec;
+    let row = spec.shape.row_bytes();
+    let bs = spec.block_size;
+    let heads = layout.owned_heads();
+    for layer in 0..spec.shape.num_layers {
+        for kv in 0..2usize {
+            let plane = layout
+                .layers
+                .get(layer as usize)
+                .map(|p| p.plane(kv).region)
+                .ok_or(ConnectorError::Digest { layer })?;
+            let r = region(plane)?;
+            for (index, &block) in blocks.iter().enumerate() {
+                let first = index as u64 * bs as u64;
+                let tokens = (of.num_tokens as u64).saturating_sub(first).min(bs as u64) as u32;
+                for (local, head) in heads.clone().enumerate() {
+                    for t in 0..tokens {
+                        let off = layout
+                            .row_offset(layer, kv, block, local as u32, t)
+                            .ok_or(ConnectorError::Digest { layer })?;
+                        let h = hash_span(r, off, row)?;
+                        let key = [layer as u64, kv as u64, head as u64, first + t as u64];
+                        sum = sum.wrapping_add(keyed(h, &key));
+                    }
+                }
+            }
+        }
+    }
+    Ok(sum)
+}
+
+/// A 64-bit hash of `len` bytes of `region` at `offset`.
+fn hash_span(region: &KvRegion, offset: u64, len: u64) -> Result<u64, TransportError> {
+    let mut h = Hasher::default();
+    region
+        .with_span(offset as usize, len as usize, |bytes| {
+            h.write(bytes);
+            Ok::<(), TransportError>(())
+        })?
+        .map(|()| h.finish(len))
+}
+
+/// `h` mixed with a row's coordinates, so equal bytes in two places count differently.
+fn keyed(h: u64, key: &[u64]) -> u64 {
+    let mut k = 0x9e37_79b9_7f4a_7c15u64;
+    for &x in key {
+        k = mix(k ^ x);
+    }
+    mix(h ^ k)
+}
+
+/// splitmix64's finaliser: every input bit reaches every output bit.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Multiply–rotate over 8-byte words, fed in pieces (a span may cross region chunks); the
+/// pieces' boundaries do not change the result.
+#[derive(Default)]
+struct Hasher {
+    state: u64,
+    tail: [u8; 8],
+    tail_len: usize,
+}
+
+impl Hasher {
+    fn word(&mut self, w: u64) {
+        self.state = (self.state ^ w)
+            .wrapping_mul(0x9fb2_1c65_1e98_df25)
+            .rotate_left(29);
+    }
+
+    fn write(&mut self, mut bytes: &[u8]) {
+        if self.tail_len > 0 {
+            let n = (8 - self.tail_len).min(bytes.len());
+            self.tail[self.tail_len..self.tail_len + n].copy_from_slice(&bytes[..n]);
+            self.tail_len += n;
+            bytes = &bytes[n..];
+            if self.tail_len < 8 {
+                return;
+            }
+            self.word(u64::from_le_bytes(self.tail));
+            self.tail_len = 0;
+        }
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(w);
+            self.word(u64::from_le_bytes(a));
+        }
+        let rest = words.remainder();
+        self.tail[..rest.len()].copy_from_slice(rest);
+        self.tail_len = rest.len();
+    }
+
+    fn finish(mut self, len: u64) -> u64 {
+        if self.tail_len > 0 {
+            self.tail[self.tail_len..].fill(0);
+            self.word(u64::from_le_bytes(self.tail));
+        }
+        mix(self.state ^ len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_plan::{BlockLayout, KvSpec, ModelShape};
+
+    const HEADS: u32 = 4;
+    const LAYERS: u32 = 3;
+
+    fn spec(tp: u32, block_size: u32) -> KvSpec {
+        KvSpec {
+            shape: ModelShape {
+                num_layers: LAYERS,
+                num_kv_heads: HEADS,
+                head_dim: 8,
+                dtype_size: 2,
+            },
+            tp,
+            block_size,
+            block_layout: BlockLayout::HeadMajor,
+        }
+    }
+
+    /// The rows of one engine's ranks, filled with the same logical KV: a row's bytes are a
+    /// function of (layer, kv, global head, global token) only.
+    type Regions = Vec<(RegionId, Arc<KvRegion>)>;
+
+    struct Engine {
+        ranks: Vec<(RankLayout, Regions)>,
+        blocks: Vec<u32>,
+    }
+
+    fn engine(tp: u32, block_size: u32, blocks: Vec<u32>, tokens: u32) -> Engine {
+        let ranks = (0..tp)
+            .map(|rank| {
+                let l = RankLayout::per_layer(spec(tp, block_size), rank, 16, 0).unwrap();
+                let regions: Regions = l
+                    .regions
+                    .iter()
+                    .map(|r| (r.id, Arc::new(KvRegion::new(r.len as usize, 4096))))
+                    .collect();
+                // Stale bytes everywhere first: the digest must ignore the tail.
+                for (_, r) in &regions {
+                    r.write(0, &vec![0xee; r.len()]).unwrap();
+                }
+                for layer in 0..LAYERS {
+                    for kv in 0..2 {
+                        for (local, head) in l.owned_heads().enumerate() {
+                            for t in 0..tokens {
+                                let block = blocks[(t / block_size) as usize];
+                                let off = l
+                                    .row_offset(layer, kv, block, local as u32, t % block_size)
+                                    .unwrap();
+                                let region = l.layers[layer as usize].plane(kv).region;
+                                let row: Vec<u8> = (0..16u32)
+                                    .map(|i| (layer * 31 + kv as u32 * 7 + head * 5 + t + i) as u8)
+                                    .collect();
+                                let r = &regions.iter().find(|(id, _)| *id == region).unwrap().1;
+                                r.write(off as usize, &row).unwrap();
+                            }
+                        }
+                    }
+                }
+                (l, regions)
+            })
+            .collect();
+        Engine { ranks, blocks }
+    }
+
+    fn digest(e: &Engine, of: DigestOf) -> u64 {
+        e.ranks.iter().fold(0u64, |sum, (l, regions)| {
+            sum.wrapping_add(rank_digest(l, regions, &e.blocks, of).unwrap())
+        })
+    }
+
+    fn rows(tokens: u32) -> DigestOf {
+        DigestOf {
+            num_tokens: tokens,
+            whole_blocks: false,
+        }
+    }
+
+    #[test]
+    fn equal_kv_has_one_digest_whatever_the_tp_size_and_block_size() {
+        let tokens = 37;
+        let p = engine(1, 16, vec![5, 2, 9], tokens);
+        let d = engine(2, 8, vec![1, 0, 3, 7, 4], tokens);
+        let d4 = engine(4, 32, vec![11, 6], tokens);
+        assert_eq!(digest(&p, rows(tokens)), digest(&d, rows(tokens)));
+        assert_eq!(digest(&p, rows(tokens)), digest(&d4, rows(tokens)));
+    }
+
+    #[test]
+    fn one_changed_byte_or_a_swapped_block_changes_the_digest() {
+        let tokens = 40;
+        let p = engine(2, 16, vec![5, 2, 9], tokens);
+        let clean = digest(&p, rows(tokens));
+        // One byte of one row of the last token, on rank 1.
+        let (l, regions) = &p.ranks[1];
+        let off = l.row_offset(2, 1, 9, 1, 7).unwrap();
+        let region = l.layers[2].plane(1).region;
+        let r = &regions.iter().find(|(id, _)| *id == region).unwrap().1;
+        let mut b = [0u8; 1];
+        r.read(off as usize + 3, &mut b).unwrap();
+        r.write(off as usize + 3, &[b[0] ^ 1]).unwrap();
+        assert_ne!(
+            digest(&p, rows(tokens)),
+            clean,
+            "a flipped bit went unnoticed"
+        );
+        r.write(off as usize + 3, &b).unwrap();
+        assert_eq!(digest(&p, rows(tokens)), clean);
+        // The same bytes, but two blocks read in the wrong order.
+        let swapped = Engine {
+            ranks: p.ranks.clone(),
+            blocks: vec![2, 5, 9],
+        };
+        assert_ne!(digest(&swapped, rows(tokens)), clean);
+        // Stale bytes past the prompt do not count.
+        r.write(l.row_offset(2, 1, 9, 1, 9).unwrap() as usize, &[0; 16])
+            .unwrap();
+        assert_eq!(digest(&p, rows(tokens)), clean);
+    }
+
+    #[test]
+    fn whole_blocks_cover_every_byte_of_each_block() {
+        let p = engine(1, 16, vec![5, 2], 20);
+        let of = DigestOf {
+            num_tokens: 20,
+            whole_blocks: true,
+        };
+        let clean = digest(&p, of);
+        // A byte in the tail of the last block: opaque pages are compared whole.
+        let (l, regions) = &p.ranks[0];
+        let off = l.row_offset(0, 0, 2, 0, 15).unwrap();
+        regions[0].1.write(off as usize, &[0]).unwrap();
+        assert_ne!(digest(&p, of), clean);
+    }
+
+    #[test]
+    fn the_hash_does_not_depend_on_how_a_span_is_cut() {
+        let bytes: Vec<u8> = (0..203u32).map(|i| (i * 7) as u8).collect();
+        let mut whole = Hasher::default();
+        whole.write(&bytes);
+        let mut cut = Hasher::default();
+        for piece in bytes.chunks(13) {
+            cut.write(piece);
+        }
+        assert_eq!(whole.finish(203), cut.finish(203));
+    }
+}
