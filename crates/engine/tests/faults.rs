@@ -86,6 +86,17 @@ async fn one(
     d
 }
 
+/// Lost completions end by lease + fence: every block of both engines comes back, then both
+/// stop.
+async fn all_back_then_stop(c: &reqwest::Client, p: RunningEngine, d: RunningEngine) {
+    released_within(&p, Duration::from_secs(10)).await;
+    released_within(&d, Duration::from_secs(10)).await;
+    pool_whole_within(c, &p, Duration::from_secs(2)).await;
+    pool_whole_within(c, &d, Duration::from_secs(2)).await;
+    p.stop().await;
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_never_blocks() {
     let c = reqwest::Client::new();
@@ -113,13 +124,7 @@ async fn lost_duplicated_delayed_notifications_and_failed_transfers_cost_time_ne
             ok += 1;
         }
         assert_eq!(ok, 16);
-        // Lost completions end by lease + fence; everything comes back.
-        released_within(&p, Duration::from_secs(10)).await;
-        released_within(&d, Duration::from_secs(10)).await;
-        pool_whole_within(&c, &p, Duration::from_secs(2)).await;
-        pool_whole_within(&c, &d, Duration::from_secs(2)).await;
-        p.stop().await;
-        d.stop().await;
+        all_back_then_stop(&c, p, d).await;
     }
     mono.stop().await;
 }
@@ -171,12 +176,7 @@ async fn damaged_kv_is_caught_by_the_digest_and_never_decoded() {
             );
             assert_eq!(mismatched, 0.0);
         }
-        released_within(&p, Duration::from_secs(10)).await;
-        released_within(&d, Duration::from_secs(10)).await;
-        pool_whole_within(&c, &p, Duration::from_secs(2)).await;
-        pool_whole_within(&c, &d, Duration::from_secs(2)).await;
-        p.stop().await;
-        d.stop().await;
+        all_back_then_stop(&c, p, d).await;
     }
     mono.stop().await;
 }

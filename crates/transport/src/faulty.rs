@@ -7,6 +7,7 @@
 //! into the agent (any method), which also reorders it behind newer ones.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -82,6 +83,8 @@ struct State {
 pub struct FaultyTransport {
     inner: Arc<dyn Transport>,
     plan: FaultPlan,
+    /// `plan.corrupt_read_pct`, changeable while running ([`Self::set_corrupt_read_pct`]).
+    corrupt_read_pct: AtomicU8,
     state: Mutex<State>,
 }
 
@@ -100,8 +103,15 @@ impl FaultyTransport {
                 dead_reported: VecDeque::new(),
                 log: Vec::new(),
             }),
+            corrupt_read_pct: AtomicU8::new(plan.corrupt_read_pct),
             plan,
         })
+    }
+
+    /// From now on, this share of READs lands damaged (a test switches damage on and off
+    /// between requests).
+    pub fn set_corrupt_read_pct(&self, pct: u8) {
+        self.corrupt_read_pct.store(pct.min(100), Ordering::Relaxed);
     }
 
     /// Cuts `peer` off: nothing more is sent to or accepted from it, and it is reported dead.
@@ -270,7 +280,7 @@ impl Transport for FaultyTransport {
         };
         if let (XferOp::Read, Some(first)) = (op, descs.first()) {
             let mut st = self.state.lock();
-            if Self::roll(&mut st, self.plan.corrupt_read_pct) {
+            if Self::roll(&mut st, self.corrupt_read_pct.load(Ordering::Relaxed)) {
                 let at = first.local_offset + first.len / 2;
                 st.corrupt.insert(id, (first.local_region, at));
                 st.log.push(Fault::CorruptedRead {

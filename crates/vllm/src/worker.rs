@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use handoff_connector::{RankMemory, WorkerHello, WorkerReport, WorkerSide};
+use handoff_transport::faulty::{FaultPlan, FaultyTransport};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion};
 use serde::Deserialize;
 
@@ -63,27 +64,20 @@ pub struct WorkerBridge {
     rank: usize,
     opaque_blocks: bool,
     /// Test-only: see [`CORRUPT_SWITCH`].
-    corrupt: Option<Corrupt>,
+    corrupt: Option<(std::path::PathBuf, Arc<FaultyTransport>)>,
     /// Test-only: see [`HOLD_SWITCH`].
     hold: Option<(std::path::PathBuf, Vec<handoff_connector::WorkerOp>)>,
 }
 
 /// Test-only switch (negative controls): when this environment variable names a file, and
-/// while that file exists, every byte a READ landed is overwritten before the scheduler side
-/// hears that it completed, as a transfer that damaged its blocks would.
+/// while that file exists, every READ posted lands with one byte changed (the transport
+/// reports it done), as a transfer that damaged its blocks would; the KV digest must catch it.
 pub const CORRUPT_SWITCH: &str = "HANDOFF_VLLM_TEST_CORRUPT_FILE";
 
 /// Test-only switch: when this environment variable names a file, and while that file exists,
 /// transfers the scheduler side asks for are held back (posted once the file is gone), so a
 /// test can kill an engine while its request waits for its KV.
 pub const HOLD_SWITCH: &str = "HANDOFF_VLLM_TEST_HOLD_FILE";
-
-struct Corrupt {
-    file: std::path::PathBuf,
-    regions: Vec<(u32, Arc<KvRegion>)>,
-    /// Posted READs: job → the (region, offset, len) ranges it lands.
-    reads: std::collections::HashMap<handoff_connector::JobId, Vec<(u32, u64, u64)>>,
-}
 
 impl WorkerBridge {
     /// Registers the rank's KV tensors (vLLM `register_kv_caches`).
@@ -114,7 +108,12 @@ impl WorkerBridge {
             check_grants: true,
         };
         let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
-        let transport = open_backend_at(&cfg.transport, &name, &at)?;
+        let mut transport = open_backend_at(&cfg.transport, &name, &at)?;
+        let corrupt = std::env::var_os(CORRUPT_SWITCH).map(|f| {
+            let faulty = FaultyTransport::new(transport.clone(), FaultPlan::default());
+            transport = faulty.clone();
+            (std::path::PathBuf::from(f), faulty)
+        });
         let regions: Vec<(u32, Arc<KvRegion>)> = regions
             .into_iter()
             .map(|(id, base, len)| {
@@ -127,11 +126,6 @@ impl WorkerBridge {
                 (id, Arc::new(r))
             })
             .collect();
-        let corrupt = std::env::var_os(CORRUPT_SWITCH).map(|f| Corrupt {
-            file: f.into(),
-            regions: regions.clone(),
-            reads: Default::default(),
-        });
         let side = WorkerSide::new(RankMemory {
             layout,
             regions,
@@ -158,29 +152,34 @@ impl WorkerBridge {
     /// Carries out this rank's part of a step (vLLM `start_load_kv`).
     pub fn apply(&mut self, meta: &StepMeta) {
         if let Some(step) = meta.steps.get(self.rank) {
-            if let Some(c) = self.corrupt.as_mut() {
-                for op in &step.ops {
-                    if let handoff_connector::WorkerOp::Post(job) = op {
-                        if job.op == handoff_transport::XferOp::Read {
-                            let ranges = job
-                                .parts
-                                .iter()
-                                .flat_map(|p| &p.descs)
-                                .map(|d| (d.local_region, d.local_offset, d.len))
-                                .collect();
-                            c.reads.insert(job.job, ranges);
-                        }
-                    }
-                }
+            if let Some((file, faulty)) = &self.corrupt {
+                faulty.set_corrupt_read_pct(if file.exists() { 100 } else { 0 });
             }
             let mut step = step.clone();
             if let Some((file, held)) = self.hold.as_mut() {
+                use handoff_connector::WorkerOp;
                 let (posts, rest): (Vec<_>, Vec<_>) = step
                     .ops
                     .into_iter()
-                    .partition(|op| matches!(op, handoff_connector::WorkerOp::Post(_)));
+                    .partition(|op| matches!(op, WorkerOp::Post(_)));
                 held.extend(posts);
-                step.ops = rest;
+                step.ops = Vec::with_capacity(rest.len());
+                for op in rest {
+                    // A held job the scheduler side aborts ends (failed) without moving a byte:
+                    // posted with nothing to move, then aborted.
+                    if let WorkerOp::Abort { job } = &op {
+                        if let Some(i) = held
+                            .iter()
+                            .position(|h| matches!(h, WorkerOp::Post(t) if t.job == *job))
+                        {
+                            if let WorkerOp::Post(mut t) = held.remove(i) {
+                                t.parts.clear();
+                                step.ops.push(WorkerOp::Post(t));
+                            }
+                        }
+                    }
+                    step.ops.push(op);
+                }
                 if !file.exists() {
                     step.ops.append(held);
                 }
@@ -191,28 +190,7 @@ impl WorkerBridge {
 
     /// What ended, arrived or died since the last call (vLLM `get_finished`).
     pub fn poll(&mut self) -> Option<WorkerReport> {
-        let report = self.side.poll()?;
-        if let Some(c) = self.corrupt.as_mut() {
-            for (job, ok) in &report.ended {
-                let Some(ranges) = c.reads.remove(job) else {
-                    continue;
-                };
-                if !*ok || !c.file.exists() {
-                    continue;
-                }
-                for (region, offset, len) in ranges {
-                    if let Some((_, r)) = c.regions.iter().find(|(id, _)| *id == region) {
-                        let junk: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ 0x3c).collect();
-                        let _ = r.write(offset as usize, &junk);
-                    }
-                }
-                tracing::warn!(
-                    job = job.0,
-                    "test switch: the landed blocks were overwritten"
-                );
-            }
-        }
-        Some(report)
+        self.side.poll()
     }
 
     pub fn shutdown(&mut self) {

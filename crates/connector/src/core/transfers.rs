@@ -321,10 +321,12 @@ impl ConnectorCore {
                     }
                 }
                 match check {
-                    DigestCheck::Matched => self
-                        .out
-                        .observations
-                        .push(Observation::DigestChecked { matched: true }),
+                    DigestCheck::Matched => {
+                        tracing::debug!(%handoff, "KV digest matched P's");
+                        self.out
+                            .observations
+                            .push(Observation::DigestChecked { matched: true })
+                    }
                     DigestCheck::Mismatched => {
                         tracing::warn!(%handoff, "KV digest mismatch: the landed KV differs from P's; not decoded");
                         self.out

@@ -233,6 +233,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "initial_lease_ms": self._extra.get("initial_lease_ms"),
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "opaque_blocks": self._opaque,
+            "kv_digest": bool(self._extra.get("kv_digest", False)),
         }
         self._sched = _native.Scheduler(json.dumps(cfg), [bytes(h.hello) for h in hellos])
         logger.info(

@@ -24,6 +24,8 @@ MODEL = HERE / "model"
 LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
 STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
 MAX_MODEL_LEN = 2048
+# P's lease on a handoff before its D first heartbeats (handoff's default is longer).
+INITIAL_LEASE_S = 4.0
 BLOCK_SIZE = 128  # vLLM's default on CPU
 
 
@@ -33,8 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# While this file exists, D's worker overwrites part of every block it lands (a test-only
-# switch of handoff_vllm, see `CORRUPT_SWITCH` in worker.rs): the negative control.
+# While this file exists, every READ D's worker posts lands with one byte changed (a test-only
+# switch of handoff_vllm, see `CORRUPT_SWITCH` in worker.rs): the digest's negative control.
 CORRUPT_FILE = Path(f"/tmp/handoff-vllm-corrupt-{os.getpid()}")
 # While this file exists, D's worker holds the transfers it is asked to post (test-only switch,
 # `HOLD_SWITCH` in worker.rs): a request then waits on D for its KV as long as a test needs.
@@ -43,7 +45,7 @@ HOLD_FILE = Path(f"/tmp/handoff-vllm-hold-{os.getpid()}")
 
 class Server:
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
-                 env_extra: dict | None = None):
+                 env_extra: dict | None = None, log_stats: bool = False):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,8 +57,7 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-            "--disable-log-stats",
-        ] + (extra_args or [])
+        ] + ([] if log_stats else ["--disable-log-stats"]) + (extra_args or [])
         if connector is not None:
             args += ["--kv-transfer-config", json.dumps(connector)]
         env = dict(os.environ)
@@ -155,10 +156,16 @@ def cluster():
     servers = {
         "single": Server("single", None),
         # P logs when it gives blocks back (the dead-D test reads the time from it).
-        "p": Server("p", connector("vllm-p"), env_extra={"RUST_LOG": "info,handoff_vllm=debug"}),
-        "d": Server("d", connector("vllm-d"),
+        # P publishes its KV cache usage on /metrics (the reclaim tests read it); a handoff no D
+        # ever claims expires after INITIAL_LEASE_S.
+        "p": Server("p", connector("vllm-p", kv_digest=True,
+                                   initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
+                    env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
+        # D logs each KV digest it checked (the tests count them).
+        "d": Server("d", connector("vllm-d", kv_digest=True),
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
-                               "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE)}),
+                               "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),
+                               "RUST_LOG": "info,handoff_connector::core::transfers=debug"}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S

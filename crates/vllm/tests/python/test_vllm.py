@@ -4,13 +4,15 @@ a single engine's."""
 from __future__ import annotations
 
 import random
-
 import re
 import threading
 import time
 from datetime import datetime, timezone
 
-from conftest import BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, MAX_MODEL_LEN, REPORT
+import requests
+
+from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, MAX_MODEL_LEN,
+                      REPORT)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -27,12 +29,22 @@ def disaggregated(cluster, ids: list[int], max_tokens: int) -> tuple[dict, dict]
     return params, d
 
 
+def digest_lines(cluster, what: str) -> int:
+    """How many KV digests D checked with this result ("matched" or "mismatch"), from its log."""
+    return sum(f"KV digest {what}" in line
+               for line in cluster["d"].log_path.read_text().splitlines())
+
+
 def test_decode_from_pulled_kv_equals_a_single_engine(cluster):
     lengths = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 17, MAX_MODEL_LEN - 16]
     mismatches = []
+    unchecked = []
     for i, n in enumerate(lengths):
         ids = prompt(n, seed=i)
+        matched = digest_lines(cluster, "matched")
         params, d = disaggregated(cluster, ids, max_tokens=8)
+        if digest_lines(cluster, "matched") != matched + 1:
+            unchecked.append(n)
         single = cluster["single"].complete(ids, 8)
         d_ids = d["choices"][0]["token_ids"]
         s_ids = single["choices"][0]["token_ids"]
@@ -40,22 +52,34 @@ def test_decode_from_pulled_kv_equals_a_single_engine(cluster):
             mismatches.append(f"prompt of {n} tokens: D {d_ids} vs single {s_ids}")
     REPORT["prompts_compared"] = len(lengths)
     REPORT["output_mismatches"] = len(mismatches)
+    REPORT["digest_mismatches"] = digest_lines(cluster, "mismatch")
     assert not mismatches, mismatches
+    assert not unchecked, f"no matching KV digest on D for prompts of {unchecked} tokens"
+    assert REPORT["digest_mismatches"] == 0
 
 
-def test_negative_control_a_damaged_block_changes_the_output(cluster):
-    """The comparison above has power: with part of a landed block overwritten on D (test-only
-    switch), D's output is no longer the single engine's."""
+def test_negative_control_damaged_kv_fails_the_digest_and_is_never_decoded(cluster):
+    """The digest check has power: with one byte of the landed KV changed on D (test-only
+    switch), D's digest differs from P's and the request fails (policy "fail") instead of being
+    decoded from the damaged KV."""
     ids = prompt(3 * BLOCK_SIZE, seed=99)
     single = cluster["single"].complete(ids, 8)["choices"][0]["token_ids"]
+    before = digest_lines(cluster, "mismatch")
     CORRUPT_FILE.touch()
     try:
-        _, d = disaggregated(cluster, ids, max_tokens=8)
+        p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True, "kv_transfer_params": p["kv_transfer_params"]}
+        r = requests.post(cluster["d"].url + "/v1/completions", json=body, timeout=120)
     finally:
         CORRUPT_FILE.unlink()
-    detected = d["choices"][0]["token_ids"] != single
+    detected = digest_lines(cluster, "mismatch") == before + 1
     REPORT["negative_control_detected"] = detected
-    assert detected, "damaged KV blocks went unnoticed"
+    assert detected, "damaged KV went unnoticed by the digest"
+    choice = r.json()["choices"][0] if r.status_code == 200 else None
+    decoded = choice is not None and choice.get("finish_reason") != "error"
+    assert not decoded or choice["token_ids"] == single, \
+        f"D decoded damaged KV: {r.status_code} {r.text[:300]}"
     # Without the switch the same prompt decodes like the single engine again.
     _, d = disaggregated(cluster, ids, max_tokens=8)
     assert d["choices"][0]["token_ids"] == single
@@ -72,9 +96,37 @@ def blocks_back_at(log: str, request_id: str) -> tuple[float, str] | None:
     return None
 
 
+def wait_blocks_back(cluster, request_id: str, limit_s: float) -> tuple[float, str] | None:
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        back = blocks_back_at(cluster["p"].log_path.read_text(), request_id)
+        if back is not None:
+            return back
+        time.sleep(0.05)
+    return None
+
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# handoff's default: after a lease ends, P waits this long before it frees (a READ granted
+# just before the end may still be landing).
+FENCE_GRACE_S = 1.5
+
+
+def usage_back_to(cluster, idle: float, since: float, limit_s: float) -> float | None:
+    """Seconds from `since` until P's KV cache usage, on vLLM's own /metrics, is back to
+    `idle`; None if not within `limit_s`."""
+    while time.time() < since + limit_s:
+        if cluster["p"].metric(KV_USAGE) <= idle + 1e-9:
+            return time.time() - since
+        time.sleep(0.05)
+    return None
+
+
 def test_dead_decode_engine_frees_p_at_once(cluster):
     """SIGKILL D while the request waits on D for its KV: P notices (the side channel closes)
-    and gives its blocks back to vLLM within 2 s, not after a lease. Runs last: it kills D."""
+    and its KV cache usage on vLLM's /metrics is back to idle within 2 s, not after a lease.
+    Runs after every test that needs D: it kills D."""
+    idle = cluster["p"].metric(KV_USAGE)
     ids = prompt(2 * BLOCK_SIZE + 5, seed=7)
     HOLD_FILE.touch()
     try:
@@ -85,22 +137,41 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
             daemon=True,
         )
         waiting.start()
-        time.sleep(2.0)  # D has it: tracked, heartbeating, its READ held back
-        assert blocks_back_at(cluster["p"].log_path.read_text(), params["remote_request_id"]) is None
+        # D has it: tracked, heartbeating, its READ held back (D gives up on a held READ at its
+        # grant's end, ~4.5 s after it started: the kill comes well before).
+        time.sleep(0.7)
+        held = cluster["p"].metric(KV_USAGE)
+        assert held > idle, f"P's KV usage {held} while holding the blocks, idle {idle}"
         killed = time.time()
         cluster["d"].kill()
     finally:
         HOLD_FILE.unlink()
-    deadline = killed + 15
-    back = None
-    while time.time() < deadline and back is None:
-        time.sleep(0.1)
-        back = blocks_back_at(cluster["p"].log_path.read_text(), params["remote_request_id"])
-    assert back is not None, "P still holds the blocks 15 s after D died"
-    reclaim = back[0] - killed
+    reclaim = usage_back_to(cluster, idle, killed, 15)
+    back = blocks_back_at(cluster["p"].log_path.read_text(), params["remote_request_id"])
+    REPORT["reclaim_reason"] = back[1] if back else None
+    assert back is not None and back[1] == "peer_dead", f"P freed for another reason: {back}"
+    assert reclaim is not None, "P's KV usage is not back to idle 15 s after D died"
     REPORT["reclaim_after_kill_s"] = round(reclaim, 3)
-    REPORT["reclaim_reason"] = back[1]
-    assert reclaim < 2.0, f"P's blocks came back {reclaim:.2f} s after D died ({back[1]})"
+    assert reclaim < 2.0, f"P's blocks came back {reclaim:.2f} s after D died"
+
+
+def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(cluster):
+    """D is dead (the test above killed it) before it ever hears of this request: nobody claims
+    P's handoff, and P's blocks are back when the initial lease and its fence end
+    (INITIAL_LEASE_S + handoff's default fence grace of 1.5 s), not earlier, not much later."""
+    idle = cluster["p"].metric(KV_USAGE)
+    ids = prompt(BLOCK_SIZE + 3, seed=13)
+    p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+    answered = time.time()
+    back = wait_blocks_back(cluster, p["kv_transfer_params"]["remote_request_id"],
+                            INITIAL_LEASE_S + 10)
+    assert back is not None, "P never freed a handoff nobody claimed"
+    after = back[0] - answered
+    REPORT["reclaim_unclaimed_s"] = round(after, 3)
+    assert back[1] == "expired", back
+    assert INITIAL_LEASE_S + FENCE_GRACE_S - 0.5 <= after < INITIAL_LEASE_S + FENCE_GRACE_S + 1.5, \
+        after
+    assert usage_back_to(cluster, idle, time.time(), 5) is not None
 
 
 def _ignore(f, *a, **kw):
