@@ -33,6 +33,26 @@ pub struct DigestOf {
     pub whole_blocks: bool,
 }
 
+/// The shares of one digest an engine's ranks reported so far: their sum is the engine's digest
+/// once every rank reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Shares {
+    sum: u64,
+    ranks: usize,
+}
+
+impl Shares {
+    pub fn add(&mut self, share: u64) {
+        self.sum = self.sum.wrapping_add(share);
+        self.ranks += 1;
+    }
+
+    /// The engine's digest, once all of its `ranks` reported a share.
+    pub fn total(&self, ranks: usize) -> Option<u64> {
+        (self.ranks == ranks).then_some(self.sum)
+    }
+}
+
 /// This rank's share of the digest of `blocks` (the handoff's blocks in token order).
 pub fn rank_digest(
     layout: &RankLayout,

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_text, pool_whole_within, post, released_within};
+use common::{metric, metric_with, metrics_text, pool_whole_within, post, released_within};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -158,13 +158,11 @@ async fn damaged_kv_is_caught_by_the_digest_and_never_decoded() {
             }
         }
         let text = metrics_text(&c, &d).await;
-        let mismatched = text
-            .lines()
-            .filter(|l| {
-                l.starts_with("handoff_kv_digests_checked_total") && l.contains("matched=\"false\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
+        let mismatched = metric_with(
+            &text,
+            "handoff_kv_digests_checked_total",
+            "matched=\"false\"",
+        );
         if digest {
             assert_eq!(differing, 0, "damaged KV was decoded despite the digest");
             assert_eq!(mismatched, n as f64, "every damaged READ is counted");

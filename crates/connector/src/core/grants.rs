@@ -23,7 +23,7 @@ use handoff_proto::{HandoffId, Message, PullBlocks};
 use handoff_transport::{GrantId, XferOp};
 
 use super::ConnectorCore;
-use crate::digest::DigestOf;
+use crate::digest::{DigestOf, Shares};
 use crate::step::WorkerOp;
 
 /// Which of this engine's memory a grant opens.
@@ -44,18 +44,15 @@ struct Live {
     /// Messages waiting for every rank to confirm, one per slot (a PullBlocks' list, one
     /// PushRegister per D rank).
     held: BTreeMap<u16, Message>,
-    /// Whether the workers were asked for the KV digest of the blocks, and the shares so far
-    /// (sum, ranks).
-    digest: Option<(u64, usize)>,
+    /// Whether the workers were asked for the KV digest of the blocks, and their shares so far.
+    digest: Option<Shares>,
 }
 
 impl Live {
     /// The KV digest for the reader: every rank's share, or none (not asked, or a rank could
     /// not compute it).
     fn digest(&self) -> Option<u64> {
-        self.digest
-            .filter(|(_, n)| *n == self.confirmed.len())
-            .map(|(sum, _)| sum)
+        self.digest?.total(self.confirmed.len())
     }
 }
 
@@ -94,9 +91,8 @@ impl Grants {
         let Some(key) = self.by_id.get(&id) else {
             return; // revoked meanwhile
         };
-        if let Some((sum, n)) = self.live.get_mut(key).and_then(|l| l.digest.as_mut()) {
-            *sum = sum.wrapping_add(share);
-            *n += 1;
+        if let Some(shares) = self.live.get_mut(key).and_then(|l| l.digest.as_mut()) {
+            shares.add(share);
         }
     }
 }
@@ -190,7 +186,7 @@ impl ConnectorCore {
                 peer,
                 confirmed: vec![false; ranks as usize],
                 held: BTreeMap::from([(slot, msg)]),
-                digest: digest.map(|_| (0, 0)),
+                digest: digest.map(|_| Shares::default()),
             },
         );
         None

@@ -11,7 +11,7 @@ use handoff_transport::{XferDesc, XferOp};
 
 use super::peers::PeerState;
 use super::{ConnectorCore, Observation};
-use crate::digest::DigestOf;
+use crate::digest::{DigestOf, Shares};
 use crate::step::{JobId, TransferJob, TransferPart};
 
 #[derive(Debug, Clone, Copy)]
@@ -27,8 +27,8 @@ struct ReadInFlight {
     descs: usize,
     /// Per D rank, its job still running.
     jobs: HashMap<u16, JobId>,
-    /// With a KV digest from P: (P's digest, the sum of D's shares so far, shares).
-    digest: Option<(u64, u64, usize)>,
+    /// With a KV digest from P: P's digest, and D's ranks' shares so far.
+    digest: Option<(u64, Shares)>,
 }
 
 /// What D's KV digest check found once every rank's read ended.
@@ -160,9 +160,8 @@ impl Transfers {
         let Some(JobOwner::Read { handoff, .. }) = self.jobs.get(&job) else {
             return;
         };
-        if let Some((_, sum, n)) = self.reads.get_mut(handoff).and_then(|r| r.digest.as_mut()) {
-            *sum = sum.wrapping_add(share);
-            *n += 1;
+        if let Some((_, shares)) = self.reads.get_mut(handoff).and_then(|r| r.digest.as_mut()) {
+            shares.add(share);
         }
     }
 }
@@ -270,7 +269,7 @@ impl ConnectorCore {
                     bytes,
                     descs,
                     jobs,
-                    digest: digest.map(|d| (d, 0, 0)),
+                    digest: digest.map(|p| (p, Shares::default())),
                 },
             );
         }
@@ -307,14 +306,13 @@ impl ConnectorCore {
                                 duration: now.saturating_sub(read.started),
                                 descriptors: read.descs,
                             });
+                            let d_tp = self.spec.tp as usize;
                             check = match read.digest {
-                                Some((p, d, n)) if ok && n == self.spec.tp as usize => {
-                                    if p == d {
-                                        DigestCheck::Matched
-                                    } else {
-                                        DigestCheck::Mismatched
-                                    }
-                                }
+                                Some((p, d)) if ok => match d.total(d_tp) {
+                                    Some(d) if d == p => DigestCheck::Matched,
+                                    Some(_) => DigestCheck::Mismatched,
+                                    None => DigestCheck::Unchecked,
+                                },
                                 _ => DigestCheck::Unchecked,
                             };
                         }

@@ -48,9 +48,15 @@ pub fn texts(v: &Value) -> Vec<String> {
 
 /// The sum of a metric's samples in Prometheus text.
 pub fn metric(text: &str, name: &str) -> f64 {
+    metric_with(text, name, "")
+}
+
+/// The sum of a metric's samples whose line contains `label` (e.g. `matched="false"`).
+pub fn metric_with(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
