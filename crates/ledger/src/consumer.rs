@@ -20,7 +20,9 @@
 //! | `Admitted`   | valid grant                    | `Reading`, `StartRead`                         |
 //! | `Reading`    | every rank done in time        | `Ready` outcome, handoff ends                  |
 //! | `Reading`    | failure or read deadline       | outcome per policy, `Quarantine`               |
-//! | `Quarantine` | every rank ended / fence over  | blocks back                                    |
+//! | `Reading`    | last request aborted/rejected  | `CancelRead`, `Quarantine`                     |
+//! | `Quarantine` | every rank ended               | blocks back, `Release` to P                    |
+//! | `Quarantine` | fence over                     | blocks back (P's lease ends it)                |
 //! | `Registered` | every `PushDone` inside grant  | `Ready` outcome                                |
 //! | `Registered` | watchdog, failure, abort       | `Cancelling`, `PushCancel` to P                |
 //! | `Cancelling` | ack, or grant + grace over     | blocks back                                    |
@@ -265,6 +267,8 @@ enum State {
     Quarantine {
         until: Time,
         pending: Vec<u16>,
+        /// What P is told once every rank's read has ended.
+        tell_p: ReleaseReason,
     },
     Registered {
         watchdog: Time,
@@ -574,8 +578,16 @@ impl ConsumerLedger {
                 self.end_handoff(id, now);
             }
             State::Registered { .. } => self.cancel_push(id, end, now),
-            // Reading: the read ends by its deadline and its notifications (or a release) tell P.
-            State::Reading { .. } | State::Quarantine { .. } | State::Cancelling { .. } => {}
+            // Nobody wants this KV any more: stop the READ now rather than let it run to its
+            // end, and tell P as soon as every rank's read has ended (P must not reuse its
+            // blocks under a READ still in flight: rule 2). The client learns nothing more.
+            State::Reading { ref pending, .. } => {
+                let pending = pending.clone();
+                self.actions
+                    .push_back(ConsumerAction::CancelRead { handoff: id });
+                self.quarantine(id, pending, reason, now);
+            }
+            State::Quarantine { .. } | State::Cancelling { .. } => {}
         }
     }
 
@@ -665,14 +677,17 @@ impl ConsumerLedger {
                             return;
                         }
                         self.fail_requests(handoff, reason);
-                        self.after_failed_read(handoff, now);
+                        self.after_read_ended(handoff, ReleaseReason::Failed, now);
                     }
                 }
             }
-            State::Quarantine { pending, .. } => {
+            State::Quarantine {
+                pending, tell_p, ..
+            } => {
+                let tell_p = *tell_p;
                 pending.retain(|r| *r != d_rank);
                 if pending.is_empty() {
-                    self.after_failed_read(handoff, now);
+                    self.after_read_ended(handoff, tell_p, now);
                 }
             }
             _ => {}
@@ -717,7 +732,7 @@ impl ConsumerLedger {
                     self.fail_requests(id, FailReason::PeerDead);
                     self.actions
                         .push_back(ConsumerAction::CancelRead { handoff: id });
-                    self.quarantine(id, pending, now);
+                    self.quarantine(id, pending, ReleaseReason::Failed, now);
                 }
                 // A dead writer cannot write any more: the blocks are safe to reuse now.
                 State::Registered { .. } | State::Cancelling { .. } => {
@@ -1072,7 +1087,7 @@ impl ConsumerLedger {
                     self.fail_requests(id, failed.unwrap_or(FailReason::ReadTimedOut));
                     self.actions
                         .push_back(ConsumerAction::CancelRead { handoff: id });
-                    self.quarantine(id, pending, now);
+                    self.quarantine(id, pending, ReleaseReason::Failed, now);
                 } else {
                     h.timer.arm(&mut self.timers, id, deadline);
                 }
@@ -1129,34 +1144,41 @@ impl ConsumerLedger {
         true
     }
 
-    fn after_failed_read(&mut self, id: HandoffId, now: Time) {
+    /// Every rank's read of a handoff that did not become ready (failed, cancelled, or every
+    /// request gone) has ended: nothing is in flight, P may free at once.
+    fn after_read_ended(&mut self, id: HandoffId, reason: ReleaseReason, now: Time) {
         let Some(h) = self.handoffs.get(&id) else {
             return;
         };
-        // Every rank's read has ended: nothing in flight, P may free at once.
         let msg = Release {
             handoff: id,
             epoch: h.info.epoch,
-            reason: ReleaseReason::Failed,
+            reason,
         };
         self.messages
             .push_back((h.info.peer, Message::Release(msg)));
         self.stats.releases_sent += 1;
-        self.release_local(id, EndReason::Failed, now);
+        self.release_local(id, EndReason::from(reason), now);
         self.end_handoff(id, now);
     }
 
-    fn quarantine(&mut self, id: HandoffId, pending: Vec<u16>, now: Time) {
+    /// Holds a read's blocks until every rank in `pending` reported its read ended (or the fence
+    /// is over); then P is told `tell_p`.
+    fn quarantine(&mut self, id: HandoffId, pending: Vec<u16>, tell_p: ReleaseReason, now: Time) {
         let fence = self.cfg.read_fence;
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
         if pending.is_empty() {
-            self.after_failed_read(id, now);
+            self.after_read_ended(id, tell_p, now);
             return;
         }
         let until = now + fence;
-        h.state = State::Quarantine { until, pending };
+        h.state = State::Quarantine {
+            until,
+            pending,
+            tell_p,
+        };
         h.timer.arm(&mut self.timers, id, until);
     }
 

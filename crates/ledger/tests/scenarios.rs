@@ -375,28 +375,56 @@ fn rejection_and_abort_before_admission_release_at_once() {
 }
 
 #[test]
-fn abort_during_read_waits_for_the_read_then_frees_both_sides() {
+fn abort_during_read_cancels_the_read_and_frees_both_sides_once_it_ended() {
     let mut pair = Pair::default_pair();
     let id = hid(23);
-    let read = start_pull(&mut pair, id, 1);
+    start_pull(&mut pair, id, 1);
     pair.d
         .on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
     pair.pump();
+    assert_eq!(
+        pair.cancelled_reads,
+        vec![id],
+        "nobody wants the KV: the READ is cancelled at once, not left to run to its end"
+    );
     assert!(
         pair.p_released(id).is_none(),
-        "a READ is in flight: P must not free yet"
+        "the READ may still be in flight: P must not free yet"
     );
     assert!(
         pair.d_releases.is_empty(),
-        "D's blocks are being written by the READ"
+        "D's blocks may still be written by the READ"
     );
-    pair.complete_read(&read);
-    assert!(pair.p_released(id).is_some());
+    // The transport reports the cancelled READ ended (nothing landed, no PullDone rode on it).
+    pair.now += ms(3);
+    pair.d.on_read_done(id, 0, false, pair.now);
+    pair.pump();
+    let p_rel = pair.p_released(id).expect("P frees once the READ ended");
+    assert_eq!(p_rel.reason, EndReason::Aborted);
     assert_eq!(pair.d_releases.len(), 1);
+    assert_eq!(pair.d_releases[0].reason, EndReason::Aborted);
     assert!(
         pair.outcomes.is_empty(),
         "an aborted request gets no outcome"
     );
+    assert!(pair.d.is_empty());
+}
+
+#[test]
+fn abort_during_a_read_that_lands_anyway_frees_both_sides_once() {
+    let mut pair = Pair::default_pair();
+    let id = hid(24);
+    let read = start_pull(&mut pair, id, 1);
+    pair.d
+        .on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
+    pair.pump();
+    assert!(pair.p_released(id).is_none());
+    // The READ had landed before the cancel reached it.
+    pair.complete_read(&read);
+    assert!(pair.p_released(id).is_some());
+    assert_eq!(pair.p_releases.len(), 1, "P frees once");
+    assert_eq!(pair.d_releases.len(), 1);
+    assert!(pair.outcomes.is_empty());
 }
 
 #[test]

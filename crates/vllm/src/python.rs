@@ -10,16 +10,20 @@ use handoff_connector::WorkerHello;
 use handoff_proto::KvTransferParams;
 
 use crate::kv_tensors::KvTensorInfo;
-use crate::scheduler::{SchedulerConfig, SchedulerSide, StepMeta};
+use crate::scheduler::{Matched, SchedulerConfig, SchedulerSide, StepMeta};
 use crate::worker::{WorkerBridge, WorkerConfig};
 
 fn err(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
-fn params(json: Option<&str>) -> PyResult<Option<KvTransferParams>> {
-    json.map(|j| serde_json::from_str(j).map_err(|e| err(format!("kv_transfer_params: {e}"))))
-        .transpose()
+/// A client's `kv_transfer_params`. Malformed ones are logged and read as none: what a client
+/// sends never raises into vLLM's scheduler (an exception there stops the engine).
+fn params(json: Option<&str>) -> Option<KvTransferParams> {
+    let json = json?;
+    serde_json::from_str(json)
+        .map_err(|e| tracing::warn!(error = %e, "malformed kv_transfer_params ignored"))
+        .ok()
 }
 
 /// The scheduler side (EngineCore process).
@@ -59,7 +63,7 @@ impl PyScheduler {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> PyResult<(bool, Option<String>)> {
-        let p = params(params_json)?;
+        let p = params(params_json);
         let (keep, out) = self
             .inner
             .request_finished(request_id, p.as_ref(), blocks, num_tokens)
@@ -70,17 +74,23 @@ impl PyScheduler {
         Ok((keep, out))
     }
 
-    /// D: how many prompt tokens come from P (`None`: not a remote prefill).
+    /// D: `(tokens, later)`: how many prompt tokens come from P (`None`: none, vLLM computes
+    /// the prompt), or `later` true when vLLM must ask again at a later step (an n>1 sibling).
     fn remote_prefill_arrived(
         &mut self,
         request_id: &str,
         params_json: &str,
         prompt_tokens: u32,
-    ) -> PyResult<Option<u32>> {
-        let p = params(Some(params_json))?.unwrap_or_default();
-        self.inner
+    ) -> (Option<u32>, bool) {
+        let p = params(Some(params_json)).unwrap_or_default();
+        match self
+            .inner
             .remote_prefill_arrived(request_id, &p, prompt_tokens)
-            .map_err(err)
+        {
+            Matched::Local => (None, false),
+            Matched::Remote(n) => (Some(n), false),
+            Matched::Later => (None, true),
+        }
     }
 
     fn blocks_allocated(&mut self, request_id: &str, blocks: Vec<u32>) -> PyResult<()> {
@@ -88,7 +98,7 @@ impl PyScheduler {
     }
 
     fn reject(&mut self, params_json: &str) -> PyResult<()> {
-        let p = params(Some(params_json))?.unwrap_or_default();
+        let p = params(Some(params_json)).unwrap_or_default();
         self.inner.reject(&p).map_err(err)
     }
 

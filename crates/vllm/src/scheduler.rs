@@ -17,7 +17,7 @@ use handoff_connector::{
     WorkerLink, WorkerReport, WorkerStep,
 };
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
-use handoff_proto::{KvTransferParams, ReleaseReason, TransferMode};
+use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
 /// What the scheduler tells every worker for one engine step (vLLM's `KVConnectorMetadata`).
@@ -48,6 +48,18 @@ impl StepMeta {
             && self.finished_recving.is_empty()
             && self.failed_recving.is_empty()
     }
+}
+
+/// D's answer to vLLM's `get_num_new_matched_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Matched {
+    /// Nothing comes from P for this request: vLLM computes its prompt itself (not a remote
+    /// prefill, or a sibling whose KV is in vLLM's prefix cache now).
+    Local,
+    /// This many prompt tokens arrive from P.
+    Remote(u32),
+    /// Ask again at a later step: a sibling's READ is bringing this prompt's KV.
+    Later,
 }
 
 /// `kv_connector_extra_config`, plus what the Python side reads from vLLM's config.
@@ -129,6 +141,9 @@ pub struct SchedulerSide {
     /// D: vLLM request id ↔ the ledgers' number, while the request waits for its KV.
     ids: HashMap<String, u64>,
     names: HashMap<u64, String>,
+    /// D: the handoff each tracked request's KV comes from (n>1 siblings wait on it).
+    by_handoff: HashMap<HandoffId, u64>,
+    handoff_of: HashMap<u64, HandoffId>,
     next_id: u64,
     pending: StepMeta,
     /// D requests vLLM must not be told about twice.
@@ -204,6 +219,8 @@ impl SchedulerSide {
             first_block: HashMap::new(),
             ids: HashMap::new(),
             names: HashMap::new(),
+            by_handoff: HashMap::new(),
+            handoff_of: HashMap::new(),
             next_id: 1,
             pending: StepMeta::default(),
             settled: HashSet::new(),
@@ -247,9 +264,17 @@ impl SchedulerSide {
             return Ok((false, None));
         }
         let first = blocks[0];
-        let out = self
+        let out = match self
             .connector
-            .on_prefill_finished(request_id, blocks, num_tokens)?;
+            .on_prefill_finished(request_id, blocks, num_tokens)
+        {
+            Ok(out) => out,
+            Err(e) => {
+                // vLLM frees the blocks; the response carries no params for a D.
+                tracing::warn!(request_id, error = %e, "no handoff for this prefill");
+                return Ok((false, None));
+            }
+        };
         tracing::debug!(request_id, handoff = ?out.handoff_id, first, "P keeps blocks for D");
         self.sending.insert(first, request_id.to_string());
         Ok((true, Some(out)))
@@ -258,27 +283,46 @@ impl SchedulerSide {
     // ----- D -----
 
     /// vLLM `get_num_new_matched_tokens` on D: a request whose prompt P prefilled. Starts
-    /// tracking it (heartbeats begin while it still waits in vLLM's queue) and returns how many
-    /// prompt tokens will arrive from P; `None` when this is not such a request.
+    /// tracking it (heartbeats begin while it still waits in vLLM's queue) and says how many
+    /// prompt tokens will arrive from P.
+    ///
+    /// n>1: vLLM fans a request out into children with blocks of their own, all carrying the
+    /// same `kv_transfer_params`. The first child's READ brings the KV (one transfer, P freed
+    /// once); the others wait ([`Matched::Later`]) until it has landed, then compute their
+    /// prompt locally, which vLLM's prefix cache serves from the first child's blocks.
     pub fn remote_prefill_arrived(
         &mut self,
         request_id: &str,
         params: &KvTransferParams,
         prompt_tokens: u32,
-    ) -> Result<Option<u32>, SchedulerError> {
-        if !params.do_remote_prefill || params.handoff_id.is_none() {
-            return Ok(None);
-        }
+    ) -> Matched {
+        let Some(handoff) = params.handoff_id.filter(|_| params.do_remote_prefill) else {
+            return Matched::Local;
+        };
         if self.ids.contains_key(request_id) {
-            return Ok(Some(prompt_tokens));
+            return Matched::Remote(prompt_tokens);
+        }
+        if let Some(first) = self.by_handoff.get(&handoff) {
+            // A sibling: wait while the first child's KV is on its way.
+            return if self.settled.contains(first) {
+                Matched::Local
+            } else {
+                Matched::Later
+            };
         }
         let n = self.next_id;
         self.next_id += 1;
-        self.connector
-            .on_request_arrived(n, params, prompt_tokens)?;
+        if let Err(e) = self.connector.on_request_arrived(n, params, prompt_tokens) {
+            // What a client sends must not stop vLLM's scheduler: the request is served
+            // without P's KV (its prompt computed here), and nothing else changes.
+            tracing::warn!(request_id, error = %e, "kv_transfer_params refused; computing the prompt locally");
+            return Matched::Local;
+        }
         self.ids.insert(request_id.to_string(), n);
         self.names.insert(n, request_id.to_string());
-        Ok(Some(prompt_tokens))
+        self.by_handoff.insert(handoff, n);
+        self.handoff_of.insert(n, handoff);
+        Matched::Remote(prompt_tokens)
     }
 
     /// vLLM `update_state_after_alloc` on D: the request got `blocks` for its prompt.
@@ -314,6 +358,9 @@ impl SchedulerSide {
     fn forget(&mut self, n: u64) {
         if let Some(name) = self.names.remove(&n) {
             self.ids.remove(&name);
+        }
+        if let Some(h) = self.handoff_of.remove(&n) {
+            self.by_handoff.remove(&h);
         }
         self.settled.remove(&n);
         self.first_block.remove(&n);

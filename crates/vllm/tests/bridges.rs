@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use handoff_vllm::kv_tensors::{KvTensorInfo, ModelFacts};
-use handoff_vllm::scheduler::{SchedulerConfig, SchedulerSide, StepMeta};
+use handoff_vllm::scheduler::{Matched, SchedulerConfig, SchedulerSide, StepMeta};
 use handoff_vllm::worker::WorkerBridge;
 
 const BLOCKS: i64 = 64;
@@ -126,11 +126,8 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     let json = serde_json::to_value(&params).unwrap();
     let params: handoff_proto::KvTransferParams = serde_json::from_value(json).unwrap();
 
-    let n = d
-        .sched
-        .remote_prefill_arrived("cmpl-d-1", &params, 40)
-        .unwrap();
-    assert_eq!(n, Some(40));
+    let n = d.sched.remote_prefill_arrived("cmpl-d-1", &params, 40);
+    assert_eq!(n, Matched::Remote(40));
     let d_blocks = vec![11u32, 12, 13];
     d.sched
         .blocks_allocated("cmpl-d-1", d_blocks.clone())
@@ -183,9 +180,10 @@ fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
         .request_finished("p-req", Some(&request), vec![1, 2], 20)
         .unwrap();
     let params = params.unwrap();
-    d.sched
-        .remote_prefill_arrived("d-req", &params, 20)
-        .unwrap();
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &params, 20),
+        Matched::Remote(20)
+    );
     // The client leaves while the request still waits in D's queue: it has no blocks to keep.
     let (keep, _) = d.sched.request_finished("d-req", None, vec![], 0).unwrap();
     assert!(!keep);
@@ -213,9 +211,10 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
         .request_finished("p-req", Some(&request), vec![3, 4], 20)
         .unwrap();
     let params = params.unwrap();
-    d.sched
-        .remote_prefill_arrived("d-req", &params, 20)
-        .unwrap();
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &params, 20),
+        Matched::Remote(20)
+    );
     d.sched.blocks_allocated("d-req", vec![7, 8]).unwrap();
     // D's worker posts the READ but is not polled (vLLM polls once per engine step): as far as
     // the scheduler side knows, the READ may still be writing into blocks 7 and 8.
@@ -259,4 +258,137 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
             "D's blocks never came back"
         );
     }
+}
+
+/// P prefilled `blocks` for one request that D decodes: the params D's requests carry.
+fn prefilled(
+    p: &mut Engine,
+    name: &str,
+    blocks: Vec<u32>,
+    tokens: u32,
+) -> handoff_proto::KvTransferParams {
+    let request: handoff_proto::KvTransferParams =
+        serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
+    let (keep, params) = p
+        .sched
+        .request_finished(name, Some(&request), blocks, tokens)
+        .unwrap();
+    assert!(keep);
+    params.unwrap()
+}
+
+#[test]
+fn n2_children_on_d_cause_one_transfer_and_the_second_waits_for_the_prefix_cache() {
+    // vLLM fans n=2 out into two children with blocks of their own and the same params.
+    let mut p = engine("vllm-p4");
+    let mut d = engine("vllm-d4");
+    let params = prefilled(&mut p, "p-req", vec![1, 2], 20);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("0_cmpl", &params, 20),
+        Matched::Remote(20)
+    );
+    assert_eq!(
+        d.sched.remote_prefill_arrived("1_cmpl", &params, 20),
+        Matched::Later,
+        "the second child waits: a second READ of P's blocks would race their release"
+    );
+    d.sched.blocks_allocated("0_cmpl", vec![7, 8]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut posts, mut p_freed, mut landed) = (0, 0, false);
+    while !landed {
+        assert!(
+            Instant::now() < deadline,
+            "the first child's KV never landed"
+        );
+        // vLLM asks again for the waiting child every step until it is told to go on.
+        assert_eq!(
+            d.sched.remote_prefill_arrived("1_cmpl", &params, 20),
+            Matched::Later
+        );
+        let meta = d.step();
+        posts += meta.steps[0]
+            .ops
+            .iter()
+            .filter(|op| matches!(op, handoff_connector::WorkerOp::Post(_)))
+            .count();
+        assert!(meta.failed_recving.is_empty(), "{meta:?}");
+        assert!(!meta.finished_recving.contains(&"1_cmpl".to_string()));
+        landed = meta.finished_recving.contains(&"0_cmpl".to_string());
+        p_freed += p.step().finished_sending.len();
+    }
+    // The first child's KV landed (vLLM caches its blocks as it resumes it): the second child
+    // computes its prompt locally, from vLLM's prefix cache.
+    assert_eq!(
+        d.sched.remote_prefill_arrived("1_cmpl", &params, 20),
+        Matched::Local
+    );
+    for _ in 0..50 {
+        posts += d.step().steps[0]
+            .ops
+            .iter()
+            .filter(|op| matches!(op, handoff_connector::WorkerOp::Post(_)))
+            .count();
+        p_freed += p.step().finished_sending.len();
+        if p_freed > 0 {
+            break;
+        }
+    }
+    assert_eq!(posts, 1, "one transfer for both children");
+    assert_eq!(p_freed, 1, "P freed once");
+    let (keep, _) = d
+        .sched
+        .request_finished("0_cmpl", None, vec![7, 8], 20)
+        .unwrap();
+    assert!(!keep);
+    let (keep, _) = d
+        .sched
+        .request_finished("1_cmpl", None, vec![9, 10], 20)
+        .unwrap();
+    assert!(!keep);
+    for _ in 0..20 {
+        p.step();
+        d.step();
+    }
+    assert!(!p.sched.has_pending_work());
+    assert!(!d.sched.has_pending_work());
+}
+
+#[test]
+fn params_the_connector_refuses_make_a_local_request_not_an_error() {
+    // An exception in a scheduler hook stops vLLM's engine: a client's params never cause one.
+    let mut p = engine("vllm-p5");
+    let mut d = engine("vllm-d5");
+    let params = prefilled(&mut p, "p-req", vec![1], 10);
+    // Params no P could have sent (a P of tensor-parallel size 0).
+    let mut bogus = params.clone();
+    bogus.tp_size = Some(0);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("bogus", &bogus, 10),
+        Matched::Local
+    );
+    // The real request still gets its KV.
+    assert_eq!(
+        d.sched.remote_prefill_arrived("real", &params, 10),
+        Matched::Remote(10)
+    );
+    d.sched.blocks_allocated("real", vec![3]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the real request never got its KV"
+        );
+        p.step();
+        if d.step().finished_recving.contains(&"real".to_string()) {
+            break;
+        }
+    }
+    // The same params again once their handoff ended on D (a client replaying them): D
+    // refuses to track an ended handoff, and vLLM computes the prompt itself.
+    let (keep, _) = d.sched.request_finished("real", None, vec![3], 10).unwrap();
+    assert!(!keep);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("replayed", &params, 10),
+        Matched::Local
+    );
 }

@@ -249,7 +249,13 @@ class HandoffConnector(KVConnectorBase_V1):
         if not params.get("handoff_id"):
             return 0, False
         prompt = len(request.prompt_token_ids)
-        n = self._sched.remote_prefill_arrived(request.request_id, json.dumps(params), prompt)
+        n, later = self._sched.remote_prefill_arrived(
+            request.request_id, json.dumps(params), prompt
+        )
+        if later:
+            # n>1: a sibling's READ brings this prompt's KV; vLLM asks again next step and
+            # then finds it in its prefix cache.
+            return None, False
         if n is None:
             return 0, False
         count = n - num_computed_tokens

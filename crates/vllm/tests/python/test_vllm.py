@@ -112,6 +112,21 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 FENCE_GRACE_S = 1.5
 
 
+def settled_usage(cluster, quiet_s: float = 0.5, limit_s: float = 5.0) -> float:
+    """P's KV cache usage once it has not changed for `quiet_s`: a free from the test before
+    reaches /metrics only after P's next engine step and the API server's next stats update."""
+    last, since = cluster["p"].metric(KV_USAGE), time.time()
+    deadline = since + limit_s
+    while time.time() < deadline:
+        time.sleep(0.05)
+        now = cluster["p"].metric(KV_USAGE)
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet_s:
+            break
+    return last
+
+
 def usage_back_to(cluster, idle: float, since: float, limit_s: float) -> float | None:
     """Seconds from `since` until P's KV cache usage, on vLLM's own /metrics, is back to
     `idle`; None if not within `limit_s`."""
@@ -122,11 +137,87 @@ def usage_back_to(cluster, idle: float, since: float, limit_s: float) -> float |
     return None
 
 
+def test_n2_on_d_is_one_transfer_both_choices_decoded_p_freed_once(cluster):
+    """n=2 on D: vLLM fans the request out into two children with blocks of their own. The
+    first child's READ brings the KV (one transfer, one digest check, P frees once); the second
+    waits for it and finds the prompt in D's prefix cache. Both choices equal the single
+    engine's greedy output."""
+    ids = prompt(3 * BLOCK_SIZE + 40, seed=31)
+    single = cluster["single"].complete(ids, 6)["choices"][0]["token_ids"]
+    matched = digest_lines(cluster, "matched")
+    p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = p["kv_transfer_params"]
+    # vLLM refuses n>1 with greedy sampling; top_k=1 samples the greedy token all the same.
+    d = cluster["d"].complete(ids, 6, n=2, temperature=1.0, top_k=1, kv_transfer_params=params)
+    choices = [c["token_ids"] for c in d["choices"]]
+    assert len(choices) == 2, d
+    assert all(c == single for c in choices), f"D {choices} vs single {single}"
+    assert digest_lines(cluster, "matched") == matched + 1, "one transfer, checked once"
+    back = wait_blocks_back(cluster, params["remote_request_id"], 5)
+    assert back is not None and back[1] == "done", back
+    freed = sum(params["remote_request_id"] in line and "blocks back" in line
+                for line in cluster["p"].log_path.read_text().splitlines())
+    REPORT["n2_transfers"] = digest_lines(cluster, "matched") - matched
+    assert freed == 1, f"P freed {freed} times"
+
+
+def test_malformed_kv_transfer_params_get_an_answer_and_change_nothing_else(cluster):
+    """What a client puts in kv_transfer_params never reaches vLLM's scheduler as an exception
+    (that would stop the engine): D and P answer, computing the prompt themselves, and go on
+    serving."""
+    ids = prompt(BLOCK_SIZE + 7, seed=41)
+    single = cluster["single"].complete(ids, 4)["choices"][0]["token_ids"]
+    for bad in ({"do_remote_prefill": True, "handoff_id": "not-a-handoff"},
+                {"do_remote_prefill": True, "handoff_id": "00000000000000000000000000000001",
+                 "remote_port": "x", "remote_block_ids": "y"}):
+        d = cluster["d"].complete(ids, 4, kv_transfer_params=bad)
+        assert d["choices"][0]["token_ids"] == single, bad
+    p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": "yes",
+                                                          "tp_size": "many"})
+    assert p["choices"][0]["token_ids"] == single[:1]
+    assert not (p.get("kv_transfer_params") or {}).get("handoff_id"), p
+    _, d = disaggregated(cluster, ids, max_tokens=4)
+    assert d["choices"][0]["token_ids"] == single
+
+
+def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
+    """A client leaves a streamed request while D reads its KV (the READ held by the test
+    switch): vLLM aborts the request, D cancels the READ at once and, as soon as it has ended,
+    tells P; P's KV cache usage on vLLM's /metrics is back to idle within 2 s, reason aborted
+    (not the READ's deadline, ~4.5 s later, reason failed). D serves the next request."""
+    idle = settled_usage(cluster)
+    ids = prompt(2 * BLOCK_SIZE + 9, seed=21)
+    HOLD_FILE.touch()
+    try:
+        p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+        params = p["kv_transfer_params"]
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+                "stream": True, "kv_transfer_params": params}
+        stream = requests.post(cluster["d"].url + "/v1/completions", json=body, stream=True,
+                               timeout=30)
+        # D has it: tracked, its READ started and held back.
+        time.sleep(0.7)
+        held = cluster["p"].metric(KV_USAGE)
+        assert held > idle, f"P's KV usage {held} while holding the blocks, idle {idle}"
+        left = time.time()
+        stream.close()
+        reclaim = usage_back_to(cluster, idle, left, 10)
+    finally:
+        HOLD_FILE.unlink()
+    back = wait_blocks_back(cluster, params["remote_request_id"], 5)
+    REPORT["reclaim_after_client_left_s"] = round(reclaim, 3) if reclaim is not None else None
+    assert back is not None and back[1] == "aborted", f"P freed for another reason: {back}"
+    assert reclaim is not None and reclaim < 2.0, f"P's blocks back {reclaim} s after the client left"
+    single = cluster["single"].complete(ids, 4)["choices"][0]["token_ids"]
+    _, d = disaggregated(cluster, ids, max_tokens=4)
+    assert d["choices"][0]["token_ids"] == single
+
+
 def test_dead_decode_engine_frees_p_at_once(cluster):
     """SIGKILL D while the request waits on D for its KV: P notices (the side channel closes)
     and its KV cache usage on vLLM's /metrics is back to idle within 2 s, not after a lease.
     Runs after every test that needs D: it kills D."""
-    idle = cluster["p"].metric(KV_USAGE)
+    idle = settled_usage(cluster)
     ids = prompt(2 * BLOCK_SIZE + 5, seed=7)
     HOLD_FILE.touch()
     try:
@@ -159,7 +250,7 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
     """D is dead (the test above killed it) before it ever hears of this request: nobody claims
     P's handoff, and P's blocks are back when the initial lease and its fence end
     (INITIAL_LEASE_S + handoff's default fence grace of 1.5 s), not earlier, not much later."""
-    idle = cluster["p"].metric(KV_USAGE)
+    idle = settled_usage(cluster)
     ids = prompt(BLOCK_SIZE + 3, seed=13)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     answered = time.time()
