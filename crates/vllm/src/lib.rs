@@ -11,6 +11,9 @@
 //! - [`worker::WorkerBridge`] registers vLLM's KV tensors ([`kv_tensors`] derives handoff's
 //!   layout from their shape and strides) with a transport agent and carries out the steps.
 //!
+//! - [`refusals`]: D's API server names requests vLLM refused before any hook ran, so that P
+//!   releases at once.
+//!
 //! The Python module (`handoff_vllm._native`, feature `python`) is a thin binding over these;
 //! the connector class itself is Python (`python/handoff_vllm`). Rust threads never call into
 //! Python; every hook returns after a short call.
@@ -20,6 +23,7 @@
 pub mod kv_tensors;
 #[cfg(feature = "python")]
 mod python;
+pub mod refusals;
 pub mod scheduler;
 pub mod worker;
 

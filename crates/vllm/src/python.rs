@@ -184,6 +184,15 @@ impl PyWorker {
     }
 }
 
+/// D's API server: names the params of a request vLLM refused before admission to engine
+/// `engine_id`'s connector (see [`crate::refusals`]); returns its answer (`ok` or `error: ...`).
+/// Releases the GIL while it waits (at most a second or two).
+#[pyfunction]
+fn tell_refusal(py: Python<'_>, engine_id: &str, params_json: &str) -> PyResult<String> {
+    py.detach(|| crate::refusals::tell(engine_id, params_json.as_bytes()))
+        .map_err(|e| err(format!("refusal socket of {engine_id}: {e}")))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // handoff's logs go to the process's stderr (vLLM's log), filtered by RUST_LOG (default:
@@ -197,5 +206,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .try_init();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
+    m.add_function(wrap_pyfunction!(tell_refusal, m)?)?;
     Ok(())
 }

@@ -20,6 +20,8 @@ use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
+use crate::refusals::{socket_path, RefusalListener};
+
 /// What the scheduler tells every worker for one engine step (vLLM's `KVConnectorMetadata`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepMeta {
@@ -148,6 +150,9 @@ pub struct SchedulerSide {
     pending: StepMeta,
     /// D requests vLLM must not be told about twice.
     settled: HashSet<u64>,
+    /// Requests vLLM's API server refused before any hook ran (none if the socket could not
+    /// be bound: those handoffs then end at P's lease).
+    _refusals: Option<RefusalListener>,
 }
 
 impl SchedulerSide {
@@ -211,7 +216,11 @@ impl SchedulerSide {
                     .collect())
             },
         )?;
+        let refusals = RefusalListener::start(&socket_path(&cfg.engine_id), connector.clone())
+            .map_err(|e| tracing::warn!(error = %e, "no refusal socket: P keeps a refused request's blocks until its lease ends"))
+            .ok();
         Ok(SchedulerSide {
+            _refusals: refusals,
             connector,
             sink,
             steps: rxs,

@@ -392,3 +392,31 @@ fn params_the_connector_refuses_make_a_local_request_not_an_error() {
         Matched::Local
     );
 }
+
+#[test]
+fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() {
+    let mut p = engine("vllm-p6");
+    let mut d = engine("vllm-d6");
+    let params = prefilled(&mut p, "p-req", vec![1, 2], 20);
+    // What D's API server middleware sends for a request vLLM answered 400.
+    let bad = handoff_vllm::refusals::tell("vllm-d6", b"{\"handoff_id\": 7").unwrap();
+    assert!(bad.starts_with("error: kv_transfer_params"), "{bad}");
+    let json = serde_json::to_vec(&params).unwrap();
+    assert_eq!(
+        handoff_vllm::refusals::tell("vllm-d6", &json).unwrap(),
+        "ok"
+    );
+    let t0 = Instant::now();
+    loop {
+        d.step();
+        if p.step().finished_sending.contains(&"p-req".to_string()) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "P still holds the blocks of a request D refused"
+        );
+    }
+    // An engine that is not running has no socket.
+    assert!(handoff_vllm::refusals::tell("no-such-engine", &json).is_err());
+}

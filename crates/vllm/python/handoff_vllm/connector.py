@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from handoff_vllm import _native
+from handoff_vllm.refusals import engine_id
 
 if TYPE_CHECKING:
     import torch
@@ -106,8 +107,7 @@ class HandoffConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._config = vllm_config
         self._extra = _extra(vllm_config)
-        ktc = vllm_config.kv_transfer_config
-        self._engine_id = str(self._extra.get("engine_id") or ktc.engine_id)
+        self._engine_id = engine_id(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
         # Scheduler side.
         self._sched = None

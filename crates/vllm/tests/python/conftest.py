@@ -24,6 +24,7 @@ MODEL = HERE / "model"
 LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
 STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
 MAX_MODEL_LEN = 2048
+P_MAX_MODEL_LEN = 4096  # the model's max_position_embeddings
 # P's lease on a handoff before its D first heartbeats (handoff's default is longer).
 INITIAL_LEASE_S = 4.0
 BLOCK_SIZE = 128  # vLLM's default on CPU
@@ -158,11 +159,15 @@ def cluster():
         # P logs when it gives blocks back (the dead-D test reads the time from it).
         # P publishes its KV cache usage on /metrics (the reclaim tests read it); a handoff no D
         # ever claims expires after INITIAL_LEASE_S.
+        # P takes prompts D refuses (P_MAX_MODEL_LEN > D's): the refusal test needs one.
         "p": Server("p", connector("vllm-p", kv_digest=True,
                                    initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
+                    extra_args=["--max-model-len", str(P_MAX_MODEL_LEN)],
                     env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
         # D logs each KV digest it checked (the tests count them).
+        # D names requests its API server refuses to its connector (handoff_vllm.RefusalRelease).
         "d": Server("d", connector("vllm-d", kv_digest=True),
+                    extra_args=["--middleware", "handoff_vllm.RefusalRelease"],
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
                                "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),
                                "RUST_LOG": "info,handoff_connector::core::transfers=debug"}),

@@ -180,6 +180,33 @@ def test_malformed_kv_transfer_params_get_an_answer_and_change_nothing_else(clus
     assert d["choices"][0]["token_ids"] == single
 
 
+def test_a_request_d_refuses_before_admission_frees_p_at_once(cluster):
+    """D's API server refuses a prompt longer than D's max_model_len (400) before EngineCore,
+    and so the connector, sees it. handoff_vllm.RefusalRelease names its params to D's
+    connector, which tells P: P's blocks are back within 2 s, reason rejected (without it, at
+    the initial lease + fence, 5.5 s here)."""
+    idle = settled_usage(cluster)
+    ids = prompt(MAX_MODEL_LEN + 100, seed=51)
+    p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = p["kv_transfer_params"]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": params}
+    r = requests.post(cluster["d"].url + "/v1/completions", json=body, timeout=30)
+    refused = time.time()
+    assert r.status_code == 400, f"D took a prompt over its max_model_len: {r.status_code}"
+    back = wait_blocks_back(cluster, params["remote_request_id"], INITIAL_LEASE_S + 5)
+    assert back is not None and back[1] == "rejected", f"P freed for another reason: {back}"
+    after = back[0] - refused
+    REPORT["reclaim_after_refusal_s"] = round(after, 3)
+    assert after < 2.0, f"P's blocks came back {after:.2f} s after D refused"
+    assert usage_back_to(cluster, idle, time.time(), 5) is not None
+    # D still serves.
+    short = ids[:BLOCK_SIZE]
+    _, d = disaggregated(cluster, short, max_tokens=2)
+    assert d["choices"][0]["token_ids"] == \
+        cluster["single"].complete(short, 2)["choices"][0]["token_ids"]
+
+
 def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
     """A client leaves a streamed request while D reads its KV (the READ held by the test
     switch): vLLM aborts the request, D cancels the READ at once and, as soon as it has ended,

@@ -1,0 +1,95 @@
+"""``RefusalRelease``: ASGI middleware for D's API server (``--middleware
+handoff_vllm.RefusalRelease``).
+
+vLLM's API server refuses some requests itself (a prompt longer than ``max_model_len``, bad
+sampling parameters) and answers 4xx before EngineCore, and so the connector, ever sees them.
+For a request that carries a remote prefill's ``kv_transfer_params``, P would keep the prompt's
+blocks until its lease ends. This middleware watches the answer's status and, on a 4xx, names
+the params to this engine's connector (a Unix socket only this user can open; see the Rust
+``refusals`` module), which tells P to release at once through its ledger.
+
+It reads the request body once (at most ``MAX_BODY`` bytes; larger bodies pass through
+unwatched) and replays it to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from handoff_vllm import _native
+
+logger = logging.getLogger("handoff_vllm")
+
+MAX_BODY = 16 * 1024 * 1024
+_WATCHED = ("/v1/completions", "/v1/chat/completions")
+
+
+def engine_id(vllm_config) -> str:
+    """The engine id the connector runs under (``HandoffConnector`` reads the same)."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    return str(extra.get("engine_id") or ktc.engine_id)
+
+
+def _remote_prefill_params(body: bytes) -> dict | None:
+    try:
+        params = json.loads(body).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(params, dict) and params.get("do_remote_prefill") and params.get("handoff_id"):
+        return params
+    return None
+
+
+class RefusalRelease:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST" \
+                or scope.get("path") not in _WATCHED:
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            m = await receive()
+            messages.append(m)
+            if m.get("type") != "http.request":
+                break
+            size += len(m.get("body", b""))
+            if not m.get("more_body") or size > MAX_BODY:
+                break
+        params = None
+        if size <= MAX_BODY and messages[-1].get("type") == "http.request" \
+                and not messages[-1].get("more_body"):
+            params = _remote_prefill_params(b"".join(m.get("body", b"") for m in messages))
+        queued = list(messages)
+
+        async def replay():
+            return queued.pop(0) if queued else await receive()
+
+        if params is None:
+            return await self.app(scope, replay, send)
+        status = None
+
+        async def watch(m):
+            nonlocal status
+            if m.get("type") == "http.response.start":
+                status = m.get("status")
+            await send(m)
+
+        await self.app(scope, replay, watch)
+        if status is not None and 400 <= status < 500:
+            await asyncio.to_thread(self._tell, scope, params, status)
+
+    @staticmethod
+    def _tell(scope, params: dict, status: int) -> None:
+        try:
+            config = scope["app"].state.vllm_config
+            answer = _native.tell_refusal(engine_id(config), json.dumps(params))
+        except Exception as e:  # the client already has its answer; nothing else may break
+            logger.warning("handoff: could not pass on a refused request (%s): %s", status, e)
+            return
+        if answer != "ok":
+            logger.warning("handoff: refused request (%s) not passed on: %s", status, answer)
