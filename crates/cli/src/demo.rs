@@ -58,6 +58,10 @@ pub struct DemoArgs {
     /// pull (D reads P's blocks) or push (P writes into blocks D reserved, layer by layer).
     #[arg(long, default_value = "pull")]
     pub mode: String,
+    /// Also write DIR/demo.html (TTFT and end-to-end latency CDFs, drawn, and this report) and
+    /// DIR/demo.json.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<std::path::PathBuf>,
     /// Every engine in a network namespace of its own, with its own address, as separate hosts
     /// (root only); one decode engine is partitioned mid-run (its link cut: no FIN, no RST)
     /// instead of killed, and healed once P took its blocks back.
@@ -182,6 +186,11 @@ struct Outcome {
 
 #[derive(Serialize, Default)]
 struct Report {
+    /// Each successful request's TTFT and end-to-end time (ms), for `--report`'s CDFs.
+    #[serde(skip)]
+    ttft_samples_ms: Vec<f64>,
+    #[serde(skip)]
+    e2e_samples_ms: Vec<f64>,
     requests_ok: usize,
     requests_failed: usize,
     requests_disconnected: usize,
@@ -404,7 +413,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let report = rt.block_on(demo(args.clone()))?;
-    print_report(&report);
+    let text = report_text(&report);
+    print!("{text}");
+    if let Some(dir) = &args.report {
+        write_report(dir, &report, &text)?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     }
@@ -416,6 +429,25 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--report DIR`: the latency CDFs of the successful requests, the text report below them.
+fn write_report(dir: &std::path::Path, r: &Report, text: &str) -> anyhow::Result<()> {
+    let chart = crate::bench::report::cdf(
+        "Latency of the successful requests",
+        &[
+            ("TTFT".to_string(), r.ttft_samples_ms.clone()),
+            ("end to end".to_string(), r.e2e_samples_ms.clone()),
+        ],
+    )?;
+    crate::bench::report::write(
+        dir,
+        "demo",
+        "handoff demo",
+        &[chart],
+        text,
+        &serde_json::to_string_pretty(r)?,
+    )
 }
 
 /// `demo --netns`: makes the hosts, runs this same demo inside them (on `client`), removes
@@ -739,6 +771,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             report.output_mismatches += 1;
         }
     }
+    report.ttft_samples_ms = ttft.clone();
+    report.e2e_samples_ms = e2e.clone();
     report.ttft_p50_ms = percentile(&mut ttft, 0.5);
     report.ttft_p99_ms = percentile(&mut ttft, 0.99);
     report.e2e_p50_ms = percentile(&mut e2e, 0.5);
@@ -806,32 +840,41 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-fn print_report(r: &Report) {
-    println!();
-    println!(
+/// The report as text (printed, and the notes of `--report`'s page).
+fn report_text(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let o = &mut out;
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
         "handoff demo — {} mode, {} transport, P tp {} / block {}, D tp {} / block {}",
         r.mode, r.transport, r.prefill_tp, r.prefill_block_size, r.decode_tp, r.decode_block_size
     );
-    println!("  model: {}; cost model: {}", r.kv_shape, r.cost_model);
-    println!(
+    let _ = writeln!(o, "  model: {}; cost model: {}", r.kv_shape, r.cost_model);
+    let _ = writeln!(
+        o,
         "  requests ok {}, failed {}, client disconnects {}",
         r.requests_ok, r.requests_failed, r.requests_disconnected
     );
     for (reason, n) in &r.failed_reasons {
-        println!("    failed: {n} × {reason}");
+        let _ = writeln!(o, "    failed: {n} × {reason}");
     }
-    println!(
+    let _ = writeln!(
+        o,
         "  recomputed on D because a transfer failed: {}",
         r.requests_recomputed
     );
     for (reason, n) in &r.requests_recomputed_reasons {
-        println!("    recomputed: {n} × {reason}");
+        let _ = writeln!(o, "    recomputed: {n} × {reason}");
     }
-    println!(
+    let _ = writeln!(
+        o,
         "  TTFT p50 {:.1} ms, p99 {:.1} ms; end to end p50 {:.1} ms, p99 {:.1} ms",
         r.ttft_p50_ms, r.ttft_p99_ms, r.e2e_p50_ms, r.e2e_p99_ms
     );
-    println!(
+    let _ = writeln!(
+        o,
         "  KV moved {:.1} MiB at {:.2} GB/s; {:.1} descriptors per handoff ({} pool)",
         r.kv_bytes_moved / (1 << 20) as f64,
         r.kv_gb_per_s,
@@ -843,29 +886,32 @@ fn print_report(r: &Report) {
         .iter()
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
-    println!("  handoffs ended on P: {}", ended.join(", "));
+    let _ = writeln!(o, "  handoffs ended on P: {}", ended.join(", "));
     if let Some(e) = &r.partitioned_engine {
-        match r.reclaim_after_partition_s {
-            Some(s) => println!(
+        let _ = match r.reclaim_after_partition_s {
+            Some(s) => writeln!(o,
                 "  partitioned {e} (link cut, no FIN) holding {} P blocks: all back in P's pool {s:.3} s after the cut",
                 r.blocks_held_by_killed_engine_at_kill
             ),
-            None => println!("  partitioned {e}: its blocks were NOT all reclaimed"),
-        }
+            None => writeln!(o, "  partitioned {e}: its blocks were NOT all reclaimed"),
+        };
     }
-    match (&r.killed_engine, r.reclaim_after_kill_s) {
-        (Some(e), Some(s)) => println!(
+    let _ = match (&r.killed_engine, r.reclaim_after_kill_s) {
+        (Some(e), Some(s)) => writeln!(
+            o,
             "  killed {e} holding {} P blocks: all back in P's pool {:.3} s after the kill",
             r.blocks_held_by_killed_engine_at_kill, s
         ),
-        (Some(e), None) => println!("  killed {e}: its blocks were NOT all reclaimed"),
-        _ if r.partitioned_engine.is_some() => {}
-        _ => println!("  no engine killed"),
-    }
-    println!("  blocks still held at the end: {}", r.leaked_blocks);
-    println!(
+        (Some(e), None) => writeln!(o, "  killed {e}: its blocks were NOT all reclaimed"),
+        _ if r.partitioned_engine.is_some() => Ok(()),
+        _ => writeln!(o, "  no engine killed"),
+    };
+    let _ = writeln!(o, "  blocks still held at the end: {}", r.leaked_blocks);
+    let _ = writeln!(
+        o,
         "  outputs compared with a monolithic engine: {}, mismatches: {}",
         r.outputs_compared, r.output_mismatches
     );
-    println!("  wall time {:.1} s", r.wall_s);
+    let _ = writeln!(o, "  wall time {:.1} s", r.wall_s);
+    out
 }

@@ -195,7 +195,11 @@ fn measure(n: usize) -> SizeResult {
     }
 }
 
-pub fn run(sizes: &[usize], json: bool) -> anyhow::Result<()> {
+pub fn run(
+    sizes: &[usize],
+    json: bool,
+    report_dir: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     if sizes.len() < 2 || sizes.iter().any(|&n| n < BATCH) {
         bail!("give at least two sizes, each at least {BATCH}");
     }
@@ -241,8 +245,50 @@ pub fn run(sizes: &[usize], json: bool) -> anyhow::Result<()> {
         report.tick_scaling_ratio,
         report.tick_scaling_limit
     );
+    if let Some(dir) = report_dir {
+        write_report(dir, &report)?;
+    }
     if json {
         println!("{}", serde_json::to_string(&report)?);
     }
     Ok(())
+}
+
+/// The cost of each event kind and of an idle tick against handoffs in flight (log-log: a flat
+/// line is O(1), a slope of one is a scan of every handoff).
+fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
+    let kind = |name: &str, f: fn(&SizeResult) -> f64| {
+        (
+            name.to_string(),
+            r.sizes
+                .iter()
+                .map(|s| (s.handoffs as f64, f(s)))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let chart = super::report::lines(
+        "Ledger cost by handoffs in flight (median ns)",
+        ("handoffs in flight", "ns per event / per idle tick"),
+        true,
+        &[
+            kind("grant", |s| s.grant_ns),
+            kind("heartbeat", |s| s.heartbeat_ns),
+            kind("pull-done", |s| s.pull_done_ns),
+            kind("release", |s| s.release_ns),
+            kind("idle tick (P + D)", |s| s.idle_tick_ns),
+        ],
+    )?;
+    let notes = format!(
+        "event_scaling_ratio {:.2} (limit {}), tick_scaling_ratio {:.2} (limit {}): the cost at \
+         the largest size over the cost at the smallest, same process.",
+        r.event_scaling_ratio, r.event_scaling_limit, r.tick_scaling_ratio, r.tick_scaling_limit
+    );
+    super::report::write(
+        dir,
+        "ledger",
+        "handoff bench ledger",
+        &[chart],
+        &notes,
+        &serde_json::to_string_pretty(r)?,
+    )
 }

@@ -3,7 +3,7 @@
 
 mod connector;
 mod ledger;
-mod report;
+pub(crate) mod report;
 mod soak;
 mod timeline;
 mod transfer;
@@ -21,6 +21,9 @@ pub enum BenchCommand {
         /// Handoffs in flight to measure at (comma separated).
         #[arg(long, value_delimiter = ',', default_values_t = vec![1_000usize, 10_000, 100_000])]
         sizes: Vec<usize>,
+        /// Also write DIR/ledger.html (cost by handoffs in flight, drawn) and DIR/ledger.json.
+        #[arg(long, value_name = "DIR")]
+        report: Option<std::path::PathBuf>,
     },
     /// Cost of carrying one request through a P and a D connector core, and of an idle
     /// timeout, with 1k and 100k other handoffs in flight.
@@ -49,7 +52,11 @@ pub enum BenchCommand {
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Ledger { json, sizes } => ledger::run(&sizes, json),
+        BenchCommand::Ledger {
+            json,
+            sizes,
+            report,
+        } => ledger::run(&sizes, json, report.as_deref()),
         BenchCommand::Connector { json, sizes } => connector::run(&sizes, json),
         BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Transfer(args) => transfer::run(args),

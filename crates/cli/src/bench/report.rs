@@ -88,6 +88,74 @@ pub fn cdf(title: &str, series: &[(String, Vec<f64>)]) -> anyhow::Result<String>
     Ok(svg)
 }
 
+/// Lines through points (x, y), one per series; x on a log scale (sizes), y log or linear.
+pub fn lines(
+    title: &str,
+    (x_desc, y_desc): (&str, &str),
+    log_y: bool,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> anyhow::Result<String> {
+    let points = || series.iter().flat_map(|(_, v)| v.iter().copied());
+    let range = |vals: &mut dyn Iterator<Item = f64>| {
+        let (lo, hi) = vals
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+                (lo.min(x), hi.max(x))
+            });
+        if lo.is_finite() {
+            (lo * 0.8, hi * 1.25)
+        } else {
+            (1.0, 10.0)
+        }
+    };
+    let (x_lo, x_hi) = range(&mut points().map(|p| p.0));
+    let (y_lo, y_hi) = range(&mut points().map(|p| p.1));
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(chart_err)?;
+        let mut builder = ChartBuilder::on(&root);
+        builder
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60);
+        // The two y scales are two chart types; everything after is the same.
+        macro_rules! draw {
+            ($chart:expr) => {{
+                let mut chart = $chart.map_err(chart_err)?;
+                chart
+                    .configure_mesh()
+                    .x_desc(x_desc)
+                    .y_desc(y_desc)
+                    .draw()
+                    .map_err(chart_err)?;
+                for (i, (name, v)) in series.iter().enumerate() {
+                    let color = COLORS[i % COLORS.len()];
+                    let mut v = v.clone();
+                    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    chart
+                        .draw_series(LineSeries::new(v.iter().copied(), color.stroke_width(2)))
+                        .map_err(chart_err)?
+                        .label(name.as_str())
+                        .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
+                    chart
+                        .draw_series(v.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                        .map_err(chart_err)?;
+                }
+                legend(&mut chart)?;
+            }};
+        }
+        if log_y {
+            draw!(builder.build_cartesian_2d((x_lo..x_hi).log_scale(), (y_lo..y_hi).log_scale()));
+        } else {
+            draw!(builder.build_cartesian_2d((x_lo..x_hi).log_scale(), 0.0..y_hi));
+        }
+        root.present().map_err(chart_err)?;
+    }
+    Ok(svg)
+}
+
 /// Stacked horizontal bars: one bar per category, one layer per named part (ms).
 pub fn stacked(
     title: &str,
@@ -224,6 +292,19 @@ mod tests {
         )
         .unwrap();
         assert!(b.contains("pull 2048") && b.contains("transfer"));
+        let l = lines(
+            "cost",
+            ("handoffs", "ns"),
+            true,
+            &[
+                ("grant".into(), vec![(1e3, 50.0), (1e5, 80.0)]),
+                ("tick".into(), vec![(1e3, 5.0), (1e5, 6.0)]),
+            ],
+        )
+        .unwrap();
+        assert!(l.contains("grant") && l.contains("tick"));
+        // One marker per point.
+        assert_eq!(l.matches("<circle").count(), 4, "{l}");
         let dir = std::env::temp_dir().join(format!("handoff-report-{}", std::process::id()));
         write(&dir, "x", "a <test>", &[a, b], "notes & more", "{}").unwrap();
         let page = std::fs::read_to_string(dir.join("x.html")).unwrap();

@@ -118,6 +118,10 @@ pub struct TransferArgs {
     /// Set by `--netns` when it runs the bench inside the namespaces: `PREFIX:SUBNET`.
     #[arg(long, hide = true)]
     netns_inside: Option<String>,
+    /// Also write DIR/transfer.html (bandwidth by block size against the baselines, drawn) and
+    /// DIR/transfer.json.
+    #[arg(long, value_name = "DIR")]
+    report: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -1315,7 +1319,7 @@ fn report(
     );
     let secs = started.elapsed().as_secs_f64();
     println!("total run time {secs:.0} s");
-    if args.json {
+    if args.json || args.report.is_some() {
         let report = json!({
             "bench": "transfer",
             "settings": {
@@ -1355,7 +1359,69 @@ fn report(
             "auth_handshake_ms": handshake,
             "run_seconds": secs,
         });
-        println!("{}", serde_json::to_string(&report)?);
+        if let Some(dir) = &args.report {
+            write_report(dir, layout, res, &report)?;
+        }
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        }
     }
     Ok(())
+}
+
+/// READ and WRITE bandwidth by block size (the scattered cases) for each backend beside its
+/// baselines; the model's cases are in the JSON and the notes.
+fn write_report(
+    dir: &std::path::Path,
+    layout: &Layout,
+    res: &Results,
+    report: &Value,
+) -> anyhow::Result<()> {
+    let scattered: Vec<&Case> = layout
+        .cases
+        .iter()
+        .filter(|c| !c.key.starts_with("model"))
+        .collect();
+    let series = |op: &str| -> Vec<(String, Vec<(f64, f64)>)> {
+        ["tcp", "raw_tcp", "nixl", "nixl_1proc", "raw_nixl"]
+            .iter()
+            .map(|b| format!("{b}_{op}"))
+            .chain(std::iter::once("memcpy".to_string()))
+            .filter_map(|row| {
+                let points: Vec<(f64, f64)> = scattered
+                    .iter()
+                    .filter_map(|c| Some((c.block as f64, res.get(&row, c.key)?)))
+                    .collect();
+                (!points.is_empty()).then(|| (row.replace('_', "-"), points))
+            })
+            .collect()
+    };
+    let mut charts = Vec::new();
+    for (op, title) in [
+        ("read", "READ bandwidth by block size"),
+        ("write", "WRITE bandwidth by block size"),
+    ] {
+        charts.push(super::report::lines(
+            title,
+            ("block size (bytes)", "GB/s"),
+            false,
+            &series(op),
+        )?);
+    }
+    let mut notes = String::from("GB/s by case (median of the repetitions):\n");
+    for (row, case, v) in &res.rows {
+        notes.push_str(&format!("  {row:<18} {case:<13} {v:6.2}\n"));
+    }
+    notes.push_str(&format!(
+        "ratios at 64 KiB blocks: {}",
+        serde_json::to_string_pretty(&report["ratios"])?
+    ));
+    super::report::write(
+        dir,
+        "transfer",
+        "handoff bench transfer",
+        &charts,
+        &notes,
+        &serde_json::to_string_pretty(report)?,
+    )
 }

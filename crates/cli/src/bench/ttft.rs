@@ -205,6 +205,15 @@ async fn run_cases(
     for &len in &args.prompts {
         for &conc in &args.concurrency {
             let n = args.requests_for(len, conc);
+            // Progress on stderr (drawn only on a terminal): a default run takes minutes.
+            let bar = indicatif::ProgressBar::new(n as u64)
+                .with_message(format!("{path} {len} tokens, concurrency {conc}"));
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "  [{elapsed_precise}] {bar:30} {pos}/{len} {msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
             let before = scrape(&client, components).await;
             let mut times = Vec::new();
             let mut failed = 0;
@@ -222,7 +231,9 @@ async fn run_cases(
                     Some(None) => failed += 1,
                     None => {}
                 }
+                bar.set_position((times.len() + failed) as u64);
             }
+            bar.finish_and_clear();
             let phases = phases_between(&before, &scrape(&client, components).await);
             let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
             let proxy = |p: &str| phases.get(&format!("proxy.{p}")).map_or(0.0, |s| s.mean_ms);
