@@ -156,30 +156,14 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     assert!(d.block(0, 10).iter().all(|&x| x == 0));
     assert!(d.block(1, 14).iter().all(|&x| x == 0));
     // D's request decodes and ends (its blocks are vLLM's): nothing is left on either side.
-    let (keep, _) = d
-        .sched
-        .request_finished("cmpl-d-1", None, d_blocks, 40)
-        .unwrap();
-    assert!(!keep);
-    for _ in 0..20 {
-        p.step();
-        d.step();
-    }
-    assert!(!p.sched.has_pending_work());
-    assert!(!d.sched.has_pending_work());
+    all_end(&mut p, &mut d, &[("cmpl-d-1", d_blocks, 40)]);
 }
 
 #[test]
 fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
     let mut p = engine("vllm-p2");
     let mut d = engine("vllm-d2");
-    let request: handoff_proto::KvTransferParams =
-        serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
-    let (_, params) = p
-        .sched
-        .request_finished("p-req", Some(&request), vec![1, 2], 20)
-        .unwrap();
-    let params = params.unwrap();
+    let params = prefilled(&mut p, "p-req", vec![1, 2], 20);
     assert_eq!(
         d.sched.remote_prefill_arrived("d-req", &params, 20),
         Matched::Remote(20)
@@ -187,17 +171,7 @@ fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
     // The client leaves while the request still waits in D's queue: it has no blocks to keep.
     let (keep, _) = d.sched.request_finished("d-req", None, vec![], 0).unwrap();
     assert!(!keep);
-    let t0 = Instant::now();
-    loop {
-        d.step();
-        if p.step().finished_sending.contains(&"p-req".to_string()) {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(2),
-            "P still holds the blocks"
-        );
-    }
+    p_frees_within_2s(&mut p, &mut d, "p-req", "P still holds the blocks");
 }
 
 #[test]
@@ -257,6 +231,36 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
             t0.elapsed() < Duration::from_secs(5),
             "D's blocks never came back"
         );
+    }
+}
+
+/// D's requests end (their blocks are vLLM's) and both engines step a while: nothing may be
+/// left on either side.
+fn all_end(p: &mut Engine, d: &mut Engine, requests: &[(&str, Vec<u32>, u32)]) {
+    for (name, blocks, tokens) in requests {
+        let (keep, _) = d
+            .sched
+            .request_finished(name, None, blocks.clone(), *tokens)
+            .unwrap();
+        assert!(!keep, "{name}: nothing to keep once decoded");
+    }
+    for _ in 0..20 {
+        p.step();
+        d.step();
+    }
+    assert!(!p.sched.has_pending_work());
+    assert!(!d.sched.has_pending_work());
+}
+
+/// Steps both engines until P gives `name`'s blocks back; fails after 2 s.
+fn p_frees_within_2s(p: &mut Engine, d: &mut Engine, name: &str, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        d.step();
+        if p.step().finished_sending.contains(&name.to_string()) {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2), "{what}");
     }
 }
 
@@ -335,22 +339,11 @@ fn n2_children_on_d_cause_one_transfer_and_the_second_waits_for_the_prefix_cache
     }
     assert_eq!(posts, 1, "one transfer for both children");
     assert_eq!(p_freed, 1, "P freed once");
-    let (keep, _) = d
-        .sched
-        .request_finished("0_cmpl", None, vec![7, 8], 20)
-        .unwrap();
-    assert!(!keep);
-    let (keep, _) = d
-        .sched
-        .request_finished("1_cmpl", None, vec![9, 10], 20)
-        .unwrap();
-    assert!(!keep);
-    for _ in 0..20 {
-        p.step();
-        d.step();
-    }
-    assert!(!p.sched.has_pending_work());
-    assert!(!d.sched.has_pending_work());
+    all_end(
+        &mut p,
+        &mut d,
+        &[("0_cmpl", vec![7, 8], 20), ("1_cmpl", vec![9, 10], 20)],
+    );
 }
 
 #[test]
@@ -406,17 +399,12 @@ fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() 
         handoff_vllm::refusals::tell("vllm-d6", &json).unwrap(),
         "ok"
     );
-    let t0 = Instant::now();
-    loop {
-        d.step();
-        if p.step().finished_sending.contains(&"p-req".to_string()) {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(2),
-            "P still holds the blocks of a request D refused"
-        );
-    }
+    p_frees_within_2s(
+        &mut p,
+        &mut d,
+        "p-req",
+        "P still holds the blocks of a request D refused",
+    );
     // An engine that is not running has no socket.
     assert!(handoff_vllm::refusals::tell("no-such-engine", &json).is_err());
 }
