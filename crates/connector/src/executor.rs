@@ -723,6 +723,19 @@ impl Executor {
                     .get_or_create(&crate::metrics::MatchedLabels { matched })
                     .inc();
             }
+            Observation::KvWait(w) => {
+                let observe = |phase: &'static str, t: Option<std::time::Duration>| {
+                    if let Some(t) = t {
+                        m.kv_wait
+                            .get_or_create(&crate::metrics::PhaseLabels { phase })
+                            .observe(t.as_secs_f64());
+                    }
+                };
+                observe("blocks_answer", w.blocks_answer);
+                observe("admission", Some(w.admission));
+                observe("to_transfer", w.to_transfer);
+                observe("transfer", Some(w.transfer));
+            }
         }
     }
 

@@ -54,6 +54,13 @@ pub struct Metrics {
     pub queued_dropped: Counter,
     pub send_queue_full: Counter,
     pub digests_checked: Family<MatchedLabels, Counter>,
+    /// D: where each handoff's wait for its KV went (`handoff_ledger::WaitTimeline`).
+    pub kv_wait: Family<PhaseLabels, Histogram>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub phase: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -90,6 +97,11 @@ impl Metrics {
             queued_dropped: Counter::default(),
             send_queue_full: Counter::default(),
             digests_checked: Family::default(),
+            // The same buckets as the engines' and the proxy's phase histograms (100 µs to
+            // ~127 s, 25% apart), so the benchmarks read them the same way.
+            kv_wait: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0001, 1.25, 64))
+            }),
         };
         let r = registry.sub_registry_with_prefix("handoff");
         r.register(
@@ -222,6 +234,11 @@ impl Metrics {
             "kv_digests_checked",
             "Pulled handoffs whose landed KV digest D compared with P's, by result (matched=false: the transfer failed, never decoded)",
             m.digests_checked.clone(),
+        );
+        r.register(
+            "kv_wait_phase_seconds",
+            "D: where a handoff's wait for its KV went: blocks_answer (arrival to P's block list), admission (arrival to blocks from the engine), to_transfer (both to the READ starting), transfer (the READ, or push: registration to P's last write)",
+            m.kv_wait.clone(),
         );
         m
     }

@@ -188,6 +188,8 @@ pub enum Outcome {
         handoff: HandoffId,
         requests: Vec<RequestId>,
         blocks: Vec<BlockId>,
+        /// Where the wait for the KV went.
+        waited: WaitTimeline,
     },
     /// Prefill locally (policy `Recompute`). The blocks of the failed transfer come back through
     /// `poll_release`; the engine allocates fresh ones.
@@ -205,6 +207,20 @@ pub enum Outcome {
         reason: FailReason,
         peer: PeerId,
     },
+}
+
+/// Where a handoff's wait on D went, from the first request's arrival to the KV in its blocks
+/// (what a request's `kv_wait` is made of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WaitTimeline {
+    /// Pull: arrival → P's own block list (the answer to D's first heartbeat).
+    pub blocks_answer: Option<Time>,
+    /// Arrival → the engine gave the handoff its blocks (D's own queue).
+    pub admission: Time,
+    /// Pull: the later of the two above → the READ started (on a grant valid past the margin).
+    pub to_transfer: Option<Time>,
+    /// Pull: the READ (posted → landed on every rank); push: registration → P's last write.
+    pub transfer: Time,
 }
 
 /// Work the connector must do.
@@ -294,7 +310,12 @@ struct Handoff {
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
+    arrived_at: Time,
     allocated_at: Time,
+    /// Pull: when P's block list came.
+    blocks_answer_at: Option<Time>,
+    /// When the READ started (pull) or the registration left (push).
+    transfer_at: Option<Time>,
     grant_until: Option<Time>,
     issued_until: Option<Time>,
     state: State,
@@ -302,6 +323,24 @@ struct Handoff {
 }
 
 impl Handoff {
+    /// The wait's timeline, as the KV became ready at `now`.
+    fn waited(&self, now: Time) -> WaitTimeline {
+        let since = |t: Time| now.saturating_sub(t);
+        let admission = self.allocated_at.saturating_sub(self.arrived_at);
+        let transfer_at = self.transfer_at.unwrap_or(now);
+        let blocks_answer = self
+            .blocks_answer_at
+            .map(|t| t.saturating_sub(self.arrived_at));
+        WaitTimeline {
+            blocks_answer,
+            admission,
+            to_transfer: self
+                .blocks_answer_at
+                .map(|b| transfer_at.saturating_sub(b.max(self.allocated_at))),
+            transfer: since(transfer_at),
+        }
+    }
+
     /// Still asking P to keep its blocks.
     fn wants_heartbeat(&self) -> bool {
         matches!(
@@ -477,7 +516,10 @@ impl ConsumerLedger {
             requests: vec![req],
             deadline,
             local: None,
+            arrived_at: now,
             allocated_at: now,
+            blocks_answer_at: None,
+            transfer_at: None,
             grant_until: None,
             issued_until: None,
             state: State::Waiting,
@@ -537,6 +579,7 @@ impl ConsumerLedger {
                     self.stats.registrations_sent += 1;
                 }
                 h.local = Some(blocks);
+                h.transfer_at = Some(now);
                 let watchdog = (now + push_deadline).min(h.deadline);
                 h.state = State::Registered {
                     watchdog,
@@ -664,10 +707,12 @@ impl ConsumerLedger {
                             self.release_local(handoff, EndReason::Aborted, now);
                         } else {
                             self.stats.ready += 1;
+                            let waited = h.waited(now);
                             self.outcomes.push_back(Outcome::Ready {
                                 handoff,
                                 requests,
                                 blocks,
+                                waited,
                             });
                         }
                         self.end_handoff(handoff, now);
@@ -907,6 +952,7 @@ impl ConsumerLedger {
                 h.info.p_blocks = list.blocks;
             }
             h.blocks_from_p = true;
+            h.blocks_answer_at = Some(now);
             h.p_digest = list.digest;
             if h.state == State::Admitted {
                 self.try_start_read(list.handoff, now);
@@ -956,10 +1002,12 @@ impl ConsumerLedger {
                 self.release_local(d.handoff, EndReason::Aborted, now);
             } else {
                 self.stats.ready += 1;
+                let waited = h.waited(now);
                 self.outcomes.push_back(Outcome::Ready {
                     handoff: d.handoff,
                     requests,
                     blocks,
+                    waited,
                 });
             }
             self.end_handoff(d.handoff, now);
@@ -1050,6 +1098,7 @@ impl ConsumerLedger {
             pending: (0..tp).collect(),
             failed: None,
         };
+        h.transfer_at = Some(now);
         h.timer.arm(&mut self.timers, id, deadline);
         self.stats.reads_started += 1;
     }

@@ -57,7 +57,13 @@ fn normal_pull() {
         vec![Outcome::Ready {
             handoff: id,
             requests: vec![RequestId(1)],
-            blocks: vec![100, 101, 102, 103]
+            blocks: vec![100, 101, 102, 103],
+            waited: WaitTimeline {
+                blocks_answer: Some(ms(0)),
+                admission: ms(0),
+                to_transfer: Some(ms(0)),
+                transfer: ms(5),
+            },
         }]
     );
     assert!(
@@ -66,6 +72,42 @@ fn normal_pull() {
     );
     assert!(pair.p.is_empty() && pair.d.is_empty());
     assert_eq!(pair.p.held_blocks(), 0);
+}
+
+#[test]
+fn the_ready_outcome_says_where_the_wait_went() {
+    let mut pair = Pair::default_pair();
+    let id = hid(2);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    // D asks P at once; P's block list comes back with its grant.
+    pair.advance(ms(3));
+    // The request waits in D's queue a while longer before it gets blocks.
+    pair.advance(ms(9));
+    pair.d
+        .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
+        .unwrap();
+    pair.pump();
+    let read = pair.reads.last().cloned().expect("read started");
+    pair.advance(ms(4));
+    pair.complete_read(&read);
+    let Some(Outcome::Ready { waited, .. }) = pair.outcomes.first() else {
+        panic!("{:?}", pair.outcomes);
+    };
+    let answer = waited.blocks_answer.expect("pull: P's answer timed");
+    assert!(answer <= ms(3), "{waited:?}");
+    assert_eq!(waited.admission, ms(12));
+    assert_eq!(
+        waited.to_transfer,
+        Some(ms(0)),
+        "a valid grant: read at once"
+    );
+    assert_eq!(waited.transfer, ms(4));
 }
 
 #[test]

@@ -131,19 +131,26 @@ pub fn phases_between(
 ) -> BTreeMap<String, PhaseStats> {
     let mut out = BTreeMap::new();
     for (component, text) in after {
-        let name = if *component == "proxy" {
-            "handoff_proxy_phase_seconds"
+        // (histogram, prefix of its phases): an engine's own phases, and its connector's
+        // breakdown of the wait for the KV (`kv_wait.blocks_answer`, ...).
+        let names: &[(&str, &str)] = if *component == "proxy" {
+            &[("handoff_proxy_phase_seconds", "")]
         } else {
-            "engine_phase_seconds"
+            &[
+                ("engine_phase_seconds", ""),
+                ("handoff_kv_wait_phase_seconds", "kv_wait."),
+            ]
         };
-        let was = before
-            .get(component)
-            .map(|t| parse(t, name))
-            .unwrap_or_default();
-        for (phase, h) in parse(text, name) {
-            let d = h.since(was.get(&phase));
-            if d.count > 0.0 {
-                out.insert(format!("{component}.{phase}"), d.stats());
+        for (name, prefix) in names {
+            let was = before
+                .get(component)
+                .map(|t| parse(t, name))
+                .unwrap_or_default();
+            for (phase, h) in parse(text, name) {
+                let d = h.since(was.get(&phase));
+                if d.count > 0.0 {
+                    out.insert(format!("{component}.{prefix}{phase}"), d.stats());
+                }
             }
         }
     }

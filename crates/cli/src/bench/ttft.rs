@@ -264,7 +264,7 @@ async fn run_cases(
 
 /// The phases of one case, in timeline order, as printed rows.
 fn print_breakdown(c: &Case) {
-    const ORDER: [&str; 12] = [
+    const ORDER: [&str; 16] = [
         "proxy.to_decode",
         "proxy.prefill_leg",
         "p.queued",
@@ -273,6 +273,10 @@ fn print_breakdown(c: &Case) {
         "proxy.decode_first_chunk",
         "d.queued",
         "d.kv_wait",
+        "d.kv_wait.blocks_answer",
+        "d.kv_wait.admission",
+        "d.kv_wait.to_transfer",
+        "d.kv_wait.transfer",
         "d.first_token",
         "engine.queued",
         "engine.prefill",

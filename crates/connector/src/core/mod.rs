@@ -114,6 +114,8 @@ pub enum Observation {
     DigestChecked {
         matched: bool,
     },
+    /// D: a handoff's KV is ready; where its wait went.
+    KvWait(handoff_ledger::WaitTimeline),
 }
 
 /// Everything the core asks its executor to do now. Worker work is applied per rank in this
@@ -725,11 +727,17 @@ impl ConnectorCore {
             let recomputed = matches!(o, Outcome::Recompute { .. });
             let ev = match o {
                 Outcome::Ready {
-                    requests, blocks, ..
-                } => ConnectorEvent::Ready {
-                    requests: requests.iter().map(|r| r.0).collect(),
+                    requests,
                     blocks,
-                },
+                    waited,
+                    ..
+                } => {
+                    self.out.observations.push(Observation::KvWait(waited));
+                    ConnectorEvent::Ready {
+                        requests: requests.iter().map(|r| r.0).collect(),
+                        blocks,
+                    }
+                }
                 Outcome::Recompute {
                     requests,
                     reason,
