@@ -696,25 +696,20 @@ impl ConsumerLedger {
                     None => {
                         let blocks = h.local.take().unwrap_or_default();
                         self.held_blocks -= blocks.len();
+                        // Never empty here: a read whose last request went away was cancelled
+                        // and its handoff quarantined (`on_request_ended`).
                         let requests = std::mem::take(&mut h.requests);
                         for r in &requests {
                             self.by_request.remove(r);
                         }
-                        if requests.is_empty() {
-                            // Every sibling went away during the read: the blocks go back.
-                            h.local = Some(blocks);
-                            self.held_blocks += h.local.as_ref().map_or(0, Vec::len);
-                            self.release_local(handoff, EndReason::Aborted, now);
-                        } else {
-                            self.stats.ready += 1;
-                            let waited = h.waited(now);
-                            self.outcomes.push_back(Outcome::Ready {
-                                handoff,
-                                requests,
-                                blocks,
-                                waited,
-                            });
-                        }
+                        self.stats.ready += 1;
+                        let waited = h.waited(now);
+                        self.outcomes.push_back(Outcome::Ready {
+                            handoff,
+                            requests,
+                            blocks,
+                            waited,
+                        });
                         self.end_handoff(handoff, now);
                     }
                     Some(reason) => {
