@@ -14,8 +14,8 @@ use handoff_proto::{
 
 const BLOCKS: [u32; 4] = [10, 11, 12, 13];
 
-/// P creates, D arrives and is admitted: returns the read D starts.
-fn start_pull(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) -> StartRead {
+/// P creates `id` (pull, on `BLOCKS`), then request `req` naming it arrives at D.
+fn pull_arrives(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) {
     pair.p
         .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
         .unwrap();
@@ -23,6 +23,11 @@ fn start_pull(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) -> StartR
     pair.d
         .on_request_arrived(RequestId(req), inc, pair.now)
         .unwrap();
+}
+
+/// P creates, D arrives and is admitted: returns the read D starts.
+fn start_pull(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) -> StartRead {
+    pull_arrives(pair, id, req);
     pair.pump();
     pair.d
         .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
@@ -78,13 +83,7 @@ fn normal_pull() {
 fn the_ready_outcome_says_where_the_wait_went() {
     let mut pair = Pair::default_pair();
     let id = hid(2);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     // D asks P at once; P's block list comes back with its grant.
     pair.advance(ms(3));
     // The request waits in D's queue a while longer before it gets blocks.
@@ -139,13 +138,7 @@ fn heartbeat_keeps_lease_alive_past_first_expiry() {
 fn d_crash_reclaims_after_lease_plus_grace_and_not_before() {
     let mut pair = Pair::default_pair();
     let id = hid(3);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.advance(Duration::from_secs(20));
     // D crashes silently (no transport event): its last heartbeat was at most one interval ago.
     pair.d_alive = false;
@@ -217,13 +210,7 @@ fn hard_cap_reclaims_a_d_that_heartbeats_but_never_pulls() {
     };
     let mut pair = Pair::new(p_cfg.clone(), d_cfg);
     let id = hid(6);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.advance(p_cfg.hard_cap - ms(1));
     assert!(pair.p_released(id).is_none());
     pair.advance(p_cfg.fence_grace + ms(2));
@@ -395,13 +382,7 @@ fn rejection_and_abort_before_admission_release_at_once() {
     ] {
         let mut pair = Pair::default_pair();
         let id = hid(20 + req as u128);
-        pair.p
-            .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-            .unwrap();
-        let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-        pair.d
-            .on_request_arrived(RequestId(req), inc, pair.now)
-            .unwrap();
+        pull_arrives(&mut pair, id, req);
         pair.pump();
         pair.now += ms(2);
         pair.d.on_request_ended(RequestId(req), reason, pair.now);
@@ -820,13 +801,7 @@ fn d_reads_the_blocks_p_names_not_those_the_client_claims() {
 fn no_read_starts_before_p_names_the_blocks() {
     let mut pair = Pair::default_pair();
     let id = hid(64);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.d
         .on_blocks_allocated(id, vec![100, 101, 102, 103], pair.now)
         .unwrap();
@@ -858,13 +833,7 @@ fn no_read_starts_before_p_names_the_blocks() {
 fn p_dead_fails_waiting_requests_per_policy() {
     let mut pair = Pair::default_pair();
     let id = hid(52);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.pump();
     pair.d.handle_peer_dead(P_PEER, pair.now);
     pair.pump();
@@ -1380,13 +1349,7 @@ fn no_read_starts_on_an_expired_grant() {
     // and reused the blocks. A request admitted now must not READ them, whatever it was granted.
     let mut pair = Pair::default_pair();
     let id = hid(90);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.pump();
     let grant_end = last_grant_end(&pair, id).expect("D's first heartbeat was granted");
     pair.p_alive = false;
