@@ -97,11 +97,6 @@ impl PyScheduler {
         self.inner.blocks_allocated(request_id, blocks).map_err(err)
     }
 
-    fn reject(&mut self, params_json: &str) -> PyResult<()> {
-        let p = params(Some(params_json)).unwrap_or_default();
-        self.inner.reject(&p).map_err(err)
-    }
-
     /// The step metadata (bytes) and, for vLLM, the request ids it settles:
     /// `(meta, finished_sending, finished_recving, failed_recving)`.
     fn build_meta<'py>(

@@ -357,13 +357,6 @@ impl SchedulerSide {
         Ok(())
     }
 
-    /// D refuses a request naming a remote prefill before tracking it (too long for this engine):
-    /// P releases at once.
-    pub fn reject(&mut self, params: &KvTransferParams) -> Result<(), SchedulerError> {
-        self.connector.reject(params)?;
-        Ok(())
-    }
-
     fn forget(&mut self, n: u64) {
         if let Some(name) = self.names.remove(&n) {
             self.ids.remove(&name);
