@@ -313,6 +313,21 @@ impl Connector {
         self.tell(move |core, now| core.on_layer_saved(handoff, layer, now));
     }
 
+    /// See [`ConnectorCore::on_push_prefilled`].
+    pub fn on_push_prefilled(
+        &self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let params = params.clone();
+        let request_id = request_id.to_string();
+        self.call(move |core, now| {
+            core.on_push_prefilled(&params, &request_id, blocks, num_tokens, now)
+        })?
+    }
+
     pub fn on_push_prefill_finished(
         &self,
         params: &KvTransferParams,

@@ -292,6 +292,8 @@ enum State {
     },
     Cancelling {
         until: Time,
+        /// Why the blocks go back once `until` passed.
+        reason: EndReason,
     },
 }
 
@@ -774,12 +776,15 @@ impl ConsumerLedger {
                         .push_back(ConsumerAction::CancelRead { handoff: id });
                     self.quarantine(id, pending, ReleaseReason::Failed, now);
                 }
-                // A dead writer cannot write any more: the blocks are safe to reuse now.
-                State::Registered { .. } | State::Cancelling { .. } => {
+                // Dead to D is not dead to the wire: a WRITE P posted inside its grant may still
+                // land (and a P that is only cut off may still be writing). The blocks wait out
+                // the last grant D issued + the write grace (rule 3); no cancel goes to the dead.
+                State::Registered { .. } => {
                     self.fail_requests(id, FailReason::PeerDead);
-                    self.release_local(id, EndReason::PeerDead, now);
-                    self.end_handoff(id, now);
+                    self.await_writes_end(id, EndReason::PeerDead, now);
                 }
+                // Its timer frees the blocks once no write can be in flight.
+                State::Cancelling { .. } => {}
                 State::Quarantine { .. } => {}
             }
         }
@@ -1154,10 +1159,10 @@ impl ConsumerLedger {
                     h.timer.arm(&mut self.timers, id, watchdog);
                 }
             }
-            State::Cancelling { until } => {
+            State::Cancelling { until, reason } => {
                 if now >= until {
                     // Past every grant we issued + the write grace: no write can be in flight.
-                    self.release_local(id, EndReason::Cancelled, now);
+                    self.release_local(id, reason, now);
                     self.end_handoff(id, now);
                 } else {
                     h.timer.arm(&mut self.timers, id, until);
@@ -1228,7 +1233,6 @@ impl ConsumerLedger {
 
     /// Push: stop P from writing, then free once that is certain.
     fn cancel_push(&mut self, id: HandoffId, reason: EndReason, now: Time) {
-        let write_grace = self.cfg.write_grace;
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
@@ -1241,15 +1245,24 @@ impl ConsumerLedger {
             }),
         ));
         self.stats.cancels_sent += 1;
+        self.await_writes_end(id, reason, now);
+    }
+
+    /// Frees `id`'s blocks once no WRITE of P's can land in them any more: at once if P never
+    /// got a grant (it writes only on one), else after the last grant D issued + the write grace.
+    fn await_writes_end(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        let write_grace = self.cfg.write_grace;
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
         match h.issued_until {
-            // P never got a grant, so it cannot have started a write (it writes only on one).
             None => {
                 self.release_local(id, reason, now);
                 self.end_handoff(id, now);
             }
             Some(issued) => {
                 let until = (issued + write_grace).max(now);
-                h.state = State::Cancelling { until };
+                h.state = State::Cancelling { until, reason };
                 h.timer.arm(&mut self.timers, id, until);
             }
         }

@@ -1182,6 +1182,51 @@ fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
     );
 }
 
+/// D learns that P died (its side channel closed) while P may be writing: the requests fail at
+/// once, but the blocks wait out the last grant D issued + the write grace — a WRITE posted
+/// before the death may still land, and "dead" may only mean cut off (rule 3).
+#[test]
+fn push_writer_declared_dead_frees_d_s_blocks_only_after_grant_plus_grace() {
+    let mut pair = push_pair();
+    let id = hid(68);
+    pair.push_writing(id);
+    pair.advance(Duration::from_millis(700));
+    pair.p_alive = false;
+    let cfg = pair.d.config().clone();
+    let granted_at = pair
+        .log
+        .iter()
+        .rev()
+        .find_map(|(t, dir, m)| match m {
+            Message::GrantBatch(g) if *dir == "D>P" && !g.grants.is_empty() => {
+                Some(*t + ms(g.grants[0].lease_ms as u64))
+            }
+            _ => None,
+        })
+        .unwrap();
+    pair.d.handle_peer_dead(P_PEER, pair.now);
+    pair.pump();
+    assert!(
+        matches!(pair.outcomes.as_slice(), [Outcome::Recompute { .. }]),
+        "the request is told at once: {:?}",
+        pair.outcomes
+    );
+    assert!(
+        pair.d_releases.is_empty(),
+        "freed under a WRITE that may still land"
+    );
+    pair.advance_until(Duration::from_secs(10), |p| !p.d_releases.is_empty());
+    let earliest = granted_at + cfg.write_grace;
+    assert!(
+        pair.now >= earliest && pair.now <= earliest + ms(1),
+        "freed at {:?}, expected {:?}",
+        pair.now,
+        earliest
+    );
+    assert_eq!(pair.d_releases[0].reason, EndReason::PeerDead);
+    assert!(pair.d.is_empty());
+}
+
 #[test]
 fn write_on_an_expired_registration_is_refused() {
     let mut pair = push_pair();

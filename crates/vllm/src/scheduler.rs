@@ -138,8 +138,15 @@ pub struct SchedulerSide {
     /// (P: a handoff's; D: a request that ended while its READ may still land). vLLM frees
     /// them when the request is named in `finished_sending`.
     sending: HashMap<u32, String>,
-    /// D: the first block given to each tracked request (its READ lands there).
+    /// D: the first block given to each tracked request (its KV lands there).
     first_block: HashMap<u64, u32>,
+    /// D: first blocks of the requests whose blocks D's ledger still holds (a READ or a WRITE
+    /// may land in them) until their KV is ready or the ledger lets them go. vLLM must neither
+    /// free nor recompute into them before.
+    held: HashSet<u32>,
+    /// D: requests whose KV will not come, told to vLLM once the ledger let their blocks go
+    /// (first block → request).
+    failed_later: HashMap<u32, String>,
     /// D: vLLM request id ↔ the ledgers' number, while the request waits for its KV.
     ids: HashMap<String, u64>,
     names: HashMap<u64, String>,
@@ -226,6 +233,8 @@ impl SchedulerSide {
             steps: rxs,
             sending: HashMap::new(),
             first_block: HashMap::new(),
+            held: HashSet::new(),
+            failed_later: HashMap::new(),
             ids: HashMap::new(),
             names: HashMap::new(),
             by_handoff: HashMap::new(),
@@ -257,10 +266,13 @@ impl SchedulerSide {
         num_tokens: u32,
     ) -> Result<(bool, Option<KvTransferParams>), SchedulerError> {
         if let Some(&n) = self.ids.get(request_id) {
-            let mut keep = false;
             if !self.settled.contains(&n) {
                 self.connector.on_request_ended(n, ReleaseReason::Aborted);
-                if let Some(&first) = self.first_block.get(&n) {
+            }
+            let mut keep = false;
+            if let Some(&first) = self.first_block.get(&n) {
+                self.failed_later.remove(&first);
+                if self.held.contains(&first) {
                     self.sending.insert(first, request_id.to_string());
                     keep = true;
                 }
@@ -268,15 +280,23 @@ impl SchedulerSide {
             self.forget(n);
             return Ok((keep, None));
         }
-        let remote_decode = params.is_some_and(|p| p.do_remote_decode);
-        if !remote_decode || blocks.is_empty() {
+        let Some(params) = params.filter(|p| p.do_remote_decode) else {
+            return Ok((false, None));
+        };
+        if blocks.is_empty() {
             return Ok((false, None));
         }
         let first = blocks[0];
-        let out = match self
-            .connector
-            .on_prefill_finished(request_id, blocks, num_tokens)
-        {
+        let made = if params.transfer_mode == Some(TransferMode::Push) {
+            // vLLM tells the connector of a prefill only here, once every layer of every chunk
+            // is in P's blocks: the writes go now, into the blocks D registered meanwhile.
+            self.connector
+                .on_push_prefilled(params, request_id, blocks, num_tokens)
+        } else {
+            self.connector
+                .on_prefill_finished(request_id, blocks, num_tokens)
+        };
+        let out = match made {
             Ok(out) => out,
             Err(e) => {
                 // vLLM frees the blocks; the response carries no params for a D.
@@ -348,6 +368,7 @@ impl SchedulerSide {
             Ok(()) => {
                 if let Some(b) = first {
                     self.first_block.insert(n, b);
+                    self.held.insert(b);
                 }
             }
             // The handoff already ended (P gone, refused): its outcome is queued as an event,
@@ -376,15 +397,24 @@ impl SchedulerSide {
         for ev in self.connector.poll_events() {
             match ev {
                 ConnectorEvent::BlocksReleased { blocks, reason } => {
-                    // P: a handoff ended; D: an ended request's READ can no longer land. (D's
-                    // other releases are blocks its running request keeps anyway.)
-                    if let Some(req) = blocks.first().and_then(|b| self.sending.remove(b)) {
+                    // P: a handoff ended; D: no transfer can land in these blocks any more.
+                    let Some(&first) = blocks.first() else {
+                        continue;
+                    };
+                    self.held.remove(&first);
+                    if let Some(req) = self.sending.remove(&first) {
                         tracing::debug!(request = %req, %reason, blocks = blocks.len(), "blocks back");
                         self.pending.finished_sending.push(req);
+                    }
+                    if let Some(req) = self.failed_later.remove(&first) {
+                        self.pending.failed_recving.push(req);
                     }
                 }
                 ConnectorEvent::Ready { requests, .. } => {
                     for n in requests {
+                        if let Some(b) = self.first_block.get(&n) {
+                            self.held.remove(b);
+                        }
                         if let Some(name) = self.names.get(&n) {
                             self.pending.finished_recving.push(name.clone());
                             self.settled.insert(n);
@@ -394,10 +424,19 @@ impl SchedulerSide {
                 ConnectorEvent::Recompute { requests, reason }
                 | ConnectorEvent::Failed { requests, reason } => {
                     for n in requests {
-                        if let Some(name) = self.names.get(&n) {
-                            tracing::warn!(request = %name, %reason, "KV transfer failed");
-                            self.pending.failed_recving.push(name.clone());
-                            self.settled.insert(n);
+                        let Some(name) = self.names.get(&n) else {
+                            continue;
+                        };
+                        tracing::warn!(request = %name, %reason, "KV transfer failed");
+                        self.settled.insert(n);
+                        // A transfer may still land in the request's blocks (a READ not yet
+                        // ended, a WRITE inside its grant): vLLM hears of the failure, and frees
+                        // or recomputes into them, only once the ledger let them go.
+                        match self.first_block.get(&n) {
+                            Some(b) if self.held.contains(b) => {
+                                self.failed_later.insert(*b, name.clone());
+                            }
+                            _ => self.pending.failed_recving.push(name.clone()),
                         }
                     }
                 }

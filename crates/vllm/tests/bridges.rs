@@ -37,6 +37,10 @@ fn facts() -> ModelFacts {
 }
 
 fn engine(id: &str) -> Engine {
+    engine_in(id, "pull")
+}
+
+fn engine_in(id: &str, mode: &str) -> Engine {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
@@ -68,6 +72,7 @@ fn engine(id: &str) -> Engine {
         "model": "tiny",
         "dtype": "float32",
         "opaque_blocks": true,
+        "mode": mode,
     }))
     .unwrap();
     let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
@@ -407,4 +412,156 @@ fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() 
     );
     // An engine that is not running has no socket.
     assert!(handoff_vllm::refusals::tell("no-such-engine", &json).is_err());
+}
+
+/// Fills every byte of `blocks` on every layer with a pattern of its own.
+fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
+    for l in 0..LAYERS {
+        for (i, b) in blocks.iter().enumerate() {
+            let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
+            for (j, x) in e.kv[start..start + block_bytes()].iter_mut().enumerate() {
+                *x = (salt + l * 31 + i * 7 + j % 251) as u8 | 1;
+            }
+        }
+    }
+}
+
+/// What a proxy sends in push mode: P's leg (prefill, then write into D's registered blocks)
+/// and D's leg (reserve blocks, register them with P), under one fresh handoff id.
+fn push_legs(
+    p: &Engine,
+    p_id: &str,
+) -> (
+    handoff_proto::KvTransferParams,
+    handoff_proto::KvTransferParams,
+) {
+    let handoff = "00112233445566778899aabbccddeeff";
+    let p_leg = serde_json::from_value(serde_json::json!({
+        "do_remote_decode": true, "transfer_mode": "push", "handoff_id": handoff,
+    }))
+    .unwrap();
+    let d_leg = serde_json::from_value(serde_json::json!({
+        "do_remote_prefill": true, "transfer_mode": "push", "handoff_id": handoff,
+        "remote_engine_id": p_id, "remote_host": "127.0.0.1",
+        "remote_port": p.sched.side_channel_port(), "tp_size": 1, "epoch": 1,
+    }))
+    .unwrap();
+    (p_leg, d_leg)
+}
+
+#[test]
+fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks() {
+    let mut p = engine_in("vllm-push-p", "push");
+    let mut d = engine_in("vllm-push-d", "push");
+    let (p_leg, d_leg) = push_legs(&p, "vllm-push-p");
+    // Both legs leave the proxy at once: D reserves and registers its blocks while P prefills.
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &d_leg, 40),
+        Matched::Remote(40)
+    );
+    let d_blocks = vec![11u32, 12, 13];
+    d.sched.blocks_allocated("d-req", d_blocks.clone()).unwrap();
+    for _ in 0..5 {
+        d.step();
+        p.step();
+    }
+    // P's prefill ends (vLLM's request_finished): every layer is in its blocks.
+    let p_blocks = vec![5u32, 6, 9];
+    fill(&mut p, &p_blocks, 0);
+    let (keep, out) = p
+        .sched
+        .request_finished("p-req", Some(&p_leg), p_blocks.clone(), 40)
+        .unwrap();
+    assert!(keep, "P keeps its blocks until its writes landed");
+    assert_eq!(
+        out.and_then(|o| o.transfer_mode),
+        Some(handoff_proto::TransferMode::Push)
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut recved, mut sent) = (false, false);
+    while !(recved && sent) {
+        assert!(Instant::now() < deadline, "recved {recved} sent {sent}");
+        let dm = d.step();
+        assert!(dm.failed_recving.is_empty(), "{dm:?}");
+        recved |= dm.finished_recving.contains(&"d-req".to_string());
+        sent |= p.step().finished_sending.contains(&"p-req".to_string());
+    }
+    for l in 0..LAYERS {
+        for (pb, db) in p_blocks.iter().zip(&d_blocks) {
+            assert_eq!(
+                p.block(l, *pb),
+                d.block(l, *db),
+                "layer {l} block {pb} -> {db}"
+            );
+        }
+    }
+    assert!(d.block(0, 10).iter().all(|&x| x == 0));
+    assert!(d.block(1, 14).iter().all(|&x| x == 0));
+    all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
+}
+
+#[test]
+fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_grace() {
+    let mut p = engine_in("vllm-push-p2", "push");
+    let mut d = engine_in("vllm-push-d2", "push");
+    let (p_leg, d_leg) = push_legs(&p, "vllm-push-p2");
+    d.sched.remote_prefill_arrived("d-req", &d_leg, 20);
+    d.sched.blocks_allocated("d-req", vec![7, 8]).unwrap();
+    for _ in 0..5 {
+        d.step();
+        p.step();
+    }
+    let (keep, _) = p
+        .sched
+        .request_finished("p-req", Some(&p_leg), vec![1, 2], 20)
+        .unwrap();
+    assert!(keep);
+    // P's scheduler side runs (it asks D for a grant and is given one) but its worker never
+    // posts the writes it is told to: as far as D knows, they may land at any moment.
+    let created = Instant::now();
+    let mut writes_told = false;
+    while created.elapsed() < Duration::from_millis(300) {
+        let pm = p.sched.build_meta();
+        writes_told |= pm.steps[0]
+            .ops
+            .iter()
+            .any(|op| matches!(op, handoff_connector::WorkerOp::Post(_)));
+        let dm = d.step();
+        assert!(dm.failed_recving.is_empty() && dm.finished_recving.is_empty());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        writes_told,
+        "P was granted D's blocks and told its worker to write"
+    );
+    // P dies.
+    p.sched.shutdown();
+    drop(p);
+    let killed = Instant::now();
+    let failed = loop {
+        let dm = d.step();
+        assert!(dm.finished_recving.is_empty());
+        if dm.failed_recving.contains(&"d-req".to_string()) {
+            break Instant::now();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "D never gave up on a dead P"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // Not before the first grant D gave (2 s registration lease) and the write grace (1.5 s)
+    // are over: a WRITE P posted just before dying may land until then.
+    let (after_grant, after_kill) = (failed - created, failed - killed);
+    assert!(
+        after_grant >= Duration::from_millis(3500),
+        "{after_grant:?}"
+    );
+    assert!(after_kill < Duration::from_secs(5), "{after_kill:?}");
+    // vLLM then fails (or recomputes) the request: its blocks are vLLM's at once.
+    let (keep, _) = d
+        .sched
+        .request_finished("d-req", None, vec![7, 8], 0)
+        .unwrap();
+    assert!(!keep);
 }

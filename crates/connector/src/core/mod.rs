@@ -354,6 +354,27 @@ impl ConnectorCore {
         self.pump(now);
     }
 
+    /// P, push mode, for engines that learn of a prompt's KV only once its whole prefill ended
+    /// (vLLM: `request_finished`, after chunked prefill): the handoff starts with every layer
+    /// saved, so its writes go as soon as D's registration (staged if it came first) holds a
+    /// grant. Returns the parameters for the response.
+    pub fn on_push_prefilled(
+        &mut self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        self.on_push_prefill_start(params, blocks.clone(), num_tokens, now)?;
+        let handoff = params
+            .handoff_id
+            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+        let last = self.spec.shape.num_layers.saturating_sub(1);
+        self.on_layer_saved(handoff, last, now);
+        self.push_params(params, request_id, blocks, num_tokens)
+    }
+
     /// P, push mode: the parameters for the response once the prefill ended.
     pub fn push_params(
         &self,

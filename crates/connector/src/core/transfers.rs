@@ -191,9 +191,11 @@ impl ConnectorCore {
         // Move whole blocks where both sides have them: the tail of the last block costs a
         // descriptor per head and layer when cut at the last token, and nothing when moved with
         // the rest of its run. The bytes past the prompt are zeroed on arrival.
-        let p_cap = r.src_blocks.len() as u64 * peer.layouts[0].spec.block_size as u64;
-        let d_cap = r.dst_blocks.len() as u64 * self.spec.block_size as u64;
-        let planned_tokens = p_cap.min(d_cap).max(r.num_tokens as u64) as u32;
+        let planned_tokens = whole_blocks(
+            (&r.src_blocks, peer.layouts[0].spec.block_size),
+            (&r.dst_blocks, self.spec.block_size),
+            r.num_tokens,
+        );
         let plan = match handoff_plan::plan(
             &peer.layouts,
             &d_layouts,
@@ -385,6 +387,7 @@ impl ConnectorCore {
         let mut new_jobs: Vec<(JobId, u16)> = Vec::new();
         let mut observations = Vec::new();
         let my_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        let (opaque, my_block_size) = (self.cfg.opaque_blocks, self.spec.block_size);
         let next_job = &mut self.transfers.next_job;
         for (d_rank, w) in st.writes.iter_mut() {
             if w.aborted || w.failed {
@@ -427,12 +430,23 @@ impl ConnectorCore {
                 if !permitted {
                     break;
                 }
+                // Opaque pages go whole (no one knows where a token's bytes are in them);
+                // otherwise only the prompt's tokens, D zeroed the rest when it registered.
+                let tokens = if opaque {
+                    whole_blocks(
+                        (&st.blocks, my_block_size),
+                        (&w.d_blocks, peer.layouts[0].spec.block_size),
+                        st.num_tokens,
+                    )
+                } else {
+                    st.num_tokens
+                };
                 let plan = match handoff_plan::plan_layers(
                     &my_layouts,
                     &peer.layouts,
                     &st.blocks,
                     &w.d_blocks,
-                    st.num_tokens,
+                    tokens,
                     layer..layer + 1,
                 ) {
                     Ok(p) => p,
@@ -505,6 +519,14 @@ impl ConnectorCore {
 
 /// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that
 /// posts: D posts READs into its memory, P posts WRITEs from its memory.
+/// How many tokens to move so that whole blocks go where both sides have them (the planner
+/// cuts at this many tokens): at least the prompt's `num_tokens`.
+fn whole_blocks(p: (&[u32], u32), d: (&[u32], u32), num_tokens: u32) -> u32 {
+    let p_cap = p.0.len() as u64 * p.1 as u64;
+    let d_cap = d.0.len() as u64 * d.1 as u64;
+    p_cap.min(d_cap).max(num_tokens as u64) as u32
+}
+
 fn xfer_descs(descs: &[handoff_plan::Descriptor], op: XferOp) -> Vec<XferDesc> {
     descs
         .iter()
