@@ -7,6 +7,7 @@
 //! Everything here is serialisable, so a worker may live in another process.
 
 use handoff_plan::RankLayout;
+use handoff_proto::HandoffId;
 
 use crate::digest::DigestOf;
 use handoff_transport::{GrantId, XferDesc, XferOp};
@@ -61,6 +62,15 @@ pub enum WorkerOp {
     },
     /// End a grant (its handoff ended, after its fence).
     Revoke { grant: GrantId },
+    /// Compute this rank's share of the KV digest of `blocks` (push: P over its blocks once
+    /// every layer is in them, D over its registered blocks once every write landed), reported
+    /// in [`WorkerReport::digests`] as [`Digested::Handoff`], or in
+    /// [`WorkerReport::undigested`] when it cannot be computed.
+    Digest {
+        handoff: HandoffId,
+        blocks: Vec<u32>,
+        of: DigestOf,
+    },
     /// Zero the bytes of `blocks` past the first `num_tokens` tokens (push: the part of the last
     /// block that P does not write).
     ZeroTail { blocks: Vec<u32>, num_tokens: u32 },
@@ -87,6 +97,8 @@ pub enum Digested {
     Grant(GrantId),
     /// D: the blocks a job landed in.
     Job(JobId),
+    /// Push: the blocks of a [`WorkerOp::Digest`].
+    Handoff(HandoffId),
 }
 
 /// One transfer with one peer agent.
@@ -120,6 +132,8 @@ pub struct WorkerReport {
     /// KV digests asked for (this rank's share), reported before the grant or job they belong
     /// to.
     pub digests: Vec<(Digested, u64)>,
+    /// Push digests asked for that this rank could not compute (the handoff goes unchecked).
+    pub undigested: Vec<HandoffId>,
 }
 
 impl WorkerReport {
@@ -132,5 +146,6 @@ impl WorkerReport {
             && self.granted.is_empty()
             && self.refused_transfers == 0
             && self.digests.is_empty()
+            && self.undigested.is_empty()
     }
 }

@@ -153,6 +153,14 @@ impl WorkerSide {
                     self.report.granted.push((grant, ok));
                 }
                 WorkerOp::Revoke { grant } => self.mem.transport.revoke(grant),
+                WorkerOp::Digest {
+                    handoff,
+                    blocks,
+                    of,
+                } => match self.digest(&blocks, of) {
+                    Some(d) => self.report.digests.push((Digested::Handoff(handoff), d)),
+                    None => self.report.undigested.push(handoff),
+                },
                 WorkerOp::ZeroTail { blocks, num_tokens } => {
                     if let Err(e) = self.zero_tail(&blocks, num_tokens) {
                         tracing::warn!(rank = self.rank, error = %e, "cannot zero a block tail");

@@ -190,6 +190,13 @@ pub enum Outcome {
         blocks: Vec<BlockId>,
         /// Where the wait for the KV went.
         waited: WaitTimeline,
+        /// Push: P's KV digest, which what landed must still be checked against (a pull's was
+        /// checked before its reads counted as done).
+        p_digest: Option<u64>,
+        /// The prompt tokens the KV covers.
+        num_tokens: u32,
+        /// The P engine the KV came from.
+        peer: PeerId,
     },
     /// Prefill locally (policy `Recompute`). The blocks of the failed transfer come back through
     /// `poll_release`; the engine allocates fresh ones.
@@ -307,7 +314,7 @@ struct Handoff {
     /// Pull: `info.p_blocks` are P's own answer ([`PullBlocks`]), not the client's claim. No
     /// read starts before.
     blocks_from_p: bool,
-    /// Pull: the KV digest P sent with its block list.
+    /// The KV digest P sent with its block list (pull) or its `PushDone`s (push).
     p_digest: Option<u64>,
     requests: Vec<RequestId>,
     deadline: Time,
@@ -711,6 +718,9 @@ impl ConsumerLedger {
                             requests,
                             blocks,
                             waited,
+                            p_digest: None,
+                            num_tokens: h.info.num_tokens,
+                            peer: h.info.peer,
                         });
                         self.end_handoff(handoff, now);
                     }
@@ -988,6 +998,9 @@ impl ConsumerLedger {
         if !done.contains(&pair) {
             done.push(pair);
         }
+        if h.p_digest.is_none() {
+            h.p_digest = d.digest;
+        }
         let all = rank_pairs(p_tp, tp);
         if all.iter().all(|p| done.contains(p)) {
             let blocks = h.local.take().unwrap_or_default();
@@ -1008,6 +1021,9 @@ impl ConsumerLedger {
                     requests,
                     blocks,
                     waited,
+                    p_digest: h.p_digest,
+                    num_tokens: h.info.num_tokens,
+                    peer: h.info.peer,
                 });
             }
             self.end_handoff(d.handoff, now);

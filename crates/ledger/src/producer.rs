@@ -1007,6 +1007,7 @@ impl ProducerLedger {
                     .into_iter()
                     .filter(|(d, _)| *d == r.d_rank)
                     .map(|(d, p)| PushDone {
+                        digest: None,
                         handoff: id,
                         epoch: r.epoch,
                         p_rank: p,

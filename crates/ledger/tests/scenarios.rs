@@ -69,6 +69,9 @@ fn normal_pull() {
                 to_transfer: Some(ms(0)),
                 transfer: ms(5),
             },
+            p_digest: None,
+            num_tokens: 64,
+            peer: P_PEER,
         }]
     );
     assert!(

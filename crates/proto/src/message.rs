@@ -290,6 +290,9 @@ pub struct PushDone {
     pub epoch: Epoch,
     pub p_rank: u16,
     pub d_rank: u16,
+    /// The KV digest of the handoff's blocks summed over P's ranks, when P computed one (see
+    /// the connector's `digest`): D checks what landed against it.
+    pub digest: Option<u64>,
 }
 
 /// Push mode, P to D: a WRITE failed and none is in flight any more; D may free at once.

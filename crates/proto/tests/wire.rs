@@ -230,6 +230,7 @@ fn message_kind_and_handoff_are_per_variant() {
             epoch: e,
             p_rank: 0,
             d_rank: 0,
+            digest: Some(0xfeed),
         }),
         Message::PushFailed(PushFailed {
             handoff: id,

@@ -73,6 +73,8 @@ fn engine_in(id: &str, mode: &str) -> Engine {
         "dtype": "float32",
         "opaque_blocks": true,
         "mode": mode,
+        // Every transfer here is checked end to end: a mismatch would fail the request.
+        "kv_digest": true,
     }))
     .unwrap();
     let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();

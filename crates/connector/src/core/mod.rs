@@ -14,6 +14,7 @@
 
 mod grants;
 mod peers;
+mod push_digest;
 mod side;
 #[cfg(test)]
 mod tests;
@@ -24,7 +25,7 @@ use std::collections::HashMap;
 use handoff_ledger::{
     BlockRelease, ConsumerAction, ConsumerConfig, ConsumerLedger, ConsumerStats, IncomingHandoff,
     MemoryUse, Outcome, PeerId, ProducerAction, ProducerConfig, ProducerLedger, ProducerStats,
-    RequestId, Time,
+    RequestId, Time, WaitTimeline,
 };
 use handoff_plan::KvSpec;
 use handoff_proto::{
@@ -172,6 +173,9 @@ pub struct ConnectorCore {
     peers: PeerTable,
     transfers: Transfers,
     grants: Grants,
+    /// D, push, with `kv_digest`: handoffs whose writes all landed, held until D's ranks
+    /// digested what landed (one entry per handoff, gone once every rank reported).
+    push_checks: HashMap<HandoffId, push_digest::Check>,
     /// P, pull, with `kv_digest`: each live handoff's prompt length (its digest covers those
     /// tokens). Emptied when the handoff's blocks are released.
     prompt_tokens: HashMap<HandoffId, u32>,
@@ -226,6 +230,7 @@ impl ConnectorCore {
             fingerprint,
             peers: PeerTable::default(),
             transfers: Transfers::default(),
+            push_checks: HashMap::new(),
             grants: Grants::default(),
             prompt_tokens: HashMap::new(),
             prune_at: MIN_PRUNE_AT,
@@ -337,7 +342,8 @@ impl ConnectorCore {
             .as_mut()
             .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
         p.create_handoff(handoff, blocks.clone(), TransferMode::Push, now)?;
-        self.transfers.start_push(handoff, blocks, num_tokens);
+        self.transfers
+            .start_push(handoff, blocks, num_tokens, self.cfg.kv_digest);
         // A registration staged before the handoff existed may come from a D that died since:
         // its death was reported when nothing was bound to it yet.
         self.redeclare_dead(now);
@@ -349,6 +355,7 @@ impl ConnectorCore {
     /// soon as D's registration holds a valid grant.
     pub fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
         if self.transfers.layer_saved(handoff, layer) {
+            self.ask_push_digest(handoff);
             self.advance_push(handoff, now);
         }
         self.pump(now);
@@ -619,7 +626,11 @@ impl ConnectorCore {
             match what {
                 Digested::Grant(id) => self.grants.add_digest_share(id, share),
                 Digested::Job(job) => self.transfers.add_digest_share(job, share),
+                Digested::Handoff(h) => self.push_digest_share(h, Some(share), now),
             }
+        }
+        for h in report.undigested {
+            self.push_digest_share(h, None, now);
         }
         for (grant, ok) in report.granted {
             self.grant_confirmed(report.rank, grant, ok);
@@ -741,54 +752,82 @@ impl ConnectorCore {
                 | Outcome::Failed { handoff, .. } => *handoff,
             };
             self.revoke(Opens::Writes, handoff);
-            let why = |reason: &'static str| match refusal {
-                Some(r) => format!("{reason}: {r}"),
-                None => reason.to_string(),
-            };
-            let recomputed = matches!(o, Outcome::Recompute { .. });
-            let ev = match o {
+            match o {
                 Outcome::Ready {
                     requests,
                     blocks,
                     waited,
+                    p_digest,
+                    num_tokens,
+                    peer,
                     ..
-                } => {
-                    self.out.observations.push(Observation::KvWait(waited));
-                    ConnectorEvent::Ready {
-                        requests: requests.iter().map(|r| r.0).collect(),
-                        blocks,
-                    }
-                }
+                } => match p_digest.filter(|_| self.cfg.kv_digest) {
+                    // Push: what landed is digested before anyone decodes it.
+                    Some(p_digest) => self.check_push(
+                        handoff,
+                        push_digest::Landed {
+                            p_digest,
+                            num_tokens,
+                            requests,
+                            blocks,
+                            waited,
+                            peer,
+                        },
+                    ),
+                    None => self.kv_ready(requests, blocks, waited),
+                },
                 Outcome::Recompute {
                     requests,
                     reason,
                     peer,
                     ..
-                }
-                | Outcome::Failed {
+                } => self.failed(requests, reason.as_str(), peer, true, refusal),
+                Outcome::Failed {
                     requests,
                     reason,
                     peer,
                     ..
-                } => {
-                    self.out.observations.push(Observation::RequestFailed {
-                        reason: reason.as_str(),
-                        peer: self.peer_name(peer),
-                        requests: requests.len(),
-                        recomputed,
-                    });
-                    let requests = requests.iter().map(|r| r.0).collect();
-                    let reason = why(reason.as_str());
-                    if recomputed {
-                        ConnectorEvent::Recompute { requests, reason }
-                    } else {
-                        ConnectorEvent::Failed { requests, reason }
-                    }
-                }
-            };
-            self.out.events.push(ev);
+                } => self.failed(requests, reason.as_str(), peer, false, refusal),
+            }
         }
         any
+    }
+
+    /// D: the KV of `requests` is in `blocks`.
+    fn kv_ready(&mut self, requests: Vec<RequestId>, blocks: Vec<u32>, waited: WaitTimeline) {
+        self.out.observations.push(Observation::KvWait(waited));
+        self.out.events.push(ConnectorEvent::Ready {
+            requests: requests.iter().map(|r| r.0).collect(),
+            blocks,
+        });
+    }
+
+    /// D: the KV of `requests` will not come from P engine `peer`; `refusal` explains why (the
+    /// reason P refused or could not be reached).
+    fn failed(
+        &mut self,
+        requests: Vec<RequestId>,
+        reason: &'static str,
+        peer: PeerId,
+        recomputed: bool,
+        refusal: Option<&str>,
+    ) {
+        self.out.observations.push(Observation::RequestFailed {
+            reason,
+            peer: self.peer_name(peer),
+            requests: requests.len(),
+            recomputed,
+        });
+        let requests = requests.iter().map(|r| r.0).collect();
+        let reason = match refusal {
+            Some(r) => format!("{reason}: {r}"),
+            None => reason.to_string(),
+        };
+        self.out.events.push(if recomputed {
+            ConnectorEvent::Recompute { requests, reason }
+        } else {
+            ConnectorEvent::Failed { requests, reason }
+        });
     }
 
     /// A peer's engine id, with the address dialled when there is one (for logs).

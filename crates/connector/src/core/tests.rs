@@ -31,11 +31,15 @@ fn core(engine: &str, role: Role) -> ConnectorCore {
 }
 
 fn core_with(engine: &str, role: Role, kv_digest: bool) -> ConnectorCore {
+    core_in(engine, role, TransferMode::Pull, kv_digest)
+}
+
+fn core_in(engine: &str, role: Role, mode: TransferMode, kv_digest: bool) -> ConnectorCore {
     ConnectorCore::new(
         CoreConfig {
             engine_id: engine.into(),
             role,
-            mode: TransferMode::Pull,
+            mode,
             model: "m".into(),
             dtype: "bf16".into(),
             advertise_host: "127.0.0.1".into(),
@@ -559,6 +563,120 @@ fn a_pulled_handoff_whose_digest_matches_p_s_is_ready() {
 #[test]
 fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
     let (events, observations) = pull_with_digests(0xabc, 0xabd);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, ConnectorEvent::Ready { .. })),
+        "damaged KV was handed to the request: {events:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(e,
+            ConnectorEvent::Recompute { requests, reason } | ConnectorEvent::Failed { requests, reason }
+            if requests == &vec![1] && reason.contains("kv_digest_mismatch"))),
+        "{events:?}"
+    );
+    assert!(observations.contains(&Observation::DigestChecked { matched: false }));
+}
+
+/// One push between a P and a D core with `kv_digest`, their workers played by the test: every
+/// WRITE lands (its notification reaches D), P's worker reports `p_share` as the digest of
+/// P's blocks, D's reports `d_share` for what landed. Returns D's events and observations, and
+/// whether P posted a last-layer WRITE before its digest was known.
+fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Observation>, bool) {
+    let mut p = core_in("p", Role::Prefill, TransferMode::Push, true);
+    let mut id = [0u8; 16];
+    id[0] = 9;
+    let handoff = HandoffId::from_bytes(id);
+    let p_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
+        "do_remote_decode": true, "transfer_mode": "push", "handoff_id": handoff.to_string(),
+    }))
+    .unwrap();
+    let d_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
+        "do_remote_prefill": true, "transfer_mode": "push", "handoff_id": handoff.to_string(),
+        "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 7000,
+        "tp_size": 1, "epoch": 1,
+    }))
+    .unwrap();
+    let d = core_in("d", Role::Decode, TransferMode::Push, true);
+    let mut d = connect(&mut p, d, &d_leg, 5);
+    d.on_blocks_allocated(1, vec![7, 8], t(3)).unwrap();
+    p.on_push_prefilled(&p_leg, "r", vec![1, 2], 32, t(3))
+        .unwrap();
+    let (mut events, mut observations, mut early) = (Vec::new(), Vec::new(), false);
+    let mut digest_known = false;
+    for step in 0..40u64 {
+        let now = t(4 + 20 * step);
+        for c in [&mut p, &mut d] {
+            if c.poll_timeout().is_some_and(|at| at <= now) {
+                c.handle_timeout(now);
+            }
+        }
+        let rd = d.ready();
+        let to_p: Vec<Message> = rd.messages.iter().map(|(_, m)| m.clone()).collect();
+        let mut d_report = WorkerReport::default();
+        for (_, op) in &rd.worker_ops {
+            match op {
+                WorkerOp::Digest { blocks, of, .. } => {
+                    assert_eq!((blocks.clone(), of.num_tokens), (vec![7, 8], 32));
+                    d_report.digests.push((Digested::Handoff(handoff), d_share));
+                }
+                // D's registration leaves once its worker let P write into the blocks.
+                WorkerOp::Grant { grant, .. } => d_report.granted.push((*grant, true)),
+                _ => {}
+            }
+        }
+        events.extend(rd.events.iter().cloned());
+        observations.extend(rd.observations.iter().cloned());
+        d.advance(rd);
+        for m in to_p {
+            p.handle_frame(100, m, now);
+        }
+        let rp = p.ready();
+        let to_d: Vec<Message> = rp.messages.iter().map(|(_, m)| m.clone()).collect();
+        let mut p_report = WorkerReport::default();
+        for (_, op) in &rp.worker_ops {
+            if let WorkerOp::Digest { blocks, of, .. } = op {
+                assert_eq!((blocks.clone(), of.num_tokens), (vec![1, 2], 32));
+                p_report.digests.push((Digested::Handoff(handoff), p_share));
+            }
+        }
+        for (_, job) in &rp.transfers_to_post {
+            p_report.ended.push((job.job, true));
+            for part in &job.parts {
+                if let Some(n) = &part.notification {
+                    early |= !digest_known;
+                    d_report.notifications.push(("p-r0".into(), n.clone()));
+                }
+            }
+        }
+        digest_known |= !p_report.digests.is_empty();
+        p.advance(rp);
+        p.handle_worker_report(p_report, now);
+        for m in to_d {
+            d.handle_frame(5, m, now);
+        }
+        d.handle_worker_report(d_report, now);
+    }
+    (events, observations, early)
+}
+
+#[test]
+fn a_pushed_handoff_whose_digest_matches_p_s_is_ready() {
+    let (events, observations, early) = push_with_digests(0x5eed, 0x5eed);
+    assert!(!early, "P's last WRITE left before its digest was known");
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, ConnectorEvent::Ready { requests, .. } if requests == &vec![1])),
+        "{events:?}"
+    );
+    assert!(observations.contains(&Observation::DigestChecked { matched: true }));
+}
+
+/// The negative control: what landed on D differs from P's KV, and the request never decodes it.
+#[test]
+fn a_pushed_handoff_whose_digest_differs_fails_and_is_never_ready() {
+    let (events, observations, _) = push_with_digests(0x5eed, 0x5eee);
     assert!(
         !events
             .iter()

@@ -10,6 +10,7 @@ use handoff_proto::{encode, HandoffId, Message, PushDone};
 use handoff_transport::{XferDesc, XferOp};
 
 use super::peers::PeerState;
+use super::push_digest::PushDigest;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
 use crate::step::{JobId, TransferJob, TransferPart};
@@ -41,11 +42,13 @@ enum DigestCheck {
 
 /// P, push mode: one handoff's prefill and the writes into each registered D rank.
 #[derive(Debug)]
-struct PushState {
-    blocks: Vec<u32>,
-    num_tokens: u32,
-    layers_saved: u32,
+pub(super) struct PushState {
+    pub(super) blocks: Vec<u32>,
+    pub(super) num_tokens: u32,
+    pub(super) layers_saved: u32,
     writes: HashMap<u16, ActiveWrite>,
+    /// The KV digest the `PushDone`s carry (see `push_digest`).
+    pub(super) digest: PushDigest,
 }
 
 #[derive(Debug)]
@@ -81,7 +84,13 @@ impl Transfers {
         id
     }
 
-    pub fn start_push(&mut self, handoff: HandoffId, blocks: Vec<u32>, num_tokens: u32) {
+    pub fn start_push(
+        &mut self,
+        handoff: HandoffId,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        digest: bool,
+    ) {
         self.pushes.insert(
             handoff,
             PushState {
@@ -89,8 +98,17 @@ impl Transfers {
                 num_tokens,
                 layers_saved: 0,
                 writes: HashMap::new(),
+                digest: if digest {
+                    PushDigest::Wanted
+                } else {
+                    PushDigest::Off
+                },
             },
         );
+    }
+
+    pub(super) fn push_mut(&mut self, handoff: HandoffId) -> Option<&mut PushState> {
+        self.pushes.get_mut(&handoff)
     }
 
     /// Returns whether the handoff is a push in flight.
@@ -418,8 +436,9 @@ impl ConnectorCore {
                 let layer = w.layers_posted;
                 let last = layer + 1 == num_layers;
                 // The completion rides on the last layer's WRITE, posted only once every
-                // earlier one landed (a backend may complete transfers out of order).
-                if last && !w.jobs.is_empty() {
+                // earlier one landed (a backend may complete transfers out of order), and once
+                // the digest it carries is known.
+                if last && (!w.jobs.is_empty() || !st.digest.settled()) {
                     break;
                 }
                 // Rule 3: post only on a registration grant that is still valid.
@@ -470,7 +489,10 @@ impl ConnectorCore {
                         w.done
                             .iter()
                             .find(|n| n.p_rank == p_rank && n.d_rank == *d_rank)
-                            .and_then(|n| encode(&Message::PushDone(*n)).ok())
+                            .and_then(|n| {
+                                let digest = st.digest.value();
+                                encode(&Message::PushDone(PushDone { digest, ..*n })).ok()
+                            })
                     } else {
                         None
                     };
@@ -517,8 +539,6 @@ impl ConnectorCore {
     }
 }
 
-/// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that
-/// posts: D posts READs into its memory, P posts WRITEs from its memory.
 /// How many tokens to move so that whole blocks go where both sides have them (the planner
 /// cuts at this many tokens): at least the prompt's `num_tokens`.
 fn whole_blocks(p: (&[u32], u32), d: (&[u32], u32), num_tokens: u32) -> u32 {
@@ -527,6 +547,8 @@ fn whole_blocks(p: (&[u32], u32), d: (&[u32], u32), num_tokens: u32) -> u32 {
     p_cap.min(d_cap).max(num_tokens as u64) as u32
 }
 
+/// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that
+/// posts: D posts READs into its memory, P posts WRITEs from its memory.
 fn xfer_descs(descs: &[handoff_plan::Descriptor], op: XferOp) -> Vec<XferDesc> {
     descs
         .iter()

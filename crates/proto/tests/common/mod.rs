@@ -216,14 +216,20 @@ pub fn push_register() -> impl Strategy<Value = PushRegister> + Clone {
 }
 
 pub fn push_done() -> impl Strategy<Value = PushDone> + Clone {
-    (handoff_id(), epoch(), any::<u16>(), any::<u16>()).prop_map(
-        |(handoff, epoch, p_rank, d_rank)| PushDone {
+    (
+        handoff_id(),
+        epoch(),
+        any::<u16>(),
+        any::<u16>(),
+        any::<Option<u64>>(),
+    )
+        .prop_map(|(handoff, epoch, p_rank, d_rank, digest)| PushDone {
             handoff,
             epoch,
             p_rank,
             d_rank,
-        },
-    )
+            digest,
+        })
 }
 
 pub fn push_failed() -> impl Strategy<Value = PushFailed> + Clone {
