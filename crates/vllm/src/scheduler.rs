@@ -16,7 +16,7 @@ use handoff_connector::{
     Connector, ConnectorConfig, ConnectorError, ConnectorEvent, ReportSink, Role, WorkerHello,
     WorkerLink, WorkerReport, WorkerStep,
 };
-use handoff_ledger::{ConsumerConfig, ProducerConfig};
+use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
@@ -94,9 +94,13 @@ pub struct SchedulerConfig {
     /// Allows a non-loopback side channel without a key.
     #[serde(default)]
     pub insecure: bool,
-    /// Check each pulled handoff's KV digest (see `handoff_connector::digest`).
+    /// Check each handoff's KV digest (see `handoff_connector::digest`).
     #[serde(default)]
     pub kv_digest: bool,
+    /// vLLM's `kv_load_failure_policy` (`recompute` or `fail`): vLLM carries it out; the
+    /// connector's logs and metrics say the same.
+    #[serde(default)]
+    pub failure_policy: Option<String>,
 }
 
 fn default_mode() -> String {
@@ -189,6 +193,15 @@ impl SchedulerSide {
         if let Some(ms) = cfg.wait_deadline_ms {
             consumer.wait_deadline = std::time::Duration::from_millis(ms);
         }
+        consumer.failure_policy = match cfg.failure_policy.as_deref() {
+            None | Some("recompute") => FailurePolicy::Recompute,
+            Some("fail") => FailurePolicy::Fail,
+            Some(other) => {
+                return Err(SchedulerError::Config(format!(
+                    "kv_load_failure_policy {other:?} (recompute or fail)"
+                )))
+            }
+        };
         let ranks = hellos.len();
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| channel::<WorkerStep>()).unzip();
         let mut registry = prometheus_client::registry::Registry::default();

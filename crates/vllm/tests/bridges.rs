@@ -567,3 +567,17 @@ fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_g
         .unwrap();
     assert!(!keep);
 }
+
+#[test]
+fn an_unknown_kv_load_failure_policy_is_refused_with_its_name() {
+    let e = engine("vllm-policy");
+    let cfg: SchedulerConfig = serde_json::from_value(serde_json::json!({
+        "engine_id": "vllm-policy-2", "model": "tiny", "dtype": "float32",
+        "failure_policy": "retry-forever",
+    }))
+    .unwrap();
+    let err = SchedulerSide::start(cfg, vec![e.worker.hello().unwrap()])
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("retry-forever"), "{err}");
+}

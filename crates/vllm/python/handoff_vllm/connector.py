@@ -11,8 +11,10 @@ each worker process. Each side wraps its Rust half (``handoff_vllm._native``):
 
 Every hook returns after a short call; Rust threads never call into Python.
 
-Pull mode (D reads P's blocks) with equal TP sizes and block sizes on P and D. Requests for P
-must not stream (vLLM puts ``kv_transfer_params`` only in non-streamed responses).
+Pull mode (D reads P's blocks; requests for P must not stream: vLLM puts ``kv_transfer_params``
+only in non-streamed responses) and push mode (``"mode": "push"`` in the extra config; P writes
+into the blocks D registered, as soon as vLLM tells the connector the prefill ended in
+``request_finished``), with equal TP sizes and block sizes on P and D.
 """
 
 from __future__ import annotations
@@ -234,6 +236,9 @@ class HandoffConnector(KVConnectorBase_V1):
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "opaque_blocks": self._opaque,
             "kv_digest": bool(self._extra.get("kv_digest", False)),
+            "failure_policy": getattr(
+                self._config.kv_transfer_config, "kv_load_failure_policy", None
+            ),
         }
         self._sched = _native.Scheduler(json.dumps(cfg), [bytes(h.hello) for h in hellos])
         logger.info(

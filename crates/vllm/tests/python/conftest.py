@@ -42,6 +42,8 @@ CORRUPT_FILE = Path(f"/tmp/handoff-vllm-corrupt-{os.getpid()}")
 # While this file exists, D's worker holds the transfers it is asked to post (test-only switch,
 # `HOLD_SWITCH` in worker.rs): a request then waits on D for its KV as long as a test needs.
 HOLD_FILE = Path(f"/tmp/handoff-vllm-hold-{os.getpid()}")
+# The same switch for the push cluster's P: while it exists, P's worker holds its WRITEs.
+HOLD_WRITES_FILE = Path(f"/tmp/handoff-vllm-hold-writes-{os.getpid()}")
 
 
 class Server:
@@ -129,6 +131,35 @@ class Server:
             if line.startswith(name) and not line.startswith("#"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+def settled_usage(server: Server, quiet_s: float = 0.5, limit_s: float = 5.0) -> float:
+    """The server's KV cache usage once it has not changed for `quiet_s`: a free from the test
+    before reaches /metrics only after the engine's next step and the API server's next stats
+    update."""
+    last, since = server.metric(KV_USAGE), time.time()
+    deadline = since + limit_s
+    while time.time() < deadline:
+        time.sleep(0.05)
+        now = server.metric(KV_USAGE)
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet_s:
+            break
+    return last
+
+
+def usage_back_to(server: Server, idle: float, since: float, limit_s: float) -> float | None:
+    """Seconds from `since` until the server's KV cache usage, on vLLM's own /metrics, is back
+    to `idle`; None if not within `limit_s`."""
+    while time.time() < since + limit_s:
+        if server.metric(KV_USAGE) <= idle + 1e-9:
+            return time.time() - since
+        time.sleep(0.05)
+    return None
 
 
 # What the tests measured, written as one JSON object at the end (scripts/test-vllm prints it).

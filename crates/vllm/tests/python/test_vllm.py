@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 
 import requests
 
-from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, MAX_MODEL_LEN,
-                      REPORT)
+from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, KV_USAGE,
+                      MAX_MODEL_LEN, REPORT, settled_usage, usage_back_to)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -121,35 +121,9 @@ def wait_blocks_back(cluster, request_id: str, limit_s: float) -> tuple[float, s
     return None
 
 
-KV_USAGE = "vllm:kv_cache_usage_perc"
 # handoff's default: after a lease ends, P waits this long before it frees (a READ granted
 # just before the end may still be landing).
 FENCE_GRACE_S = 1.5
-
-
-def settled_usage(cluster, quiet_s: float = 0.5, limit_s: float = 5.0) -> float:
-    """P's KV cache usage once it has not changed for `quiet_s`: a free from the test before
-    reaches /metrics only after P's next engine step and the API server's next stats update."""
-    last, since = cluster["p"].metric(KV_USAGE), time.time()
-    deadline = since + limit_s
-    while time.time() < deadline:
-        time.sleep(0.05)
-        now = cluster["p"].metric(KV_USAGE)
-        if now != last:
-            last, since = now, time.time()
-        elif time.time() - since >= quiet_s:
-            break
-    return last
-
-
-def usage_back_to(cluster, idle: float, since: float, limit_s: float) -> float | None:
-    """Seconds from `since` until P's KV cache usage, on vLLM's own /metrics, is back to
-    `idle`; None if not within `limit_s`."""
-    while time.time() < since + limit_s:
-        if cluster["p"].metric(KV_USAGE) <= idle + 1e-9:
-            return time.time() - since
-        time.sleep(0.05)
-    return None
 
 
 def test_n2_on_d_is_one_transfer_both_choices_decoded_p_freed_once(cluster):
@@ -200,7 +174,7 @@ def test_a_request_d_refuses_before_admission_frees_p_at_once(cluster):
     and so the connector, sees it. handoff_vllm.RefusalRelease names its params to D's
     connector, which tells P: P's blocks are back within 2 s, reason rejected (without it, at
     the initial lease + fence, 5.5 s here)."""
-    idle = settled_usage(cluster)
+    idle = settled_usage(cluster["p"])
     ids = prompt(MAX_MODEL_LEN + 100, seed=51)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     params = p["kv_transfer_params"]
@@ -215,7 +189,7 @@ def test_a_request_d_refuses_before_admission_frees_p_at_once(cluster):
     after = back[0] - sent
     REPORT["reclaim_after_refusal_s"] = round(after, 3)
     assert after < 2.0, f"P's blocks came back {after:.2f} s after the request went to D"
-    assert usage_back_to(cluster, idle, time.time(), 5) is not None
+    assert usage_back_to(cluster["p"], idle, time.time(), 5) is not None
     # D still serves.
     short = ids[:BLOCK_SIZE]
     _, d = disaggregated(cluster, short, max_tokens=2)
@@ -228,7 +202,7 @@ def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
     switch): vLLM aborts the request, D cancels the READ at once and, as soon as it has ended,
     tells P; P's KV cache usage on vLLM's /metrics is back to idle within 2 s, reason aborted
     (not the READ's deadline, ~4.5 s later, reason failed). D serves the next request."""
-    idle = settled_usage(cluster)
+    idle = settled_usage(cluster["p"])
     ids = prompt(2 * BLOCK_SIZE + 9, seed=21)
     HOLD_FILE.touch()
     try:
@@ -244,7 +218,7 @@ def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
         assert held > idle, f"P's KV usage {held} while holding the blocks, idle {idle}"
         left = time.time()
         stream.close()
-        reclaim = usage_back_to(cluster, idle, left, 10)
+        reclaim = usage_back_to(cluster["p"], idle, left, 10)
     finally:
         HOLD_FILE.unlink()
     back = wait_blocks_back(cluster, params["remote_request_id"], 5)
@@ -260,7 +234,7 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
     """SIGKILL D while the request waits on D for its KV: P notices (the side channel closes)
     and its KV cache usage on vLLM's /metrics is back to idle within 2 s, not after a lease.
     Runs after every test that needs D: it kills D."""
-    idle = settled_usage(cluster)
+    idle = settled_usage(cluster["p"])
     ids = prompt(2 * BLOCK_SIZE + 5, seed=7)
     HOLD_FILE.touch()
     try:
@@ -280,7 +254,7 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
         cluster["d"].kill()
     finally:
         HOLD_FILE.unlink()
-    reclaim = usage_back_to(cluster, idle, killed, 15)
+    reclaim = usage_back_to(cluster["p"], idle, killed, 15)
     back = blocks_back_at(cluster["p"].log_path.read_text(), params["remote_request_id"])
     REPORT["reclaim_reason"] = back[1] if back else None
     assert back is not None and back[1] == "peer_dead", f"P freed for another reason: {back}"
@@ -293,7 +267,7 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
     """D is dead (the test above killed it) before it ever hears of this request: nobody claims
     P's handoff, and P's blocks are back when the initial lease and its fence end
     (INITIAL_LEASE_S + handoff's default fence grace of 1.5 s), not earlier, not much later."""
-    idle = settled_usage(cluster)
+    idle = settled_usage(cluster["p"])
     ids = prompt(BLOCK_SIZE + 3, seed=13)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     answered = time.time()
@@ -305,7 +279,7 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
     assert back[1] == "expired", back
     assert INITIAL_LEASE_S + FENCE_GRACE_S - 0.5 <= after < INITIAL_LEASE_S + FENCE_GRACE_S + 1.5, \
         after
-    assert usage_back_to(cluster, idle, time.time(), 5) is not None
+    assert usage_back_to(cluster["p"], idle, time.time(), 5) is not None
 
 
 def _ignore(f, *a, **kw):

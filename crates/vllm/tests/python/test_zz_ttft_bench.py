@@ -6,16 +6,18 @@ A benchmark, not a timed test: it prints a table and writes the numbers into the
 completed. It starts its own servers (the session cluster's D is dead by the time it runs, and the
 bench wants ``--max-model-len 4096`` so that 2048-token prompts fit), one setup at a time:
 
-1. handoff P + D (``HandoffConnector``, pull, no digest, no test switches) and a single engine,
-   started together; the P/D path is measured, then the single engine (the cores idle servers
-   burn are measured first: `ttft_bench_idle_cores`).
-   All three are stopped.
+1. handoff P + D in pull mode, handoff P + D in push mode (``HandoffConnector``, no digest, no
+   test switches) and a single engine, started together; the pull path is measured, then the
+   push path, then the single engine (the cores idle servers burn are measured first:
+   `ttft_bench_idle_cores`). All five are stopped.
 2. NixlConnector P + D, started and measured alone: NIXL's progress thread spins a core per
    engine, so no NIXL server is ever up while another path is measured. Stopped.
 
-Both P/D setups go through the same tiny proxy (``pd_ttft``): P gets the prompt with
-``max_tokens`` 1, not streamed, ``kv_transfer_params={"do_remote_decode": true}``; D gets P's
-response ``kv_transfer_params`` and streams. TTFT is from the client's start (before the P
+The pull and NIXL P/D setups go through the same tiny proxy (``pd_ttft``): P gets the prompt
+with ``max_tokens`` 1, not streamed, ``kv_transfer_params={"do_remote_decode": true}``; D gets
+P's response ``kv_transfer_params`` and streams. Push (``push_ttft``) sends both legs at once, as
+handoff's proxy does: D (streamed) with a fresh handoff id and P's side channel address, P with
+the same id; P writes its KV into the blocks D registered as soon as its prefill ended. TTFT is from the client's start (before the P
 request) until the first streamed chunk from D that carries a token. The single engine gets the
 same request streamed directly. HandoffConnector moves the KV over its own tcp transport (its
 default in vLLM); NixlConnector over UCX (shared memory / CMA on one host).
@@ -38,9 +40,6 @@ there), and the cores other processes used while each path was measured
 (``ttft_bench_other_load_cores``: this machine is shared; a busy neighbour shows up there). Every
 sample goes to ``bench-ttft-samples.json`` beside the server logs.
 
-Push mode does not exist in HandoffConnector for vLLM yet: ``push_vs_nixl_ttft_p50`` is null and
-``push_vllm`` says why.
-
 Knobs: HANDOFF_BENCH_REQUESTS (measured requests per length and path, default 10),
 HANDOFF_BENCH_WARMUP (default 3), HANDOFF_BENCH_MAX_TOKENS (D's output tokens, default 4).
 """
@@ -50,7 +49,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
+import threading
 import time
 
 import requests
@@ -63,8 +64,7 @@ N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "10"))
 WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "3"))
 MAX_TOKENS = int(os.environ.get("HANDOFF_BENCH_MAX_TOKENS", "4"))
 TIMEOUT_S = 60
-PUSH_VLLM = "not implemented: HandoffConnector in vLLM runs pull mode only"
-PATHS = ["handoff", "nixl", "single"]
+PATHS = ["handoff", "push", "nixl", "single"]
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -134,6 +134,38 @@ def pd_ttft(session: requests.Session, p: Server, d: Server, ids: list[int],
         raise RuntimeError(f"{p.name} returned no kv_transfer_params: {r.text[:300]}")
     p_share.append(time.perf_counter() - t0)
     return stream_tokens(session, d.url, body(ids, MAX_TOKENS, kv_transfer_params=params), t0)
+
+
+def push_ttft(session: requests.Session, p: Server, d: Server, p_side_port: int,
+              ids: list[int]) -> tuple[float, list[int]]:
+    """Both legs at once under a fresh handoff id, as handoff's proxy sends them in push mode:
+    P's (max_tokens 1, not streamed) from a thread, D's streamed here."""
+    handoff = secrets.token_hex(16)
+    p_params = {"do_remote_decode": True, "transfer_mode": "push", "handoff_id": handoff}
+    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
+                "remote_engine_id": "bench-push-p", "remote_host": "127.0.0.1",
+                "remote_port": p_side_port, "tp_size": 1, "epoch": 1}
+    t0 = time.perf_counter()
+    errors: list[str] = []
+
+    def p_leg():
+        try:
+            r = requests.post(p.url + "/v1/completions",
+                              json=body(ids, 1, kv_transfer_params=p_params), timeout=TIMEOUT_S)
+            if r.status_code != 200:
+                errors.append(f"{p.name}: {r.status_code} {r.text[:300]}")
+        except requests.RequestException as e:
+            errors.append(f"{p.name}: {e}")
+
+    leg = threading.Thread(target=p_leg, daemon=True)
+    leg.start()
+    try:
+        return stream_tokens(session, d.url, body(ids, MAX_TOKENS, kv_transfer_params=d_params),
+                             t0)
+    finally:
+        leg.join(TIMEOUT_S)
+        if errors:
+            raise RuntimeError(errors[0])
 
 
 def single_ttft(session: requests.Session, s: Server, ids: list[int]) -> tuple[float, list[int]]:
@@ -284,18 +316,24 @@ def test_ttft_handoff_vs_nixl_vs_single():
     started = time.monotonic()
     b = Bench()
 
-    # 1. handoff P/D and the single engine.
+    # 1. handoff P/D (pull, push) and the single engine.
     t = time.monotonic()
     servers: list[Server] = []
+    side = free_port()
     try:
         servers = start([("bench-handoff-p", connector("bench-p"), {}),
                          ("bench-handoff-d", connector("bench-d"), {}),
+                         ("bench-push-p", connector("bench-push-p", mode="push",
+                                                    side_channel_port=side), {}),
+                         ("bench-push-d", connector("bench-push-d", mode="push"), {}),
                          ("bench-single", None, {})])
         b.phases["handoff_single_start_s"] = round(time.monotonic() - t, 1)
-        p, d, single = servers
+        p, d, push_p, push_d, single = servers
         b.idle["handoff_pd"] = idle_cores([p, d])
+        b.idle["push_pd"] = idle_cores([push_p, push_d])
         b.idle["single"] = idle_cores([single])
         b.run("handoff", lambda s, ids, share: pd_ttft(s, p, d, ids, share), servers)
+        b.run("push", lambda s, ids, share: push_ttft(s, push_p, push_d, side, ids), servers)
         b.run("single", lambda s, ids, share: single_ttft(s, single, ids), servers)
     except Exception as e:  # noqa: BLE001 - the other setup still runs; asserted below
         b.errors.append(f"handoff/single setup: {e}")
@@ -325,7 +363,7 @@ def test_ttft_handoff_vs_nixl_vs_single():
     # unavailable" under two spinning progress threads) are vLLM's, not handoff's: they are
     # counted in the report (ttft_bench_errors, ttft_ms.nixl.n), not asserted.
     ours = [e for e in b.errors if not e.startswith("nixl")]
-    assert not ours and all(counts[p] == expected for p in ("handoff", "single")), \
+    assert not ours and all(counts[p] == expected for p in ("handoff", "push", "single")), \
         f"completed {counts} of {expected} each; errors: {b.errors[:10]}"
 
 
@@ -364,7 +402,8 @@ def report(b: Bench, wall: float) -> None:
             return None
         return round(percentile(pooled[x], q) / percentile(pooled[y], q), 3)
 
-    pairs = (("handoff", "nixl"), ("handoff", "single"), ("nixl", "single"))
+    pairs = (("handoff", "nixl"), ("push", "nixl"), ("handoff", "single"), ("push", "single"),
+             ("nixl", "single"))
     by_length = {}
     for n in LENGTHS:
         row = {}
@@ -377,7 +416,7 @@ def report(b: Bench, wall: float) -> None:
     # Greedy outputs: each P/D path against the single engine, prompt by prompt.
     single_out = {(n, head): toks for n, head, toks in b.outputs["single"]}
     mismatches = []
-    for path in ("handoff", "nixl"):
+    for path in ("handoff", "push", "nixl"):
         for n, head, toks in b.outputs[path]:
             want = single_out.get((n, head))
             if want is not None and toks != want:
@@ -388,8 +427,9 @@ def report(b: Bench, wall: float) -> None:
         handoff_vs_nixl_ttft_p99=ratio("handoff", "nixl", 0.99),
         handoff_vs_single_ttft_p50=ratio("handoff", "single", 0.5),
         nixl_vs_single_ttft_p50=ratio("nixl", "single", 0.5),
-        push_vs_nixl_ttft_p50=None,
-        push_vllm=PUSH_VLLM,
+        push_vs_nixl_ttft_p50=ratio("push", "nixl", 0.5),
+        push_vs_nixl_ttft_p99=ratio("push", "nixl", 0.99),
+        push_vs_single_ttft_p50=ratio("push", "single", 0.5),
         ttft_ms=ttft,
         ttft_p50_ratio_by_length=by_length,
         ttft_bench_requests=N * len(LENGTHS),
@@ -410,7 +450,7 @@ def report(b: Bench, wall: float) -> None:
     print(f"TTFT ms, concurrency 1, {N} requests per length and path "
           f"(+{WARMUP} warm-up), {MAX_TOKENS} output tokens")
     print(f"{'prompt':>8} | " + " | ".join(f"{p:>16}" for p in PATHS)
-          + " | handoff/nixl | handoff/single | nixl/single")
+          + " | " + " | ".join(f"{x}/{y}" for x, y in pairs))
     print(f"{'':>8} | " + " | ".join(f"{'p50':>7} {'p99':>8}" for _ in PATHS) + " | (p50 ratios)")
     for key in [str(n) for n in LENGTHS] + ["all", "p_share_all"]:
         cells = []
@@ -422,12 +462,13 @@ def report(b: Bench, wall: float) -> None:
         elif key in by_length:
             rs = list(by_length[key].values())
         else:
-            rs = [None] * 3
+            rs = [None] * len(pairs)
         label = "P share" if key == "p_share_all" else key
         print(f"{label:>8} | " + " | ".join(cells) + " | "
               + " | ".join(f"{r:>{w}}" if r is not None else f"{'':>{w}}"
-                           for r, w in zip(rs, (12, 14, 11))))
-    print(f"handoff/nixl p99 (pooled): {REPORT['handoff_vs_nixl_ttft_p99']}; push: {PUSH_VLLM}")
+                           for r, w in zip(rs, (len(f"{x}/{y}") for x, y in pairs))))
+    print(f"p99 (pooled): handoff/nixl {REPORT['handoff_vs_nixl_ttft_p99']}, "
+          f"push/nixl {REPORT['push_vs_nixl_ttft_p99']}")
     print("cores burnt by idle servers: " + ", ".join(f"{k} {v}" for k, v in b.idle.items())
           + "; cores used by other processes while measuring: "
           + ", ".join(f"{k} {v}" for k, v in b.other_load.items()))
