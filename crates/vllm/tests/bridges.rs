@@ -112,14 +112,7 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     // P prefilled 40 tokens into blocks 5, 6, 9: fill every byte of them (whole pages, tails
     // too: the kernel's layout is not handoff's, so nothing may be zeroed or skipped).
     let p_blocks = vec![5u32, 6, 9];
-    for l in 0..LAYERS {
-        for (i, b) in p_blocks.iter().enumerate() {
-            let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
-            for (j, x) in p.kv[start..start + block_bytes()].iter_mut().enumerate() {
-                *x = (l * 31 + i * 7 + j % 251) as u8 | 1;
-            }
-        }
-    }
+    fill(&mut p, &p_blocks, 0);
     let request: handoff_proto::KvTransferParams =
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
     let (keep, params) = p
@@ -140,18 +133,36 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
         .blocks_allocated("cmpl-d-1", d_blocks.clone())
         .unwrap();
 
+    lands_whole(
+        &mut p,
+        &mut d,
+        ("cmpl-p-1", &p_blocks),
+        ("cmpl-d-1", &d_blocks),
+    );
+    // D's request decodes and ends (its blocks are vLLM's): nothing is left on either side.
+    all_end(&mut p, &mut d, &[("cmpl-d-1", d_blocks, 40)]);
+}
+
+/// Steps both engines until D's request resumed and P's gave its blocks back (10 s at most),
+/// then checks that every byte of P's blocks landed in D's, and nothing else of D's memory
+/// (blocks 10 and 14) was touched.
+fn lands_whole(
+    p: &mut Engine,
+    d: &mut Engine,
+    (p_req, p_blocks): (&str, &[u32]),
+    (d_req, d_blocks): (&str, &[u32]),
+) {
     let deadline = Instant::now() + Duration::from_secs(10);
     let (mut recved, mut sent) = (false, false);
     while !(recved && sent) {
         assert!(Instant::now() < deadline, "recved {recved} sent {sent}");
         let dm = d.step();
         assert!(dm.failed_recving.is_empty(), "{dm:?}");
-        recved |= dm.finished_recving.contains(&"cmpl-d-1".to_string());
-        let pm = p.step();
-        sent |= pm.finished_sending.contains(&"cmpl-p-1".to_string());
+        recved |= dm.finished_recving.contains(&d_req.to_string());
+        sent |= p.step().finished_sending.contains(&p_req.to_string());
     }
     for l in 0..LAYERS {
-        for (pb, db) in p_blocks.iter().zip(&d_blocks) {
+        for (pb, db) in p_blocks.iter().zip(d_blocks) {
             assert_eq!(
                 p.block(l, *pb),
                 d.block(l, *db),
@@ -159,11 +170,8 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
             );
         }
     }
-    // Nothing else of D's memory was touched.
     assert!(d.block(0, 10).iter().all(|&x| x == 0));
     assert!(d.block(1, 14).iter().all(|&x| x == 0));
-    // D's request decodes and ends (its blocks are vLLM's): nothing is left on either side.
-    all_end(&mut p, &mut d, &[("cmpl-d-1", d_blocks, 40)]);
 }
 
 #[test]
@@ -479,26 +487,7 @@ fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks()
         out.and_then(|o| o.transfer_mode),
         Some(handoff_proto::TransferMode::Push)
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (mut recved, mut sent) = (false, false);
-    while !(recved && sent) {
-        assert!(Instant::now() < deadline, "recved {recved} sent {sent}");
-        let dm = d.step();
-        assert!(dm.failed_recving.is_empty(), "{dm:?}");
-        recved |= dm.finished_recving.contains(&"d-req".to_string());
-        sent |= p.step().finished_sending.contains(&"p-req".to_string());
-    }
-    for l in 0..LAYERS {
-        for (pb, db) in p_blocks.iter().zip(&d_blocks) {
-            assert_eq!(
-                p.block(l, *pb),
-                d.block(l, *db),
-                "layer {l} block {pb} -> {db}"
-            );
-        }
-    }
-    assert!(d.block(0, 10).iter().all(|&x| x == 0));
-    assert!(d.block(1, 14).iter().all(|&x| x == 0));
+    lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
 }
 

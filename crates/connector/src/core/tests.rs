@@ -546,9 +546,8 @@ fn pull_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Ob
     (events, observations)
 }
 
-#[test]
-fn a_pulled_handoff_whose_digest_matches_p_s_is_ready() {
-    let (events, observations) = pull_with_digests(0xabc, 0xabc);
+/// Request 1 got its KV, checked against P's digest.
+fn assert_ready_after_a_matching_digest(events: &[ConnectorEvent], observations: &[Observation]) {
     assert!(
         events
             .iter()
@@ -558,11 +557,8 @@ fn a_pulled_handoff_whose_digest_matches_p_s_is_ready() {
     assert!(observations.contains(&Observation::DigestChecked { matched: true }));
 }
 
-/// The negative control of the check: the same pull, with what landed on D differing from P's
-/// KV, is never handed to the request.
-#[test]
-fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
-    let (events, observations) = pull_with_digests(0xabc, 0xabd);
+/// Request 1 was failed (or recomputed) for a digest mismatch and never handed its KV.
+fn assert_failed_on_the_digest(events: &[ConnectorEvent], observations: &[Observation]) {
     assert!(
         !events
             .iter()
@@ -576,6 +572,20 @@ fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
         "{events:?}"
     );
     assert!(observations.contains(&Observation::DigestChecked { matched: false }));
+}
+
+#[test]
+fn a_pulled_handoff_whose_digest_matches_p_s_is_ready() {
+    let (events, observations) = pull_with_digests(0xabc, 0xabc);
+    assert_ready_after_a_matching_digest(&events, &observations);
+}
+
+/// The negative control of the check: the same pull, with what landed on D differing from P's
+/// KV, is never handed to the request.
+#[test]
+fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
+    let (events, observations) = pull_with_digests(0xabc, 0xabd);
+    assert_failed_on_the_digest(&events, &observations);
 }
 
 /// One push between a P and a D core with `kv_digest`, their workers played by the test: every
@@ -664,30 +674,12 @@ fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Ob
 fn a_pushed_handoff_whose_digest_matches_p_s_is_ready() {
     let (events, observations, early) = push_with_digests(0x5eed, 0x5eed);
     assert!(!early, "P's last WRITE left before its digest was known");
-    assert!(
-        events
-            .iter()
-            .any(|e| matches!(e, ConnectorEvent::Ready { requests, .. } if requests == &vec![1])),
-        "{events:?}"
-    );
-    assert!(observations.contains(&Observation::DigestChecked { matched: true }));
+    assert_ready_after_a_matching_digest(&events, &observations);
 }
 
 /// The negative control: what landed on D differs from P's KV, and the request never decodes it.
 #[test]
 fn a_pushed_handoff_whose_digest_differs_fails_and_is_never_ready() {
     let (events, observations, _) = push_with_digests(0x5eed, 0x5eee);
-    assert!(
-        !events
-            .iter()
-            .any(|e| matches!(e, ConnectorEvent::Ready { .. })),
-        "damaged KV was handed to the request: {events:?}"
-    );
-    assert!(
-        events.iter().any(|e| matches!(e,
-            ConnectorEvent::Recompute { requests, reason } | ConnectorEvent::Failed { requests, reason }
-            if requests == &vec![1] && reason.contains("kv_digest_mismatch"))),
-        "{events:?}"
-    );
-    assert!(observations.contains(&Observation::DigestChecked { matched: false }));
+    assert_failed_on_the_digest(&events, &observations);
 }
