@@ -1154,29 +1154,21 @@ fn push_watchdog_without_ack_frees_after_grant_plus_grace() {
     // while writing: no ack will ever come.
     pair.advance(Duration::from_millis(4900));
     pair.p_alive = false;
-    let cfg = pair.d.config().clone();
-    let (granted_at, lease_ms) = pair
-        .log
-        .iter()
-        .rev()
-        .filter_map(|(t, dir, m)| match m {
-            Message::GrantBatch(g) if *dir == "D>P" && !g.grants.is_empty() => {
-                Some((*t, g.grants[0].lease_ms))
-            }
-            _ => None,
-        })
-        .next()
-        .unwrap();
-    let last_grant_end = granted_at + ms(lease_ms as u64);
+    let last_grant_end = last_grant_end(&pair, "D>P", id).expect("D granted the registration");
     pair.advance_until(Duration::from_secs(10), |p| !p.outcomes.is_empty());
     assert!(
         pair.d_releases.is_empty(),
         "cancelled, but a WRITE may still be in flight"
     );
+    freed_after_grant_plus_grace(&mut pair, last_grant_end);
+}
+
+/// Runs the pair until D frees a block, which must be exactly when the last grant D issued,
+/// plus the write grace, has passed (the grant's ms are rounded down on the wire, so D's own
+/// end can be up to 1 ms later).
+fn freed_after_grant_plus_grace(pair: &mut Pair, last_grant_end: Duration) {
     pair.advance_until(Duration::from_secs(10), |p| !p.d_releases.is_empty());
-    // Freed exactly when the last grant D issued, plus the write grace, has passed (the
-    // grant's ms are rounded down on the wire, so D's own end can be up to 1 ms later).
-    let earliest = last_grant_end + cfg.write_grace;
+    let earliest = last_grant_end + pair.d.config().write_grace;
     assert!(
         pair.now >= earliest && pair.now <= earliest + ms(1),
         "freed at {:?}, expected {:?}",
@@ -1195,18 +1187,7 @@ fn push_writer_declared_dead_frees_d_s_blocks_only_after_grant_plus_grace() {
     pair.push_writing(id);
     pair.advance(Duration::from_millis(700));
     pair.p_alive = false;
-    let cfg = pair.d.config().clone();
-    let granted_at = pair
-        .log
-        .iter()
-        .rev()
-        .find_map(|(t, dir, m)| match m {
-            Message::GrantBatch(g) if *dir == "D>P" && !g.grants.is_empty() => {
-                Some(*t + ms(g.grants[0].lease_ms as u64))
-            }
-            _ => None,
-        })
-        .unwrap();
+    let last_grant_end = last_grant_end(&pair, "D>P", id).expect("D granted the registration");
     pair.d.handle_peer_dead(P_PEER, pair.now);
     pair.pump();
     assert!(
@@ -1218,14 +1199,7 @@ fn push_writer_declared_dead_frees_d_s_blocks_only_after_grant_plus_grace() {
         pair.d_releases.is_empty(),
         "freed under a WRITE that may still land"
     );
-    pair.advance_until(Duration::from_secs(10), |p| !p.d_releases.is_empty());
-    let earliest = granted_at + cfg.write_grace;
-    assert!(
-        pair.now >= earliest && pair.now <= earliest + ms(1),
-        "freed at {:?}, expected {:?}",
-        pair.now,
-        earliest
-    );
+    freed_after_grant_plus_grace(&mut pair, last_grant_end);
     assert_eq!(pair.d_releases[0].reason, EndReason::PeerDead);
     assert!(pair.d.is_empty());
 }
@@ -1375,12 +1349,13 @@ fn a_release_from_someone_other_than_the_reader_only_ends_the_lease() {
 
 // ----- rule 2 on D's side: when a read may start -----
 
-/// The end of the last grant P sent D for `id`, as P measured it (P's clock = the pair's clock).
-fn last_grant_end(pair: &Pair, id: handoff_proto::HandoffId) -> Option<Duration> {
+/// The end of the last grant sent for `id` in direction `dir` ("P>D": P's lease on its blocks
+/// to D; "D>P": D's on a push registration to P), as its sender measured it (= the pair's clock).
+fn last_grant_end(pair: &Pair, dir: &str, id: handoff_proto::HandoffId) -> Option<Duration> {
     pair.log
         .iter()
         .rev()
-        .filter(|(_, dir, _)| *dir == "P>D")
+        .filter(|(_, d, _)| *d == dir)
         .find_map(|(t, _, m)| match m {
             Message::GrantBatch(g) => g
                 .grants
@@ -1399,7 +1374,7 @@ fn no_read_starts_on_an_expired_grant() {
     let id = hid(90);
     pull_arrives(&mut pair, id, 1);
     pair.pump();
-    let grant_end = last_grant_end(&pair, id).expect("D's first heartbeat was granted");
+    let grant_end = last_grant_end(&pair, "P>D", id).expect("D's first heartbeat was granted");
     pair.p_alive = false;
     let p_cfg = pair.p.config().clone();
     pair.advance_until(Duration::from_secs(60), |p| p.p_released(id).is_some());
@@ -1450,7 +1425,7 @@ fn no_read_starts_inside_the_read_margin() {
         .on_request_arrived(RequestId(1), inc, pair.now)
         .unwrap();
     pair.pump();
-    let grant_end = last_grant_end(&pair, id).expect("D's first heartbeat was granted");
+    let grant_end = last_grant_end(&pair, "P>D", id).expect("D's first heartbeat was granted");
     assert_eq!(grant_end, pair.p.config().initial_lease);
     // Heartbeats go every `hb` from arrival; the last before the grant ends is inside the margin.
     let arrived = pair.now;
@@ -1475,7 +1450,7 @@ fn no_read_starts_inside_the_read_margin() {
     pair.p_alive = true;
     assert!(pair.advance_until(hb, |p| !p.reads.is_empty()));
     assert_eq!(pair.now, hb_in_margin);
-    let renewed = last_grant_end(&pair, id).unwrap();
+    let renewed = last_grant_end(&pair, "P>D", id).unwrap();
     assert!(
         renewed > pair.now + margin,
         "read on a lease ending at {renewed:?}"
