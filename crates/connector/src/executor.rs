@@ -328,6 +328,17 @@ impl Connector {
         })?
     }
 
+    /// See [`ConnectorCore::on_push_forward`].
+    pub fn on_push_forward(
+        &self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<HandoffId, ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.on_push_forward(&params, blocks, num_tokens, now))?
+    }
+
     pub fn on_push_prefill_finished(
         &self,
         params: &KvTransferParams,

@@ -20,6 +20,7 @@
 mod core;
 pub mod digest;
 mod executor;
+pub mod forward_gate;
 mod metrics;
 pub mod remote;
 pub mod side_channel;
@@ -37,7 +38,9 @@ pub use crate::core::{
 pub use executor::{Connector, ReportSink, WorkerLink};
 pub use handoff_transport::auth::ClusterKey;
 pub use metrics::Metrics;
-pub use step::{JobId, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
+pub use step::{
+    JobId, PushLayer, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep,
+};
 pub use worker::{RankMemory, WorkerSide};
 
 /// What an engine does in a P/D cluster.

@@ -88,6 +88,22 @@ pub struct TransferJob {
     /// Once every part landed (and the tail was zeroed), compute the rank's share of the KV
     /// digest of these blocks and report it in [`WorkerReport::digests`].
     pub digest: Option<(Vec<u32>, DigestOf)>,
+    /// Push: the job writes one layer of one handoff's KV (see [`PushLayer`]).
+    pub push_layer: Option<PushLayer>,
+}
+
+/// What a push WRITE moves, for a worker whose engine runs the forward pass that produces it
+/// after the scheduler side planned the write (vLLM: the step's metadata is built before its
+/// forward). Such a worker holds the job until the layer is in its blocks, and posts it only
+/// while the registration grant it was planned on still holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushLayer {
+    pub handoff: HandoffId,
+    pub layer: u32,
+    /// Milliseconds after the worker received the step within which the job may be posted:
+    /// the registration grant's end less the producer's write margin, as the scheduler side
+    /// saw it when planning. The margin covers the step's way to the worker.
+    pub post_within_ms: u32,
 }
 
 /// What a reported digest is of.

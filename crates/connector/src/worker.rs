@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use handoff_plan::RankLayout;
 use handoff_transport::{
@@ -17,8 +17,10 @@ use handoff_transport::{
 };
 
 use crate::digest::{rank_digest, DigestOf};
+use crate::forward_gate::{ForwardGate, Released};
 use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::ConnectorError;
+use handoff_proto::HandoffId;
 
 /// How often a worker polls its transport for progress, notifications and dead peers.
 pub const POLL: Duration = Duration::from_millis(1);
@@ -44,6 +46,8 @@ pub struct WorkerSide {
     report: WorkerReport,
     /// The transport's refused-connection and refused-transfer totals at the last report.
     refused_seen: (u64, u64),
+    /// Push writes planned before the forward pass that produces their KV.
+    gate: ForwardGate,
 }
 
 impl WorkerSide {
@@ -68,6 +72,7 @@ impl WorkerSide {
             mem,
             jobs: HashMap::new(),
             refused_seen: (0, 0),
+            gate: ForwardGate::default(),
             report: WorkerReport {
                 rank,
                 ..Default::default()
@@ -94,8 +99,57 @@ impl WorkerSide {
         self.jobs.len()
     }
 
+    /// Carries out a step. Anything a previous step held for its forward pass goes first: that
+    /// forward has run by now.
     pub fn apply(&mut self, step: WorkerStep) {
-        for op in step.ops {
+        self.forward_done(Instant::now());
+        self.apply_ops(step.ops);
+    }
+
+    /// Carries out a step whose forward pass has not run yet (see [`crate::forward_gate`]): the
+    /// writes of the handoffs in `forward` wait for [`WorkerSide::layer_saved`], their digests
+    /// for [`WorkerSide::forward_done`]; everything else goes now, in order.
+    pub fn apply_before_forward(&mut self, step: WorkerStep, forward: &[HandoffId], now: Instant) {
+        self.forward_done(now);
+        let (ops, failed) = self.gate.admit(step.ops, forward, now);
+        self.report
+            .ended
+            .extend(failed.into_iter().map(|j| (j, false)));
+        self.apply_ops(ops);
+    }
+
+    /// Whether a held write waits for `layer` (an engine whose kernels run asynchronously must
+    /// make that layer's KV visible to the transport before calling [`Self::layer_saved`]).
+    pub fn waits_for_layer(&self, layer: u32) -> bool {
+        self.gate.waits_for(layer)
+    }
+
+    /// The forward pass saved `layer` (its KV is in the blocks): its held writes go.
+    pub fn layer_saved(&mut self, layer: u32, now: Instant) {
+        let out = self.gate.layer_saved(layer, now);
+        self.release(out);
+    }
+
+    /// The forward pass ended: every held write goes, then the held digests.
+    pub fn forward_done(&mut self, now: Instant) {
+        if !self.gate.is_empty() {
+            let out = self.gate.forward_done(now);
+            self.release(out);
+        }
+    }
+
+    fn release(&mut self, out: Vec<Released>) {
+        for r in out {
+            match r {
+                Released::Post(job) => self.post(job),
+                Released::Fail(job) => self.report.ended.push((job, false)),
+                Released::Apply(op) => self.apply_ops(vec![op]),
+            }
+        }
+    }
+
+    fn apply_ops(&mut self, ops: Vec<WorkerOp>) {
+        for op in ops {
             match op {
                 WorkerOp::LoadRemote { agent, metadata } => {
                     // A death the transport noticed before this load is the old connection's:
@@ -314,6 +368,7 @@ impl WorkerSide {
 
     /// Releases every job still posted (shutdown).
     pub fn abort_all(&mut self) {
+        self.gate = ForwardGate::default();
         for (_, job) in self.jobs.drain() {
             for id in job.xfers {
                 let _ = self.mem.transport.release(id);

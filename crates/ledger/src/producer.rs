@@ -292,6 +292,11 @@ pub struct ProducerLedger {
     heartbeats: HeartbeatSender,
     push_waiting: HashMap<PeerId, HashSet<HandoffId>>,
     urgent: HashMap<PeerId, HashSet<HandoffId>>,
+    /// Push: registrations staged before their handoff exists, to ask D's grant for at once,
+    /// so that the grant is in hand when the handoff is created (an engine that plans the
+    /// writes as it schedules the forward pass that produces the KV needs it then). Emptied at
+    /// every flush.
+    early_asks: HashMap<PeerId, Vec<HeartbeatEntry>>,
     next_push_heartbeat: Option<Time>,
     last_now: Time,
     held_blocks: usize,
@@ -318,6 +323,7 @@ impl ProducerLedger {
             heartbeats: HeartbeatSender::default(),
             push_waiting: HashMap::new(),
             urgent: HashMap::new(),
+            early_asks: HashMap::new(),
             next_push_heartbeat: None,
             last_now: Time::ZERO,
             held_blocks: 0,
@@ -502,6 +508,7 @@ impl ProducerLedger {
         }
         self.push_waiting.remove(&peer);
         self.urgent.remove(&peer);
+        self.early_asks.remove(&peer);
     }
 
     /// Advances time: expires leases, ends fences, sends push heartbeats.
@@ -529,7 +536,7 @@ impl ProducerLedger {
         if let Some(hb) = self.next_push_heartbeat {
             t = Some(t.map_or(hb, |x| x.min(hb)));
         }
-        if !self.urgent.is_empty() {
+        if !self.urgent.is_empty() || !self.early_asks.is_empty() {
             t = Some(self.last_now);
         }
         t
@@ -828,7 +835,12 @@ impl ProducerLedger {
                     }),
                 ));
             } else {
+                let ask = HeartbeatEntry {
+                    handoff: r.handoff,
+                    epoch: r.epoch,
+                };
                 self.unknown(r.handoff, Some(from), Message::PushRegister(r), now);
+                self.early_asks.entry(from).or_default().push(ask);
             }
             return;
         };
@@ -883,6 +895,17 @@ impl ProducerLedger {
         });
         let Some(h) = self.handoffs.get_mut(&c.handoff) else {
             if self.tombstones.get(&c.handoff).is_none() {
+                // The ack below promises D that no write will start: the registration and any
+                // early grant staged for it must not come back when the handoff is created.
+                let epoch = c.epoch;
+                self.staging.discard(c.handoff, |f, m| {
+                    f == Some(from)
+                        && match m {
+                            Message::PushRegister(r) => r.epoch == epoch,
+                            Message::GrantBatch(g) => g.grants.iter().all(|x| x.epoch == epoch),
+                            _ => false,
+                        }
+                });
                 // Early cancel: keep it so a later create ends the handoff at once.
                 self.unknown(c.handoff, Some(from), Message::PushCancel(c), now);
             }
@@ -925,6 +948,16 @@ impl ProducerLedger {
         };
         for grant in g.grants {
             let Some(h) = self.handoffs.get_mut(&grant.handoff) else {
+                if self.tombstones.get(&grant.handoff).is_none() {
+                    // The answer to an early ask: staged with its registration, it is replayed
+                    // when the handoff is created, still anchored at our ask's send time.
+                    let early = GrantBatch {
+                        seq: g.seq,
+                        grants: vec![grant],
+                        gone: Vec::new(),
+                    };
+                    self.unknown(grant.handoff, Some(from), Message::GrantBatch(early), now);
+                }
                 continue;
             };
             if h.phase != Phase::Leased {
@@ -1193,6 +1226,10 @@ impl ProducerLedger {
     }
 
     fn flush_urgent(&mut self, now: Time) {
+        for (peer, entries) in std::mem::take(&mut self.early_asks) {
+            self.heartbeats
+                .send(peer, &entries, now, &mut self.messages);
+        }
         let urgent = std::mem::take(&mut self.urgent);
         for (peer, ids) in urgent {
             let entries: Vec<HeartbeatEntry> = ids

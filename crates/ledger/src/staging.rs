@@ -93,6 +93,28 @@ impl<M> Staging<M> {
         list.into_iter().map(|(p, m, _)| (p, m)).collect()
     }
 
+    /// Drops the messages staged for `id` that `drop` names (their queue entries go lazily, as
+    /// for [`Staging::take`]).
+    pub fn discard(&mut self, id: HandoffId, drop: impl Fn(Option<PeerId>, &M) -> bool) {
+        let Some(list) = self.by_id.get_mut(&id) else {
+            return;
+        };
+        let mut gone = Vec::new();
+        list.retain(|(f, m, _)| {
+            let d = drop(*f, m);
+            if d {
+                gone.push(*f);
+            }
+            !d
+        });
+        if list.is_empty() {
+            self.by_id.remove(&id);
+        }
+        for f in gone {
+            self.uncount(f);
+        }
+    }
+
     pub fn expire(&mut self, now: Time) {
         let senders: Vec<Option<PeerId>> = self.queues.keys().copied().collect();
         for from in senders {

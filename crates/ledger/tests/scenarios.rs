@@ -899,25 +899,69 @@ fn push_with_d_first() {
         .on_blocks_allocated(id, vec![40, 41], pair.now)
         .unwrap();
     pair.pump();
+    let asked = pair
+        .last("P>D", "heartbeat")
+        .expect("P asks D's grant early");
     assert_eq!(
         pair.p.staged_messages(),
-        2,
-        "registration and heartbeat staged on P"
+        3,
+        "registration, D's heartbeat and the grant D gave P's early ask staged on P"
     );
     pair.now += ms(30);
     pair.p
         .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
         .unwrap();
-    pair.pump();
-    assert_eq!(pair.writes.len(), 1, "registration matched; write granted");
-    let w = pair.writes[0].clone();
+    // The write starts with the handoff, on the grant already in hand: no round trip to D.
+    let Some(ProducerAction::PushWrite(w)) = pair.p.poll_action() else {
+        panic!("no write at creation");
+    };
+    pair.writes.push(w.clone());
     assert_eq!(w.dst_blocks, vec![40, 41]);
     assert!(w.grant_until > pair.now);
+    assert!(
+        w.grant_until <= asked + ConsumerConfig::default().registration_lease,
+        "the early grant is anchored at P's ask, not at its replay"
+    );
+    pair.pump();
     pair.complete_write(&w);
     assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
     assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
     assert!(pair.d_releases.is_empty());
     assert!(pair.p.is_empty() && pair.d.is_empty());
+}
+
+/// D cancels its registration before P created the handoff: P acks at once (no write can be
+/// in flight), so neither the staged registration nor the grant D gave P's early ask may come
+/// back when the handoff is created.
+#[test]
+fn an_early_cancel_drops_the_staged_registration_and_its_early_grant() {
+    let mut pair = push_pair();
+    let id = hid(62);
+    let inc = pair.incoming(id, &[], TransferMode::Push);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.d
+        .on_blocks_allocated(id, vec![40, 41], pair.now)
+        .unwrap();
+    pair.pump();
+    assert_eq!(
+        pair.count("D>P", "grant_batch"),
+        1,
+        "D answered P's early ask"
+    );
+    pair.now += ms(10);
+    pair.d
+        .on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
+    pair.pump();
+    assert_eq!(pair.count("P>D", "push_cancel_ack"), 1);
+    assert!(pair.d_releases.iter().any(|r| r.blocks == vec![40, 41]));
+    pair.now += ms(10);
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
+    pair.pump();
+    assert!(pair.writes.is_empty(), "a write into blocks D freed");
 }
 
 #[test]

@@ -97,12 +97,35 @@ impl PyScheduler {
         self.inner.blocks_allocated(request_id, blocks).map_err(err)
     }
 
+    /// P, push: the step being built completes this request's prompt (see
+    /// [`SchedulerSide::push_forward`]).
+    fn push_forward(
+        &mut self,
+        request_id: &str,
+        params_json: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> PyResult<()> {
+        let p = params(Some(params_json)).ok_or_else(|| err("invalid kv_transfer_params"))?;
+        self.inner
+            .push_forward(request_id, &p, blocks, num_tokens)
+            .map_err(err)
+    }
+
     /// The step metadata (bytes) and, for vLLM, the request ids it settles:
-    /// `(meta, finished_sending, finished_recving, failed_recving)`.
+    /// `(meta, finished_sending, finished_recving, failed_recving, forward)`; `forward` is true
+    /// when the workers hold writes for this step's forward pass (`save_kv_layer` matters).
+    #[allow(clippy::type_complexity)]
     fn build_meta<'py>(
         &mut self,
         py: Python<'py>,
-    ) -> (Bound<'py, PyBytes>, Vec<String>, Vec<String>, Vec<String>) {
+    ) -> (
+        Bound<'py, PyBytes>,
+        Vec<String>,
+        Vec<String>,
+        Vec<String>,
+        bool,
+    ) {
         let meta = self.inner.build_meta();
         let bytes = PyBytes::new(py, &meta.to_bytes());
         (
@@ -110,6 +133,7 @@ impl PyScheduler {
             meta.finished_sending,
             meta.finished_recving,
             meta.failed_recving,
+            !meta.forward.is_empty(),
         )
     }
 
@@ -161,6 +185,21 @@ impl PyWorker {
         let m = StepMeta::from_bytes(meta).map_err(err)?;
         self.inner.apply(&m);
         Ok(())
+    }
+
+    /// Whether a held write waits for layer `layer` of this step's forward pass.
+    fn waits_for_layer(&self, layer: u32) -> bool {
+        self.inner.waits_for_layer(layer)
+    }
+
+    /// vLLM `save_kv_layer`: the forward saved layer `layer`.
+    fn layer_saved(&mut self, layer: u32) {
+        self.inner.layer_saved(layer);
+    }
+
+    /// vLLM `wait_for_save`: the forward pass ended.
+    fn forward_done(&mut self) {
+        self.inner.forward_done();
     }
 
     /// The report since the last call (bytes for the scheduler side), or `None`.

@@ -33,6 +33,9 @@ pub struct StepMeta {
     pub finished_recving: Vec<String>,
     /// D: requests whose KV will not come (vLLM's `kv_load_failure_policy` decides).
     pub failed_recving: Vec<String>,
+    /// P: push handoffs whose prompt this step's forward pass completes: their writes wait in
+    /// the worker for the layer they move (see `handoff_connector::forward_gate`).
+    pub forward: Vec<HandoffId>,
 }
 
 impl StepMeta {
@@ -49,6 +52,7 @@ impl StepMeta {
             && self.finished_sending.is_empty()
             && self.finished_recving.is_empty()
             && self.failed_recving.is_empty()
+            && self.forward.is_empty()
     }
 }
 
@@ -161,6 +165,9 @@ pub struct SchedulerSide {
     pending: StepMeta,
     /// D requests vLLM must not be told about twice.
     settled: HashSet<u64>,
+    /// P: push requests whose handoff started with their last prefill step ([`Self::push_forward`]),
+    /// until vLLM finishes them.
+    forwarded: HashSet<String>,
     /// Requests vLLM's API server refused before any hook ran (none if the socket could not
     /// be bound: those handoffs then end at P's lease).
     _refusals: Option<RefusalListener>,
@@ -255,6 +262,7 @@ impl SchedulerSide {
             next_id: 1,
             pending: StepMeta::default(),
             settled: HashSet::new(),
+            forwarded: HashSet::new(),
         })
     }
 
@@ -293,6 +301,31 @@ impl SchedulerSide {
             self.forget(n);
             return Ok((keep, None));
         }
+        if self.forwarded.remove(request_id) {
+            // Its writes may be reading the blocks: they stay until the handoff ends, and D
+            // gets the KV even if this request was aborted meanwhile (it holds a
+            // registration, as in the reference engine).
+            let Some(&first) = blocks.first() else {
+                return Ok((false, None));
+            };
+            self.sending.insert(first, request_id.to_string());
+            let out = match params.filter(|p| p.do_remote_decode) {
+                Some(p) => {
+                    match self
+                        .connector
+                        .on_push_prefill_finished(p, request_id, blocks, num_tokens)
+                    {
+                        Ok(out) => Some(out),
+                        Err(e) => {
+                            tracing::warn!(request_id, error = %e, "no params for a pushed prefill");
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
+            return Ok((true, out));
+        }
         let Some(params) = params.filter(|p| p.do_remote_decode) else {
             return Ok((false, None));
         };
@@ -320,6 +353,32 @@ impl SchedulerSide {
         tracing::debug!(request_id, handoff = ?out.handoff_id, first, "P keeps blocks for D");
         self.sending.insert(first, request_id.to_string());
         Ok((true, Some(out)))
+    }
+
+    /// P, push mode, from vLLM's `build_connector_meta`: the step being built completes the
+    /// prompt of `request_id` in `blocks` (its last prefill chunk). The handoff starts now, so
+    /// that each layer's writes go from the worker as soon as the forward saved it, while the
+    /// next layers compute. On error the request falls back to pushing at `request_finished`.
+    ///
+    /// Only for a request vLLM finishes right after that step (one output token): a request
+    /// that ran on could be preempted, and vLLM frees a preempted request's blocks without
+    /// asking the connector.
+    pub fn push_forward(
+        &mut self,
+        request_id: &str,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<(), SchedulerError> {
+        if blocks.is_empty() || !params.do_remote_decode {
+            return Err(SchedulerError::Params(
+                "a push forward needs blocks and do_remote_decode".into(),
+            ));
+        }
+        let handoff = self.connector.on_push_forward(params, blocks, num_tokens)?;
+        self.forwarded.insert(request_id.to_string());
+        self.pending.forward.push(handoff);
+        Ok(())
     }
 
     // ----- D -----

@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use handoff_connector::{RankMemory, WorkerHello, WorkerReport, WorkerSide};
 use handoff_transport::faulty::{FaultPlan, FaultyTransport};
@@ -184,8 +185,29 @@ impl WorkerBridge {
                     step.ops.append(held);
                 }
             }
-            self.side.apply(step);
+            if meta.forward.is_empty() {
+                self.side.apply(step);
+            } else {
+                self.side
+                    .apply_before_forward(step, &meta.forward, Instant::now());
+            }
         }
+    }
+
+    /// Whether a write waits for layer `layer` (vLLM `save_kv_layer`: on a GPU the layer's
+    /// kernels must have finished before [`Self::layer_saved`]).
+    pub fn waits_for_layer(&self, layer: u32) -> bool {
+        self.side.waits_for_layer(layer)
+    }
+
+    /// The forward pass saved layer `layer` (vLLM `save_kv_layer`): its writes go.
+    pub fn layer_saved(&mut self, layer: u32) {
+        self.side.layer_saved(layer, Instant::now());
+    }
+
+    /// The forward pass ended (vLLM `wait_for_save`): every write it held goes.
+    pub fn forward_done(&mut self) {
+        self.side.forward_done(Instant::now());
     }
 
     /// What ended, arrived or died since the last call (vLLM `get_finished`).

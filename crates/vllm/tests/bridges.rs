@@ -427,11 +427,16 @@ fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() 
 /// Fills every byte of `blocks` on every layer with a pattern of its own.
 fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
     for l in 0..LAYERS {
-        for (i, b) in blocks.iter().enumerate() {
-            let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
-            for (j, x) in e.kv[start..start + block_bytes()].iter_mut().enumerate() {
-                *x = (salt + l * 31 + i * 7 + j % 251) as u8 | 1;
-            }
+        fill_layer(e, blocks, salt, l);
+    }
+}
+
+/// What a forward pass writes into one layer of `blocks` (never zero).
+fn fill_layer(e: &mut Engine, blocks: &[u32], salt: usize, l: usize) {
+    for (i, b) in blocks.iter().enumerate() {
+        let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
+        for (j, x) in e.kv[start..start + block_bytes()].iter_mut().enumerate() {
+            *x = (salt + l * 31 + i * 7 + j % 251) as u8 | 1;
         }
     }
 }
@@ -487,6 +492,68 @@ fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks()
         out.and_then(|o| o.transfer_mode),
         Some(handoff_proto::TransferMode::Push)
     );
+    lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
+    all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
+}
+
+#[test]
+fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
+    let mut p = engine_in("vllm-stream-p", "push");
+    let mut d = engine_in("vllm-stream-d", "push");
+    let (p_leg, d_leg) = push_legs(&p, "vllm-stream-p");
+    d.sched.remote_prefill_arrived("d-req", &d_leg, 40);
+    let d_blocks = vec![11u32, 12, 13];
+    d.sched.blocks_allocated("d-req", d_blocks.clone()).unwrap();
+    // D's registration (and its grant) reaches P over the side channel meanwhile.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        d.step();
+        p.step();
+    }
+    // vLLM's build_connector_meta: the step being built completes P's prompt. Its forward
+    // pass has not run: P's blocks hold nothing yet.
+    let p_blocks = vec![5u32, 6, 9];
+    p.sched
+        .push_forward("p-req", &p_leg, p_blocks.clone(), 40)
+        .unwrap();
+    let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
+    assert_eq!(meta.forward, vec![p_leg.handoff_id.unwrap()]);
+    p.worker.apply(&meta);
+    assert!(
+        p.worker.waits_for_layer(0),
+        "layer 0's writes wait for the forward to save it"
+    );
+    // The forward pass: layer 0 is saved and leaves for D while layer 1 computes.
+    fill_layer(&mut p, &p_blocks, 0, 0);
+    p.worker.layer_saved(0);
+    assert!(!p.worker.waits_for_layer(0));
+    let t0 = Instant::now();
+    while d.block(0, 13) != p.block(0, 9) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "layer 0 never landed"
+        );
+        d.step();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        d.block(1, 11).iter().all(|&x| x == 0),
+        "layer 1 went before the forward saved it"
+    );
+    fill_layer(&mut p, &p_blocks, 0, 1);
+    p.worker.layer_saved(1);
+    p.worker.forward_done();
+    // vLLM's update_from_output: one token sampled, the request finishes.
+    let (keep, out) = p
+        .sched
+        .request_finished("p-req", Some(&p_leg), p_blocks.clone(), 40)
+        .unwrap();
+    assert!(keep, "P keeps its blocks until its writes landed");
+    assert_eq!(
+        out.and_then(|o| o.transfer_mode),
+        Some(handoff_proto::TransferMode::Push)
+    );
+    // The last layer and the digest (over both layers, taken after the forward) follow.
     lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
 }

@@ -373,13 +373,29 @@ impl ConnectorCore {
         num_tokens: u32,
         now: Time,
     ) -> Result<KvTransferParams, ConnectorError> {
-        self.on_push_prefill_start(params, blocks.clone(), num_tokens, now)?;
+        self.on_push_forward(params, blocks.clone(), num_tokens, now)?;
+        self.push_params(params, request_id, blocks, num_tokens)
+    }
+
+    /// P, push mode, for engines whose workers run a step's forward pass after the scheduler
+    /// side planned it (vLLM): the step about to run computes the rest of the prompt, every
+    /// layer of it. The handoff starts as if every layer were saved; the writes planned now
+    /// carry their layer ([`crate::step::PushLayer`]) and the worker holds each until the
+    /// forward saved that layer, and the push digest until the forward ended.
+    pub fn on_push_forward(
+        &mut self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<HandoffId, ConnectorError> {
+        self.on_push_prefill_start(params, blocks, num_tokens, now)?;
         let handoff = params
             .handoff_id
             .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
         let last = self.spec.shape.num_layers.saturating_sub(1);
         self.on_layer_saved(handoff, last, now);
-        self.push_params(params, request_id, blocks, num_tokens)
+        Ok(handoff)
     }
 
     /// P, push mode: the parameters for the response once the prefill ended.

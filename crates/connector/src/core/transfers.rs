@@ -13,7 +13,7 @@ use super::peers::PeerState;
 use super::push_digest::PushDigest;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
-use crate::step::{JobId, TransferJob, TransferPart};
+use crate::step::{JobId, PushLayer, TransferJob, TransferPart};
 
 #[derive(Debug, Clone, Copy)]
 enum JobOwner {
@@ -274,6 +274,7 @@ impl ConnectorCore {
                                 };
                                 (r.dst_blocks.clone(), of)
                             }),
+                            push_layer: None,
                         },
                     ));
                     jobs.insert(d_rank, job);
@@ -442,13 +443,21 @@ impl ConnectorCore {
                     break;
                 }
                 // Rule 3: post only on a registration grant that is still valid.
-                let permitted = self
+                let Some(until) = self
                     .producer
                     .as_ref()
-                    .is_some_and(|p| p.write_permit(handoff, *d_rank, now).is_ok());
-                if !permitted {
+                    .and_then(|p| p.write_permit(handoff, *d_rank, now).ok())
+                else {
                     break;
-                }
+                };
+                let post_within = until
+                    .saturating_sub(now)
+                    .saturating_sub(self.cfg.producer.write_margin);
+                let push_layer = PushLayer {
+                    handoff,
+                    layer,
+                    post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
+                };
                 // Opaque pages go whole (no one knows where a token's bytes are in them);
                 // otherwise only the prompt's tokens, D zeroed the rest when it registered.
                 let tokens = if opaque {
@@ -512,6 +521,7 @@ impl ConnectorCore {
                             }],
                             zero_tail: None,
                             digest: None,
+                            push_layer: Some(push_layer),
                         },
                     ));
                 }

@@ -107,7 +107,9 @@ pub const MAX_LANDING_SPIN: Duration = conn::STALL;
 
 impl TcpConfig {
     /// Defaults, with settings from the environment where set: `landing_spin` from
-    /// `HANDOFF_TCP_LANDING_SPIN_US` (µs up to [`MAX_LANDING_SPIN`]), and the bounds from
+    /// `HANDOFF_TCP_LANDING_SPIN_US` (µs up to [`MAX_LANDING_SPIN`]), `dead_after` from
+    /// `HANDOFF_TCP_DEAD_AFTER_MS` (hosts so loaded that a healthy peer can be silent longer
+    /// than the default 1.5 s), and the bounds from
     /// `HANDOFF_TCP_MAX_DESCS`, `HANDOFF_TCP_MAX_QUEUED_DESCS` and `HANDOFF_TCP_MAX_CONNECTIONS`.
     /// A value that does not parse is ignored with a warning; one out of range fails
     /// [`TcpTransport::new`] with the reason.
@@ -125,6 +127,13 @@ impl TcpConfig {
                     "ignoring HANDOFF_TCP_LANDING_SPIN_US={v:?} (want µs from 0 to {})",
                     MAX_LANDING_SPIN.as_micros()
                 ),
+            }
+        }
+        if let Some(v) = get("HANDOFF_TCP_DEAD_AFTER_MS") {
+            // Checked against `keepalive` by `TcpTransport::new`.
+            match v.trim().parse::<u64>().map(Duration::from_millis) {
+                Ok(d) => cfg.dead_after = d,
+                Err(_) => tracing::warn!("ignoring HANDOFF_TCP_DEAD_AFTER_MS={v:?} (want ms)"),
             }
         }
         for (var, field) in [

@@ -819,6 +819,13 @@ fn config_is_checked_and_defaults_match_the_spec() {
         ),
         (64, 128, c.max_connections)
     );
+    // HANDOFF_TCP_DEAD_AFTER_MS: ms; one not above the keepalive fails at `new`.
+    let dead_from = |v: &str| {
+        TcpConfig::from_lookup(|k| (k == "HANDOFF_TCP_DEAD_AFTER_MS").then(|| v.to_string()))
+    };
+    assert_eq!(dead_from(" 6000").dead_after, Duration::from_secs(6));
+    assert_eq!(dead_from("slow").dead_after, c.dead_after);
+    assert!(TcpTransport::new("x", dead_from("100")).is_err());
     let bad = TcpConfig {
         dead_after: Duration::from_millis(100),
         keepalive: Duration::from_millis(100),

@@ -13,8 +13,14 @@ Every hook returns after a short call; Rust threads never call into Python.
 
 Pull mode (D reads P's blocks; requests for P must not stream: vLLM puts ``kv_transfer_params``
 only in non-streamed responses) and push mode (``"mode": "push"`` in the extra config; P writes
-into the blocks D registered, as soon as vLLM tells the connector the prefill ended in
-``request_finished``), with equal TP sizes and block sizes on P and D.
+into the blocks D registered), with equal TP sizes and block sizes on P and D.
+
+Push streams layer by layer: when the step being built completes a push request's prompt,
+``build_connector_meta`` starts its handoff, and each worker posts a layer's writes from
+``save_kv_layer`` as soon as the forward pass saved it, while the next layers compute. That needs
+the request to finish right after that step (``max_tokens`` 1, no async scheduling: vLLM frees a
+preempted request's blocks without asking the connector); any other push request is written
+once ``request_finished`` says its prefill ended.
 """
 
 from __future__ import annotations
@@ -77,6 +83,17 @@ class HandoffMeta(KVConnectorMetadata):
     finished_sending: list[str] = field(default_factory=list)
     finished_recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
+    # The workers hold push writes for this step's forward pass (``save_kv_layer`` sends them).
+    forward: bool = False
+
+
+@dataclass
+class _PushPrefill:
+    """P, push: a request whose prompt is being prefilled, until its last chunk is scheduled."""
+
+    params: dict[str, Any]
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -114,12 +131,18 @@ class HandoffConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._sched = None
         self._opaque = True
+        self._pushing: dict[str, _PushPrefill] = {}
+        self._async_scheduling = bool(
+            getattr(vllm_config.scheduler_config, "async_scheduling", False)
+        )
         # Worker side.
         self._worker = None
         self._pending_sending: set[str] = set()
         self._seen_finished: set[str] = set()
         self._report: bytes | None = None
         self._last: HandoffMeta | None = None
+        self._applied: HandoffMeta | None = None
+        self._layer_index: dict[str, int] = {}
 
     # ------------------------------------------------------------------ worker side
 
@@ -155,16 +178,20 @@ class HandoffConnector(KVConnectorBase_V1):
         }
         with _AllCpus():
             self._worker = _native.Worker(json.dumps(cfg), json.dumps(tensors))
+        # The worker numbers layers in this order (the tensors' order above).
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None:
             return None
         return HandoffHandshake(bytes(self._worker.hello()), self._worker.opaque_blocks())
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, HandoffMeta) or self._worker is None:
+    def _apply(self, meta: HandoffMeta) -> None:
+        """Carries out a step once (from ``save_kv_layer`` or ``start_load_kv``, which vLLM
+        calls after the forward pass)."""
+        if self._applied is meta:
             return
+        self._applied = meta
         if meta.meta:
             # Loading a peer may start the transport's connection threads.
             with _AllCpus():
@@ -172,14 +199,37 @@ class HandoffConnector(KVConnectorBase_V1):
         self._last = meta
         self._pending_sending.update(meta.finished_sending)
 
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HandoffMeta) or self._worker is None:
+            return
+        self._apply(meta)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return None
+        if self._worker is None:
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HandoffMeta) or not meta.forward:
+            return
+        self._apply(meta)
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._worker.waits_for_layer(layer):
+            return
+        if getattr(kv_layer, "is_cuda", False):
+            # The layer's KV is written by kernels still queued on the stream: the transport
+            # must not read it before they ran.
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        with _AllCpus():
+            self._worker.layer_saved(layer)
 
     def wait_for_save(self):
-        return None
+        if self._worker is not None:
+            self._worker.forward_done()
 
     def get_finished(self, finished_req_ids: set[str]):
         r = self.get_transfer_results(finished_req_ids)
@@ -268,9 +318,16 @@ class HandoffConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params
-        if self._sched is None or not params or not params.get("do_remote_prefill"):
+        if self._sched is None or not params:
             return
-        if num_external_tokens <= 0:
+        if params.get("do_remote_decode"):
+            if self._streams_push(request, params):
+                self._pushing.setdefault(
+                    request.request_id,
+                    _PushPrefill(dict(params), len(request.prompt_token_ids)),
+                )
+            return
+        if not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
         needed = -(-len(request.prompt_token_ids) // self._block_size)
@@ -278,11 +335,54 @@ class HandoffConnector(KVConnectorBase_V1):
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False
 
+    def _streams_push(self, request, params: dict[str, Any]) -> bool:
+        """Whether a P request's push starts with its last prefill step (see the module doc)."""
+        return (
+            params.get("transfer_mode") == "push"
+            and bool(params.get("handoff_id"))
+            and not self._async_scheduling
+            and getattr(request, "max_tokens", None) == 1
+        )
+
+    def _push_forwards(self, so) -> None:
+        """Starts the handoff of every push request whose prompt this step completes."""
+        steps = []
+        for new in so.scheduled_new_reqs:
+            st = self._pushing.get(new.req_id)
+            if st is not None:
+                st.blocks = list(new.block_ids[0])
+                steps.append((new.req_id, st, new.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._pushing.get(req_id)
+            if st is None:
+                continue
+            added = cached.new_block_ids[i]
+            if added is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.blocks = list(added[0])
+                else:
+                    st.blocks.extend(added[0])
+            steps.append((req_id, st, cached.num_computed_tokens[i]))
+        for req_id, st, computed in steps:
+            if computed + so.num_scheduled_tokens.get(req_id, 0) < st.prompt_len:
+                continue
+            del self._pushing[req_id]
+            needed = -(-st.prompt_len // self._block_size)
+            try:
+                self._sched.push_forward(
+                    req_id, json.dumps(st.params), st.blocks[:needed], st.prompt_len
+                )
+            except Exception as e:  # the push then starts at request_finished
+                logger.warning("handoff: push of %s not streamed: %s", req_id, e)
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._sched is None:
             return HandoffMeta()
-        meta, sending, recving, failed = self._sched.build_meta()
-        return HandoffMeta(bytes(meta), list(sending), list(recving), list(failed))
+        if self._pushing:
+            self._push_forwards(scheduler_output)
+        meta, sending, recving, failed, forward = self._sched.build_meta()
+        return HandoffMeta(bytes(meta), list(sending), list(recving), list(failed), forward)
 
     def update_connector_output(self, connector_output) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -292,6 +392,7 @@ class HandoffConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]):
         if self._sched is None:
             return False, None
+        self._pushing.pop(request.request_id, None)
         params = request.kv_transfer_params
         remote_decode = bool(params and params.get("do_remote_decode"))
         if remote_decode and not self._finished_normally(request):

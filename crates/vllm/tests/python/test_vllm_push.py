@@ -29,9 +29,11 @@ def push(cluster):
     side_port = free_port()
     servers = {
         # P's side channel on a known port: the proxy tells D where to register.
+        # P logs each write its worker sends as the forward pass saves the layer.
         "p": Server("push-p", connector("vllm-push-p", mode="push", kv_digest=True,
                                         side_channel_port=side_port),
-                    env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_WRITES_FILE)}),
+                    env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_WRITES_FILE),
+                               "RUST_LOG": "info,handoff_connector::forward_gate=debug"}),
         # D logs each KV digest it checked; its KV usage on /metrics shows its reserved blocks.
         "d": Server("push-d", connector("vllm-push-d", mode="push", kv_digest=True),
                     env_extra={"RUST_LOG": "info,handoff_connector::core::push_digest=debug"},
@@ -92,6 +94,35 @@ def test_decode_from_pushed_kv_equals_a_single_engine(push):
     assert not mismatches, mismatches
     assert not unchecked, f"no matching KV digest on D for prompts of {unchecked} tokens"
     assert REPORT["push_digest_mismatches"] == 0
+
+
+def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
+    """D's leg first, so that its registration is at P before P schedules the prefill: the step
+    that completes P's prompt plans the writes, and P's worker sends layer 0 from vLLM's
+    save_kv_layer, during the forward pass (the last layer follows once the earlier ones landed
+    and the digest is known). D's output and digest still match."""
+    ids = [(5 * j) % 3990 + 5 for j in range(3 * BLOCK_SIZE + 5)]
+    idle = settled_usage(push["d"])
+    streamed = _log_count(push["p"], "push write leaves as its layer is saved")
+    matched = digest_lines(push, "matched")
+    p_params, d_params = legs(push)
+    with ThreadPoolExecutor(1) as ex:
+        d = ex.submit(push["d"].complete, ids, 8, kv_transfer_params=d_params)
+        deadline = time.monotonic() + 10
+        while push["d"].metric("vllm:kv_cache_usage_perc") <= idle:
+            assert time.monotonic() < deadline, "D never reserved blocks for the request"
+            time.sleep(0.05)
+        time.sleep(0.3)  # D's registration crosses the side channel
+        push["p"].complete(ids, 1, kv_transfer_params=p_params)
+        got = d.result()["choices"][0]["token_ids"]
+    assert _log_count(push["p"], "push write leaves as its layer is saved") > streamed, \
+        "no layer left P from save_kv_layer"
+    assert digest_lines(push, "matched") == matched + 1
+    assert got == push["single"].complete(ids, 8)["choices"][0]["token_ids"]
+
+
+def _log_count(server: Server, what: str) -> int:
+    return sum(what in line for line in server.log_path.read_text().splitlines())
 
 
 def test_p_dead_mid_write_frees_d_s_blocks_after_grant_and_grace_never_earlier(push):
