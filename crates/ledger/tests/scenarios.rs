@@ -891,13 +891,7 @@ fn push_pair() -> Pair {
 fn push_with_d_first() {
     let mut pair = push_pair();
     let id = hid(60);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
+    pair.d_registers(id);
     pair.pump();
     let asked = pair
         .last("P>D", "heartbeat")
@@ -937,13 +931,7 @@ fn push_with_d_first() {
 fn an_early_cancel_drops_the_staged_registration_and_its_early_grant() {
     let mut pair = push_pair();
     let id = hid(62);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
+    pair.d_registers(id);
     pair.pump();
     assert_eq!(
         pair.count("D>P", "grant_batch"),
@@ -972,13 +960,7 @@ fn push_with_p_first() {
         .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
         .unwrap();
     pair.now += ms(30);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
-    pair.d
-        .on_blocks_allocated(id, vec![40, 41], pair.now)
-        .unwrap();
+    pair.d_registers(id);
     pair.pump();
     assert_eq!(pair.writes.len(), 1);
     let w = pair.writes[0].clone();

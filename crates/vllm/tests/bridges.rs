@@ -464,6 +464,20 @@ fn push_legs(
     (p_leg, d_leg)
 }
 
+/// vLLM's `request_finished` for P's push request "p-req" of 40 tokens: P keeps its blocks
+/// until its writes landed and answers with push params.
+fn push_prefill_finished(p: &mut Engine, p_leg: &handoff_proto::KvTransferParams, blocks: &[u32]) {
+    let (keep, out) = p
+        .sched
+        .request_finished("p-req", Some(p_leg), blocks.to_vec(), 40)
+        .unwrap();
+    assert!(keep, "P keeps its blocks until its writes landed");
+    assert_eq!(
+        out.and_then(|o| o.transfer_mode),
+        Some(handoff_proto::TransferMode::Push)
+    );
+}
+
 #[test]
 fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks() {
     let mut p = engine_in("vllm-push-p", "push");
@@ -483,15 +497,7 @@ fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks()
     // P's prefill ends (vLLM's request_finished): every layer is in its blocks.
     let p_blocks = vec![5u32, 6, 9];
     fill(&mut p, &p_blocks, 0);
-    let (keep, out) = p
-        .sched
-        .request_finished("p-req", Some(&p_leg), p_blocks.clone(), 40)
-        .unwrap();
-    assert!(keep, "P keeps its blocks until its writes landed");
-    assert_eq!(
-        out.and_then(|o| o.transfer_mode),
-        Some(handoff_proto::TransferMode::Push)
-    );
+    push_prefill_finished(&mut p, &p_leg, &p_blocks);
     lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
 }
@@ -544,15 +550,7 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     p.worker.layer_saved(1);
     p.worker.forward_done();
     // vLLM's update_from_output: one token sampled, the request finishes.
-    let (keep, out) = p
-        .sched
-        .request_finished("p-req", Some(&p_leg), p_blocks.clone(), 40)
-        .unwrap();
-    assert!(keep, "P keeps its blocks until its writes landed");
-    assert_eq!(
-        out.and_then(|o| o.transfer_mode),
-        Some(handoff_proto::TransferMode::Push)
-    );
+    push_prefill_finished(&mut p, &p_leg, &p_blocks);
     // The last layer and the digest (over both layers, taken after the forward) follow.
     lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);

@@ -197,10 +197,9 @@ impl Pair {
 
     /// Push, P first: P creates `id` on blocks [1, 2], then request 1 arrives at D, which
     /// reserves [40, 41] and registers. Returns the one write P is granted.
-    pub fn push_writing(&mut self, id: HandoffId) -> PushWrite {
-        self.p
-            .create_handoff(id, vec![1, 2], TransferMode::Push, self.now)
-            .unwrap();
+    /// Push: D's request 1 for `id` arrives and gets blocks 40 and 41, which D registers with P
+    /// (sent at the next pump).
+    pub fn d_registers(&mut self, id: HandoffId) {
         let inc = self.incoming(id, &[], TransferMode::Push);
         self.d
             .on_request_arrived(RequestId(1), inc, self.now)
@@ -208,6 +207,13 @@ impl Pair {
         self.d
             .on_blocks_allocated(id, vec![40, 41], self.now)
             .unwrap();
+    }
+
+    pub fn push_writing(&mut self, id: HandoffId) -> PushWrite {
+        self.p
+            .create_handoff(id, vec![1, 2], TransferMode::Push, self.now)
+            .unwrap();
+        self.d_registers(id);
         self.pump();
         assert_eq!(self.writes.len(), 1, "registration matched; write granted");
         self.writes[0].clone()
