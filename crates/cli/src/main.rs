@@ -58,7 +58,7 @@ struct ProxyArgs {
     /// round-robin or least-loaded.
     #[arg(long, default_value = "round-robin")]
     policy: String,
-    /// pull (push is not implemented yet).
+    /// pull or push (push: every P answers `GET /v1/handoff/info`).
     #[arg(long, default_value = "pull")]
     mode: String,
     #[arg(long, default_value_t = 1000)]

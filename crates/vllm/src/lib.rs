@@ -11,8 +11,9 @@
 //! - [`worker::WorkerBridge`] registers vLLM's KV tensors ([`kv_tensors`] derives handoff's
 //!   layout from their shape and strides) with a transport agent and carries out the steps.
 //!
-//! - [`refusals`]: D's API server names requests vLLM refused before any hook ran, so that P
-//!   releases at once.
+//! - [`engine_socket`]: what vLLM's API server asks EngineCore's connector: D's names requests
+//!   vLLM refused before any hook ran (so that P releases at once), P's asks for the info a push
+//!   proxy needs (`GET /v1/handoff/info`).
 //!
 //! The Python module (`handoff_vllm._native`, feature `python`) is a thin binding over these;
 //! the connector class itself is Python (`python/handoff_vllm`). Rust threads never call into
@@ -20,10 +21,10 @@
 
 #![deny(unsafe_code)]
 
+pub mod engine_socket;
 pub mod kv_tensors;
 #[cfg(feature = "python")]
 mod python;
-pub mod refusals;
 pub mod scheduler;
 pub mod worker;
 

@@ -9,6 +9,7 @@ use pyo3::types::PyBytes;
 use handoff_connector::WorkerHello;
 use handoff_proto::KvTransferParams;
 
+use crate::engine_socket::Verb;
 use crate::kv_tensors::KvTensorInfo;
 use crate::scheduler::{Matched, SchedulerConfig, SchedulerSide, StepMeta};
 use crate::worker::{WorkerBridge, WorkerConfig};
@@ -219,12 +220,23 @@ impl PyWorker {
 }
 
 /// D's API server: names the params of a request vLLM refused before admission to engine
-/// `engine_id`'s connector (see [`crate::refusals`]); returns its answer (`ok` or `error: ...`).
-/// Releases the GIL while it waits (at most a second or two).
+/// `engine_id`'s connector (see [`crate::engine_socket`]); returns its answer (`ok` or
+/// `error: ...`). Releases the GIL while it waits (at most a second or two).
 #[pyfunction]
 fn tell_refusal(py: Python<'_>, engine_id: &str, params_json: &str) -> PyResult<String> {
-    py.detach(|| crate::refusals::tell(engine_id, params_json.as_bytes()))
-        .map_err(|e| err(format!("refusal socket of {engine_id}: {e}")))
+    ask(py, engine_id, Verb::Refuse, params_json.as_bytes())
+}
+
+/// P's API server: engine `engine_id`'s handoff info as JSON (`GET /v1/handoff/info`), or
+/// `error: ...`. Releases the GIL while it waits.
+#[pyfunction]
+fn engine_info(py: Python<'_>, engine_id: &str) -> PyResult<String> {
+    ask(py, engine_id, Verb::Info, b"")
+}
+
+fn ask(py: Python<'_>, engine_id: &str, verb: Verb, body: &[u8]) -> PyResult<String> {
+    py.detach(|| crate::engine_socket::ask(engine_id, verb, body))
+        .map_err(|e| err(format!("engine socket of {engine_id}: {e}")))
 }
 
 #[pymodule]
@@ -241,5 +253,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
     m.add_function(wrap_pyfunction!(tell_refusal, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_info, m)?)?;
     Ok(())
 }

@@ -20,7 +20,7 @@ use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
-use crate::refusals::{socket_path, RefusalListener};
+use crate::engine_socket::{socket_path, EngineSocket};
 
 /// What the scheduler tells every worker for one engine step (vLLM's `KVConnectorMetadata`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -168,9 +168,10 @@ pub struct SchedulerSide {
     /// P: push requests whose handoff started with their last prefill step ([`Self::push_forward`]),
     /// until vLLM finishes them.
     forwarded: HashSet<String>,
-    /// Requests vLLM's API server refused before any hook ran (none if the socket could not
-    /// be bound: those handoffs then end at P's lease).
-    _refusals: Option<RefusalListener>,
+    /// What the API server asks: requests it refused before any hook ran, this engine's info
+    /// (none if the socket could not be bound: refused handoffs then end at P's lease, and a
+    /// push proxy needs P's side channel from its own configuration).
+    _engine_socket: Option<EngineSocket>,
 }
 
 impl SchedulerSide {
@@ -243,11 +244,11 @@ impl SchedulerSide {
                     .collect())
             },
         )?;
-        let refusals = RefusalListener::start(&socket_path(&cfg.engine_id), connector.clone())
-            .map_err(|e| tracing::warn!(error = %e, "no refusal socket: P keeps a refused request's blocks until its lease ends"))
+        let engine_socket = EngineSocket::start(&socket_path(&cfg.engine_id), connector.clone())
+            .map_err(|e| tracing::warn!(error = %e, "no engine socket: P keeps a refused request's blocks until its lease ends, and GET /v1/handoff/info is not answered"))
             .ok();
         Ok(SchedulerSide {
-            _refusals: refusals,
+            _engine_socket: engine_socket,
             connector,
             sink,
             steps: rxs,

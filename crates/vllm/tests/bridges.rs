@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use handoff_vllm::engine_socket::{ask, Verb};
 use handoff_vllm::kv_tensors::{KvTensorInfo, ModelFacts};
 use handoff_vllm::scheduler::{Matched, SchedulerConfig, SchedulerSide, StepMeta};
 use handoff_vllm::worker::WorkerBridge;
@@ -402,18 +403,15 @@ fn params_the_connector_refuses_make_a_local_request_not_an_error() {
 }
 
 #[test]
-fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() {
+fn a_request_vllm_refused_before_admission_frees_p_through_the_engine_socket() {
     let mut p = engine("vllm-p6");
     let mut d = engine("vllm-d6");
     let params = prefilled(&mut p, "p-req", vec![1, 2], 20);
     // What D's API server middleware sends for a request vLLM answered 400.
-    let bad = handoff_vllm::refusals::tell("vllm-d6", b"{\"handoff_id\": 7").unwrap();
+    let bad = ask("vllm-d6", Verb::Refuse, b"{\"handoff_id\": 7").unwrap();
     assert!(bad.starts_with("error: kv_transfer_params"), "{bad}");
     let json = serde_json::to_vec(&params).unwrap();
-    assert_eq!(
-        handoff_vllm::refusals::tell("vllm-d6", &json).unwrap(),
-        "ok"
-    );
+    assert_eq!(ask("vllm-d6", Verb::Refuse, &json).unwrap(), "ok");
     p_frees_within_2s(
         &mut p,
         &mut d,
@@ -421,7 +419,21 @@ fn a_request_vllm_refused_before_admission_frees_p_through_the_refusal_socket() 
         "P still holds the blocks of a request D refused",
     );
     // An engine that is not running has no socket.
-    assert!(handoff_vllm::refusals::tell("no-such-engine", &json).is_err());
+    assert!(ask("no-such-engine", Verb::Refuse, &json).is_err());
+}
+
+#[test]
+fn the_engine_socket_answers_what_a_push_proxy_needs_to_know_of_p() {
+    let p = engine_in("vllm-p7", "push");
+    let info: serde_json::Value =
+        serde_json::from_str(&ask("vllm-p7", Verb::Info, b"").unwrap()).unwrap();
+    // The side channel D must register with: the one P's connector listens on.
+    assert_eq!(info["engine_id"], "vllm-p7");
+    assert_eq!(info["remote_host"], "127.0.0.1");
+    assert_eq!(info["remote_port"], p.sched.side_channel_port());
+    assert_eq!(info["tp_size"], 1);
+    assert_eq!(info["role"], "both");
+    assert_eq!(info["transfer_mode"], "push");
 }
 
 /// Fills every byte of `blocks` on every layer with a pattern of its own.

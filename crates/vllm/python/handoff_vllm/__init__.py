@@ -5,13 +5,15 @@
         "kv_connector_extra_config": {...}}'
 
 On D, ``--middleware handoff_vllm.RefusalRelease`` lets P release at once the blocks of a
-request vLLM's API server refuses before the connector sees it (:mod:`handoff_vllm.refusals`).
+request vLLM's API server refuses before the connector sees it; on a push P,
+``--middleware handoff_vllm.HandoffInfo`` answers ``GET /v1/handoff/info`` for handoff's proxy
+(:mod:`handoff_vllm.api_server`).
 
 The connector class lives in :mod:`handoff_vllm.connector`; the Rust core in
 ``handoff_vllm._native``.
 """
 
 from handoff_vllm.connector import HandoffConnector
-from handoff_vllm.refusals import RefusalRelease
+from handoff_vllm.api_server import HandoffInfo, RefusalRelease
 
-__all__ = ["HandoffConnector", "RefusalRelease"]
+__all__ = ["HandoffConnector", "HandoffInfo", "RefusalRelease"]

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from handoff_vllm import _native
-from handoff_vllm.refusals import engine_id
+from handoff_vllm.api_server import engine_id
 
 if TYPE_CHECKING:
     import torch

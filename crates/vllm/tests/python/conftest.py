@@ -7,6 +7,7 @@ stopped (its whole process group) at the end, also when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ import pytest
 import requests
 
 HERE = Path(__file__).resolve().parent
+# handoff's own binary (its proxy drives vLLM P/D in both modes); scripts/test-vllm builds it.
+HANDOFF_BIN = Path(os.environ.get("HANDOFF_BIN", HERE.parents[3] / "target" / "debug" / "handoff"))
 MODEL = HERE / "model"
 LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
 STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
@@ -170,6 +173,46 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("HANDOFF_VLLM_REPORT")
     if path:
         Path(path).write_text(json.dumps(dict(REPORT, tests_failed=session.testsfailed)))
+
+
+@contextlib.contextmanager
+def handoff_proxy(mode: str, prefill: Server, decode: Server):
+    """handoff's own proxy (`handoff proxy --mode MODE`) in front of one P and one D; yields its
+    URL once it routes (both instances healthy; in push mode P's info fetched too)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [str(HANDOFF_BIN), "proxy", "--bind", f"127.0.0.1:{port}", "--prefill", prefill.url,
+            "--decode", decode.url, "--mode", mode, "--admin-listen", "off",
+            "--health-interval-ms", "200"]
+    log_path = LOGS / f"proxy-{mode}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, RUST_LOG="info"), start_new_session=True)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert proc.poll() is None, f"handoff proxy exited: see {log_path}"
+                try:
+                    if requests.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, \
+                    f"handoff proxy never saw P and D healthy: see {log_path}"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def completion_via(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """A client's greedy completion through a proxy at `url`: the generated token ids."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
+    r = requests.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, f"proxy: {r.status_code} {r.text[:500]}"
+    return r.json()["choices"][0]["token_ids"]
 
 
 def connector(engine_id: str, **extra) -> dict:

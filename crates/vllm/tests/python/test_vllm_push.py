@@ -14,7 +14,8 @@ import pytest
 import requests
 
 from conftest import (BLOCK_SIZE, HOLD_WRITES_FILE, MAX_MODEL_LEN, REPORT, STARTUP_S, Server,
-                      connector, free_port, settled_usage, usage_back_to)
+                      completion_via, connector, free_port, handoff_proxy, settled_usage,
+                      usage_back_to)
 
 # handoff's defaults: a grant D gives P on its registration lasts REGISTRATION_LEASE_S, renewed
 # by P's heartbeats every HEARTBEAT_S; D frees its blocks WRITE_GRACE_S after the last grant
@@ -30,8 +31,10 @@ def push(cluster):
     servers = {
         # P's side channel on a known port: the proxy tells D where to register.
         # P logs each write its worker sends as the forward pass saves the layer.
+        # P answers GET /v1/handoff/info (handoff_vllm.HandoffInfo) for handoff's proxy.
         "p": Server("push-p", connector("vllm-push-p", mode="push", kv_digest=True,
                                         side_channel_port=side_port),
+                    extra_args=["--middleware", "handoff_vllm.HandoffInfo"],
                     env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_WRITES_FILE),
                                "RUST_LOG": "info,handoff_connector::forward_gate=debug"}),
         # D logs each KV digest it checked; its KV usage on /metrics shows its reserved blocks.
@@ -43,6 +46,11 @@ def push(cluster):
         deadline = time.monotonic() + STARTUP_S
         for s in servers.values():
             s.wait_healthy(deadline)
+        # One local request each first: the first forward pass of a fresh server (and the rest
+        # of its start, on this machine's two cores) once starved its transport past the tcp
+        # silence limit (1.5 s) in the first push.
+        for s in servers.values():
+            s.complete([5, 6, 7], 1)
         yield dict(servers, single=cluster["single"], side_port=side_port)
     finally:
         for s in servers.values():
@@ -119,6 +127,25 @@ def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
         "no layer left P from save_kv_layer"
     assert digest_lines(push, "matched") == matched + 1
     assert got == push["single"].complete(ids, 8)["choices"][0]["token_ids"]
+
+
+def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_push_mode(push):
+    """P's API server answers GET /v1/handoff/info (handoff_vllm.HandoffInfo) with the side
+    channel its connector listens on, so `handoff proxy --mode push` can send both legs at once
+    with no configuration of P's side channel: D's output equals the single engine's, its
+    digest matched P's."""
+    info = requests.get(push["p"].url + "/v1/handoff/info", timeout=5).json()
+    assert (info["engine_id"], info["remote_port"], info["transfer_mode"]) == \
+        ("vllm-push-p", push["side_port"], "push"), info
+    # D runs no HandoffInfo: its API server answers the path as vLLM does (not found).
+    assert requests.get(push["d"].url + "/v1/handoff/info", timeout=5).status_code == 404
+    ids = [(3 * j + 1) % 3990 + 5 for j in range(BLOCK_SIZE + 40)]
+    want = push["single"].complete(ids, 6)["choices"][0]["token_ids"]
+    with handoff_proxy("push", push["p"], push["d"]) as url:
+        matched = digest_lines(push, "matched")
+        got = completion_via(url, ids, 6)
+    assert got == want, f"through handoff's proxy: {got} vs single {want}"
+    assert digest_lines(push, "matched") == matched + 1, "D computed the prompt itself"
 
 
 def _log_count(server: Server, what: str) -> int:

@@ -1,15 +1,19 @@
-"""``RefusalRelease``: ASGI middleware for D's API server (``--middleware
-handoff_vllm.RefusalRelease``).
+"""ASGI middlewares for vLLM's API server, which runs in another process than the connector
+(EngineCore). Each asks the connector over EngineCore's local socket (a Unix socket only this user
+can open; see the Rust ``engine_socket`` module).
 
-vLLM's API server refuses some requests itself (a prompt longer than ``max_model_len``, bad
+``RefusalRelease``, for D's API server (``--middleware handoff_vllm.RefusalRelease``): vLLM's
+API server refuses some requests itself (a prompt longer than ``max_model_len``, bad
 sampling parameters) and answers 4xx before EngineCore, and so the connector, ever sees them.
 For a request that carries a remote prefill's ``kv_transfer_params``, P would keep the prompt's
 blocks until its lease ends. This middleware watches the answer's status and, on a 4xx, names
-the params to this engine's connector (a Unix socket only this user can open; see the Rust
-``refusals`` module), which tells P to release at once through its ledger.
-
+the params to this engine's connector, which tells P to release at once through its ledger.
 It reads the request body once (at most ``MAX_BODY`` bytes; larger bodies pass through
 unwatched) and replays it to vLLM unchanged.
+
+``HandoffInfo``, for P's API server in push mode (``--middleware handoff_vllm.HandoffInfo``):
+answers ``GET /v1/handoff/info`` with what a push proxy (handoff's own, ``--mode push``) needs to
+tell D where to register its blocks: P's engine id, side channel, tp size, block size and mode.
 """
 
 from __future__ import annotations
@@ -93,3 +97,33 @@ class RefusalRelease:
             return
         if answer != "ok":
             logger.warning("handoff: refused request (%s) not passed on: %s", status, answer)
+
+
+class HandoffInfo:
+    PATH = "/v1/handoff/info"
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("path") != self.PATH:
+            return await self.app(scope, receive, send)
+        if scope.get("method") != "GET":
+            return await _answer(send, 405, {"error": f"{self.PATH} answers GET only"})
+        try:
+            config = scope["app"].state.vllm_config
+            info = await asyncio.to_thread(_native.engine_info, engine_id(config))
+        except Exception as e:  # no connector (yet): the proxy retries at its next health check
+            return await _answer(send, 503, {"error": f"handoff connector unreachable: {e}"})
+        if info.startswith("error: "):
+            return await _answer(send, 503, {"error": info[len("error: "):]})
+        await _answer(send, 200, info.encode())
+
+
+async def _answer(send, status: int, body) -> None:
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,197 @@
+//! EngineCore's local socket: what vLLM's API server process asks the connector, which lives in
+//! another process (EngineCore). Two questions, each from a middleware of `handoff_vllm`:
+//!
+//! - **`refuse`** (D, `handoff_vllm.RefusalRelease`): vLLM's API server checks a prompt against
+//!   `max_model_len` (and the sampling parameters) itself and answers 400 without telling
+//!   EngineCore, so the connector never hears of the request and P would keep its blocks until
+//!   the lease ends. The middleware names such a request's `kv_transfer_params` here, and the
+//!   connector tells P to release through the ledger (`Connector::reject`: never while this
+//!   engine reads that handoff for another request).
+//! - **`info`** (P, `handoff_vllm.HandoffInfo`): what a push proxy needs to send D a push
+//!   request for this P (`GET /v1/handoff/info`: engine id, side channel, tp, block size, mode).
+//!
+//! A Unix socket only this user can open; one request per connection: a verb line, then (for
+//! `refuse`) the params as JSON, at most [`MAX_REQUEST`] bytes in all. Answered with `ok`,
+//! `error: ...` or (for `info`) the JSON. Bounded: one connection at a time, a read timeout, a
+//! size cap.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_connector::Connector;
+use handoff_proto::KvTransferParams;
+
+/// Largest request accepted (the params of one request).
+pub const MAX_REQUEST: usize = 64 * 1024;
+const TIMEOUT: Duration = Duration::from_secs(1);
+/// Largest answer read back (the info JSON is a few hundred bytes).
+const MAX_ANSWER: u64 = 16 * 1024;
+
+/// What the API server asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// A request vLLM refused before admission: its params follow.
+    Refuse,
+    /// This engine's handoff info.
+    Info,
+}
+
+impl Verb {
+    fn as_str(self) -> &'static str {
+        match self {
+            Verb::Refuse => "refuse",
+            Verb::Info => "info",
+        }
+    }
+}
+
+/// Where engine `engine_id`'s socket lives: the same path in the API server and in EngineCore,
+/// derived from what both read from vLLM's config.
+pub fn socket_path(engine_id: &str) -> PathBuf {
+    let safe: String = engine_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    std::env::temp_dir().join(format!("handoff-vllm-{safe}.sock"))
+}
+
+/// The listener; stops (and removes its socket) when dropped.
+pub struct EngineSocket {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+}
+
+impl EngineSocket {
+    pub fn start(path: &Path, connector: Arc<Connector>) -> std::io::Result<Self> {
+        // A socket left by an engine that died is stale: nobody else uses this engine's name.
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::Builder::new()
+            .name("handoff-engine-socket".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if flag.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    if let Ok(conn) = conn {
+                        serve(conn, &connector);
+                    }
+                }
+            })?;
+        Ok(EngineSocket {
+            path: path.to_path_buf(),
+            stop,
+        })
+    }
+}
+
+impl Drop for EngineSocket {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accept loop so that it sees the flag.
+        let _ = UnixStream::connect(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Splits a request into its verb and the rest; `Err` names what is wrong.
+fn parse(request: &[u8]) -> Result<(Verb, &[u8]), String> {
+    let (line, rest) = match request.iter().position(|&b| b == b'\n') {
+        Some(i) => (&request[..i], &request[i + 1..]),
+        None => (request, &[][..]),
+    };
+    match line {
+        b"refuse" => Ok((Verb::Refuse, rest)),
+        b"info" if rest.is_empty() => Ok((Verb::Info, rest)),
+        b"info" => Err("info takes no body".into()),
+        other => Err(format!(
+            "unknown request {:?} (refuse or info)",
+            String::from_utf8_lossy(&other[..other.len().min(32)])
+        )),
+    }
+}
+
+fn answer(request: &[u8], connector: &Connector) -> String {
+    let (verb, body) = match parse(request) {
+        Ok(v) => v,
+        Err(e) => return format!("error: {e}"),
+    };
+    match verb {
+        Verb::Info => connector.info().to_string(),
+        Verb::Refuse => match serde_json::from_slice::<KvTransferParams>(body) {
+            Err(e) => format!("error: kv_transfer_params: {e}"),
+            Ok(params) => match connector.reject(&params) {
+                Ok(()) => {
+                    tracing::info!(handoff = ?params.handoff_id, "vLLM refused the request before admission: P told to release");
+                    "ok".to_string()
+                }
+                Err(e) => format!("error: {e}"),
+            },
+        },
+    }
+}
+
+fn serve(mut conn: UnixStream, connector: &Connector) {
+    let _ = conn.set_read_timeout(Some(TIMEOUT));
+    let _ = conn.set_write_timeout(Some(TIMEOUT));
+    let mut body = Vec::new();
+    let answer = match (&mut conn)
+        .take(MAX_REQUEST as u64 + 1)
+        .read_to_end(&mut body)
+    {
+        Err(e) => format!("error: {e}"),
+        Ok(_) if body.len() > MAX_REQUEST => format!("error: more than {MAX_REQUEST} bytes"),
+        Ok(_) => answer(&body, connector),
+    };
+    if answer.starts_with("error: ") {
+        tracing::warn!(%answer, "engine socket request refused");
+    }
+    let _ = conn.write_all(answer.as_bytes());
+}
+
+/// Asks engine `engine_id`'s connector (the middleware's side): `verb`, then `body`.
+pub fn ask(engine_id: &str, verb: Verb, body: &[u8]) -> std::io::Result<String> {
+    let mut conn = UnixStream::connect(socket_path(engine_id))?;
+    conn.set_read_timeout(Some(TIMEOUT))?;
+    conn.set_write_timeout(Some(TIMEOUT))?;
+    conn.write_all(verb.as_str().as_bytes())?;
+    if verb == Verb::Refuse {
+        conn.write_all(b"\n")?;
+        conn.write_all(body)?;
+    }
+    conn.shutdown(std::net::Shutdown::Write)?;
+    let mut answer = String::new();
+    conn.take(MAX_ANSWER).read_to_string(&mut answer)?;
+    Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_names_its_verb_on_its_first_line() {
+        assert_eq!(parse(b"info"), Ok((Verb::Info, &b""[..])));
+        assert_eq!(parse(b"refuse\n{}"), Ok((Verb::Refuse, &b"{}"[..])));
+        assert!(parse(b"info\n{}").is_err());
+        // The old protocol (params alone) and anything else are refused by name.
+        let e = parse(br#"{"handoff_id": "x"}"#).unwrap_err();
+        assert!(e.contains("unknown request"), "{e}");
+        assert!(parse(b"").is_err());
+    }
+}

@@ -1,0 +1,305 @@
+"""HandoffConnector's hooks driven by vLLM's real ``Scheduler``, with no model and no server.
+
+Each engine is vLLM's own scheduler (its block pool, its request states, its calls into the
+connector) plus a worker-role connector in this process that registers plain CPU tensors as the
+KV cache. A step is what vLLM's model runner does around a forward pass
+(``KVConnectorModelRunnerMixin._get_kv_connector_output``): bind the step's metadata, "compute"
+(write a pattern into the blocks of the tokens scheduled), ``start_load_kv``, ``wait_for_save``,
+``get_transfer_results`` and the worker metadata back into ``update_from_output``. The transfer
+itself runs for real, over handoff's tcp transport on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from conftest import MODEL, HOLD_FILE  # noqa: E402
+from handoff_vllm import HandoffConnector  # noqa: E402
+
+BLOCK = 16
+NUM_BLOCKS = 64
+KV_HEADS, HEAD_DIM = 2, 64  # the tiny model's
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+EOS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_zero():
+    """The worker asks vLLM for its TP rank; there is no distributed group in this process."""
+    import vllm.distributed.parallel_state as ps
+
+    saved = ps.get_tensor_model_parallel_rank
+    ps.get_tensor_model_parallel_rank = lambda: 0
+    init_none_hash(sha256)
+    yield
+    ps.get_tensor_model_parallel_rank = saved
+
+
+class Engine:
+    """vLLM's scheduler with HandoffConnector, and one worker whose KV cache is CPU tensors
+    (vLLM's CPU layout: blocks × kv heads × block size × 2·head size)."""
+
+    def __init__(self, engine_id: str, max_batched: int = 1024, **extra):
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(MODEL), skip_tokenizer_init=True,
+                                     dtype="float32", seed=0, max_model_len=1024),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
+                                             max_model_len=1024, is_encoder_decoder=False,
+                                             enable_chunked_prefill=True),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HandoffConnector", kv_connector_module_path="handoff_vllm",
+                kv_role="kv_both", engine_id=engine_id,
+                kv_connector_extra_config={"engine_id": engine_id, "kv_digest": True, **extra}),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                dtype=torch.float32))])
+        self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                               structured_output_manager=StructuredOutputManager(config),
+                               block_size=BLOCK, log_stats=False)
+        assert isinstance(self.sched.connector, HandoffConnector)
+        self.kv = {name: torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+                   for name in LAYERS}
+        self.worker = HandoffConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        self.worker.register_kv_caches(self.kv)
+        # What EngineCore does once every worker said hello.
+        self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self.finished: dict[str, object] = {}
+        # Called after each layer's KV is written, before the next layer (a test's probe).
+        self.after_layer = None
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
+                      pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+        req.kv_transfer_params = params
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> dict[str, int]:
+        """One engine step; returns the tokens scheduled per request."""
+        out = self.sched.schedule()
+        w = self.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        self._forward(out)
+        w.start_load_kv(None)  # vLLM 0.32 starts loads after the forward pass
+        w.wait_for_save()
+        r = w.get_transfer_results(out.finished_req_ids)
+        kvo = KVConnectorOutput(finished_sending=r.finished_sending or None,
+                                finished_recving=r.finished_recving or None,
+                                failed_recving=r.failed_recving,
+                                kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        reqs = list(out.num_scheduled_tokens)
+        # A token is sampled once a request's prompt is all computed (schedule() already
+        # counted this step's tokens); a partial prefill chunk samples nothing.
+        sampled = [[7] if self.sched.requests[q].num_computed_tokens
+                   >= self.sched.requests[q].num_tokens else [] for q in reqs]
+        mro = ModelRunnerOutput(req_ids=reqs, req_id_to_index={q: i for i, q in enumerate(reqs)},
+                                sampled_token_ids=sampled, logprobs=None,
+                                prompt_logprobs_dict={}, pooler_output=None,
+                                kv_connector_output=kvo)
+        for outputs in self.sched.update_from_output(out, mro).values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o
+        return dict(out.num_scheduled_tokens)
+
+    def _forward(self, out) -> None:
+        """The model's KV writes, layer by layer as a forward pass runs: every block a scheduled
+        request holds gets a pattern of its own (its block id and layer), then the attention
+        layer calls ``save_kv_layer``."""
+        if not out.num_scheduled_tokens:
+            return
+        for li, name in enumerate(LAYERS):
+            for q in out.num_scheduled_tokens:
+                for b in self.blocks_of(q):
+                    self.kv[name][b].fill_(pattern(li, b))
+            self.worker.save_kv_layer(name, self.kv[name], None)
+            if self.after_layer is not None:
+                self.after_layer(li)
+
+    def blocks_of(self, rid: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.sched.connector.shutdown()
+
+
+def pattern(layer: int, block: int) -> float:
+    """What the fake forward pass writes into `block` of `layer` (never zero)."""
+    return float(1000 * layer + block + 1)
+
+
+def holds(e: Engine, layer: int, blocks: list[int], like: list[int]) -> bool:
+    """Whether `blocks` of `layer` on `e` hold what the forward pass wrote into `like`."""
+    name = LAYERS[layer]
+    return all(torch.equal(e.kv[name][b], torch.full_like(e.kv[name][b], pattern(layer, src)))
+               for b, src in zip(blocks, like))
+
+
+def run_until(engines: list[Engine], done, what: str, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        for e in engines:
+            e.step()
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def pd(request):
+    """A P and a D; D's worker honours the hold switch (``HOLD_SWITCH`` in worker.rs: while
+    HOLD_FILE exists, the transfers it is asked for wait unposted)."""
+    name = request.node.name[-24:]
+    p = Engine(f"hooks-p-{name}")
+    os.environ["HANDOFF_VLLM_TEST_HOLD_FILE"] = str(HOLD_FILE)
+    try:
+        d = Engine(f"hooks-d-{name}")
+    finally:
+        del os.environ["HANDOFF_VLLM_TEST_HOLD_FILE"]
+    yield p, d
+    HOLD_FILE.unlink(missing_ok=True)
+    p.shutdown()
+    d.shutdown()
+
+
+def prefill_on_p(p: Engine, prompt: list[int]) -> tuple[dict, list[int]]:
+    """A request with do_remote_decode on P: one step prefills it and vLLM finishes it; P keeps
+    its blocks and answers the params a D needs."""
+    p.add("p-req", prompt, 1, {"do_remote_decode": True})
+    assert p.step() == {"p-req": len(prompt)}
+    params = p.finished["p-req"].kv_transfer_params
+    assert params and params["do_remote_prefill"] and params["handoff_id"], params
+    blocks = p.blocks_of("p-req")
+    assert "p-req" in p.sched.requests, "P freed the blocks before any D read them"
+    return params, blocks
+
+
+def test_a_pulled_request_waits_in_vllm_s_queue_reads_p_s_blocks_and_computes_one_token(pd):
+    p, d = pd
+    prompt = list(range(5, 5 + 3 * BLOCK + 5))  # three whole blocks and a partial one
+    p_idle = p.free_blocks()
+    params, p_blocks = prefill_on_p(p, prompt)
+    d_idle = d.free_blocks()
+
+    req = d.add("d-req", prompt, 4, dict(params))
+    assert d.step() == {}, "D computed before its KV came"
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    d_blocks = d.blocks_of("d-req")
+    # D's blocks arrived with P's KV, whose pattern names P's block ids.
+    run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+              "D's request never left WAITING_FOR_REMOTE_KVS")
+    for li in range(len(LAYERS)):
+        assert holds(d, li, d_blocks, p_blocks), f"layer {li}: D's blocks do not hold P's KV"
+    # vLLM recomputes only the last prompt token on D; the rest came from P.
+    scheduled = d.step()
+    assert scheduled == {"d-req": 1}, scheduled
+    # P's blocks go back once D's READ ended.
+    run_until([p, d], lambda: p.free_blocks() == p_idle and "p-req" not in p.sched.requests,
+              "P never freed the request's blocks")
+    run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+    assert d.free_blocks() == d_idle
+
+
+def test_a_request_aborted_while_it_waits_for_its_kv_frees_d_and_p_at_once(pd):
+    """vLLM aborts the request (a client left) while it waits for remote KV: D's blocks go back
+    to vLLM's pool and P is told to release, without waiting for a lease or deadline."""
+    p, d = pd
+    prompt = list(range(9, 9 + 2 * BLOCK + 3))
+    p_idle = p.free_blocks()
+    params, _ = prefill_on_p(p, prompt)
+    d_idle = d.free_blocks()
+    # D's READ held back: the request waits in vLLM's queue as long as the test needs.
+    HOLD_FILE.touch()
+    req = d.add("d-req", prompt, 4, dict(params))
+    for _ in range(5):
+        d.step()
+        p.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert p.free_blocks() < p_idle
+    aborted = time.monotonic()
+    d.sched.finish_requests("d-req", RequestStatus.FINISHED_ABORTED)
+    run_until([p, d], lambda: p.free_blocks() == p_idle, "P kept the aborted request's blocks",
+              limit_s=2.0)
+    run_until([p, d], lambda: d.free_blocks() == d_idle, "D kept the aborted request's blocks",
+              limit_s=5.0)
+    assert time.monotonic() - aborted < 2.0
+
+
+def test_a_push_streams_each_layer_while_vllm_computes_the_next_over_chunked_prefill():
+    """Push, P's prompt prefilled in two chunks (vLLM's chunked prefill, 32 tokens a step): D's
+    request registers its blocks first; P's handoff starts with the step that schedules the
+    last chunk, and layer 0's WRITE lands on D during that step's forward pass, before layer 1
+    is computed. D then resumes with P's KV in every layer and P frees its blocks."""
+    p = Engine("hooks-push-p", max_batched=32, mode="push")
+    d = Engine("hooks-push-d", mode="push")
+    try:
+        prompt = list(range(11, 11 + 3 * BLOCK + 5))  # 53 tokens: chunks of 32 and 21
+        p_idle = p.free_blocks()
+        handoff = "5f" * 16
+        req = d.add("d-req", prompt, 4, {
+            "do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
+            "remote_engine_id": "hooks-push-p", "remote_host": "127.0.0.1",
+            "remote_port": p.sched.connector._sched.side_channel_port(), "tp_size": 1})
+        d.step()
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        d_blocks = d.blocks_of("d-req")
+        # D's engine keeps stepping while its registration crosses the side channel (its worker
+        # connects to P in a step); P asks D's grant as soon as the registration arrives.
+        for _ in range(30):
+            d.step()
+            time.sleep(0.01)
+        p.add("p-req", prompt, 1, {"do_remote_decode": True, "transfer_mode": "push",
+                                   "handoff_id": handoff})
+        assert p.step() == {"p-req": 32}
+        p_blocks = p.blocks_of("p-req")
+        streamed = []
+
+        def layer_0_on_d_before_layer_1(layer: int) -> None:
+            if layer != 0:
+                return
+            deadline = time.monotonic() + 2.0
+            while not holds(d, 0, d_blocks, p_blocks) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            streamed.append(holds(d, 0, d_blocks, p_blocks))
+
+        p.after_layer = layer_0_on_d_before_layer_1
+        assert p.step() == {"p-req": 21}
+        p.after_layer = None
+        assert streamed == [True], "layer 0 did not reach D during the last chunk's forward pass"
+        run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+                  "D's request never got its KV")
+        for li in range(len(LAYERS)):
+            assert holds(d, li, d_blocks, p_blocks), f"layer {li}: D's blocks do not hold P's"
+        run_until([p, d], lambda: p.free_blocks() == p_idle, "P never freed its blocks")
+        run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+    finally:
+        p.shutdown()
+        d.shutdown()
