@@ -51,16 +51,18 @@ HOLD_WRITES_FILE = Path(f"/tmp/handoff-vllm-hold-writes-{os.getpid()}")
 
 class Server:
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
-                 env_extra: dict | None = None, log_stats: bool = False):
+                 env_extra: dict | None = None, log_stats: bool = False,
+                 host: str = "127.0.0.1", netns: str | None = None):
+        """`netns`: run the server inside that network namespace, listening on `host`."""
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         LOGS.mkdir(parents=True, exist_ok=True)
         self.log_path = LOGS / f"{name}.log"
-        args = [
+        args = ([] if netns is None else ["ip", "netns", "exec", netns]) + [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(MODEL), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", host, "--port", str(self.port),
             "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         ] + ([] if log_stats else ["--disable-log-stats"]) + (extra_args or [])
