@@ -303,7 +303,7 @@ impl Connector {
         params: &KvTransferParams,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<HandoffId, ConnectorError> {
         let params = params.clone();
         self.call(move |core, now| core.on_push_prefill_start(&params, blocks, num_tokens, now))?
     }

@@ -310,21 +310,12 @@ impl SchedulerSide {
                 return Ok((false, None));
             };
             self.sending.insert(first, request_id.to_string());
-            let out = match params.filter(|p| p.do_remote_decode) {
-                Some(p) => {
-                    match self
-                        .connector
-                        .on_push_prefill_finished(p, request_id, blocks, num_tokens)
-                    {
-                        Ok(out) => Some(out),
-                        Err(e) => {
-                            tracing::warn!(request_id, error = %e, "no params for a pushed prefill");
-                            None
-                        }
-                    }
-                }
-                None => None,
-            };
+            let out = params.filter(|p| p.do_remote_decode).and_then(|p| {
+                self.connector
+                    .on_push_prefill_finished(p, request_id, blocks, num_tokens)
+                    .map_err(|e| tracing::warn!(request_id, error = %e, "no params for a pushed prefill"))
+                    .ok()
+            });
             return Ok((true, out));
         }
         let Some(params) = params.filter(|p| p.do_remote_decode) else {

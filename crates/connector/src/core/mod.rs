@@ -333,10 +333,8 @@ impl ConnectorCore {
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<(), ConnectorError> {
-        let handoff = params
-            .handoff_id
-            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+    ) -> Result<HandoffId, ConnectorError> {
+        let handoff = push_handoff(params)?;
         let p = self
             .producer
             .as_mut()
@@ -348,7 +346,7 @@ impl ConnectorCore {
         // its death was reported when nothing was bound to it yet.
         self.redeclare_dead(now);
         self.pump(now);
-        Ok(())
+        Ok(handoff)
     }
 
     /// P, push mode: layer `layer` of the handoff's KV is in its blocks; it is written to D as
@@ -389,10 +387,7 @@ impl ConnectorCore {
         num_tokens: u32,
         now: Time,
     ) -> Result<HandoffId, ConnectorError> {
-        self.on_push_prefill_start(params, blocks, num_tokens, now)?;
-        let handoff = params
-            .handoff_id
-            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+        let handoff = self.on_push_prefill_start(params, blocks, num_tokens, now)?;
         let last = self.spec.shape.num_layers.saturating_sub(1);
         self.on_layer_saved(handoff, last, now);
         Ok(handoff)
@@ -406,9 +401,7 @@ impl ConnectorCore {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<KvTransferParams, ConnectorError> {
-        let handoff = params
-            .handoff_id
-            .ok_or(ConnectorError::BadParams("push without handoff_id"))?;
+        let handoff = push_handoff(params)?;
         Ok(self.params_for(
             handoff,
             Epoch::FIRST,
@@ -1022,4 +1015,11 @@ pub struct CoreMemory {
     pub grants: usize,
     /// P's prompt lengths kept for the KV digest (one per live pull handoff at most).
     pub prompt_tokens: usize,
+}
+
+/// The handoff a push request names: its proxy picked the id for both legs.
+fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
+    params
+        .handoff_id
+        .ok_or(ConnectorError::BadParams("push without handoff_id"))
 }

@@ -512,7 +512,7 @@ impl Sim {
                     ),
                     TransferMode::Push => p
                         .on_push_prefill_start(&prm, blocks.clone(), tokens, now)
-                        .and_then(|()| {
+                        .and_then(|_| {
                             p.push_params(&prm, &format!("r{i}"), blocks.clone(), tokens)
                         }),
                 };
