@@ -217,6 +217,23 @@ def completion_via(url: str, prompt: list[int], max_tokens: int) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def matched_digests(server: Server) -> int:
+    """How many KV digests `server` (a D) checked and found equal to P's, from its log."""
+    return sum("KV digest matched" in line for line in server.log_path.read_text().splitlines())
+
+
+def check_proxy_decodes_like_single(mode: str, servers: dict, prompt: list[int]) -> None:
+    """A client's request through `handoff proxy --mode MODE` in front of servers' P and D:
+    D's greedy tokens equal the single engine's, and D checked one KV digest (the KV came from
+    P: D did not compute the prompt itself)."""
+    want = servers["single"].complete(prompt, 6)["choices"][0]["token_ids"]
+    with handoff_proxy(mode, servers["p"], servers["d"]) as url:
+        matched = matched_digests(servers["d"])
+        got = completion_via(url, prompt, 6)
+    assert got == want, f"through handoff's proxy: {got} vs single {want}"
+    assert matched_digests(servers["d"]) == matched + 1, "D computed the prompt itself"
+
+
 def connector(engine_id: str, **extra) -> dict:
     return {
         "kv_connector": "HandoffConnector",

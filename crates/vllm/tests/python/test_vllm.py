@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 import requests
 
 from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, KV_USAGE,
-                      MAX_MODEL_LEN, REPORT, completion_via, handoff_proxy, settled_usage,
+                      MAX_MODEL_LEN, REPORT, check_proxy_decodes_like_single, settled_usage,
                       usage_back_to)
 
 
@@ -78,13 +78,7 @@ def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_pull_mode(cluster):
     """`handoff proxy --mode pull` in front of vLLM's P and D: P's vLLM-shaped
     kv_transfer_params reach D through it, D reads the KV (one digest check) and its greedy
     output equals the single engine's."""
-    ids = prompt(2 * BLOCK_SIZE + 21, seed=47)
-    want = cluster["single"].complete(ids, 6)["choices"][0]["token_ids"]
-    with handoff_proxy("pull", cluster["p"], cluster["d"]) as url:
-        matched = digest_lines(cluster, "matched")
-        got = completion_via(url, ids, 6)
-    assert got == want, f"through handoff's proxy: {got} vs single {want}"
-    assert digest_lines(cluster, "matched") == matched + 1, "D computed the prompt itself"
+    check_proxy_decodes_like_single("pull", cluster, prompt(2 * BLOCK_SIZE + 21, seed=47))
 
 
 def test_negative_control_damaged_kv_fails_the_digest_and_is_never_decoded(cluster):

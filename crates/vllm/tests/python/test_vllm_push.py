@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from conftest import (BLOCK_SIZE, HOLD_WRITES_FILE, MAX_MODEL_LEN, REPORT, STARTUP_S, Server,
-                      completion_via, connector, free_port, handoff_proxy, settled_usage,
+                      check_proxy_decodes_like_single, connector, free_port, settled_usage,
                       usage_back_to)
 
 # handoff's defaults: a grant D gives P on its registration lasts REGISTRATION_LEASE_S, renewed
@@ -139,13 +139,8 @@ def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_push_mode(push):
         ("vllm-push-p", push["side_port"], "push"), info
     # D runs no HandoffInfo: its API server answers the path as vLLM does (not found).
     assert requests.get(push["d"].url + "/v1/handoff/info", timeout=5).status_code == 404
-    ids = [(3 * j + 1) % 3990 + 5 for j in range(BLOCK_SIZE + 40)]
-    want = push["single"].complete(ids, 6)["choices"][0]["token_ids"]
-    with handoff_proxy("push", push["p"], push["d"]) as url:
-        matched = digest_lines(push, "matched")
-        got = completion_via(url, ids, 6)
-    assert got == want, f"through handoff's proxy: {got} vs single {want}"
-    assert digest_lines(push, "matched") == matched + 1, "D computed the prompt itself"
+    check_proxy_decodes_like_single("push", push,
+                                    [(3 * j + 1) % 3990 + 5 for j in range(BLOCK_SIZE + 40)])
 
 
 def _log_count(server: Server, what: str) -> int:
