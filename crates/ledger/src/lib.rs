@@ -24,6 +24,8 @@ mod consumer;
 mod heartbeat;
 mod producer;
 mod staging;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod timer;
 
 pub use consumer::*;

@@ -17,6 +17,7 @@ use handoff_connector::{
     ConnId, ConnectorCore, ConnectorEvent, CoreConfig, JobId, Ready, Role, TransferJob,
     WorkerHello, WorkerOp, WorkerReport,
 };
+use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
 use handoff_proto::{
@@ -274,37 +275,10 @@ pub struct Sim {
 
 impl Sim {
     pub fn new(mode: TransferMode, reqs: Vec<ReqSpec>, faults: Faults) -> Sim {
-        // Short leases (as the ledger simulation's), so partitions and slow reads outlast them.
-        let pcfg = ProducerConfig {
-            initial_lease: ms(3000),
-            heartbeat_extension: ms(1200),
-            fence_grace: ms(900),
-            hard_cap: ms(20_000),
-            write_margin: ms(100),
-            write_timeout: ms(200),
-            heartbeat_interval: ms(250),
-            staging_capacity: 64,
-            staging_per_handoff: 8,
-            staging_ttl: ms(5000),
-            tombstone_capacity: 1000,
-            tombstone_ttl: ms(30_000),
-            ..ProducerConfig::default()
-        };
-        let dcfg = ConsumerConfig {
-            heartbeat_interval: ms(250),
-            read_margin: ms(100),
-            read_timeout: ms(1500),
-            read_grace: ms(400),
-            read_fence: ms(4000),
-            read_retries: 1,
-            wait_deadline: ms(12_000),
-            registration_lease: ms(800),
-            push_deadline: ms(6000),
-            write_grace: ms(600),
-            tombstone_capacity: 1000,
-            tombstone_ttl: ms(30_000),
-            ..ConsumerConfig::default()
-        };
+        // The ledger simulation's short timings, so partitions and slow reads outlast them; P's
+        // per-peer staging quota left at its default (the ledger simulation exercises that one).
+        let (mut pcfg, dcfg) = simulation_configs(1, 1);
+        pcfg.staging_per_peer = ProducerConfig::default().staging_per_peer;
         let core = |name: &str, role| {
             ConnectorCore::new(
                 CoreConfig {

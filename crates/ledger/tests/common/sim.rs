@@ -7,6 +7,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::time::Duration;
 
+use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::*;
 use handoff_proto::{Epoch, HandoffId, Message, ReleaseReason, TransferMode};
 
@@ -224,38 +225,7 @@ fn ms(n: u64) -> Duration {
 
 impl Sim {
     pub fn new(reqs: Vec<ReqSpec>, faults: Faults, p_tp: u16, d_tp: u16) -> Self {
-        let pcfg = ProducerConfig {
-            tp: p_tp,
-            initial_lease: ms(3000),
-            heartbeat_extension: ms(1200),
-            fence_grace: ms(900),
-            hard_cap: ms(20_000),
-            write_margin: ms(100),
-            write_timeout: ms(200),
-            heartbeat_interval: ms(250),
-            staging_capacity: 64,
-            staging_per_handoff: 8,
-            staging_per_peer: 32,
-            staging_ttl: ms(5000),
-            tombstone_capacity: 1000,
-            tombstone_ttl: ms(30_000),
-        };
-        let dcfg = ConsumerConfig {
-            tp: d_tp,
-            heartbeat_interval: ms(250),
-            read_margin: ms(100),
-            read_timeout: ms(1500),
-            read_grace: ms(400),
-            read_fence: ms(4000),
-            read_retries: 1,
-            wait_deadline: ms(12_000),
-            failure_policy: FailurePolicy::Recompute,
-            registration_lease: ms(800),
-            push_deadline: ms(6000),
-            write_grace: ms(600),
-            tombstone_capacity: 1000,
-            tombstone_ttl: ms(30_000),
-        };
+        let (pcfg, dcfg) = simulation_configs(p_tp, d_tp);
         let mut sim = Sim {
             p: ProducerLedger::new(pcfg.clone()),
             ds: (0..2).map(|_| ConsumerLedger::new(dcfg.clone())).collect(),
