@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -175,6 +176,30 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("HANDOFF_VLLM_REPORT")
     if path:
         Path(path).write_text(json.dumps(dict(REPORT, tests_failed=session.testsfailed)))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """`n` token ids drawn from `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+def disaggregated(servers: dict, ids: list[int], max_tokens: int, **extra) -> tuple[dict, dict]:
+    """P with do_remote_decode (max_tokens 1, not streamed), then D with P's params (and
+    `extra` request fields); returns (P's params, D's answer)."""
+    p = servers["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = p.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill") and params.get("handoff_id"), p
+    d = servers["d"].complete(ids, max_tokens, kv_transfer_params=params, **extra)
+    return params, d
+
+
+def ignore_errors(f, *a, **kw) -> None:
+    """Calls f; a request to a server the test is killing may fail any way it likes."""
+    try:
+        f(*a, **kw)
+    except Exception:
+        pass
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@ a single engine's."""
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 import time
@@ -12,23 +11,8 @@ from datetime import datetime, timezone
 import requests
 
 from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, KV_USAGE,
-                      MAX_MODEL_LEN, REPORT, check_proxy_decodes_like_single, settled_usage,
-                      usage_back_to)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 4000) for _ in range(n)]
-
-
-def disaggregated(cluster, ids: list[int], max_tokens: int, **extra) -> tuple[dict, dict]:
-    """P with do_remote_decode (max_tokens 1, not streamed), then D with P's params (and
-    `extra` request fields)."""
-    p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
-    params = p.get("kv_transfer_params")
-    assert params and params.get("do_remote_prefill") and params.get("handoff_id"), p
-    d = cluster["d"].complete(ids, max_tokens, kv_transfer_params=params, **extra)
-    return params, d
+                      MAX_MODEL_LEN, REPORT, check_proxy_decodes_like_single, disaggregated,
+                      ignore_errors, prompt, settled_usage, usage_back_to)
 
 
 def digest_lines(cluster, what: str) -> int:
@@ -249,7 +233,7 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
         p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
         params = p["kv_transfer_params"]
         waiting = threading.Thread(
-            target=lambda: _ignore(cluster["d"].complete, ids, 4, kv_transfer_params=params),
+            target=lambda: ignore_errors(cluster["d"].complete, ids, 4, kv_transfer_params=params),
             daemon=True,
         )
         waiting.start()
@@ -289,9 +273,3 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
         after
     assert usage_back_to(cluster["p"], idle, time.time(), 5) is not None
 
-
-def _ignore(f, *a, **kw):
-    try:
-        f(*a, **kw)
-    except Exception:
-        pass

@@ -18,10 +18,9 @@ import threading
 import time
 
 import pytest
-import requests
 
 from conftest import (BLOCK_SIZE, KV_USAGE, REPORT, STARTUP_S, Server, connector,
-                      settled_usage, usage_back_to)
+                      disaggregated, ignore_errors, prompt, settled_usage, usage_back_to)
 
 NS = f"hv-vllm-{os.getpid()}"
 P_HOST, D_HOST = "10.231.7.1", "10.231.7.2"
@@ -96,24 +95,15 @@ def link_bytes() -> int:
     return int(m.group(1))
 
 
-def ids_of(n: int, seed: int) -> list[int]:
-    return [(seed * 31 + 17 * j) % 3990 + 5 for j in range(n)]
-
-
-def pulled(hosts, ids: list[int], max_tokens: int) -> dict:
-    p = hosts["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
-    return hosts["d"].complete(ids, max_tokens, kv_transfer_params=p["kv_transfer_params"])
-
-
 def test_a_pull_across_hosts_over_a_slow_link_decodes_like_a_single_engine(hosts):
     """A prompt of two blocks and a bit crosses the slow link in well under a second; one of
     1,000 tokens (2 MiB of KV, ~2 s at 8 Mbit/s, several heartbeats) too. D's tokens equal the
     single engine's (P and D proved the cluster key to each other: off loopback it is
     required)."""
     for n in (2 * BLOCK_SIZE + 3, 1000):
-        ids = ids_of(n, seed=n)
+        ids = prompt(n, seed=n)
         want = hosts["single"].complete(ids, 6)["choices"][0]["token_ids"]
-        got = pulled(hosts, ids, 6)["choices"][0]["token_ids"]
+        got = disaggregated(hosts, ids, 6)[1]["choices"][0]["token_ids"]
         assert got == want, f"{n} tokens: D {got} vs single {want}"
 
 
@@ -123,14 +113,14 @@ def test_d_killed_mid_read_frees_p_at_once(hosts):
     of the kill, and the READ never completed. Runs last in this module: it kills D."""
     p = hosts["p"]
     idle = settled_usage(p)
-    ids = ids_of(1000, seed=77)
+    ids = prompt(1000, seed=77)
     total = len(ids) * KV_BYTES_PER_TOKEN
     params = p.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})[
         "kv_transfer_params"]
     held = p.metric(KV_USAGE)
     assert held > idle, f"P's KV usage {held} while it holds the prompt, idle {idle}"
     before = link_bytes()
-    threading.Thread(target=_ignore, args=(hosts["d"].complete, ids, 4),
+    threading.Thread(target=ignore_errors, args=(hosts["d"].complete, ids, 4),
                      kwargs={"kv_transfer_params": params}, daemon=True).start()
     deadline = time.monotonic() + 20
     while link_bytes() - before < total // 4:
@@ -145,9 +135,3 @@ def test_d_killed_mid_read_frees_p_at_once(hosts):
     assert back is not None and back < 2.0, f"P's blocks back {back} s after D died mid-read"
     assert link_bytes() - before < total, "the READ completed: D was not killed mid-read"
 
-
-def _ignore(f, *a, **kw):
-    try:
-        f(*a, **kw)
-    except requests.RequestException:
-        pass
