@@ -79,6 +79,8 @@ pub struct EngineConfig {
     /// and per sending peer (a peer over its quota has its new ones dropped and counted).
     pub staging_capacity: usize,
     pub staging_per_peer: usize,
+    /// P: how long such a message is kept waiting for its handoff.
+    pub staging_ttl_ms: u64,
     /// Ended handoffs each ledger remembers (so a late message is known as late), at most this
     /// many and for at most `tombstone_ttl_ms`: the bound on the memory ended requests leave.
     pub tombstone_capacity: usize,
@@ -155,6 +157,7 @@ impl Default for EngineConfig {
             wait_deadline_ms: 30_000,
             staging_capacity: 4096,
             staging_per_peer: 1024,
+            staging_ttl_ms: 10_000,
             tombstone_capacity: 65_536,
             tombstone_ttl_ms: 300_000,
             http_header_read_timeout_ms: 10_000,
@@ -472,6 +475,9 @@ impl EngineConfig {
                 "must be at least 1 and at most staging_capacity",
             ));
         }
+        if self.staging_ttl_ms == 0 {
+            return Err(bad("staging_ttl_ms", "must be at least 1"));
+        }
         if self.tombstone_capacity == 0 {
             return Err(bad("tombstone_capacity", "must be at least 1"));
         }
@@ -585,6 +591,7 @@ impl EngineConfig {
             heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
             staging_capacity: self.staging_capacity,
             staging_per_peer: self.staging_per_peer,
+            staging_ttl: Duration::from_millis(self.staging_ttl_ms),
             tombstone_capacity: self.tombstone_capacity,
             tombstone_ttl: Duration::from_millis(self.tombstone_ttl_ms),
             ..ProducerConfig::default()

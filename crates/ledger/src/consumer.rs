@@ -9,7 +9,10 @@
 //! read may still write into are quarantined until the transport confirms the read ended.
 //!
 //! Push: D reserves blocks at once, registers them with P, and grants P a lease on the
-//! registration through P's heartbeats. A watchdog cancels a registration P has not completed;
+//! registration through P's heartbeats. A registration P has not asked a grant on for
+//! [`REGISTER_RESEND_HEARTBEATS`] heartbeat intervals is sent again (P may have dropped it: lost,
+//! or staged longer than P's staging TTL while P's request queued), so D never waits its watchdog
+//! out for a P that simply forgot. A watchdog cancels a registration P has not completed;
 //! the blocks are freed only after P's cancel ack or after the last grant D issued + a write grace
 //! (rule 3).
 //!
@@ -24,6 +27,7 @@
 //! | `Quarantine` | every rank ended               | blocks back, `Release` to P                    |
 //! | `Quarantine` | fence over                     | blocks back (P's lease ends it)                |
 //! | `Registered` | every `PushDone` inside grant  | `Ready` outcome                                |
+//! | `Registered` | P silent for 4 heartbeats      | `PushRegister` to P again                      |
 //! | `Registered` | watchdog, failure, abort       | `Cancelling`, `PushCancel` to P                |
 //! | `Cancelling` | ack, or grant + grace over     | blocks back                                    |
 //! | any waiting  | reject / abort before transfer | `Release` to P at once                         |
@@ -43,6 +47,12 @@ use crate::staging::Tombstones;
 use crate::timer::{TimerQueue, TimerSlot};
 use crate::{BlockId, BlockRelease, EndReason, PeerId, RequestId, Time};
 use handoff_plan::{rank_consumers, rank_pairs};
+
+/// Push: P asks for a grant on every registration it holds at each of its heartbeats. When it
+/// has not asked for this many of D's heartbeat intervals, D sends the registration again. Stale
+/// or duplicate copies are harmless: P counts and ignores a registration it already has, and
+/// answers one for a handoff it already ended with `PushFailed`.
+pub const REGISTER_RESEND_HEARTBEATS: u32 = 4;
 
 /// How many heartbeat intervals a heartbeat's send time is kept for its reply.
 const ANCHOR_INTERVALS: u32 = 10;
@@ -266,6 +276,8 @@ pub struct ConsumerStats {
     pub grants_received: u64,
     pub releases_sent: u64,
     pub registrations_sent: u64,
+    /// Registrations sent again because P stopped asking for grants on them.
+    pub registrations_resent: u64,
     pub cancels_sent: u64,
     pub late_notifications: u64,
     pub ignored: u64,
@@ -296,6 +308,8 @@ enum State {
     Registered {
         watchdog: Time,
         done: Vec<(u16, u16)>,
+        /// When P last showed it holds the registration (a grant ask), or when D last sent it.
+        last_heard: Time,
     },
     Cancelling {
         until: Time,
@@ -557,6 +571,7 @@ impl ConsumerLedger {
         self.last_now = self.last_now.max(now);
         let tp = self.cfg.tp.max(1);
         let push_deadline = self.cfg.push_deadline;
+        let resend = self.register_resend();
         let h = self.handoffs.get_mut(&handoff).ok_or(AllocError::Unknown)?;
         if h.local.is_some() || h.state != State::Waiting {
             return Err(AllocError::AlreadyAllocated);
@@ -573,28 +588,18 @@ impl ConsumerLedger {
                 self.try_start_read(handoff, now);
             }
             TransferMode::Push => {
-                for d_rank in 0..tp {
-                    self.messages.push_back((
-                        h.info.peer,
-                        Message::PushRegister(PushRegister {
-                            handoff,
-                            epoch: h.info.epoch,
-                            d_rank,
-                            d_tp: tp,
-                            num_tokens: h.info.num_tokens,
-                            block_ids: blocks.clone(),
-                        }),
-                    ));
-                    self.stats.registrations_sent += 1;
-                }
                 h.local = Some(blocks);
                 h.transfer_at = Some(now);
                 let watchdog = (now + push_deadline).min(h.deadline);
                 h.state = State::Registered {
                     watchdog,
                     done: Vec::new(),
+                    last_heard: now,
                 };
-                h.timer.arm(&mut self.timers, handoff, watchdog);
+                h.timer
+                    .arm(&mut self.timers, handoff, watchdog.min(now + resend));
+                self.send_registrations(handoff);
+                self.stats.registrations_sent += u64::from(tp);
             }
         }
         Ok(())
@@ -911,7 +916,12 @@ impl ConsumerLedger {
         for e in hb.entries {
             match self.handoffs.get_mut(&e.handoff) {
                 Some(h) if h.info.peer == from && h.info.epoch == e.epoch => match h.state {
-                    State::Registered { watchdog, .. } if now < watchdog => {
+                    State::Registered {
+                        watchdog,
+                        ref mut last_heard,
+                        ..
+                    } if now < watchdog => {
+                        *last_heard = now;
                         let until = (now + self.cfg.registration_lease).min(watchdog);
                         h.issued_until = Some(h.issued_until.map_or(until, |u| u.max(until)));
                         grants.push(Grant {
@@ -1119,7 +1129,37 @@ impl ConsumerLedger {
         self.stats.reads_started += 1;
     }
 
+    /// How long P may stay silent about a registration before D sends it again.
+    fn register_resend(&self) -> Duration {
+        self.cfg.heartbeat_interval * REGISTER_RESEND_HEARTBEATS
+    }
+
+    /// One `PushRegister` per D rank for the blocks reserved for push handoff `id`.
+    fn send_registrations(&mut self, id: HandoffId) {
+        let Some(h) = self.handoffs.get(&id) else {
+            return;
+        };
+        let Some(blocks) = &h.local else {
+            return;
+        };
+        let tp = self.cfg.tp.max(1);
+        for d_rank in 0..tp {
+            self.messages.push_back((
+                h.info.peer,
+                Message::PushRegister(PushRegister {
+                    handoff: id,
+                    epoch: h.info.epoch,
+                    d_rank,
+                    d_tp: tp,
+                    num_tokens: h.info.num_tokens,
+                    block_ids: blocks.clone(),
+                }),
+            ));
+        }
+    }
+
     fn evaluate(&mut self, id: HandoffId, now: Time) {
+        let resend = self.register_resend();
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
@@ -1167,12 +1207,27 @@ impl ConsumerLedger {
                     h.timer.arm(&mut self.timers, id, until);
                 }
             }
-            State::Registered { watchdog, .. } => {
+            State::Registered {
+                watchdog,
+                last_heard,
+                ..
+            } => {
                 if now >= watchdog {
                     self.fail_requests(id, FailReason::WatchdogExpired);
                     self.cancel_push(id, EndReason::Cancelled, now);
-                } else {
-                    h.timer.arm(&mut self.timers, id, watchdog);
+                    return;
+                }
+                let silent = now >= last_heard + resend;
+                if silent {
+                    if let State::Registered { last_heard, .. } = &mut h.state {
+                        *last_heard = now;
+                    }
+                }
+                let next = if silent { now } else { last_heard } + resend;
+                h.timer.arm(&mut self.timers, id, watchdog.min(next));
+                if silent {
+                    self.send_registrations(id);
+                    self.stats.registrations_resent += 1;
                 }
             }
             State::Cancelling { until, reason } => {

@@ -969,6 +969,62 @@ fn push_with_p_first() {
     assert!(pair.p_released(id).is_some());
 }
 
+/// Issue 16's push tail: D registers while P's request still queues, and P's request is created
+/// only after P's staging TTL dropped the staged registration (P's pool was full for longer than
+/// that). Before D sent a registration again when P went silent on it, P's handoff never learnt
+/// of D and D waited its whole push watchdog (30 s by default) before recomputing: the 31 s
+/// p99 of push at 8192 tokens and concurrency 8. Now the write starts within a resend interval
+/// of the handoff's creation, and what P stages meanwhile stays within its per-handoff bound.
+#[test]
+fn a_registration_p_dropped_while_its_request_queued_is_sent_again() {
+    let p_cfg = ProducerConfig {
+        staging_ttl: ms(2000),
+        ..Default::default()
+    };
+    let d_cfg = ConsumerConfig {
+        push_deadline: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let resend = d_cfg.heartbeat_interval * handoff_ledger::REGISTER_RESEND_HEARTBEATS;
+    let mut pair = Pair::new(p_cfg.clone(), d_cfg);
+    let id = hid(63);
+    pair.d_registers(id);
+    pair.pump();
+    // P's request waits in its queue for 3 staging TTLs.
+    let mut most_staged = 0;
+    for _ in 0..60 {
+        pair.advance(ms(100));
+        most_staged = most_staged.max(pair.p.staged_messages());
+    }
+    assert!(
+        pair.count("D>P", "push_register") > 1,
+        "D sent its registration again while P was silent"
+    );
+    assert!(
+        most_staged <= p_cfg.staging_per_handoff,
+        "staged {most_staged}"
+    );
+    let created = pair.now;
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
+    let wrote = pair.advance_until(resend + ms(500), |p| !p.writes.is_empty());
+    assert!(
+        wrote,
+        "no write {:?} after P created the handoff (D waits its watchdog out)",
+        pair.now - created
+    );
+    let w = pair.writes[0].clone();
+    pair.complete_write(&w);
+    assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+    // Once P holds the registration it asks for grants at every heartbeat: no more resends.
+    let sent = pair.count("D>P", "push_register");
+    pair.advance(ms(3000));
+    assert_eq!(pair.count("D>P", "push_register"), sent);
+    assert!(pair.p.is_empty() && pair.d.is_empty());
+}
+
 /// P's push heartbeat can reach D after D got every `PushDone` but before P saw its own write
 /// complete. D must not answer "gone": P would abort a write that succeeded and hold its blocks
 /// until its lease ran out. P ends the handoff as done when its write completes.
