@@ -380,7 +380,8 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
             }
             let (cases, recomputed) = cluster(&args, mode).await?;
             all.extend(cases);
-            let n: f64 = recomputed.values().sum();
+            // Summed from zero up (an empty `sum` of floats is -0.0, printed "-0").
+            let n = recomputed.values().fold(0.0, |a, b| a + b);
             println!(
                 "  {mode}: {n} request(s) recomputed on D because a transfer failed {recomputed:?}"
             );

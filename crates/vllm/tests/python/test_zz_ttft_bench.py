@@ -12,7 +12,10 @@ bench wants ``--max-model-len 4096`` so that 2048-token prompts fit), one setup 
 2. handoff P + D in push mode, started and measured alone (five servers at once on two cores
    stall each other for seconds). Stopped.
 3. NixlConnector P + D, started and measured alone: NIXL's progress thread spins a core per
-   engine, so no NIXL server is ever up while another path is measured. Stopped.
+   engine, so no NIXL server is ever up while another path is measured. Then the baseline for
+   handoff's dead-D tests: P prefills one more prompt for D, D is SIGKILLed, and the time until
+   P's KV cache usage on vLLM's ``/metrics`` is back to idle is ``nixl_reclaim_after_kill_s``
+   (waited for at most ``NIXL_RECLAIM_LIMIT_S``; null if longer). Stopped.
 
 The pull and NIXL P/D setups go through the same tiny proxy (``pd_ttft``): P gets the prompt
 with ``max_tokens`` 1, not streamed, ``kv_transfer_params={"do_remote_decode": true}``; D gets
@@ -57,7 +60,8 @@ import time
 
 import requests
 
-from conftest import LOGS, REPORT, STARTUP_S, Server, connector, free_port
+from conftest import (LOGS, REPORT, STARTUP_S, Server, connector, free_port, settled_usage,
+                      usage_back_to)
 
 LENGTHS = [256, 512, 1024, 2048]
 BENCH_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
@@ -66,6 +70,9 @@ WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "3"))
 MAX_TOKENS = int(os.environ.get("HANDOFF_BENCH_MAX_TOKENS", "4"))
 TIMEOUT_S = 60
 PATHS = ["handoff", "push", "nixl", "single"]
+# NixlConnector frees a request's blocks on P when D's read notification arrives or its lease
+# (kv_lease_duration, 30 s by default) ends: wait a little longer than that for the baseline.
+NIXL_RECLAIM_LIMIT_S = 45
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -285,6 +292,7 @@ class Bench:
         self.phases: dict[str, float] = {}  # seconds
         self.idle: dict[str, float] = {}  # cores
         self.other_load: dict[str, float] = {}  # cores
+        self.nixl_reclaim_after_kill_s: float | None = None
 
     def run(self, path: str, fn, servers: list[Server]) -> None:
         """Warm-ups, then every measured request in order; failures are recorded, not raised.
@@ -363,6 +371,7 @@ def test_ttft_handoff_vs_nixl_vs_single():
         p, d = servers
         b.idle["nixl_pd"] = idle_cores([p, d])
         b.run("nixl", lambda s, ids, share: pd_ttft(s, p, d, ids, share), servers)
+        b.nixl_reclaim_after_kill_s = nixl_reclaim_after_kill(p, d)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"nixl setup: {e}")
     finally:
@@ -378,6 +387,25 @@ def test_ttft_handoff_vs_nixl_vs_single():
     ours = [e for e in b.errors if not e.startswith("nixl")]
     assert not ours and all(counts[p] == expected for p in ("handoff", "push", "single")), \
         f"completed {counts} of {expected} each; errors: {b.errors[:10]}"
+
+
+def nixl_reclaim_after_kill(p: Server, d: Server) -> float | None:
+    """NixlConnector's P holds a prompt's blocks for D, and D is SIGKILLed: seconds until P's
+    KV cache usage is back to idle (None: not within NIXL_RECLAIM_LIMIT_S). P learns of its D
+    only from D's read, so whether D dies before or after it hears of the request, P waits."""
+    idle = settled_usage(p)
+    r = requests.post(p.url + "/v1/completions", timeout=TIMEOUT_S,
+                      json=body(prompt(2048, seed=7), 1,
+                                kv_transfer_params={"do_remote_decode": True}))
+    if r.status_code != 200:
+        raise RuntimeError(f"{p.name}: {r.status_code} {r.text[:300]}")
+    held = settled_usage(p, quiet_s=0.3, limit_s=2.0)
+    if held <= idle:
+        raise RuntimeError(f"{p.name} holds nothing for D (usage {held}, idle {idle})")
+    killed = time.time()
+    d.kill()
+    back = usage_back_to(p, idle, killed, NIXL_RECLAIM_LIMIT_S)
+    return None if back is None else round(back, 2)
 
 
 def nixl_connector(engine_id: str) -> dict:
@@ -451,6 +479,8 @@ def report(b: Bench, wall: float) -> None:
         ttft_bench_wall_s=round(wall, 1),
         ttft_bench_idle_cores=b.idle,
         ttft_bench_other_load_cores=b.other_load,
+        nixl_reclaim_after_kill_s=b.nixl_reclaim_after_kill_s,
+        nixl_reclaim_limit_s=NIXL_RECLAIM_LIMIT_S,
     )
     # Every sample, for a closer look (not in the report line).
     LOGS.mkdir(parents=True, exist_ok=True)
