@@ -377,6 +377,18 @@ impl Connector {
         self.call(move |core, now| core.on_blocks_allocated(request, blocks, now))?
     }
 
+    /// [`ConnectorCore::on_blocks_allocated_after_cached`].
+    pub fn on_blocks_allocated_after_cached(
+        &self,
+        request: u64,
+        cached: Vec<u32>,
+        blocks: Vec<u32>,
+    ) -> Result<(), ConnectorError> {
+        self.call(move |core, now| {
+            core.on_blocks_allocated_after_cached(request, cached, blocks, now)
+        })?
+    }
+
     pub fn on_request_ended(&self, request: u64, reason: ReleaseReason) {
         self.tell(move |core, now| core.on_request_ended(request, reason, now));
     }

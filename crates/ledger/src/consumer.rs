@@ -151,6 +151,8 @@ pub enum AllocError {
     AlreadyAllocated,
     #[error("no block given")]
     NoBlocks,
+    #[error("a cached prefix is only read around in pull mode")]
+    CachedPrefixInPush,
 }
 
 /// Why a request's KV transfer did not happen.
@@ -258,6 +260,10 @@ pub struct StartRead {
     pub p_tp: u16,
     pub src_blocks: Vec<BlockId>,
     pub dst_blocks: Vec<BlockId>,
+    /// D's blocks that already hold the prompt's first tokens (a prefix cache hit): the READ
+    /// moves only the tokens after them into `dst_blocks`, and never writes these.
+    pub cached_blocks: Vec<BlockId>,
+    /// The prompt's tokens, cached ones included.
     pub num_tokens: u32,
     /// The read has failed if not done by then.
     pub deadline: Time,
@@ -333,6 +339,9 @@ struct Handoff {
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
+    /// Pull: D's blocks that already hold the prompt's first tokens (a prefix cache hit,
+    /// shared with other requests). Never written, never released by this ledger.
+    cached: Vec<BlockId>,
     arrived_at: Time,
     allocated_at: Time,
     /// Pull: when P's block list came.
@@ -539,6 +548,7 @@ impl ConsumerLedger {
             requests: vec![req],
             deadline,
             local: None,
+            cached: Vec::new(),
             arrived_at: now,
             allocated_at: now,
             blocks_answer_at: None,
@@ -603,6 +613,31 @@ impl ConsumerLedger {
             }
         }
         Ok(())
+    }
+
+    /// Pull, on an engine with a prefix cache: the prompt's first blocks, `cached`, already hold
+    /// its KV (computed here, and shared with other requests that may be reading them); `blocks`
+    /// are the request's own for the rest. The READ moves only the rest: it never writes a
+    /// cached block, and only `blocks` come back to the engine.
+    pub fn on_blocks_allocated_after_cached(
+        &mut self,
+        handoff: HandoffId,
+        cached: Vec<BlockId>,
+        blocks: Vec<BlockId>,
+        now: Time,
+    ) -> Result<(), AllocError> {
+        let h = self.handoffs.get_mut(&handoff).ok_or(AllocError::Unknown)?;
+        if h.local.is_some() || h.state != State::Waiting {
+            return Err(AllocError::AlreadyAllocated);
+        }
+        if blocks.is_empty() {
+            return Err(AllocError::NoBlocks);
+        }
+        if !cached.is_empty() && h.info.mode != TransferMode::Pull {
+            return Err(AllocError::CachedPrefixInPush);
+        }
+        h.cached = cached;
+        self.on_blocks_allocated(handoff, blocks, now)
     }
 
     /// The client went away (`Aborted`) or D refused the request before admission (`Rejected`).
@@ -1114,6 +1149,7 @@ impl ConsumerLedger {
             p_tp,
             src_blocks: h.info.p_blocks.clone(),
             dst_blocks: h.local.clone().unwrap_or_default(),
+            cached_blocks: h.cached.clone(),
             num_tokens: h.info.num_tokens,
             deadline,
             done,

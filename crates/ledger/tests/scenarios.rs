@@ -876,6 +876,62 @@ fn silent_p_ends_the_request_within_its_wait_deadline() {
     assert_eq!(pair.d_releases.len(), 1);
 }
 
+/// D's prefix cache holds the prompt's first block: the read names it as cached (never a
+/// destination), and only the request's own blocks come back when the handoff ends.
+#[test]
+fn a_read_after_a_prefix_cache_hit_never_targets_the_cached_blocks() {
+    let mut pair = Pair::default_pair();
+    let id = hid(90);
+    pair.p
+        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
+        .unwrap();
+    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    pair.pump();
+    pair.d
+        .on_blocks_allocated_after_cached(id, vec![70], vec![71, 72], pair.now)
+        .unwrap();
+    pair.pump();
+    let read = pair.reads.last().cloned().expect("a read");
+    assert_eq!(read.cached_blocks, vec![70]);
+    assert_eq!(read.dst_blocks, vec![71, 72]);
+    pair.complete_read(&read);
+    assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
+    let d_blocks: Vec<u32> = pair
+        .d_releases
+        .iter()
+        .flat_map(|r| r.blocks.clone())
+        .collect();
+    assert!(
+        !d_blocks.contains(&70),
+        "D's ledger gave back a cached block: {d_blocks:?}"
+    );
+}
+
+/// Push registers whole prompts (P's writes carry no token offset): a cached prefix is refused
+/// there, and the handoff still takes the request's blocks afterwards.
+#[test]
+fn a_cached_prefix_is_refused_in_push_and_changes_nothing() {
+    let mut pair = push_pair();
+    let id = hid(91);
+    let inc = pair.incoming(id, &[], TransferMode::Push);
+    pair.d
+        .on_request_arrived(RequestId(1), inc, pair.now)
+        .unwrap();
+    assert_eq!(
+        pair.d
+            .on_blocks_allocated_after_cached(id, vec![70], vec![71], pair.now),
+        Err(AllocError::CachedPrefixInPush)
+    );
+    pair.d
+        .on_blocks_allocated(id, vec![70, 71], pair.now)
+        .unwrap();
+    pair.pump();
+    assert_eq!(pair.count("D>P", "push_register"), 1);
+}
+
 // ----- push -----
 
 fn push_pair() -> Pair {

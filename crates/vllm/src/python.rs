@@ -94,8 +94,16 @@ impl PyScheduler {
         }
     }
 
-    fn blocks_allocated(&mut self, request_id: &str, blocks: Vec<u32>) -> PyResult<()> {
-        self.inner.blocks_allocated(request_id, blocks).map_err(err)
+    #[pyo3(signature = (request_id, blocks, cached = 0))]
+    fn blocks_allocated(
+        &mut self,
+        request_id: &str,
+        blocks: Vec<u32>,
+        cached: usize,
+    ) -> PyResult<()> {
+        self.inner
+            .blocks_allocated_after_cached(request_id, blocks, cached)
+            .map_err(err)
     }
 
     /// P, push: the step being built completes this request's prompt (see

@@ -424,11 +424,29 @@ impl SchedulerSide {
         request_id: &str,
         blocks: Vec<u32>,
     ) -> Result<(), SchedulerError> {
+        self.blocks_allocated_after_cached(request_id, blocks, 0)
+    }
+
+    /// vLLM `update_state_after_alloc` on D: the request got `blocks` for its prompt, the first
+    /// `cached` of them a hit in vLLM's prefix cache (computed here, shared with other
+    /// requests). A pull reads only into the others.
+    pub fn blocks_allocated_after_cached(
+        &mut self,
+        request_id: &str,
+        mut blocks: Vec<u32>,
+        cached: usize,
+    ) -> Result<(), SchedulerError> {
         let Some(&n) = self.ids.get(request_id) else {
             return Ok(());
         };
+        let cached: Vec<u32> = blocks.drain(..cached.min(blocks.len())).collect();
+        // The request's own first block names it in the ledger's events (a cached block may
+        // start several requests' prompts).
         let first = blocks.first().copied();
-        match self.connector.on_blocks_allocated(n, blocks) {
+        match self
+            .connector
+            .on_blocks_allocated_after_cached(n, cached, blocks)
+        {
             Ok(()) => {
                 if let Some(b) = first {
                     self.first_block.insert(n, b);

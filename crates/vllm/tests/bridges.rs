@@ -42,6 +42,10 @@ fn engine(id: &str) -> Engine {
 }
 
 fn engine_in(id: &str, mode: &str) -> Engine {
+    engine_with(id, mode, true)
+}
+
+fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
@@ -74,8 +78,9 @@ fn engine_in(id: &str, mode: &str) -> Engine {
         "dtype": "float32",
         "opaque_blocks": true,
         "mode": mode,
-        // Every transfer here is checked end to end: a mismatch would fail the request.
-        "kv_digest": true,
+        // Every transfer here is checked end to end (unless a test says otherwise): a
+        // mismatch would fail the request.
+        "kv_digest": kv_digest,
     }))
     .unwrap();
     let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
@@ -144,15 +149,77 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
     all_end(&mut p, &mut d, &[("cmpl-d-1", d_blocks, 40)]);
 }
 
-/// Steps both engines until D's request resumed and P's gave its blocks back (10 s at most),
-/// then checks that every byte of P's blocks landed in D's, and nothing else of D's memory
-/// (blocks 10 and 14) was touched.
-fn lands_whole(
-    p: &mut Engine,
-    d: &mut Engine,
-    (p_req, p_blocks): (&str, &[u32]),
-    (d_req, d_blocks): (&str, &[u32]),
-) {
+/// D's vLLM prefix cache already holds the prompt's first block (block 20: computed on D and
+/// shared with other requests, which may be reading it right now). The READ fills only the
+/// request's own blocks: block 20 keeps D's bytes (here a marker that differs from P's, and no
+/// digest, so that a write into it would show), the rest is P's.
+#[test]
+fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
+    let mut p = engine("vllm-p-cache");
+    let mut d = engine_with("vllm-d-cache", "pull", false);
+    let p_blocks = vec![5u32, 6, 9];
+    fill(&mut p, &p_blocks, 0);
+    let params = prefilled(&mut p, "p-req", p_blocks.clone(), 40);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &params, 40),
+        Matched::Remote(40)
+    );
+    fill(&mut d, &[20], 99);
+    let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
+    assert_ne!(
+        cached[0],
+        p.block(0, 5),
+        "the marker differs from P's bytes"
+    );
+    d.sched
+        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .unwrap();
+    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
+    for (l, bytes) in cached.iter().enumerate() {
+        assert_eq!(
+            d.block(l, 20),
+            bytes,
+            "layer {l}: the cached block was written"
+        );
+        for (pb, db) in [(6u32, 12u32), (9, 13)] {
+            assert_eq!(
+                p.block(l, pb),
+                d.block(l, db),
+                "layer {l} block {pb} -> {db}"
+            );
+        }
+    }
+    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
+/// With the digest on, D checks the whole prompt's KV, its cached prefix included: the prefix D
+/// computed itself (the same bytes as P's) and what landed sum to P's digest.
+#[test]
+fn the_digest_of_a_pull_after_a_prefix_cache_hit_covers_the_whole_prompt() {
+    let mut p = engine("vllm-p-cache2");
+    let mut d = engine("vllm-d-cache2");
+    let p_blocks = vec![5u32, 6, 9];
+    fill(&mut p, &p_blocks, 0);
+    let params = prefilled(&mut p, "p-req", p_blocks.clone(), 40);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &params, 40),
+        Matched::Remote(40)
+    );
+    for l in 0..LAYERS {
+        let bytes = p.block(l, 5).to_vec();
+        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
+        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
+    }
+    d.sched
+        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .unwrap();
+    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
+    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
+/// Steps both engines until D's request resumed (never failed) and P gave its blocks back (10 s
+/// at most).
+fn resumed_and_freed(p: &mut Engine, d: &mut Engine, p_req: &str, d_req: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     let (mut recved, mut sent) = (false, false);
     while !(recved && sent) {
@@ -162,6 +229,18 @@ fn lands_whole(
         recved |= dm.finished_recving.contains(&d_req.to_string());
         sent |= p.step().finished_sending.contains(&p_req.to_string());
     }
+}
+
+/// Steps both engines until D's request resumed and P's gave its blocks back (10 s at most),
+/// then checks that every byte of P's blocks landed in D's, and nothing else of D's memory
+/// (blocks 10 and 14) was touched.
+fn lands_whole(
+    p: &mut Engine,
+    d: &mut Engine,
+    (p_req, p_blocks): (&str, &[u32]),
+    (d_req, d_blocks): (&str, &[u32]),
+) {
+    resumed_and_freed(p, d, p_req, d_req);
     for l in 0..LAYERS {
         for (pb, db) in p_blocks.iter().zip(d_blocks) {
             assert_eq!(

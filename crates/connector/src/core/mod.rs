@@ -531,6 +531,32 @@ impl ConnectorCore {
         Ok(())
     }
 
+    /// Pull, on an engine with a prefix cache (vLLM): the prompt's first blocks, `cached`,
+    /// already hold its KV and may be shared with other requests; `blocks` are the request's
+    /// own for the rest. The READ fills only `blocks`.
+    pub fn on_blocks_allocated_after_cached(
+        &mut self,
+        request: u64,
+        cached: Vec<u32>,
+        blocks: Vec<u32>,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        let c = self
+            .consumer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
+        let handoff = c
+            .handoff_of(RequestId(request))
+            .ok_or(ConnectorError::UnknownRequest(request))?;
+        if cached.is_empty() {
+            return self.on_blocks_allocated(request, blocks, now);
+        }
+        // Push registers whole prompts (P's WRITEs carry no token offset): refused.
+        c.on_blocks_allocated_after_cached(handoff, cached, blocks, now)?;
+        self.pump(now);
+        Ok(())
+    }
+
     /// The client went away or D refused the request after tracking it: P is told at once when
     /// no transfer is in flight.
     pub fn on_request_ended(&mut self, request: u64, reason: ReleaseReason, now: Time) {

@@ -206,18 +206,35 @@ impl ConnectorCore {
             return fail_all(self, "P not connected".into());
         }
         let d_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
+        // A prefix cache hit on D: its blocks hold the prompt's first tokens and other requests
+        // may be reading them, so the READ starts after them (P's blocks from the same token).
+        let p_block_size = peer.layouts[0].spec.block_size;
+        let skip = r.cached_blocks.len() as u32 * self.spec.block_size;
+        let src_blocks = match r.src_blocks.get((skip / p_block_size.max(1)) as usize..) {
+            Some(src) if skip % p_block_size.max(1) == 0 && skip < r.num_tokens => src,
+            _ => {
+                return fail_all(
+                    self,
+                    format!(
+                        "{skip} cached tokens do not end a block of P's ({p_block_size} tokens) \
+                         inside the prompt"
+                    ),
+                )
+            }
+        };
+        let tokens = r.num_tokens - skip;
         // Move whole blocks where both sides have them: the tail of the last block costs a
         // descriptor per head and layer when cut at the last token, and nothing when moved with
         // the rest of its run. The bytes past the prompt are zeroed on arrival.
         let planned_tokens = whole_blocks(
-            (&r.src_blocks, peer.layouts[0].spec.block_size),
+            (src_blocks, p_block_size),
             (&r.dst_blocks, self.spec.block_size),
-            r.num_tokens,
+            tokens,
         );
         let plan = match handoff_plan::plan(
             &peer.layouts,
             &d_layouts,
-            &r.src_blocks,
+            src_blocks,
             &r.dst_blocks,
             planned_tokens,
         ) {
@@ -251,6 +268,12 @@ impl ConnectorCore {
                 _ => broken.push(d_rank),
             }
         }
+        let prompt_blocks: Vec<u32> = r
+            .cached_blocks
+            .iter()
+            .chain(&r.dst_blocks)
+            .copied()
+            .collect();
         let mut jobs = HashMap::new();
         let mut failed_ranks = Vec::new();
         for d_rank in 0..d_tp {
@@ -266,13 +289,15 @@ impl ConnectorCore {
                             job,
                             op: XferOp::Read,
                             parts,
-                            zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), r.num_tokens)),
+                            zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), tokens)),
+                            // The whole prompt's KV, the cached prefix included: P's digest
+                            // covers every token.
                             digest: digest.map(|_| {
                                 let of = DigestOf {
                                     num_tokens: r.num_tokens,
                                     whole_blocks: opaque,
                                 };
-                                (r.dst_blocks.clone(), of)
+                                (prompt_blocks.clone(), of)
                             }),
                             push_layer: None,
                         },

@@ -330,8 +330,16 @@ class HandoffConnector(KVConnectorBase_V1):
         if not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        needed = -(-len(request.prompt_token_ids) // self._block_size)
-        self._sched.blocks_allocated(request.request_id, block_ids[:needed])
+        prompt = len(request.prompt_token_ids)
+        needed = -(-prompt // self._block_size)
+        # vLLM's prefix cache may already hold the prompt's first blocks (computed here, shared
+        # with other requests, and told to get_num_new_matched_tokens block-aligned): a pull
+        # reads only the rest, never into a block another request may be reading. A push
+        # registers whole prompts, cached blocks included (P's WRITEs carry no token offset).
+        cached = 0
+        if params.get("transfer_mode") != "push":
+            cached = max(0, prompt - num_external_tokens) // self._block_size
+        self._sched.blocks_allocated(request.request_id, block_ids[:needed], cached)
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False
 

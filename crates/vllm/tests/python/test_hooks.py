@@ -86,6 +86,8 @@ class Engine:
         # What EngineCore does once every worker said hello.
         self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
         self.finished: dict[str, object] = {}
+        # Per request, the KV cache as it was when its transfer was reported landed.
+        self.landed: dict[str, dict[str, torch.Tensor]] = {}
         # Called after each layer's KV is written, before the next layer (a test's probe).
         self.after_layer = None
 
@@ -110,6 +112,9 @@ class Engine:
         w.start_load_kv(None)  # vLLM 0.32 starts loads after the forward pass
         w.wait_for_save()
         r = w.get_transfer_results(out.finished_req_ids)
+        for rid in r.finished_recving or ():
+            # What landed, before a later forward pass writes the request's blocks.
+            self.landed[rid] = {name: t.clone() for name, t in self.kv.items()}
         kvo = KVConnectorOutput(finished_sending=r.finished_sending or None,
                                 finished_recving=r.finished_recving or None,
                                 failed_recving=r.failed_recving,
@@ -157,10 +162,11 @@ def pattern(layer: int, block: int) -> float:
     return float(1000 * layer + block + 1)
 
 
-def holds(e: Engine, layer: int, blocks: list[int], like: list[int]) -> bool:
-    """Whether `blocks` of `layer` on `e` hold what the forward pass wrote into `like`."""
-    name = LAYERS[layer]
-    return all(torch.equal(e.kv[name][b], torch.full_like(e.kv[name][b], pattern(layer, src)))
+def holds(e: Engine, layer: int, blocks: list[int], like: list[int], kv=None) -> bool:
+    """Whether `blocks` of `layer` on `e` (or in the snapshot `kv`) hold what the forward pass
+    wrote into `like`."""
+    t = (kv or e.kv)[LAYERS[layer]]
+    return all(torch.equal(t[b], torch.full_like(t[b], pattern(layer, src)))
                for b, src in zip(blocks, like))
 
 
@@ -226,6 +232,46 @@ def test_a_pulled_request_waits_in_vllm_s_queue_reads_p_s_blocks_and_computes_on
               "P never freed the request's blocks")
     run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
     assert d.free_blocks() == d_idle
+
+
+def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
+    """D's vLLM prefix cache already holds the prompt's first two blocks (D computed them for an
+    earlier request; another request may be reading them now). vLLM tells the connector of the
+    block-aligned hit, and the READ fills only the request's own blocks: the cached ones keep
+    D's KV, the rest hold P's. (No digest: this fake forward pass writes block ids, not the
+    prompt's KV, so D's prefix differs from P's on purpose: a write into it would show.)"""
+    p = Engine("hooks-p-cached", kv_digest=False)
+    d = Engine("hooks-d-cached", kv_digest=False)
+    try:
+        prompt = list(range(21, 21 + 3 * BLOCK + 5))
+        # An unrelated request first, so that D's cached blocks get other ids than P's (the
+        # pattern names block ids: equal ids would hide a write).
+        d.add("filler", list(range(3000, 3000 + 2 * BLOCK + 3)), 1, None)
+        run_until([d], lambda: "filler" in d.finished, "D never computed the filler")
+        # An earlier request on D with the same first two blocks, computed there.
+        d.add("earlier", prompt[:2 * BLOCK] + [7, 8, 9], 1, None)
+        run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
+        params, p_blocks = prefill_on_p(p, prompt)
+        req = d.add("d-req", prompt, 4, dict(params))
+        d.step()
+        d_blocks = d.blocks_of("d-req")
+        cached = d_blocks[:2]
+        assert cached != p_blocks[:2], (cached, p_blocks)
+        assert all(holds(d, li, cached, cached) for li in range(len(LAYERS))), \
+            "the first two blocks are not D's cached prefix"
+        run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
+        landed = d.landed["d-req"]
+        for li in range(len(LAYERS)):
+            assert holds(d, li, cached, cached, landed), \
+                f"layer {li}: the READ wrote D's cached blocks"
+            assert holds(d, li, d_blocks[2:], p_blocks[2:], landed), \
+                f"layer {li}: P's KV did not land in D's own blocks"
+        run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+                  "D's request never left WAITING_FOR_REMOTE_KVS")
+        run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+    finally:
+        p.shutdown()
+        d.shutdown()
 
 
 def test_a_request_aborted_while_it_waits_for_its_kv_frees_d_and_p_at_once(pd):

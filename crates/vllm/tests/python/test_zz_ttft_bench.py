@@ -14,8 +14,8 @@ bench wants ``--max-model-len 4096`` so that 2048-token prompts fit), one setup 
 3. NixlConnector P + D, started and measured alone: NIXL's progress thread spins a core per
    engine, so no NIXL server is ever up while another path is measured. Then the baseline for
    handoff's dead-D tests: P prefills one more prompt for D, D is SIGKILLed, and the time until
-   P's KV cache usage on vLLM's ``/metrics`` is back to idle is ``nixl_reclaim_after_kill_s``
-   (waited for at most ``NIXL_RECLAIM_LIMIT_S``; null if longer). Stopped.
+   P releases those blocks (its log says so) is ``nixl_reclaim_after_kill_s`` (waited for at
+   most ``NIXL_RECLAIM_LIMIT_S``; null if longer). Stopped.
 
 The pull and NIXL P/D setups go through the same tiny proxy (``pd_ttft``): P gets the prompt
 with ``max_tokens`` 1, not streamed, ``kv_transfer_params={"do_remote_decode": true}``; D gets
@@ -60,8 +60,7 @@ import time
 
 import requests
 
-from conftest import (LOGS, REPORT, STARTUP_S, Server, connector, free_port, settled_usage,
-                      usage_back_to)
+from conftest import LOGS, REPORT, STARTUP_S, Server, connector, free_port
 
 LENGTHS = [256, 512, 1024, 2048]
 BENCH_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
@@ -390,22 +389,33 @@ def test_ttft_handoff_vs_nixl_vs_single():
 
 
 def nixl_reclaim_after_kill(p: Server, d: Server) -> float | None:
-    """NixlConnector's P holds a prompt's blocks for D, and D is SIGKILLed: seconds until P's
-    KV cache usage is back to idle (None: not within NIXL_RECLAIM_LIMIT_S). P learns of its D
-    only from D's read, so whether D dies before or after it hears of the request, P waits."""
-    idle = settled_usage(p)
+    """NixlConnector's P holds a prompt's blocks for D, and D is SIGKILLed: seconds until P
+    releases them (None: not within NIXL_RECLAIM_LIMIT_S). P learns of its D only from D's
+    read, so whether D dies before or after it hears of the request, P waits for its lease.
+    Read from P's log (NixlConnector's "Releasing expired KV blocks for request ..."): on an
+    idle engine vLLM's KV usage gauge is not refreshed, so it cannot tell. NixlConnector reaps
+    expired leases only when its engine steps, so a one-token request every half second keeps
+    P stepping, as a cluster's other traffic would."""
     r = requests.post(p.url + "/v1/completions", timeout=TIMEOUT_S,
                       json=body(prompt(2048, seed=7), 1,
                                 kv_transfer_params={"do_remote_decode": True}))
     if r.status_code != 200:
         raise RuntimeError(f"{p.name}: {r.status_code} {r.text[:300]}")
-    held = settled_usage(p, quiet_s=0.3, limit_s=2.0)
-    if held <= idle:
-        raise RuntimeError(f"{p.name} holds nothing for D (usage {held}, idle {idle})")
+    params = r.json().get("kv_transfer_params") or {}
+    if not params.get("do_remote_prefill"):
+        raise RuntimeError(f"{p.name} holds nothing for D: {r.text[:300]}")
+    seen = len(p.log_path.read_bytes())
     killed = time.time()
     d.kill()
-    back = usage_back_to(p, idle, killed, NIXL_RECLAIM_LIMIT_S)
-    return None if back is None else round(back, 2)
+    nudged = 0.0
+    while time.time() < killed + NIXL_RECLAIM_LIMIT_S:
+        if b"Releasing expired KV blocks" in p.log_path.read_bytes()[seen:]:
+            return round(time.time() - killed, 2)
+        if time.time() - nudged >= 0.5:
+            nudged = time.time()
+            requests.post(p.url + "/v1/completions", json=body([11], 1), timeout=TIMEOUT_S)
+        time.sleep(0.1)
+    return None
 
 
 def nixl_connector(engine_id: str) -> dict:
