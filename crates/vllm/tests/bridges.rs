@@ -155,15 +155,7 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
 /// digest, so that a write into it would show), the rest is P's.
 #[test]
 fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
-    let mut p = engine("vllm-p-cache");
-    let mut d = engine_with("vllm-d-cache", "pull", false);
-    let p_blocks = vec![5u32, 6, 9];
-    fill(&mut p, &p_blocks, 0);
-    let params = prefilled(&mut p, "p-req", p_blocks.clone(), 40);
-    assert_eq!(
-        d.sched.remote_prefill_arrived("d-req", &params, 40),
-        Matched::Remote(40)
-    );
+    let (mut p, mut d) = cached_prefix_pull("vllm-p-cache", "vllm-d-cache", false);
     fill(&mut d, &[20], 99);
     let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
     assert_ne!(
@@ -196,15 +188,7 @@ fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
 /// computed itself (the same bytes as P's) and what landed sum to P's digest.
 #[test]
 fn the_digest_of_a_pull_after_a_prefix_cache_hit_covers_the_whole_prompt() {
-    let mut p = engine("vllm-p-cache2");
-    let mut d = engine("vllm-d-cache2");
-    let p_blocks = vec![5u32, 6, 9];
-    fill(&mut p, &p_blocks, 0);
-    let params = prefilled(&mut p, "p-req", p_blocks.clone(), 40);
-    assert_eq!(
-        d.sched.remote_prefill_arrived("d-req", &params, 40),
-        Matched::Remote(40)
-    );
+    let (mut p, mut d) = cached_prefix_pull("vllm-p-cache2", "vllm-d-cache2", true);
     for l in 0..LAYERS {
         let bytes = p.block(l, 5).to_vec();
         let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
@@ -215,6 +199,20 @@ fn the_digest_of_a_pull_after_a_prefix_cache_hit_covers_the_whole_prompt() {
         .unwrap();
     resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
     all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
+/// P prefilled a 40-token prompt into its blocks 5, 6 and 9 (`p-req`); the same prompt arrived
+/// at D (`d-req`), whose blocks are not allocated yet.
+fn cached_prefix_pull(p_id: &str, d_id: &str, kv_digest: bool) -> (Engine, Engine) {
+    let mut p = engine(p_id);
+    let mut d = engine_with(d_id, "pull", kv_digest);
+    fill(&mut p, &[5, 6, 9], 0);
+    let params = prefilled(&mut p, "p-req", vec![5, 6, 9], 40);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &params, 40),
+        Matched::Remote(40)
+    );
+    (p, d)
 }
 
 /// Steps both engines until D's request resumed (never failed) and P gave its blocks back (10 s

@@ -503,13 +503,7 @@ impl ConnectorCore {
         blocks: Vec<u32>,
         now: Time,
     ) -> Result<(), ConnectorError> {
-        let c = self
-            .consumer
-            .as_mut()
-            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
-        let handoff = c
-            .handoff_of(RequestId(request))
-            .ok_or(ConnectorError::UnknownRequest(request))?;
+        let (c, handoff) = tracked(&mut self.consumer, request)?;
         c.on_blocks_allocated(handoff, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
             if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
@@ -541,16 +535,10 @@ impl ConnectorCore {
         blocks: Vec<u32>,
         now: Time,
     ) -> Result<(), ConnectorError> {
-        let c = self
-            .consumer
-            .as_mut()
-            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
-        let handoff = c
-            .handoff_of(RequestId(request))
-            .ok_or(ConnectorError::UnknownRequest(request))?;
         if cached.is_empty() {
             return self.on_blocks_allocated(request, blocks, now);
         }
+        let (c, handoff) = tracked(&mut self.consumer, request)?;
         // Push registers whole prompts (P's WRITEs carry no token offset): refused.
         c.on_blocks_allocated_after_cached(handoff, cached, blocks, now)?;
         self.pump(now);
@@ -1048,4 +1036,19 @@ fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> 
     params
         .handoff_id
         .ok_or(ConnectorError::BadParams("push without handoff_id"))
+}
+
+/// D's ledger and the handoff it tracks for `request` (a free function: it borrows only the
+/// ledger, so the caller may still use the core's other fields).
+fn tracked(
+    consumer: &mut Option<ConsumerLedger>,
+    request: u64,
+) -> Result<(&mut ConsumerLedger, HandoffId), ConnectorError> {
+    let c = consumer
+        .as_mut()
+        .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
+    let handoff = c
+        .handoff_of(RequestId(request))
+        .ok_or(ConnectorError::UnknownRequest(request))?;
+    Ok((c, handoff))
 }
