@@ -270,6 +270,7 @@ impl ConnectorCore {
         [
             self.producer.as_ref().and_then(|p| p.poll_timeout()),
             self.consumer.as_ref().and_then(|c| c.poll_timeout()),
+            self.next_push_check_deadline(),
         ]
         .into_iter()
         .flatten()
@@ -287,6 +288,7 @@ impl ConnectorCore {
                 c.handle_timeout(now);
             }
         }
+        self.expire_push_checks(now);
         self.pump(now);
     }
 
@@ -730,7 +732,7 @@ impl ConnectorCore {
                     reason: rel.reason.as_str().into(),
                 });
             }
-            progressed |= self.take_outcomes(None);
+            progressed |= self.take_outcomes(None, now);
             while let Some(a) = self.consumer.as_mut().and_then(|c| c.poll_action()) {
                 progressed = true;
                 match a {
@@ -764,7 +766,7 @@ impl ConnectorCore {
 
     /// Turns the consumer's outcomes into events; `refusal` explains failures (the reason a P
     /// refused or could not be reached). Returns whether there were any.
-    fn take_outcomes(&mut self, refusal: Option<&str>) -> bool {
+    fn take_outcomes(&mut self, refusal: Option<&str>, now: Time) -> bool {
         let mut any = false;
         while let Some(o) = self.consumer.as_mut().and_then(|c| c.poll_outcome()) {
             any = true;
@@ -796,6 +798,7 @@ impl ConnectorCore {
                             waited,
                             peer,
                         },
+                        now,
                     ),
                     None => self.kv_ready(requests, blocks, waited),
                 },

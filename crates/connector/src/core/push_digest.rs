@@ -2,7 +2,9 @@
 //! every layer is in them; the sum rides on every `PushDone` (the last layer's WRITEs wait for
 //! it). D's ranks digest D's blocks once every write landed; the request is ready only if the
 //! two agree — a mismatch fails it (or recomputes it) like a failed transfer, never decoded.
-//! A rank that cannot compute its share leaves the handoff unchecked (logged), as in pull.
+//! A rank that cannot compute its share leaves the handoff unchecked (logged), as in pull. A
+//! rank that never answers (its worker stopped) fails the request once D's read timeout passed
+//! (`kv_digest_timeout`): the check is bounded like every other wait on D (rules 6 and 7).
 
 use handoff_ledger::{FailReason, FailurePolicy, PeerId, RequestId, Time, WaitTimeline};
 use handoff_proto::HandoffId;
@@ -57,6 +59,8 @@ pub(crate) struct Check {
     shares: Shares,
     unchecked: bool,
     answers: usize,
+    /// Past it, the ranks that have not answered never will: the request fails.
+    deadline: Time,
 }
 
 impl ConnectorCore {
@@ -93,7 +97,12 @@ impl ConnectorCore {
     }
 
     /// D: every write of `handoff` landed; its ranks digest what landed before it is ready.
-    pub(super) fn check_push(&mut self, handoff: HandoffId, landed: Landed) {
+    pub(super) fn check_push(&mut self, handoff: HandoffId, landed: Landed, now: Time) {
+        let deadline = now
+            + self
+                .consumer
+                .as_ref()
+                .map_or(Time::from_secs(5), |c| c.config().read_timeout);
         let of = self.digest_of(landed.num_tokens);
         for rank in 0..self.ranks.len() as u16 {
             self.out.worker_ops.push((
@@ -112,8 +121,36 @@ impl ConnectorCore {
                 shares: Shares::default(),
                 unchecked: false,
                 answers: 0,
+                deadline,
             },
         );
+    }
+
+    /// D: when the oldest push digest check in progress gives up.
+    pub(super) fn next_push_check_deadline(&self) -> Option<Time> {
+        self.push_checks.values().map(|c| c.deadline).min()
+    }
+
+    /// D: fails the requests of every check whose ranks did not all answer in time.
+    pub(super) fn expire_push_checks(&mut self, now: Time) {
+        let late: Vec<HandoffId> = self
+            .push_checks
+            .iter()
+            .filter(|(_, c)| c.deadline <= now)
+            .map(|(h, _)| *h)
+            .collect();
+        for handoff in late {
+            let Some(check) = self.push_checks.remove(&handoff) else {
+                continue;
+            };
+            tracing::warn!(%handoff, answers = check.answers, "KV digest not answered in time; not decoded");
+            let recompute = self
+                .consumer
+                .as_ref()
+                .is_some_and(|c| c.config().failure_policy == FailurePolicy::Recompute);
+            let Landed { requests, peer, .. } = check.landed;
+            self.failed(requests, "kv_digest_timeout", peer, recompute, None);
+        }
     }
 
     /// A worker's share of a push digest (`None`: it could not compute one), on P or on D.

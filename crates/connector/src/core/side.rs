@@ -434,7 +434,7 @@ impl ConnectorCore {
         }
         self.peer_dead(peer, now);
         // The outcomes this produced are this peer's: they carry the reason.
-        self.take_outcomes(Some(&reason));
+        self.take_outcomes(Some(&reason), now);
     }
 
     /// Closes every connection (shutdown).

@@ -592,7 +592,12 @@ fn a_pulled_handoff_whose_digest_differs_fails_and_is_never_ready() {
 /// WRITE lands (its notification reaches D), P's worker reports `p_share` as the digest of
 /// P's blocks, D's reports `d_share` for what landed. Returns D's events and observations, and
 /// whether P posted a last-layer WRITE before its digest was known.
-fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Observation>, bool) {
+/// A push with P's and D's workers answering the digest with these shares (`None`: D's worker
+/// never answers). Runs 0.8 s of simulated time, or 8 s when D's worker is silent.
+fn push_with_digests(
+    p_share: u64,
+    d_share: Option<u64>,
+) -> (Vec<ConnectorEvent>, Vec<Observation>, bool) {
     let mut p = core_in("p", Role::Prefill, TransferMode::Push, true);
     let mut id = [0u8; 16];
     id[0] = 9;
@@ -614,7 +619,8 @@ fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Ob
         .unwrap();
     let (mut events, mut observations, mut early) = (Vec::new(), Vec::new(), false);
     let mut digest_known = false;
-    for step in 0..40u64 {
+    let steps = if d_share.is_some() { 40 } else { 400 };
+    for step in 0..steps {
         let now = t(4 + 20 * step);
         for c in [&mut p, &mut d] {
             if c.poll_timeout().is_some_and(|at| at <= now) {
@@ -628,7 +634,9 @@ fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Ob
             match op {
                 WorkerOp::Digest { blocks, of, .. } => {
                     assert_eq!((blocks.clone(), of.num_tokens), (vec![7, 8], 32));
-                    d_report.digests.push((Digested::Handoff(handoff), d_share));
+                    if let Some(share) = d_share {
+                        d_report.digests.push((Digested::Handoff(handoff), share));
+                    }
                 }
                 // D's registration leaves once its worker let P write into the blocks.
                 WorkerOp::Grant { grant, .. } => d_report.granted.push((*grant, true)),
@@ -672,7 +680,7 @@ fn push_with_digests(p_share: u64, d_share: u64) -> (Vec<ConnectorEvent>, Vec<Ob
 
 #[test]
 fn a_pushed_handoff_whose_digest_matches_p_s_is_ready() {
-    let (events, observations, early) = push_with_digests(0x5eed, 0x5eed);
+    let (events, observations, early) = push_with_digests(0x5eed, Some(0x5eed));
     assert!(!early, "P's last WRITE left before its digest was known");
     assert_ready_after_a_matching_digest(&events, &observations);
 }
@@ -680,6 +688,26 @@ fn a_pushed_handoff_whose_digest_matches_p_s_is_ready() {
 /// The negative control: what landed on D differs from P's KV, and the request never decodes it.
 #[test]
 fn a_pushed_handoff_whose_digest_differs_fails_and_is_never_ready() {
-    let (events, observations, _) = push_with_digests(0x5eed, 0x5eee);
+    let (events, observations, _) = push_with_digests(0x5eed, Some(0x5eee));
     assert_failed_on_the_digest(&events, &observations);
+}
+
+/// D's worker never answers the digest of a push that landed (it stopped): the request still
+/// ends, failed or recomputed once D's read timeout passed, never decoded unchecked, and the
+/// check is gone (rules 6 and 7).
+#[test]
+fn a_push_digest_no_worker_answers_ends_the_request_after_the_read_timeout() {
+    let (events, _, _) = push_with_digests(0x5eed, None);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, ConnectorEvent::Ready { .. })),
+        "unchecked KV was handed to the request: {events:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(e,
+            ConnectorEvent::Recompute { requests, reason } | ConnectorEvent::Failed { requests, reason }
+            if requests == &vec![1] && reason.contains("kv_digest_timeout"))),
+        "{events:?}"
+    );
 }
