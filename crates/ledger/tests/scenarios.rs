@@ -916,10 +916,7 @@ fn a_read_after_a_prefix_cache_hit_never_targets_the_cached_blocks() {
 fn a_cached_prefix_is_refused_in_push_and_changes_nothing() {
     let mut pair = push_pair();
     let id = hid(91);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pair.d_push_arrives(id);
     assert_eq!(
         pair.d
             .on_blocks_allocated_after_cached(id, vec![70], vec![71], pair.now),
@@ -1386,10 +1383,7 @@ fn push_failed_write_is_reported_to_d_at_once() {
 fn push_rejected_before_reservation_releases_p_at_once() {
     let mut pair = push_pair();
     let id = hid(66);
-    let inc = pair.incoming(id, &[], TransferMode::Push);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pair.d_push_arrives(id);
     pair.d
         .on_request_ended(RequestId(1), ReleaseReason::Rejected, pair.now);
     pair.pump();

@@ -200,12 +200,17 @@ impl Pair {
     /// Push: D's request 1 for `id` arrives and gets blocks 40 and 41, which D registers with P
     /// (sent at the next pump).
     pub fn d_registers(&mut self, id: HandoffId) {
+        self.d_push_arrives(id);
+        self.d
+            .on_blocks_allocated(id, vec![40, 41], self.now)
+            .unwrap();
+    }
+
+    /// Push: D's request 1 for `id` arrives (no blocks reserved yet).
+    pub fn d_push_arrives(&mut self, id: HandoffId) {
         let inc = self.incoming(id, &[], TransferMode::Push);
         self.d
             .on_request_arrived(RequestId(1), inc, self.now)
-            .unwrap();
-        self.d
-            .on_blocks_allocated(id, vec![40, 41], self.now)
             .unwrap();
     }
 
