@@ -374,7 +374,7 @@ impl Connector {
         request: u64,
         blocks: Vec<u32>,
     ) -> Result<(), ConnectorError> {
-        self.call(move |core, now| core.on_blocks_allocated(request, blocks, now))?
+        self.on_blocks_allocated_after_cached(request, Vec::new(), blocks)
     }
 
     /// [`ConnectorCore::on_blocks_allocated_after_cached`].

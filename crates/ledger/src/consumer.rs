@@ -578,6 +578,22 @@ impl ConsumerLedger {
         blocks: Vec<BlockId>,
         now: Time,
     ) -> Result<(), AllocError> {
+        self.on_blocks_allocated_after_cached(handoff, Vec::new(), blocks, now)
+    }
+
+    /// [`ConsumerLedger::on_blocks_allocated`], on an engine with a prefix cache: the prompt's
+    /// first blocks, `cached`, already hold its KV (computed here, and shared with other
+    /// requests that may be reading them); `blocks` are the request's own for the rest. A pull
+    /// moves only the rest: it never writes a cached block, and only `blocks` come back to the
+    /// engine. Push registers whole prompts (P's WRITEs carry no token offset): a cached prefix
+    /// is refused there.
+    pub fn on_blocks_allocated_after_cached(
+        &mut self,
+        handoff: HandoffId,
+        cached: Vec<BlockId>,
+        blocks: Vec<BlockId>,
+        now: Time,
+    ) -> Result<(), AllocError> {
         self.last_now = self.last_now.max(now);
         let tp = self.cfg.tp.max(1);
         let push_deadline = self.cfg.push_deadline;
@@ -589,11 +605,15 @@ impl ConsumerLedger {
         if blocks.is_empty() {
             return Err(AllocError::NoBlocks);
         }
+        if !cached.is_empty() && h.info.mode != TransferMode::Pull {
+            return Err(AllocError::CachedPrefixInPush);
+        }
         self.held_blocks += blocks.len();
         h.allocated_at = now;
         match h.info.mode {
             TransferMode::Pull => {
                 h.local = Some(blocks);
+                h.cached = cached;
                 h.state = State::Admitted;
                 self.try_start_read(handoff, now);
             }
@@ -613,31 +633,6 @@ impl ConsumerLedger {
             }
         }
         Ok(())
-    }
-
-    /// Pull, on an engine with a prefix cache: the prompt's first blocks, `cached`, already hold
-    /// its KV (computed here, and shared with other requests that may be reading them); `blocks`
-    /// are the request's own for the rest. The READ moves only the rest: it never writes a
-    /// cached block, and only `blocks` come back to the engine.
-    pub fn on_blocks_allocated_after_cached(
-        &mut self,
-        handoff: HandoffId,
-        cached: Vec<BlockId>,
-        blocks: Vec<BlockId>,
-        now: Time,
-    ) -> Result<(), AllocError> {
-        let h = self.handoffs.get_mut(&handoff).ok_or(AllocError::Unknown)?;
-        if h.local.is_some() || h.state != State::Waiting {
-            return Err(AllocError::AlreadyAllocated);
-        }
-        if blocks.is_empty() {
-            return Err(AllocError::NoBlocks);
-        }
-        if !cached.is_empty() && h.info.mode != TransferMode::Pull {
-            return Err(AllocError::CachedPrefixInPush);
-        }
-        h.cached = cached;
-        self.on_blocks_allocated(handoff, blocks, now)
     }
 
     /// The client went away (`Aborted`) or D refused the request before admission (`Rejected`).
@@ -1254,16 +1249,15 @@ impl ConsumerLedger {
                     return;
                 }
                 let silent = now >= last_heard + resend;
-                if silent {
-                    if let State::Registered { last_heard, .. } = &mut h.state {
-                        *last_heard = now;
-                    }
+                let heard = if silent { now } else { last_heard };
+                if let State::Registered { last_heard, .. } = &mut h.state {
+                    *last_heard = heard;
                 }
-                let next = if silent { now } else { last_heard } + resend;
-                h.timer.arm(&mut self.timers, id, watchdog.min(next));
+                h.timer
+                    .arm(&mut self.timers, id, watchdog.min(heard + resend));
                 if silent {
                     self.send_registrations(id);
-                    self.stats.registrations_resent += 1;
+                    self.stats.registrations_resent += u64::from(self.cfg.tp.max(1));
                 }
             }
             State::Cancelling { until, reason } => {

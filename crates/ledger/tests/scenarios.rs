@@ -882,13 +882,7 @@ fn silent_p_ends_the_request_within_its_wait_deadline() {
 fn a_read_after_a_prefix_cache_hit_never_targets_the_cached_blocks() {
     let mut pair = Pair::default_pair();
     let id = hid(90);
-    pair.p
-        .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
-        .unwrap();
-    let inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
-    pair.d
-        .on_request_arrived(RequestId(1), inc, pair.now)
-        .unwrap();
+    pull_arrives(&mut pair, id, 1);
     pair.pump();
     pair.d
         .on_blocks_allocated_after_cached(id, vec![70], vec![71, 72], pair.now)

@@ -505,8 +505,28 @@ impl ConnectorCore {
         blocks: Vec<u32>,
         now: Time,
     ) -> Result<(), ConnectorError> {
-        let (c, handoff) = tracked(&mut self.consumer, request)?;
-        c.on_blocks_allocated(handoff, blocks.clone(), now)?;
+        self.on_blocks_allocated_after_cached(request, Vec::new(), blocks, now)
+    }
+
+    /// [`ConnectorCore::on_blocks_allocated`], on an engine with a prefix cache (vLLM): the
+    /// prompt's first blocks, `cached`, already hold its KV and may be shared with other
+    /// requests; `blocks` are the request's own for the rest. A pull fills only `blocks`; a
+    /// push into a cached prefix is refused ([`handoff_ledger::AllocError::CachedPrefixInPush`]).
+    pub fn on_blocks_allocated_after_cached(
+        &mut self,
+        request: u64,
+        cached: Vec<u32>,
+        blocks: Vec<u32>,
+        now: Time,
+    ) -> Result<(), ConnectorError> {
+        let c = self
+            .consumer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
+        let handoff = c
+            .handoff_of(RequestId(request))
+            .ok_or(ConnectorError::UnknownRequest(request))?;
+        c.on_blocks_allocated_after_cached(handoff, cached, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
             if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
                 // P writes exactly the prompt's tokens: the rest of the last block is cleared
@@ -523,26 +543,6 @@ impl ConnectorCore {
                 }
             }
         }
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Pull, on an engine with a prefix cache (vLLM): the prompt's first blocks, `cached`,
-    /// already hold its KV and may be shared with other requests; `blocks` are the request's
-    /// own for the rest. The READ fills only `blocks`.
-    pub fn on_blocks_allocated_after_cached(
-        &mut self,
-        request: u64,
-        cached: Vec<u32>,
-        blocks: Vec<u32>,
-        now: Time,
-    ) -> Result<(), ConnectorError> {
-        if cached.is_empty() {
-            return self.on_blocks_allocated(request, blocks, now);
-        }
-        let (c, handoff) = tracked(&mut self.consumer, request)?;
-        // Push registers whole prompts (P's WRITEs carry no token offset): refused.
-        c.on_blocks_allocated_after_cached(handoff, cached, blocks, now)?;
         self.pump(now);
         Ok(())
     }
@@ -1039,19 +1039,4 @@ fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> 
     params
         .handoff_id
         .ok_or(ConnectorError::BadParams("push without handoff_id"))
-}
-
-/// D's ledger and the handoff it tracks for `request` (a free function: it borrows only the
-/// ledger, so the caller may still use the core's other fields).
-fn tracked(
-    consumer: &mut Option<ConsumerLedger>,
-    request: u64,
-) -> Result<(&mut ConsumerLedger, HandoffId), ConnectorError> {
-    let c = consumer
-        .as_mut()
-        .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
-    let handoff = c
-        .handoff_of(RequestId(request))
-        .ok_or(ConnectorError::UnknownRequest(request))?;
-    Ok((c, handoff))
 }

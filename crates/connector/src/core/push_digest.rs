@@ -6,7 +6,9 @@
 //! rank that never answers (its worker stopped) fails the request once D's read timeout passed
 //! (`kv_digest_timeout`): the check is bounded like every other wait on D (rules 6 and 7).
 
-use handoff_ledger::{FailReason, FailurePolicy, PeerId, RequestId, Time, WaitTimeline};
+use handoff_ledger::{
+    ConsumerConfig, FailReason, FailurePolicy, PeerId, RequestId, Time, WaitTimeline,
+};
 use handoff_proto::HandoffId;
 
 use super::{ConnectorCore, Observation};
@@ -98,11 +100,13 @@ impl ConnectorCore {
 
     /// D: every write of `handoff` landed; its ranks digest what landed before it is ready.
     pub(super) fn check_push(&mut self, handoff: HandoffId, landed: Landed, now: Time) {
-        let deadline = now
-            + self
-                .consumer
-                .as_ref()
-                .map_or(Time::from_secs(5), |c| c.config().read_timeout);
+        let read_timeout = self
+            .consumer
+            .as_ref()
+            .map_or(ConsumerConfig::default().read_timeout, |c| {
+                c.config().read_timeout
+            });
+        let deadline = now + read_timeout;
         let of = self.digest_of(landed.num_tokens);
         for rank in 0..self.ranks.len() as u16 {
             self.out.worker_ops.push((
@@ -126,6 +130,13 @@ impl ConnectorCore {
         );
     }
 
+    /// D: whether a request whose KV cannot be used is computed here (else it fails).
+    fn recomputes(&self) -> bool {
+        self.consumer
+            .as_ref()
+            .is_some_and(|c| c.config().failure_policy == FailurePolicy::Recompute)
+    }
+
     /// D: when the oldest push digest check in progress gives up.
     pub(super) fn next_push_check_deadline(&self) -> Option<Time> {
         self.push_checks.values().map(|c| c.deadline).min()
@@ -144,11 +155,8 @@ impl ConnectorCore {
                 continue;
             };
             tracing::warn!(%handoff, answers = check.answers, "KV digest not answered in time; not decoded");
-            let recompute = self
-                .consumer
-                .as_ref()
-                .is_some_and(|c| c.config().failure_policy == FailurePolicy::Recompute);
             let Landed { requests, peer, .. } = check.landed;
+            let recompute = self.recomputes();
             self.failed(requests, "kv_digest_timeout", peer, recompute, None);
         }
     }
@@ -212,10 +220,7 @@ impl ConnectorCore {
                 self.out
                     .observations
                     .push(Observation::DigestChecked { matched: false });
-                let recompute = self
-                    .consumer
-                    .as_ref()
-                    .is_some_and(|c| c.config().failure_policy == FailurePolicy::Recompute);
+                let recompute = self.recomputes();
                 self.failed(
                     requests,
                     FailReason::DigestMismatch.as_str(),

@@ -268,12 +268,21 @@ impl ConnectorCore {
                 _ => broken.push(d_rank),
             }
         }
-        let prompt_blocks: Vec<u32> = r
-            .cached_blocks
-            .iter()
-            .chain(&r.dst_blocks)
-            .copied()
-            .collect();
+        // The whole prompt's KV is digested, the cached prefix included: P's digest covers
+        // every token.
+        let digested = digest.map(|_| {
+            let blocks: Vec<u32> = r
+                .cached_blocks
+                .iter()
+                .chain(&r.dst_blocks)
+                .copied()
+                .collect();
+            let of = DigestOf {
+                num_tokens: r.num_tokens,
+                whole_blocks: opaque,
+            };
+            (blocks, of)
+        });
         let mut jobs = HashMap::new();
         let mut failed_ranks = Vec::new();
         for d_rank in 0..d_tp {
@@ -290,15 +299,7 @@ impl ConnectorCore {
                             op: XferOp::Read,
                             parts,
                             zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), tokens)),
-                            // The whole prompt's KV, the cached prefix included: P's digest
-                            // covers every token.
-                            digest: digest.map(|_| {
-                                let of = DigestOf {
-                                    num_tokens: r.num_tokens,
-                                    whole_blocks: opaque,
-                                };
-                                (prompt_blocks.clone(), of)
-                            }),
+                            digest: digested.clone(),
                             push_layer: None,
                         },
                     ));
