@@ -16,6 +16,23 @@ use crate::model;
 /// chunks of about this size keep a long descriptor from taking thousands of locks.
 const MIN_CHUNK: usize = 64 << 10;
 
+/// The region's lock granularity for `layout`: never one lock over two layers of a block (blocks
+/// outermost), so the forward pass writing layer l+1 of a block never waits for a push WRITE
+/// still sending layer l of it; otherwise whole blocks, or about [`MIN_CHUNK`] of one head's
+/// blocks when a block is small (heads outermost).
+fn lock_chunk(layout: &RankLayout) -> usize {
+    let stride = (layout.layers[0].block_stride as usize).max(1);
+    let layer_step = match &layout.layers[..] {
+        [a, b, ..] => b.k.offset.abs_diff(a.k.offset) as usize,
+        _ => stride,
+    };
+    if layer_step > 0 && layer_step < stride && stride % layer_step == 0 {
+        layer_step
+    } else {
+        stride * (MIN_CHUNK / stride).max(1)
+    }
+}
+
 pub struct KvMemory {
     pub spec: KvSpec,
     pub layouts: Vec<RankLayout>,
@@ -31,8 +48,7 @@ impl KvMemory {
                 .rank_layout(spec, rank, num_blocks, 0)
                 .map_err(|e| e.to_string())?;
             let len = layout.regions[0].len as usize;
-            let stride = (layout.layers[0].block_stride as usize).max(1);
-            let chunk = stride * (MIN_CHUNK / stride).max(1);
+            let chunk = lock_chunk(&layout);
             regions.push(Arc::new(KvRegion::new(len, chunk)));
             layouts.push(layout);
         }
@@ -241,5 +257,56 @@ impl KvMemory {
             pos = end;
         }
         Ok(digest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
+
+    use super::*;
+
+    fn memory(pool: PoolLayout) -> KvMemory {
+        let spec = KvSpec {
+            shape: ModelShape {
+                num_layers: 4,
+                num_kv_heads: 2,
+                head_dim: 64,
+                dtype_size: 2,
+            },
+            tp: 1,
+            block_size: 16,
+            block_layout: BlockLayout::HeadMajor,
+        };
+        KvMemory::new(spec, 8, pool).unwrap()
+    }
+
+    /// Push mode: while a WRITE of layer 0 of a block is still sending (it holds the read locks
+    /// of what it sends), the forward pass writes layer 1 of the same block without waiting.
+    #[test]
+    fn the_forward_writes_the_next_layer_of_a_block_a_transfer_still_reads() {
+        for pool in [PoolLayout::BlocksOutermost, PoolLayout::HeadsOutermost] {
+            let kv = Arc::new(memory(pool));
+            let layer0 = kv.row_offset(0, 3, 0, 0, 0, 0).unwrap();
+            let v_end = kv.row_offset(0, 3, 0, 1, 1, 15).unwrap() + kv.row_bytes();
+            let in_flight = kv.regions[0]
+                .lock_span_owned(layer0, v_end - layer0)
+                .unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let writer = kv.clone();
+            std::thread::spawn(move || {
+                let prefix: Vec<u64> = (0..64).collect();
+                let r = writer.write_positions_layers(&prefix, 48..64, &[0, 1, 2, 3], 1..2);
+                let _ = tx.send(r);
+            });
+            let done = rx.recv_timeout(Duration::from_secs(2));
+            drop(in_flight);
+            assert!(
+                matches!(done, Ok(Ok(()))),
+                "{pool:?}: writing layer 1 waited for the transfer of layer 0 of its block"
+            );
+        }
     }
 }

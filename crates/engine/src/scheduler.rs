@@ -539,7 +539,13 @@ impl Scheduler {
         }
         // The forward pass, layer by layer: each layer's KV exists once its share of the cost is
         // spent, and in push mode it leaves for D at once, overlapping the rest of the prefill.
+        // The share is spent first and the KV written at its end: on a GPU the layer's time is
+        // the device's and the KV is final only when it ends; here the bytes are written by the
+        // CPU, and writing them at the start would both publish them a layer early and make a
+        // push WRITE (CPU copies on this host) compete with the next layer's writing instead of
+        // overlapping the time that stands for the GPU's.
         for layer in 0..self.cfg.num_layers {
+            self.sleep_cost(per_layer);
             if let Err(e) = self.kv.write_positions_layers(
                 &prefix,
                 0..prompt.len(),
@@ -548,7 +554,6 @@ impl Scheduler {
             ) {
                 return self.fail_local(r, e);
             }
-            self.sleep_cost(per_layer);
             if let (Some(params), Some(c)) = (&push, &self.connector) {
                 if let Some(h) = params.handoff_id {
                     c.on_layer_saved(h, layer);

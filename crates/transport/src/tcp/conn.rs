@@ -8,7 +8,7 @@
 //! for `dead_after`, declares the peer dead.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -278,6 +278,10 @@ fn invalid(msg: String) -> io::Error {
 pub(super) const STALL: Duration = Duration::from_millis(10);
 /// Most bytes staged at once when a peer stalls.
 const STAGE_BYTES: usize = 64 * 1024;
+/// Most bytes of consecutive chunk pieces moved by one vectored socket call (their locks held
+/// together): an engine locks its KV per layer of a block (64 KiB for an 8B-class model), and a
+/// system call per piece made a 256 MiB READ take twice as long as calls of this size.
+const BATCH_BYTES: usize = 2 << 20;
 
 /// Why a piece of a span was not completed under its lock.
 enum PieceErr {
@@ -354,14 +358,20 @@ impl Rx {
 
     /// One read. While landing, a socket found empty is polled without blocking for up to
     /// `landing_spin` before the thread sleeps in the kernel (see [`super::TcpConfig`]).
-    fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+    fn read_some(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         let spin = self.landing_spin;
         if self.landing && !spin.is_zero() {
             let start = Instant::now();
             let mut tries = 0u32;
             loop {
-                match rustix::net::recv(&self.stream, &mut *buf, rustix::net::RecvFlags::DONTWAIT) {
-                    Ok((n, _)) => return Ok(n),
+                let mut no_control = rustix::net::RecvAncillaryBuffer::new(&mut []);
+                match rustix::net::recvmsg(
+                    &self.stream,
+                    bufs,
+                    &mut no_control,
+                    rustix::net::RecvFlags::DONTWAIT,
+                ) {
+                    Ok(m) => return Ok(m.bytes),
                     Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -372,14 +382,19 @@ impl Rx {
                 std::hint::spin_loop();
             }
         }
-        self.stream.read(buf)
+        self.stream.read_vectored(bufs)
     }
 
     /// Reads into `buf` until it is full or a read times out; returns the count.
     fn fill_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.fill_some_vectored(&mut [IoSliceMut::new(buf)])
+    }
+
+    /// Reads into `bufs` in order until they are full or a read times out; returns the count.
+    fn fill_some_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         let mut at = 0;
-        while at < buf.len() {
-            match self.read_some(&mut buf[at..]) {
+        while !bufs.is_empty() {
+            match self.read_some(bufs) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
@@ -389,6 +404,7 @@ impl Rx {
                 Ok(n) => {
                     at += n;
                     self.last_rx = Instant::now();
+                    IoSliceMut::advance_slices(&mut bufs, n);
                 }
                 Err(e) if is_timeout(&e) => {
                     self.check_alive()?;
@@ -425,13 +441,15 @@ impl Rx {
                 return self.discard((end - pos) as u64);
             }
             let r = region
-                .with_span_mut(pos, end - pos, |piece| {
+                .with_span_mut_batched(pos, end - pos, BATCH_BYTES, |pieces| {
                     if aborted() {
                         return Err(PieceErr::Aborted);
                     }
-                    let n = self.fill_some(piece).map_err(PieceErr::Io)?;
+                    let len: usize = pieces.iter().map(|p| p.len()).sum();
+                    let mut iov: Vec<_> = pieces.iter_mut().map(|p| IoSliceMut::new(p)).collect();
+                    let n = self.fill_some_vectored(&mut iov).map_err(PieceErr::Io)?;
                     pos += n;
-                    if n < piece.len() {
+                    if n < len {
                         return Err(PieceErr::Stall);
                     }
                     Ok(())
@@ -552,13 +570,18 @@ impl Tx {
         }
     }
 
-    /// Writes `buf` until done or a write times out ([`STALL`]); returns the count.
-    fn send_some(&mut self, buf: &[u8]) -> io::Result<usize> {
+    /// Writes `bufs` in order until done or a write times out ([`STALL`]); returns the count.
+    fn send_some(&mut self, bufs: &[&[u8]]) -> io::Result<usize> {
+        let mut iov: Vec<_> = bufs.iter().map(|b| IoSlice::new(b)).collect();
+        let mut rest = &mut iov[..];
         let mut at = 0;
-        while at < buf.len() {
-            match self.stream.write(&buf[at..]) {
+        while !rest.is_empty() {
+            match self.stream.write_vectored(rest) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => at += n,
+                Ok(n) => {
+                    at += n;
+                    IoSlice::advance_slices(&mut rest, n);
+                }
                 Err(e) if is_timeout(&e) => {
                     if self.conn.is_closed() {
                         return Err(io::Error::other("connection closed"));
@@ -581,12 +604,18 @@ impl Tx {
                 break Ok(());
             }
             stage.clear();
-            let r = region.with_span(pos, end - pos, |piece| {
-                let n = self.send_some(piece).map_err(PieceErr::Io)?;
-                pos += piece.len();
-                if n < piece.len() {
-                    // The peer is slow: send the rest of this piece without holding the lock.
-                    stage.extend_from_slice(&piece[n..]);
+            let r = region.with_span_batched(pos, end - pos, BATCH_BYTES, |pieces| {
+                let n = self.send_some(pieces).map_err(PieceErr::Io)?;
+                let len: usize = pieces.iter().map(|p| p.len()).sum();
+                pos += len;
+                if n < len {
+                    // The peer is slow: send the rest of these pieces without their locks.
+                    let mut sent = n;
+                    for p in pieces {
+                        let skip = sent.min(p.len());
+                        stage.extend_from_slice(&p[skip..]);
+                        sent -= skip;
+                    }
                     return Err(PieceErr::Stall);
                 }
                 Ok(())
