@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use handoff_ledger::Time;
@@ -85,8 +85,14 @@ pub struct Connector {
     side_addr: SocketAddr,
     inbox: Sender<Input>,
     events: Mutex<Receiver<ConnectorEvent>>,
+    waker: Waker,
     stop: Arc<AtomicBool>,
 }
+
+/// Called by the executor after it queued events, so an engine loop that sleeps between
+/// polls picks them up at once (D's first decode step starts when its KV landed, not at the
+/// loop's next tick).
+type Waker = Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>;
 
 impl Connector {
     /// Registers every rank's memory with its transport, runs a worker side per rank on a
@@ -178,6 +184,7 @@ impl Connector {
             }
         };
         let (events_tx, events) = channel();
+        let waker = Waker::default();
         let metrics = Metrics::new(registry);
         let exec = Executor {
             core,
@@ -187,6 +194,7 @@ impl Connector {
             conns: HashMap::new(),
             workers,
             events: events_tx,
+            waker: waker.clone(),
             metrics,
             stop: stop.clone(),
             counters_seen: LedgerCounters::default(),
@@ -207,6 +215,7 @@ impl Connector {
                 side_addr,
                 inbox,
                 events: Mutex::new(events),
+                waker,
                 stop,
             }),
             sink,
@@ -255,6 +264,11 @@ impl Connector {
     /// Every event since the last call (non-blocking).
     pub fn poll_events(&self) -> Vec<ConnectorEvent> {
         self.events.lock().try_iter().collect()
+    }
+
+    /// Has `wake` called whenever events were queued (once per batch). The first call wins.
+    pub fn set_waker(&self, wake: impl Fn() + Send + Sync + 'static) {
+        let _ = self.waker.set(Box::new(wake));
     }
 
     /// Waits up to `timeout` for the next event.
@@ -454,6 +468,7 @@ struct Executor {
     conns: HashMap<ConnId, ConnWriter>,
     workers: Vec<Box<dyn WorkerLink>>,
     events: Sender<ConnectorEvent>,
+    waker: Waker,
     metrics: Metrics,
     stop: Arc<AtomicBool>,
     counters_seen: LedgerCounters,
@@ -684,8 +699,12 @@ impl Executor {
                 tracing::error!("a worker side is gone");
             }
         }
+        let queued = !ready.events.is_empty();
         for ev in ready.events.drain(..) {
             let _ = self.events.send(ev);
+        }
+        if let (true, Some(wake)) = (queued, self.waker.get()) {
+            wake();
         }
         let observations: Vec<Observation> = ready.observations.drain(..).collect();
         for o in observations {

@@ -5,6 +5,7 @@
 
 use std::net::TcpListener;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -131,6 +132,12 @@ fn workers_in_another_process_serve_a_pull() {
         &mut Registry::default(),
     )
     .expect("D starts");
+    // D's engine loop is woken when events are queued (it sleeps between polls otherwise).
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let w = wakes.clone();
+    d.set_waker(move || {
+        w.fetch_add(1, Ordering::Relaxed);
+    });
 
     // A 40-token prompt in P's blocks 3..6 lands in D's blocks 9..12.
     let (p_blocks, d_blocks, tokens) = (vec![3, 4, 5], vec![9, 10, 11], 40);
@@ -150,6 +157,14 @@ fn workers_in_another_process_serve_a_pull() {
             requests: vec![1],
             blocks: d_blocks.clone()
         }
+    );
+    let woken = Instant::now();
+    while wakes.load(Ordering::Relaxed) == 0 && woken.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        wakes.load(Ordering::Relaxed) > 0,
+        "D queued Ready without waking its engine"
     );
     let released = wait_for(&p, "release on P", |e| {
         matches!(e, ConnectorEvent::BlocksReleased { .. })

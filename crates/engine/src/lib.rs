@@ -160,6 +160,12 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     let connector = Some(connector);
 
     let (sched_tx, sched_rx) = std::sync::mpsc::channel();
+    if let Some(c) = &connector {
+        let wake = sched_tx.clone();
+        c.set_waker(move || {
+            let _ = wake.send(scheduler::Command::Wake);
+        });
+    }
     let sched = scheduler::Scheduler::new(cfg.clone(), kv.clone(), connector.clone(), metrics);
     std::thread::Builder::new()
         .name(format!("engine-{}", cfg.engine_id))

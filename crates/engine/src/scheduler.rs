@@ -65,6 +65,9 @@ pub struct Submission {
 
 pub enum Command {
     Submit(Submission),
+    /// The connector queued events (a KV landed, a transfer failed): handle them now rather
+    /// than at the idle loop's next tick.
+    Wake,
     Shutdown,
 }
 
@@ -149,12 +152,14 @@ impl Scheduler {
             };
             match inbox.recv_timeout(wait) {
                 Ok(Command::Submit(s)) => self.submit(s),
+                Ok(Command::Wake) => {}
                 Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
                 Err(RecvTimeoutError::Timeout) => {}
             }
             while let Ok(cmd) = inbox.try_recv() {
                 match cmd {
                     Command::Submit(s) => self.submit(s),
+                    Command::Wake => {}
                     Command::Shutdown => return,
                 }
             }
