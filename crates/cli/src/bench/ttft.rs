@@ -1,7 +1,7 @@
 //! `handoff bench ttft`: time to first token through pull, through push, and on one monolithic
 //! engine, for the same workload in one run — the price of disaggregation, and what push buys.
 //!
-//! Engines are child processes on loopback (tcp transport) with a real 8B-class KV shape and the
+//! Engines are child processes on loopback (tcp transport, or `--transport nixl`) with a real 8B-class KV shape and the
 //! default cost model; clusters run one after the other so that only two engines hold memory at
 //! a time. Clients stream and time the first token. Each case also reads the timeline the
 //! proxy and the engines keep (`*_phase_seconds`), so its TTFT is broken down into phases.
@@ -39,6 +39,9 @@ pub struct TtftArgs {
     /// and DIR/ttft.json.
     #[arg(long, value_name = "DIR")]
     pub report: Option<std::path::PathBuf>,
+    /// The engines' transport: tcp, or nixl (its library found as by `handoff engine`).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "nixl"])]
+    pub transport: String,
 }
 
 impl TtftArgs {
@@ -96,6 +99,7 @@ struct Case {
 #[derive(Serialize)]
 struct Report {
     bench: &'static str,
+    transport: String,
     kv_shape: String,
     cost_model: String,
     cases: Vec<Case>,
@@ -112,10 +116,10 @@ struct Report {
     targets: BTreeMap<&'static str, f64>,
 }
 
-fn engine_args(mode: &str) -> Vec<String> {
+fn engine_args(mode: &str, transport: &str) -> Vec<String> {
     [
         "--transport",
-        "tcp",
+        transport,
         "--mode",
         mode,
         "--num-blocks",
@@ -311,10 +315,14 @@ async fn cluster(
     args: &TtftArgs,
     mode: &'static str,
 ) -> anyhow::Result<(Vec<Case>, BTreeMap<String, f64>)> {
-    let p = spawn_engine(&format!("bench-p-{mode}"), "prefill", &engine_args(mode))?;
+    let p = spawn_engine(
+        &format!("bench-p-{mode}"),
+        "prefill",
+        &engine_args(mode, &args.transport),
+    )?;
     // Push reserves D's blocks on arrival (a full pool answers 503 at once): D gets room for
     // every request in flight (8 × 8192 tokens), as a push deployment must provision.
-    let mut d_args = engine_args(mode);
+    let mut d_args = engine_args(mode, &args.transport);
     if mode == "push" {
         if let Some(i) = d_args.iter().position(|a| a == "--num-blocks") {
             d_args[i + 1] = "4200".into();
@@ -357,8 +365,8 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         d.prefill_us_per_token, d.decode_step_ms, d.decode_us_per_seq
     );
     println!(
-        "ttft bench: {kv_shape}; {cost_model}; tcp transport; prompts {:?}, concurrency {:?}, paths {:?}",
-        args.prompts, args.concurrency, args.mode
+        "ttft bench: {kv_shape}; {cost_model}; {} transport; prompts {:?}, concurrency {:?}, paths {:?}",
+        args.transport, args.prompts, args.concurrency, args.mode
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -369,7 +377,11 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
     let cases = rt.block_on(async {
         let mut all = Vec::new();
         if runs("single") {
-            let single = spawn_engine("bench-single", "both", &engine_args("pull"))?;
+            let single = spawn_engine(
+                "bench-single",
+                "both",
+                &engine_args("pull", &args.transport),
+            )?;
             let components = [("engine", single.url.clone())];
             all.extend(run_cases(&args, "single", &single.url, &components, 1).await);
             drop(single);
@@ -427,6 +439,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
     }
     let report = Report {
         bench: "ttft",
+        transport: args.transport.clone(),
         kv_shape,
         cost_model,
         push_vs_pull_ttft_p50: p50("push") / p50("pull"),
@@ -592,6 +605,7 @@ mod tests {
     fn the_report_draws_one_cdf_per_prompt_length() {
         let r = Report {
             bench: "ttft",
+            transport: "tcp".into(),
             kv_shape: String::new(),
             cost_model: String::new(),
             cases: vec![
