@@ -151,8 +151,6 @@ pub enum AllocError {
     AlreadyAllocated,
     #[error("no block given")]
     NoBlocks,
-    #[error("a cached prefix is only read around in pull mode")]
-    CachedPrefixInPush,
 }
 
 /// Why a request's KV transfer did not happen.
@@ -209,6 +207,8 @@ pub enum Outcome {
         num_tokens: u32,
         /// The P engine the KV came from.
         peer: PeerId,
+        /// D's prefix-cache blocks before `blocks` (not moved; a push digest covers them too).
+        cached: Vec<BlockId>,
     },
     /// Prefill locally (policy `Recompute`). The blocks of the failed transfer come back through
     /// `poll_release`; the engine allocates fresh ones.
@@ -339,8 +339,8 @@ struct Handoff {
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
-    /// Pull: D's blocks that already hold the prompt's first tokens (a prefix cache hit,
-    /// shared with other requests). Never written, never released by this ledger.
+    /// D's blocks that already hold the prompt's first tokens (a prefix cache hit, shared with
+    /// other requests). Never written, never released by this ledger.
     cached: Vec<BlockId>,
     arrived_at: Time,
     allocated_at: Time,
@@ -584,9 +584,9 @@ impl ConsumerLedger {
     /// [`ConsumerLedger::on_blocks_allocated`], on an engine with a prefix cache: the prompt's
     /// first blocks, `cached`, already hold its KV (computed here, and shared with other
     /// requests that may be reading them); `blocks` are the request's own for the rest. A pull
-    /// moves only the rest: it never writes a cached block, and only `blocks` come back to the
-    /// engine. Push registers whole prompts (P's WRITEs carry no token offset): a cached prefix
-    /// is refused there.
+    /// reads, and a push registers, only the rest (`PushRegister::cached_blocks` tells P where
+    /// it starts): no transfer writes a cached block, and only `blocks` come back to the
+    /// engine.
     pub fn on_blocks_allocated_after_cached(
         &mut self,
         handoff: HandoffId,
@@ -605,15 +605,12 @@ impl ConsumerLedger {
         if blocks.is_empty() {
             return Err(AllocError::NoBlocks);
         }
-        if !cached.is_empty() && h.info.mode != TransferMode::Pull {
-            return Err(AllocError::CachedPrefixInPush);
-        }
         self.held_blocks += blocks.len();
         h.allocated_at = now;
+        h.cached = cached;
         match h.info.mode {
             TransferMode::Pull => {
                 h.local = Some(blocks);
-                h.cached = cached;
                 h.state = State::Admitted;
                 self.try_start_read(handoff, now);
             }
@@ -756,6 +753,7 @@ impl ConsumerLedger {
                             p_digest: None,
                             num_tokens: h.info.num_tokens,
                             peer: h.info.peer,
+                            cached: h.cached.clone(),
                         });
                         self.end_handoff(handoff, now);
                     }
@@ -1064,6 +1062,7 @@ impl ConsumerLedger {
                     p_digest: h.p_digest,
                     num_tokens: h.info.num_tokens,
                     peer: h.info.peer,
+                    cached: h.cached.clone(),
                 });
             }
             self.end_handoff(d.handoff, now);
@@ -1184,6 +1183,7 @@ impl ConsumerLedger {
                     d_tp: tp,
                     num_tokens: h.info.num_tokens,
                     block_ids: blocks.clone(),
+                    cached_blocks: h.cached.len() as u32,
                 }),
             ));
         }

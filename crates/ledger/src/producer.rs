@@ -131,6 +131,9 @@ pub struct PushWrite {
     pub src_blocks: Vec<BlockId>,
     pub dst_blocks: Vec<BlockId>,
     pub num_tokens: u32,
+    /// D holds the prompt's first `cached_blocks` blocks (D's block size) already: `dst_blocks`
+    /// take the prompt from there on, written from the same token of `src_blocks`.
+    pub cached_blocks: u32,
     pub grant_until: Time,
     pub done: Vec<PushDone>,
 }
@@ -194,6 +197,8 @@ struct Registration {
     epoch: Epoch,
     blocks: Vec<BlockId>,
     num_tokens: u32,
+    /// D's prefix-cache hit, in D's blocks: `blocks` start after it.
+    cached_blocks: u32,
     grant_until: Option<Time>,
     state: RegState,
     /// The write ran past its grant + write timeout and was aborted: it cannot count as landed.
@@ -871,6 +876,7 @@ impl ProducerLedger {
             epoch: r.epoch,
             blocks: r.block_ids,
             num_tokens: r.num_tokens,
+            cached_blocks: r.cached_blocks,
             grant_until: None,
             state: RegState::Waiting,
             timed_out: false,
@@ -1056,6 +1062,7 @@ impl ProducerLedger {
                     src_blocks: h.blocks.clone(),
                     dst_blocks: r.blocks.clone(),
                     num_tokens: r.num_tokens,
+                    cached_blocks: r.cached_blocks,
                     grant_until: r.grant_until.unwrap_or(now),
                     done,
                 }));

@@ -72,6 +72,7 @@ fn normal_pull() {
             p_digest: None,
             num_tokens: 64,
             peer: P_PEER,
+            cached: vec![],
         }]
     );
     assert!(
@@ -904,23 +905,51 @@ fn a_read_after_a_prefix_cache_hit_never_targets_the_cached_blocks() {
     );
 }
 
-/// Push registers whole prompts (P's writes carry no token offset): a cached prefix is refused
-/// there, and the handoff still takes the request's blocks afterwards.
+/// Push after a prefix-cache hit on D: D registers only the request's own blocks and says how
+/// many of the prompt's blocks it holds already; P's write carries that count (so it writes from
+/// the token after them), never names the cached block, and D's ledger never gives it back.
 #[test]
-fn a_cached_prefix_is_refused_in_push_and_changes_nothing() {
+fn a_push_after_a_prefix_cache_hit_registers_and_writes_only_the_rest() {
     let mut pair = push_pair();
     let id = hid(91);
+    pair.p
+        .create_handoff(id, vec![1, 2], TransferMode::Push, pair.now)
+        .unwrap();
     pair.d_push_arrives(id);
-    assert_eq!(
-        pair.d
-            .on_blocks_allocated_after_cached(id, vec![70], vec![71], pair.now),
-        Err(AllocError::CachedPrefixInPush)
-    );
     pair.d
-        .on_blocks_allocated(id, vec![70, 71], pair.now)
+        .on_blocks_allocated_after_cached(id, vec![70], vec![71], pair.now)
         .unwrap();
     pair.pump();
-    assert_eq!(pair.count("D>P", "push_register"), 1);
+    let registered: Vec<(Vec<u32>, u32)> = pair
+        .log
+        .iter()
+        .filter_map(|(_, dir, m)| match m {
+            Message::PushRegister(r) if *dir == "D>P" => {
+                Some((r.block_ids.clone(), r.cached_blocks))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(registered, vec![(vec![71], 1)]);
+    let write = pair.writes.last().cloned().expect("a granted write");
+    assert_eq!(
+        (write.dst_blocks.clone(), write.cached_blocks),
+        (vec![71], 1)
+    );
+    pair.complete_write(&write);
+    assert!(matches!(
+        pair.outcomes.as_slice(),
+        [Outcome::Ready { blocks, cached, .. }] if blocks == &vec![71] && cached == &vec![70]
+    ));
+    let d_blocks: Vec<u32> = pair
+        .d_releases
+        .iter()
+        .flat_map(|r| r.blocks.clone())
+        .collect();
+    assert!(
+        !d_blocks.contains(&70),
+        "D's ledger gave back a cached block: {d_blocks:?}"
+    );
 }
 
 // ----- push -----
@@ -1183,6 +1212,7 @@ fn no_write_starts_after_p_acked_a_cancel() {
             d_tp: 3,
             num_tokens: 16,
             block_ids: vec![8],
+            cached_blocks: 0,
         })
     };
     p.handle_message(D_PEER, register(0), now);

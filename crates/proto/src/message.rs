@@ -281,6 +281,10 @@ pub struct PushRegister {
     pub d_tp: u16,
     pub num_tokens: u32,
     pub block_ids: Vec<u32>,
+    /// D's prefix-cache hit: the prompt's first `cached_blocks` blocks (of D's block size) are
+    /// already in D's own blocks, shared with other requests, and never written; `block_ids`
+    /// hold the prompt from there on, and P writes from the same token of its own blocks.
+    pub cached_blocks: u32,
 }
 
 /// Push mode, P to D, attached to the last WRITE of P rank `p_rank` into D rank `d_rank`.

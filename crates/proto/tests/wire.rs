@@ -173,6 +173,7 @@ fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
         d_tp: u16::MAX,
         num_tokens: u32::MAX,
         block_ids: vec![u32::MAX; MAX_REGISTERED_BLOCKS],
+        cached_blocks: u32::MAX,
     }));
     let full = HeartbeatEntry {
         handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX)),
@@ -224,6 +225,7 @@ fn message_kind_and_handoff_are_per_variant() {
             d_tp: 1,
             num_tokens: 0,
             block_ids: vec![],
+            cached_blocks: 0,
         }),
         Message::PushDone(PushDone {
             handoff: id,
@@ -565,6 +567,7 @@ fn push_register_with_too_many_block_ids_is_rejected() {
             d_tp: 1,
             num_tokens: 16 * n as u32,
             block_ids: (0..n as u32).collect(),
+            cached_blocks: 0,
         })
     };
     assert!(decode(&encode_raw(&reg(MAX_REGISTERED_BLOCKS))).is_ok());

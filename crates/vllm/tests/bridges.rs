@@ -591,6 +591,85 @@ fn a_push_through_the_vllm_hooks_writes_whole_pages_into_d_s_registered_blocks()
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
 }
 
+/// Push legs for a 40-token prompt: D's (`d-req`) arrived, its blocks not allocated yet; P's
+/// blocks 5, 6 and 9 hold the prompt (P's prefill not finished yet).
+fn cached_prefix_push(
+    p_id: &str,
+    d_id: &str,
+    kv_digest: bool,
+) -> (Engine, Engine, handoff_proto::KvTransferParams) {
+    let mut p = engine_with(p_id, "push", kv_digest);
+    let mut d = engine_with(d_id, "push", kv_digest);
+    let (p_leg, d_leg) = push_legs(&p, p_id);
+    assert_eq!(
+        d.sched.remote_prefill_arrived("d-req", &d_leg, 40),
+        Matched::Remote(40)
+    );
+    fill(&mut p, &[5, 6, 9], 0);
+    (p, d, p_leg)
+}
+
+/// The push counterpart of `a_pull_never_writes_a_block_d_s_prefix_cache_shares`: D registers
+/// only its own blocks, P writes from the first token after D's hit, and block 20 keeps D's
+/// bytes (a marker that differs from P's; no digest, so a write into it would show).
+#[test]
+fn a_push_never_writes_a_block_d_s_prefix_cache_shares() {
+    let (mut p, mut d, p_leg) = cached_prefix_push("vllm-p-pcache", "vllm-d-pcache", false);
+    fill(&mut d, &[20], 99);
+    let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
+    assert_ne!(
+        cached[0],
+        p.block(0, 5),
+        "the marker differs from P's bytes"
+    );
+    d.sched
+        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .unwrap();
+    for _ in 0..5 {
+        d.step();
+        p.step();
+    }
+    push_prefill_finished(&mut p, &p_leg, &[5, 6, 9]);
+    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
+    for (l, bytes) in cached.iter().enumerate() {
+        assert_eq!(
+            d.block(l, 20),
+            bytes,
+            "layer {l}: the cached block was written"
+        );
+        for (pb, db) in [(6u32, 12u32), (9, 13)] {
+            assert_eq!(
+                p.block(l, pb),
+                d.block(l, db),
+                "layer {l} block {pb} -> {db}"
+            );
+        }
+    }
+    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
+/// With the digest on, D checks the whole prompt after a push too: its own cached prefix (the
+/// same bytes as P's) and what P wrote sum to P's digest of the whole prompt.
+#[test]
+fn the_digest_of_a_push_after_a_prefix_cache_hit_covers_the_whole_prompt() {
+    let (mut p, mut d, p_leg) = cached_prefix_push("vllm-p-pcache2", "vllm-d-pcache2", true);
+    for l in 0..LAYERS {
+        let bytes = p.block(l, 5).to_vec();
+        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
+        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
+    }
+    d.sched
+        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .unwrap();
+    for _ in 0..5 {
+        d.step();
+        p.step();
+    }
+    push_prefill_finished(&mut p, &p_leg, &[5, 6, 9]);
+    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
+    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
 #[test]
 fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     let mut p = engine_in("vllm-stream-p", "push");

@@ -510,8 +510,9 @@ impl ConnectorCore {
 
     /// [`ConnectorCore::on_blocks_allocated`], on an engine with a prefix cache (vLLM): the
     /// prompt's first blocks, `cached`, already hold its KV and may be shared with other
-    /// requests; `blocks` are the request's own for the rest. A pull fills only `blocks`; a
-    /// push into a cached prefix is refused ([`handoff_ledger::AllocError::CachedPrefixInPush`]).
+    /// requests; `blocks` are the request's own for the rest. A pull and a push fill only
+    /// `blocks` (a push registers them with `PushRegister::cached_blocks`, so P writes from the
+    /// first token after the hit).
     pub fn on_blocks_allocated_after_cached(
         &mut self,
         request: u64,
@@ -526,12 +527,13 @@ impl ConnectorCore {
         let handoff = c
             .handoff_of(RequestId(request))
             .ok_or(ConnectorError::UnknownRequest(request))?;
+        let cached_tokens = cached.len() as u32 * self.spec.block_size;
         c.on_blocks_allocated_after_cached(handoff, cached, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
             if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
                 // P writes exactly the prompt's tokens: the rest of the last block is cleared
                 // now, before any write can land (the two never touch the same bytes).
-                let num_tokens = inc.num_tokens;
+                let num_tokens = inc.num_tokens.saturating_sub(cached_tokens);
                 for rank in 0..self.spec.tp as u16 {
                     self.out.worker_ops.push((
                         rank,
@@ -785,6 +787,7 @@ impl ConnectorCore {
                     p_digest,
                     num_tokens,
                     peer,
+                    cached,
                     ..
                 } => match p_digest.filter(|_| self.cfg.kv_digest) {
                     // Push: what landed is digested before anyone decodes it.
@@ -795,6 +798,7 @@ impl ConnectorCore {
                             num_tokens,
                             requests,
                             blocks,
+                            cached,
                             waited,
                             peer,
                         },

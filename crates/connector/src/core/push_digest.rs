@@ -50,6 +50,9 @@ pub(crate) struct Landed {
     pub(crate) num_tokens: u32,
     pub(crate) requests: Vec<RequestId>,
     pub(crate) blocks: Vec<u32>,
+    /// D's prefix-cache blocks before `blocks`: P's digest covers the whole prompt, so D's does
+    /// too.
+    pub(crate) cached: Vec<u32>,
     pub(crate) waited: WaitTimeline,
     pub(crate) peer: PeerId,
 }
@@ -108,12 +111,18 @@ impl ConnectorCore {
             });
         let deadline = now + read_timeout;
         let of = self.digest_of(landed.num_tokens);
+        let blocks: Vec<u32> = landed
+            .cached
+            .iter()
+            .chain(&landed.blocks)
+            .copied()
+            .collect();
         for rank in 0..self.ranks.len() as u16 {
             self.out.worker_ops.push((
                 rank,
                 WorkerOp::Digest {
                     handoff,
-                    blocks: landed.blocks.clone(),
+                    blocks: blocks.clone(),
                     of,
                 },
             ));

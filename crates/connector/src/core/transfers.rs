@@ -55,6 +55,8 @@ pub(super) struct PushState {
 struct ActiveWrite {
     d_peer: PeerId,
     d_blocks: Vec<u32>,
+    /// D's prefix-cache hit (D's blocks): `d_blocks` take the prompt from there on.
+    cached_blocks: u32,
     done: Vec<PushDone>,
     layers_posted: u32,
     /// Jobs posted and not yet ended: (posting P rank, job).
@@ -133,6 +135,7 @@ impl Transfers {
             ActiveWrite {
                 d_peer: w.d_peer,
                 d_blocks: w.dst_blocks,
+                cached_blocks: w.cached_blocks,
                 done: w.done,
                 layers_posted: 0,
                 jobs: Vec::new(),
@@ -459,6 +462,27 @@ impl ConnectorCore {
                 }
                 continue;
             };
+            // D's prefix-cache hit: D's blocks before `d_blocks` hold the prompt's first tokens
+            // (and other requests may be reading them), so the writes start at the token after
+            // them, from P's block that holds it.
+            let d_block_size = peer.layouts[0].spec.block_size;
+            let skip = w.cached_blocks.saturating_mul(d_block_size);
+            let src_blocks = match st.blocks.get((skip / my_block_size.max(1)) as usize..) {
+                Some(src) if skip % my_block_size.max(1) == 0 && skip < st.num_tokens => src,
+                _ => {
+                    tracing::warn!(
+                        %handoff,
+                        skip,
+                        "D's cached prefix does not end on a block of P's inside the prompt"
+                    );
+                    w.failed = true;
+                    if w.jobs.is_empty() {
+                        ended.push((*d_rank, false));
+                    }
+                    continue;
+                }
+            };
+            let prompt_left = st.num_tokens - skip;
             while w.layers_posted < st.layers_saved.min(num_layers) {
                 let layer = w.layers_posted;
                 let last = layer + 1 == num_layers;
@@ -488,17 +512,17 @@ impl ConnectorCore {
                 // otherwise only the prompt's tokens, D zeroed the rest when it registered.
                 let tokens = if opaque {
                     whole_blocks(
-                        (&st.blocks, my_block_size),
-                        (&w.d_blocks, peer.layouts[0].spec.block_size),
-                        st.num_tokens,
+                        (src_blocks, my_block_size),
+                        (&w.d_blocks, d_block_size),
+                        prompt_left,
                     )
                 } else {
-                    st.num_tokens
+                    prompt_left
                 };
                 let plan = match handoff_plan::plan_layers(
                     &my_layouts,
                     &peer.layouts,
-                    &st.blocks,
+                    src_blocks,
                     &w.d_blocks,
                     tokens,
                     layer..layer + 1,

@@ -202,15 +202,17 @@ pub fn push_register() -> impl Strategy<Value = PushRegister> + Clone {
         any::<u16>(),
         any::<u32>(),
         bounded_vec(any::<u32>(), MAX_REGISTERED_BLOCKS),
+        any::<u32>(),
     )
         .prop_map(
-            |(handoff, epoch, d_rank, d_tp, num_tokens, block_ids)| PushRegister {
+            |(handoff, epoch, d_rank, d_tp, num_tokens, block_ids, cached_blocks)| PushRegister {
                 handoff,
                 epoch,
                 d_rank,
                 d_tp,
                 num_tokens,
                 block_ids,
+                cached_blocks,
             },
         )
 }

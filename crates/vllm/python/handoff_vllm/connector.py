@@ -334,11 +334,9 @@ class HandoffConnector(KVConnectorBase_V1):
         needed = -(-prompt // self._block_size)
         # vLLM's prefix cache may already hold the prompt's first blocks (computed here, shared
         # with other requests, and told to get_num_new_matched_tokens block-aligned): a pull
-        # reads only the rest, never into a block another request may be reading. A push
-        # registers whole prompts, cached blocks included (P's WRITEs carry no token offset).
-        cached = 0
-        if params.get("transfer_mode") != "push":
-            cached = max(0, prompt - num_external_tokens) // self._block_size
+        # reads, and a push registers, only the rest, never a block another request may be
+        # reading (P's writes start at the first token after the hit).
+        cached = max(0, prompt - num_external_tokens) // self._block_size
         self._sched.blocks_allocated(request.request_id, block_ids[:needed], cached)
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False

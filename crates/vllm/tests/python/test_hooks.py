@@ -299,6 +299,51 @@ def test_a_request_aborted_while_it_waits_for_its_kv_frees_d_and_p_at_once(pd):
     assert time.monotonic() - aborted < 2.0
 
 
+def test_a_push_never_writes_the_blocks_d_s_prefix_cache_shares():
+    """Push counterpart of the test above: D's prefix cache holds the prompt's first two blocks,
+    D registers only the request's own blocks (and tells P how many it holds), and P's WRITEs
+    start at the token after them: the cached blocks keep D's KV, the rest hold P's."""
+    p = Engine("hooks-push-p-cached", kv_digest=False, mode="push")
+    d = Engine("hooks-push-d-cached", kv_digest=False, mode="push")
+    try:
+        prompt = list(range(41, 41 + 3 * BLOCK + 5))
+        d.add("filler", list(range(3000, 3000 + 2 * BLOCK + 3)), 1, None)
+        run_until([d], lambda: "filler" in d.finished, "D never computed the filler")
+        d.add("earlier", prompt[:2 * BLOCK] + [7, 8, 9], 1, None)
+        run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
+        handoff = "6e" * 16
+        req = d.add("d-req", prompt, 4, {
+            "do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
+            "remote_engine_id": "hooks-push-p-cached", "remote_host": "127.0.0.1",
+            "remote_port": p.sched.connector._sched.side_channel_port(), "tp_size": 1})
+        d.step()
+        d_blocks = d.blocks_of("d-req")
+        cached = d_blocks[:2]
+        assert all(holds(d, li, cached, cached) for li in range(len(LAYERS))), \
+            "the first two blocks are not D's cached prefix"
+        for _ in range(30):
+            d.step()
+            time.sleep(0.01)
+        p.add("p-req", prompt, 1, {"do_remote_decode": True, "transfer_mode": "push",
+                                   "handoff_id": handoff})
+        p.step()
+        p_blocks = p.blocks_of("p-req")
+        assert cached != p_blocks[:2], (cached, p_blocks)
+        run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
+        landed = d.landed["d-req"]
+        for li in range(len(LAYERS)):
+            assert holds(d, li, cached, cached, landed), \
+                f"layer {li}: P's WRITE wrote D's cached blocks"
+            assert holds(d, li, d_blocks[2:], p_blocks[2:], landed), \
+                f"layer {li}: P's KV did not land in D's own blocks"
+        run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+                  "D's request never left WAITING_FOR_REMOTE_KVS")
+        run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_a_push_streams_each_layer_while_vllm_computes_the_next_over_chunked_prefill():
     """Push, P's prompt prefilled in two chunks (vLLM's chunked prefill, 32 tokens a step): D's
     request registers its blocks first; P's handoff starts with the step that schedules the
