@@ -16,9 +16,10 @@ fn req() -> impl Strategy<Value = ReqSpec> {
         0u64..2500,
         0u8..8,
         0u64..1500,
+        prop_oneof![3 => Just(0u8), 1 => 1u8..3],
     )
         .prop_map(
-            |(at_ms, d, blocks, lag_ms, admit_after_ms, fate, fate_ms)| ReqSpec {
+            |(at_ms, d, blocks, lag_ms, admit_after_ms, fate, fate_ms, cached)| ReqSpec {
                 at_ms,
                 d,
                 blocks,
@@ -27,6 +28,7 @@ fn req() -> impl Strategy<Value = ReqSpec> {
                 // Half the requests do nothing special.
                 fate: if fate > 4 { 0 } else { fate },
                 fate_ms,
+                cached,
             },
         )
 }
@@ -120,6 +122,7 @@ fn one_slow_read(fate: u8, fate_ms: u64) -> (Vec<ReqSpec>, Faults) {
             admit_after_ms: 10,
             fate,
             fate_ms,
+            cached: 0,
         }],
         Faults {
             max_delay_ms: 5,

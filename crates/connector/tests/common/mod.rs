@@ -72,7 +72,16 @@ pub struct ReqSpec {
     /// releases at P instead.
     pub fate: u8,
     pub fate_ms: u64,
+    /// D's prefix cache holds this many of the prompt's first blocks already (at most one less
+    /// than `blocks`, and [`PREFIX_BLOCKS`]): no transfer may write them, and D's connector
+    /// never gives them back.
+    pub cached: u8,
 }
+
+/// D's prefix cache: blocks each D holds for the whole run (shared, never a transfer's).
+pub const PREFIX_BLOCKS: usize = 2;
+/// The owner of D's prefix-cache blocks in the pool.
+const PREFIX: u128 = u128::MAX;
 
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
@@ -219,6 +228,8 @@ struct Engine {
     jobs: BTreeMap<JobId, Job>,
     /// What the transport would serve: grant → (op, peer agents, blocks).
     grants: HashMap<GrantId, (XferOp, Vec<String>, Vec<u32>)>,
+    /// D: its prefix-cache blocks.
+    prefix: Vec<u32>,
 }
 
 #[derive(Default)]
@@ -309,6 +320,7 @@ impl Sim {
             pool: Pool::new(),
             jobs: BTreeMap::new(),
             grants: HashMap::new(),
+            prefix: Vec::new(),
         };
         let mut sim = Sim {
             now: Duration::ZERO,
@@ -337,6 +349,12 @@ impl Sim {
             report: Report::default(),
             trace: std::env::var_os("SIM_TRACE").is_some(),
         };
+        for e in &mut sim.engines[1..] {
+            e.prefix = e
+                .pool
+                .alloc(PREFIX_BLOCKS, PREFIX)
+                .expect("room for the prefix cache");
+        }
         for i in 0..sim.reqs.len() {
             let at = ms(sim.reqs[i].at_ms);
             sim.at(at, Ev::Create(i));
@@ -562,16 +580,22 @@ impl Sim {
                 }
                 let req = st.d_req;
                 let n = usize::from(self.reqs[i].blocks);
-                let Some(blocks) = self.engines[1 + d].pool.alloc(n, u128::from(req)) else {
+                let hit = usize::from(self.reqs[i].cached)
+                    .min(n.saturating_sub(1))
+                    .min(PREFIX_BLOCKS);
+                let Some(blocks) = self.engines[1 + d].pool.alloc(n - hit, u128::from(req)) else {
                     return; // stays queued until its deadline
                 };
                 for b in &blocks {
                     self.landed[d].remove(b);
                 }
-                match self.engines[1 + d]
-                    .core
-                    .on_blocks_allocated(req, blocks.clone(), now)
-                {
+                let cached = self.engines[1 + d].prefix[..hit].to_vec();
+                match self.engines[1 + d].core.on_blocks_allocated_after_cached(
+                    req,
+                    cached,
+                    blocks.clone(),
+                    now,
+                ) {
                     Ok(()) => self.state[i].d_blocks = blocks,
                     Err(_) => self.free(Node::D(d), &blocks, "refused allocation"),
                 }
@@ -1072,6 +1096,12 @@ impl Sim {
         }
         let e = &mut self.engines[node.idx()];
         for b in blocks {
+            if e.pool.owner.get(b) == Some(&PREFIX) {
+                self.errs.push(format!(
+                    "rule 1: {node:?} frees block {b} ({why}) of D's prefix cache, which no transfer owns, at {now:?}"
+                ));
+                continue;
+            }
             if e.pool.owner.remove(b).is_none() {
                 self.errs.push(format!(
                     "rule 1: {node:?} frees block {b} ({why}), which it does not hold, at {now:?}"
@@ -1159,7 +1189,7 @@ impl Sim {
             if !self.engines[1 + d].alive {
                 continue;
             }
-            let held = self.engines[1 + d].pool.owner.len();
+            let held = self.engines[1 + d].pool.owner.len() - PREFIX_BLOCKS;
             if held > 0 {
                 self.errs.push(format!(
                     "rule 1/6: D{d} still holds {held} blocks at the end"
