@@ -81,6 +81,9 @@ struct Request {
     prompt_blocks: Vec<u32>,
     /// D: the transfer failed and the policy says prefill here.
     recompute: bool,
+    /// P, push: the prompt blocks belong to the connector's handoff since the prefill started
+    /// (`on_push_prefill_start`); they come back through `BlocksReleased`, never freed here.
+    handed_over: bool,
 }
 
 struct Seq {
@@ -273,6 +276,7 @@ impl Scheduler {
             gen_blocks: vec![],
             prompt_blocks: vec![],
             recompute: false,
+            handed_over: false,
         });
     }
 
@@ -309,6 +313,7 @@ impl Scheduler {
             gen_blocks,
             prompt_blocks: prompt.clone(),
             recompute: false,
+            handed_over: false,
             sub,
         };
         match c.on_blocks_allocated(r.sub.id, prompt) {
@@ -523,7 +528,7 @@ impl Scheduler {
         }
     }
 
-    fn prefill(&mut self, r: Request) {
+    fn prefill(&mut self, mut r: Request) {
         let started = Instant::now();
         let prompt = &r.sub.prompt;
         let prefix = model::prefix_hashes(prompt, 0);
@@ -541,6 +546,7 @@ impl Scheduler {
             {
                 return self.fail_local(r, e.to_string());
             }
+            r.handed_over = true;
         }
         // The forward pass, layer by layer: each layer's KV exists once its share of the cost is
         // spent, and in push mode it leaves for D at once, overlapping the rest of the prefill.
@@ -638,7 +644,12 @@ impl Scheduler {
 
     fn fail_local(&mut self, r: Request, message: String) {
         tracing::error!(request = %r.sub.external_id, %message, "request failed");
-        self.pool.free(&r.prompt_blocks);
+        // A push handoff that started keeps its blocks until it ends (D gives up on it by its
+        // push deadline, P's lease runs out): freeing them here would free them twice, and let
+        // another request take blocks a WRITE may still read.
+        if !r.handed_over {
+            self.pool.free(&r.prompt_blocks);
+        }
         self.pool.free(&r.gen_blocks.concat());
         self.metrics.outcome("failed");
         let _ = r.sub.events.send(SeqEvent::Error {
