@@ -877,6 +877,19 @@ fn silent_p_ends_the_request_within_its_wait_deadline() {
     assert_eq!(pair.d_releases.len(), 1);
 }
 
+/// D's ledger never handed `block` (a prefix-cache block) back to the engine.
+fn d_never_gave_back(pair: &Pair, block: u32) {
+    let d_blocks: Vec<u32> = pair
+        .d_releases
+        .iter()
+        .flat_map(|r| r.blocks.clone())
+        .collect();
+    assert!(
+        !d_blocks.contains(&block),
+        "D's ledger gave back a cached block: {d_blocks:?}"
+    );
+}
+
 /// D's prefix cache holds the prompt's first block: the read names it as cached (never a
 /// destination), and only the request's own blocks come back when the handoff ends.
 #[test]
@@ -894,15 +907,7 @@ fn a_read_after_a_prefix_cache_hit_never_targets_the_cached_blocks() {
     assert_eq!(read.dst_blocks, vec![71, 72]);
     pair.complete_read(&read);
     assert!(matches!(pair.outcomes.as_slice(), [Outcome::Ready { .. }]));
-    let d_blocks: Vec<u32> = pair
-        .d_releases
-        .iter()
-        .flat_map(|r| r.blocks.clone())
-        .collect();
-    assert!(
-        !d_blocks.contains(&70),
-        "D's ledger gave back a cached block: {d_blocks:?}"
-    );
+    d_never_gave_back(&pair, 70);
 }
 
 /// Push after a prefix-cache hit on D: D registers only the request's own blocks and says how
@@ -941,15 +946,7 @@ fn a_push_after_a_prefix_cache_hit_registers_and_writes_only_the_rest() {
         pair.outcomes.as_slice(),
         [Outcome::Ready { blocks, cached, .. }] if blocks == &vec![71] && cached == &vec![70]
     ));
-    let d_blocks: Vec<u32> = pair
-        .d_releases
-        .iter()
-        .flat_map(|r| r.blocks.clone())
-        .collect();
-    assert!(
-        !d_blocks.contains(&70),
-        "D's ledger gave back a cached block: {d_blocks:?}"
-    );
+    d_never_gave_back(&pair, 70);
 }
 
 // ----- push -----

@@ -156,32 +156,12 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
 #[test]
 fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
     let (mut p, mut d) = cached_prefix_pull("vllm-p-cache", "vllm-d-cache", false);
-    fill(&mut d, &[20], 99);
-    let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
-    assert_ne!(
-        cached[0],
-        p.block(0, 5),
-        "the marker differs from P's bytes"
-    );
+    let cached = mark_cached_block(&p, &mut d);
     d.sched
         .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
         .unwrap();
     resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
-    for (l, bytes) in cached.iter().enumerate() {
-        assert_eq!(
-            d.block(l, 20),
-            bytes,
-            "layer {l}: the cached block was written"
-        );
-        for (pb, db) in [(6u32, 12u32), (9, 13)] {
-            assert_eq!(
-                p.block(l, pb),
-                d.block(l, db),
-                "layer {l} block {pb} -> {db}"
-            );
-        }
-    }
-    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+    kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
 /// With the digest on, D checks the whole prompt's KV, its cached prefix included: the prefix D
@@ -189,11 +169,7 @@ fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
 #[test]
 fn the_digest_of_a_pull_after_a_prefix_cache_hit_covers_the_whole_prompt() {
     let (mut p, mut d) = cached_prefix_pull("vllm-p-cache2", "vllm-d-cache2", true);
-    for l in 0..LAYERS {
-        let bytes = p.block(l, 5).to_vec();
-        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
-        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
-    }
+    cache_p_s_first_block(&p, &mut d);
     d.sched
         .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
         .unwrap();
@@ -213,6 +189,63 @@ fn cached_prefix_pull(p_id: &str, d_id: &str, kv_digest: bool) -> (Engine, Engin
         Matched::Remote(40)
     );
     (p, d)
+}
+
+/// Fills D's block 20 (its prefix cache hit in these tests) with a marker that differs from
+/// P's bytes for the same tokens, and returns it per layer.
+fn mark_cached_block(p: &Engine, d: &mut Engine) -> Vec<Vec<u8>> {
+    fill(d, &[20], 99);
+    let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
+    assert_ne!(
+        cached[0],
+        p.block(0, 5),
+        "the marker differs from P's bytes"
+    );
+    cached
+}
+
+/// D's block 20 still holds `cached` in every layer, its blocks 12 and 13 hold P's 6 and 9, and
+/// both engines end clean.
+fn kept_cached_and_landed_the_rest(p: &mut Engine, d: &mut Engine, cached: &[Vec<u8>]) {
+    for (l, bytes) in cached.iter().enumerate() {
+        assert_eq!(
+            d.block(l, 20),
+            bytes,
+            "layer {l}: the cached block was written"
+        );
+        for (pb, db) in [(6u32, 12u32), (9, 13)] {
+            assert_eq!(
+                p.block(l, pb),
+                d.block(l, db),
+                "layer {l} block {pb} -> {db}"
+            );
+        }
+    }
+    all_end(p, d, &[("d-req", vec![20, 12, 13], 40)]);
+}
+
+/// D's block 20 gets P's block 5 (the prompt's first tokens, as D's own prefill would have
+/// written them): with the digest on, the whole prompt then matches P's.
+fn cache_p_s_first_block(p: &Engine, d: &mut Engine) {
+    for l in 0..LAYERS {
+        let bytes = p.block(l, 5).to_vec();
+        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
+        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
+    }
+}
+
+/// D allocates blocks 12 and 13 after its hit on block 20 and registers them; P's prefill of
+/// `p-req` (blocks 5, 6, 9) ends and its writes land.
+fn push_after_the_hit(p: &mut Engine, d: &mut Engine, p_leg: &handoff_proto::KvTransferParams) {
+    d.sched
+        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .unwrap();
+    for _ in 0..5 {
+        d.step();
+        p.step();
+    }
+    push_prefill_finished(p, p_leg, &[5, 6, 9]);
+    resumed_and_freed(p, d, "p-req", "d-req");
 }
 
 /// Steps both engines until D's request resumed (never failed) and P gave its blocks back (10 s
@@ -615,37 +648,9 @@ fn cached_prefix_push(
 #[test]
 fn a_push_never_writes_a_block_d_s_prefix_cache_shares() {
     let (mut p, mut d, p_leg) = cached_prefix_push("vllm-p-pcache", "vllm-d-pcache", false);
-    fill(&mut d, &[20], 99);
-    let cached: Vec<Vec<u8>> = (0..LAYERS).map(|l| d.block(l, 20).to_vec()).collect();
-    assert_ne!(
-        cached[0],
-        p.block(0, 5),
-        "the marker differs from P's bytes"
-    );
-    d.sched
-        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
-        .unwrap();
-    for _ in 0..5 {
-        d.step();
-        p.step();
-    }
-    push_prefill_finished(&mut p, &p_leg, &[5, 6, 9]);
-    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
-    for (l, bytes) in cached.iter().enumerate() {
-        assert_eq!(
-            d.block(l, 20),
-            bytes,
-            "layer {l}: the cached block was written"
-        );
-        for (pb, db) in [(6u32, 12u32), (9, 13)] {
-            assert_eq!(
-                p.block(l, pb),
-                d.block(l, db),
-                "layer {l} block {pb} -> {db}"
-            );
-        }
-    }
-    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+    let cached = mark_cached_block(&p, &mut d);
+    push_after_the_hit(&mut p, &mut d, &p_leg);
+    kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
 /// With the digest on, D checks the whole prompt after a push too: its own cached prefix (the
@@ -653,20 +658,8 @@ fn a_push_never_writes_a_block_d_s_prefix_cache_shares() {
 #[test]
 fn the_digest_of_a_push_after_a_prefix_cache_hit_covers_the_whole_prompt() {
     let (mut p, mut d, p_leg) = cached_prefix_push("vllm-p-pcache2", "vllm-d-pcache2", true);
-    for l in 0..LAYERS {
-        let bytes = p.block(l, 5).to_vec();
-        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
-        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
-    }
-    d.sched
-        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
-        .unwrap();
-    for _ in 0..5 {
-        d.step();
-        p.step();
-    }
-    push_prefill_finished(&mut p, &p_leg, &[5, 6, 9]);
-    resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
+    cache_p_s_first_block(&p, &mut d);
+    push_after_the_hit(&mut p, &mut d, &p_leg);
     all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
 }
 

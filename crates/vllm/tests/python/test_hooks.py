@@ -234,6 +234,27 @@ def test_a_pulled_request_waits_in_vllm_s_queue_reads_p_s_blocks_and_computes_on
     assert d.free_blocks() == d_idle
 
 
+def cache_first_two_blocks(d: Engine, prompt: list[int]) -> None:
+    """D computes an unrelated request, then one with `prompt`'s first two blocks, so that
+    vLLM's prefix cache holds them under other ids than P's (the pattern names block ids:
+    equal ids would hide a write)."""
+    d.add("filler", list(range(3000, 3000 + 2 * BLOCK + 3)), 1, None)
+    run_until([d], lambda: "filler" in d.finished, "D never computed the filler")
+    d.add("earlier", prompt[:2 * BLOCK] + [7, 8, 9], 1, None)
+    run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
+
+
+def landed_around(d: Engine, cached: list[int], own: list[int], p_own: list[int]) -> None:
+    """When d-req's KV was reported landed, its cached blocks still held D's own KV and its own
+    blocks held P's."""
+    landed = d.landed["d-req"]
+    for li in range(len(LAYERS)):
+        assert holds(d, li, cached, cached, landed), \
+            f"layer {li}: the transfer wrote D's cached blocks"
+        assert holds(d, li, own, p_own, landed), \
+            f"layer {li}: P's KV did not land in D's own blocks"
+
+
 def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
     """D's vLLM prefix cache already holds the prompt's first two blocks (D computed them for an
     earlier request; another request may be reading them now). vLLM tells the connector of the
@@ -244,13 +265,7 @@ def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
     d = Engine("hooks-d-cached", kv_digest=False)
     try:
         prompt = list(range(21, 21 + 3 * BLOCK + 5))
-        # An unrelated request first, so that D's cached blocks get other ids than P's (the
-        # pattern names block ids: equal ids would hide a write).
-        d.add("filler", list(range(3000, 3000 + 2 * BLOCK + 3)), 1, None)
-        run_until([d], lambda: "filler" in d.finished, "D never computed the filler")
-        # An earlier request on D with the same first two blocks, computed there.
-        d.add("earlier", prompt[:2 * BLOCK] + [7, 8, 9], 1, None)
-        run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
+        cache_first_two_blocks(d, prompt)
         params, p_blocks = prefill_on_p(p, prompt)
         req = d.add("d-req", prompt, 4, dict(params))
         d.step()
@@ -260,12 +275,7 @@ def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
         assert all(holds(d, li, cached, cached) for li in range(len(LAYERS))), \
             "the first two blocks are not D's cached prefix"
         run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
-        landed = d.landed["d-req"]
-        for li in range(len(LAYERS)):
-            assert holds(d, li, cached, cached, landed), \
-                f"layer {li}: the READ wrote D's cached blocks"
-            assert holds(d, li, d_blocks[2:], p_blocks[2:], landed), \
-                f"layer {li}: P's KV did not land in D's own blocks"
+        landed_around(d, cached, d_blocks[2:], p_blocks[2:])
         run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
                   "D's request never left WAITING_FOR_REMOTE_KVS")
         run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
@@ -307,10 +317,7 @@ def test_a_push_never_writes_the_blocks_d_s_prefix_cache_shares():
     d = Engine("hooks-push-d-cached", kv_digest=False, mode="push")
     try:
         prompt = list(range(41, 41 + 3 * BLOCK + 5))
-        d.add("filler", list(range(3000, 3000 + 2 * BLOCK + 3)), 1, None)
-        run_until([d], lambda: "filler" in d.finished, "D never computed the filler")
-        d.add("earlier", prompt[:2 * BLOCK] + [7, 8, 9], 1, None)
-        run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
+        cache_first_two_blocks(d, prompt)
         handoff = "6e" * 16
         req = d.add("d-req", prompt, 4, {
             "do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
@@ -330,12 +337,7 @@ def test_a_push_never_writes_the_blocks_d_s_prefix_cache_shares():
         p_blocks = p.blocks_of("p-req")
         assert cached != p_blocks[:2], (cached, p_blocks)
         run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
-        landed = d.landed["d-req"]
-        for li in range(len(LAYERS)):
-            assert holds(d, li, cached, cached, landed), \
-                f"layer {li}: P's WRITE wrote D's cached blocks"
-            assert holds(d, li, d_blocks[2:], p_blocks[2:], landed), \
-                f"layer {li}: P's KV did not land in D's own blocks"
+        landed_around(d, cached, d_blocks[2:], p_blocks[2:])
         run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
                   "D's request never left WAITING_FOR_REMOTE_KVS")
         run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
