@@ -111,12 +111,7 @@ impl ConnectorCore {
             });
         let deadline = now + read_timeout;
         let of = self.digest_of(landed.num_tokens);
-        let blocks: Vec<u32> = landed
-            .cached
-            .iter()
-            .chain(&landed.blocks)
-            .copied()
-            .collect();
+        let blocks = [&landed.cached[..], &landed.blocks[..]].concat();
         for rank in 0..self.ranks.len() as u16 {
             self.out.worker_ops.push((
                 rank,

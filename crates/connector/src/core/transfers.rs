@@ -274,12 +274,7 @@ impl ConnectorCore {
         // The whole prompt's KV is digested, the cached prefix included: P's digest covers
         // every token.
         let digested = digest.map(|_| {
-            let blocks: Vec<u32> = r
-                .cached_blocks
-                .iter()
-                .chain(&r.dst_blocks)
-                .copied()
-                .collect();
+            let blocks = [&r.cached_blocks[..], &r.dst_blocks[..]].concat();
             let of = DigestOf {
                 num_tokens: r.num_tokens,
                 whole_blocks: opaque,

@@ -244,15 +244,20 @@ def cache_first_two_blocks(d: Engine, prompt: list[int]) -> None:
     run_until([d], lambda: "earlier" in d.finished, "D never computed the earlier request")
 
 
-def landed_around(d: Engine, cached: list[int], own: list[int], p_own: list[int]) -> None:
-    """When d-req's KV was reported landed, its cached blocks still held D's own KV and its own
-    blocks held P's."""
+def landed_around_then_decoded(p: Engine, d: Engine, req, d_blocks: list[int],
+                               p_blocks: list[int], cached: int) -> None:
+    """When d-req's KV was reported landed, its first `cached` blocks (D's prefix cache) still
+    held D's own KV and the rest held P's; then D decodes it."""
+    run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
     landed = d.landed["d-req"]
     for li in range(len(LAYERS)):
-        assert holds(d, li, cached, cached, landed), \
+        assert holds(d, li, d_blocks[:cached], d_blocks[:cached], landed), \
             f"layer {li}: the transfer wrote D's cached blocks"
-        assert holds(d, li, own, p_own, landed), \
+        assert holds(d, li, d_blocks[cached:], p_blocks[cached:], landed), \
             f"layer {li}: P's KV did not land in D's own blocks"
+    run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+              "D's request never left WAITING_FOR_REMOTE_KVS")
+    run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
 
 
 def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
@@ -274,11 +279,7 @@ def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
         assert cached != p_blocks[:2], (cached, p_blocks)
         assert all(holds(d, li, cached, cached) for li in range(len(LAYERS))), \
             "the first two blocks are not D's cached prefix"
-        run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
-        landed_around(d, cached, d_blocks[2:], p_blocks[2:])
-        run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
-                  "D's request never left WAITING_FOR_REMOTE_KVS")
-        run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+        landed_around_then_decoded(p, d, req, d_blocks, p_blocks, cached=2)
     finally:
         p.shutdown()
         d.shutdown()
@@ -336,11 +337,7 @@ def test_a_push_never_writes_the_blocks_d_s_prefix_cache_shares():
         p.step()
         p_blocks = p.blocks_of("p-req")
         assert cached != p_blocks[:2], (cached, p_blocks)
-        run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
-        landed_around(d, cached, d_blocks[2:], p_blocks[2:])
-        run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
-                  "D's request never left WAITING_FOR_REMOTE_KVS")
-        run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+        landed_around_then_decoded(p, d, req, d_blocks, p_blocks, cached=2)
     finally:
         p.shutdown()
         d.shutdown()
