@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -51,10 +52,14 @@ HOLD_WRITES_FILE = Path(f"/tmp/handoff-vllm-hold-writes-{os.getpid()}")
 
 
 class Server:
+    # Every server started in this session: a failed test's report quotes their logs.
+    started: list["Server"] = []
+
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
                  env_extra: dict | None = None, log_stats: bool = False,
                  host: str = "127.0.0.1", netns: str | None = None):
         """`netns`: run the server inside that network namespace, listening on `host`."""
+        Server.started.append(self)
         self.name = name
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
@@ -104,6 +109,17 @@ class Server:
             return "\n".join(self.log_path.read_text().splitlines()[-n:])
         except OSError:
             return ""
+
+    def connector_lines(self, n: int = 40) -> str:
+        """The last `n` lines of the log that come from handoff or say something went wrong:
+        what a failed test's report needs to tell a flake from a bug (the log itself is gone
+        once the next run starts)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        keep = re.compile(r"handoff| ERROR |panicked")
+        return "\n".join([ln for ln in lines if keep.search(ln)][-n:])
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:
@@ -170,6 +186,17 @@ def usage_back_to(server: Server, idle: float, since: float, limit_s: float) -> 
 
 # What the tests measured, written as one JSON object at the end (scripts/test-vllm prints it).
 REPORT: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the handoff lines of every server's log."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" and rep.failed:
+        for s in Server.started:
+            rep.sections.append((f"{s.name}'s log, handoff lines ({s.log_path})",
+                                 s.connector_lines()))
 
 
 def pytest_sessionfinish(session, exitstatus):
