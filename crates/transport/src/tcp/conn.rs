@@ -576,7 +576,18 @@ impl Tx {
         let mut rest = &mut iov[..];
         let mut at = 0;
         while !rest.is_empty() {
-            match self.stream.write_vectored(rest) {
+            // `sendmsg` with MSG_NOSIGNAL, not `write_vectored` (`writev`): a peer that closed
+            // must fail the call, not raise SIGPIPE in a host process that did not ignore it (a
+            // C or C++ engine, libFuzzer's main). std's `write` already passes the flag.
+            let mut no_control = rustix::net::SendAncillaryBuffer::default();
+            let sent = rustix::net::sendmsg(
+                &self.stream,
+                rest,
+                &mut no_control,
+                rustix::net::SendFlags::NOSIGNAL,
+            )
+            .map_err(io::Error::from);
+            match sent {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     at += n;
