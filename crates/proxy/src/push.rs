@@ -22,7 +22,7 @@ use crate::pool::{InFlight, Instance, Role};
 use crate::relay::{relay, Marks};
 use crate::routes::{
     forward_headers, internal, mark_down_if_unreachable, prefill_leg, prefill_leg_body, read_body,
-    read_capped, release, ReleaseGuard,
+    read_capped, release, release_detached, ReleaseGuard,
 };
 use crate::{Shared, TransferMode};
 
@@ -355,7 +355,7 @@ async fn prefill_failed(
 ) -> ProxyError {
     release.disarm();
     let released = match leg.after_failure(&f) {
-        Some(r) => Some(r.await),
+        Some(r) => Some(release_detached(r).await),
         None => None,
     };
     let mut e = f.error;

@@ -1,5 +1,6 @@
 //! HTTP endpoints and the pull flow (the push flow is in `push.rs`).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -473,8 +474,9 @@ pub(crate) async fn read_capped(mut resp: reqwest::Response, deadline: Instant) 
 
 /// Tells P to release a handoff that D never got. Armed from the moment P answered (pull) or the
 /// legs were sent (push); disarmed once D accepted. On an error path the flow calls
-/// [`ReleaseGuard::release_now`] and awaits it; if the client goes away meanwhile (the handler
-/// future is dropped) the release is sent from a task.
+/// [`ReleaseGuard::release_now`] and awaits it; the release runs in a task of its own, so a
+/// client that goes away meanwhile (the handler future is dropped) does not cancel it. Dropped
+/// while armed (the client left before D answered), it sends the release from a task.
 pub(crate) struct ReleaseGuard {
     shared: Arc<Shared>,
     p: Arc<Instance>,
@@ -505,13 +507,13 @@ impl ReleaseGuard {
 
     pub(crate) async fn release_now(&mut self, reason: &str) -> bool {
         self.armed = false;
-        release(
+        release_detached(release(
             self.shared.clone(),
             self.p.clone(),
             self.params.clone(),
             self.rid.clone(),
             reason.to_string(),
-        )
+        ))
         .await
     }
 }
@@ -531,6 +533,13 @@ impl Drop for ReleaseGuard {
             ));
         }
     }
+}
+
+/// Runs a release in a task of its own and waits for its answer. Once the flow has decided to
+/// release, the client going away (the handler future dropped mid-call) must not cancel the
+/// call: P would keep the blocks until its lease ran out.
+pub(crate) async fn release_detached(call: impl Future<Output = bool> + Send + 'static) -> bool {
+    tokio::spawn(call).await.unwrap_or(false)
 }
 
 /// POST `{P}/v1/handoff/release` with `{"kv_transfer_params": params}`, within `release_timeout`.

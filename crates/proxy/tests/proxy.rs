@@ -370,6 +370,37 @@ async fn client_gone_before_decode_answers_releases_prefill() {
 }
 
 #[tokio::test]
+async fn client_gone_while_p_is_told_to_release_still_releases() {
+    bounded(async {
+        let log = Log::default();
+        let p = Fake::prefill("P1", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        d.set_status(503);
+        // P answers a release after 600 ms, and applies it only then.
+        p.set_release_delay(Duration::from_millis(600));
+        let proxy = proxy(&[&p], &[&d]).await;
+        let c = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_millis(250))
+            .build()
+            .unwrap();
+        let r = c
+            .post(format!("{}/v1/completions", proxy.url()))
+            .json(&completion())
+            .send()
+            .await;
+        assert!(r.is_err(), "the client gave up while P was being told");
+        assert_eq!(d.received().len(), 1, "D refused its leg");
+        wait_until(|| p.releases().len() == 1).await;
+        assert_eq!(
+            p.releases()[0]["kv_transfer_params"]["handoff_id"],
+            p.issued()[0]["handoff_id"]
+        );
+    })
+    .await
+}
+
+#[tokio::test]
 async fn prefill_failure_fails_loudly_and_never_calls_decode() {
     bounded(async {
         let log = Log::default();

@@ -463,6 +463,37 @@ async fn client_gone_drops_both_legs_and_releases_prefill() {
 }
 
 #[tokio::test]
+async fn client_gone_while_p_is_told_to_release_after_its_failure_still_releases() {
+    bounded(async {
+        let log = Log::default();
+        let p = Fake::prefill("P1", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        d.set_head_delay(Duration::from_secs(20));
+        p.set_status(500);
+        // P answers a release after 600 ms, and applies it only then.
+        p.set_release_delay(Duration::from_millis(600));
+        let proxy = proxy(&[&p], &[&d]).await;
+        let c = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_millis(250))
+            .build()
+            .unwrap();
+        let r = c
+            .post(format!("{}/v1/completions", proxy.url()))
+            .json(&completion())
+            .send()
+            .await;
+        assert!(r.is_err(), "the client gave up while P was being told");
+        wait_until(|| p.releases().len() == 1).await;
+        assert_eq!(
+            p.releases()[0]["kv_transfer_params"]["handoff_id"],
+            handoff_of(&p, 0).as_str()
+        );
+    })
+    .await
+}
+
+#[tokio::test]
 async fn prefill_info_is_checked_cached_and_refreshed() {
     bounded(async {
         let log = Log::default();

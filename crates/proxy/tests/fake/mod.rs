@@ -59,8 +59,11 @@ pub struct FakeState {
     pub received: Mutex<Vec<Recorded>>,
     /// The kv_transfer_params this P handed out.
     pub issued: Mutex<Vec<Value>>,
-    /// Bodies of release requests received.
+    /// Bodies of release requests answered (a release whose caller hung up before the answer
+    /// is not applied, as a real P's handler dropped with its connection would not).
     pub releases: Mutex<Vec<Value>>,
+    /// Delay before a release is applied and answered.
+    pub release_delay_ms: AtomicU64,
     /// Status of GET /health.
     pub health: AtomicU16,
     /// Status of completion answers (200 = normal).
@@ -114,6 +117,7 @@ impl Fake {
             health: AtomicU16::new(200),
             status: AtomicU16::new(200),
             head_delay_ms: AtomicU64::new(0),
+            release_delay_ms: AtomicU64::new(0),
             chunk_delay_ms: AtomicU64::new(20),
             chunks: AtomicU64::new(3),
             stream_finished: AtomicBool::new(false),
@@ -209,6 +213,12 @@ impl Fake {
 
     pub fn set_status(&self, status: u16) {
         self.state.status.store(status, Ordering::SeqCst);
+    }
+
+    pub fn set_release_delay(&self, d: Duration) {
+        self.state
+            .release_delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
     }
 
     pub fn set_head_delay(&self, d: Duration) {
@@ -321,6 +331,10 @@ impl Drop for Pending {
 }
 
 async fn release(State(s): State<Arc<FakeState>>, Json(body): Json<Value>) -> Json<Value> {
+    let delay = s.release_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
     s.log.push(&format!("{}:release", s.name));
     s.releases.lock().unwrap().push(body);
     Json(json!({"released": true}))
