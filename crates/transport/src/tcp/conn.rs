@@ -116,6 +116,8 @@ pub(super) struct Conn {
     closed: AtomicBool,
     state: Mutex<ConnState>,
     backlog: Backlog,
+    /// The most bytes the writer ever staged at once (tests check the bound holds).
+    staged_peak: AtomicUsize,
 }
 
 impl Conn {
@@ -141,6 +143,7 @@ impl Conn {
                 max: max_queued,
                 peak: AtomicUsize::new(0),
             },
+            staged_peak: AtomicUsize::new(0),
         };
         (Arc::new(conn), rx)
     }
@@ -208,6 +211,12 @@ impl Conn {
     #[cfg(test)]
     pub fn backlog_peak(&self) -> usize {
         self.backlog.peak.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes the writer staged at once.
+    #[cfg(test)]
+    pub fn staged_peak(&self) -> usize {
+        self.staged_peak.load(Ordering::Relaxed)
     }
 
     /// The writer sent (or dropped) an answer of this weight.
@@ -618,17 +627,26 @@ impl Tx {
             let r = region.with_span_batched(pos, end - pos, BATCH_BYTES, |pieces| {
                 let n = self.send_some(pieces).map_err(PieceErr::Io)?;
                 let len: usize = pieces.iter().map(|p| p.len()).sum();
-                pos += len;
                 if n < len {
-                    // The peer is slow: send the rest of these pieces without their locks.
-                    let mut sent = n;
+                    // The peer is slow: the rest of the piece it stopped in goes without the
+                    // locks, and the pieces after it are sent from the region again. Staging
+                    // only that piece keeps a stalled connection's buffer at one piece (a
+                    // chunk), not a whole group of up to `BATCH_BYTES`.
+                    let mut skip = n;
                     for p in pieces {
-                        let skip = sent.min(p.len());
-                        stage.extend_from_slice(&p[skip..]);
-                        sent -= skip;
+                        if skip < p.len() {
+                            stage.extend_from_slice(&p[skip..]);
+                            break;
+                        }
+                        skip -= p.len();
                     }
+                    pos += n + stage.len();
+                    self.conn
+                        .staged_peak
+                        .fetch_max(stage.len(), Ordering::Relaxed);
                     return Err(PieceErr::Stall);
                 }
+                pos += len;
                 Ok(())
             });
             match r {

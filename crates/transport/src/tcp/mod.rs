@@ -287,6 +287,18 @@ impl Inner {
         Ok((spans, total))
     }
 
+    /// The most bytes any live connection's writer ever staged at once.
+    #[cfg(test)]
+    pub(super) fn staged_peak(&self) -> usize {
+        let outs: Vec<Arc<Conn>> = self.peers.lock().values().map(|p| p.conn.clone()).collect();
+        let ins: Vec<Arc<Conn>> = self.inbound.lock().values().cloned().collect();
+        outs.iter()
+            .chain(&ins)
+            .map(|c| c.staged_peak())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The most answer descriptors any live inbound connection ever had queued.
     #[cfg(test)]
     pub(super) fn backlog_peak(&self) -> usize {

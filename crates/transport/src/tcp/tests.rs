@@ -791,6 +791,11 @@ fn a_span_paused_mid_group_lands_byte_exact() {
         assert!(snapshot(&rb[0]) == want_b[0], "{op:?}: b's memory differs");
     }
     assert!(a.drain_dead_peers().is_empty());
+    // a's WRITE stalled while b could not land: a staged the rest of one piece (a chunk of
+    // 3000 bytes here), never the rest of a whole group (up to 2 MiB).
+    let staged = a.inner.staged_peak();
+    assert!(staged > 0, "the WRITE never stalled");
+    assert!(staged <= 3000, "{staged} bytes staged at once");
 }
 
 #[test]
