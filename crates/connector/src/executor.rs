@@ -609,7 +609,14 @@ impl Executor {
                         })
                         .inc();
                 }
-                SideEvent::Frame { conn, msg } => self.core.handle_frame(conn, msg, now),
+                SideEvent::Frame { conn, msg, ticket } => {
+                    self.core.handle_frame(conn, msg, now);
+                    drop(ticket);
+                }
+                SideEvent::Backpressured { conn } => {
+                    self.metrics.side_backpressured.inc();
+                    tracing::debug!(conn, "a side-channel peer sends faster than this engine handles; its reader waits");
+                }
                 SideEvent::Connected {
                     engine,
                     attempt,

@@ -48,6 +48,7 @@ pub struct Metrics {
     pub handshakes_refused: Counter,
     pub anonymous_refused: Counter,
     pub side_refused: Family<ReasonLabels, Counter>,
+    pub side_backpressured: Counter,
     pub transport_refused: Counter,
     pub transfers_refused: Counter,
     pub rejects_of_tracked_handoffs: Counter,
@@ -91,6 +92,7 @@ impl Metrics {
             handshakes_refused: Counter::default(),
             anonymous_refused: Counter::default(),
             side_refused: Family::default(),
+            side_backpressured: Counter::default(),
             transport_refused: Counter::default(),
             transfers_refused: Counter::default(),
             rejects_of_tracked_handoffs: Counter::default(),
@@ -194,6 +196,11 @@ impl Metrics {
             "side_connections_refused",
             "Side-channel connections closed before their first frame, per reason (connection_cap, authentication, handshake)",
             m.side_refused.clone(),
+        );
+        r.register(
+            "side_reader_backpressured",
+            "Times a side-channel connection's reader stopped reading because 64 of its frames waited for the executor (a peer sending faster than this engine handles)",
+            m.side_backpressured.clone(),
         );
         r.register(
             "transport_connections_refused",

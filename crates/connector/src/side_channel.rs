@@ -91,8 +91,16 @@ pub enum SideEvent {
     },
     /// An inbound connection was closed before its first frame reached the core.
     Refused(RefusedBy),
-    /// A frame on an established connection.
-    Frame { conn: ConnId, msg: Message },
+    /// A frame on an established connection. `ticket` holds its place among the connection's
+    /// unhandled frames until the event is dropped (see [`MAX_UNHANDLED_FRAMES`]).
+    Frame {
+        conn: ConnId,
+        msg: Message,
+        ticket: FrameTicket,
+    },
+    /// A connection's reader stopped reading: [`MAX_UNHANDLED_FRAMES`] of its frames wait for
+    /// the executor (counted; the peer sends faster than this engine handles).
+    Backpressured { conn: ConnId },
     /// Our connect attempt `attempt` to `engine` got `reply` to its hello.
     Connected {
         engine: String,
@@ -266,7 +274,33 @@ fn write_loop(
     }
 }
 
-/// Reads frames until the connection ends; every frame goes to the executor.
+/// Most frames of one connection handed to the executor and not handled yet. Past it the
+/// connection's reader stops reading, so a peer that sends faster than this engine handles (a
+/// flood of valid frames) slows only itself, as TCP pushes back on it, and the executor's queue
+/// holds at most this many frames per connection: other peers' frames, the workers' reports and
+/// the scheduler's calls wait behind no unbounded backlog.
+pub const MAX_UNHANDLED_FRAMES: usize = 64;
+
+/// A frame's place among its connection's unhandled frames, given back when the event that
+/// carries it is dropped (handled, or dropped unhandled by a stopped executor).
+#[derive(Debug)]
+pub struct FrameTicket(Arc<AtomicUsize>);
+
+impl FrameTicket {
+    fn take(unhandled: &Arc<AtomicUsize>) -> FrameTicket {
+        unhandled.fetch_add(1, Ordering::AcqRel);
+        FrameTicket(unhandled.clone())
+    }
+}
+
+impl Drop for FrameTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads frames until the connection ends; every frame goes to the executor, at most
+/// [`MAX_UNHANDLED_FRAMES`] of them unhandled at once.
 fn read_loop(
     conn: ConnId,
     writer: ConnWriter,
@@ -274,10 +308,20 @@ fn read_loop(
     mut opener: Option<FrameOpener>,
     sink: Sink,
 ) {
+    let unhandled = Arc::new(AtomicUsize::new(0));
     loop {
+        if unhandled.load(Ordering::Acquire) >= MAX_UNHANDLED_FRAMES {
+            if !sink(SideEvent::Backpressured { conn }) {
+                break;
+            }
+            while unhandled.load(Ordering::Acquire) >= MAX_UNHANDLED_FRAMES {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         match read_frame(&mut r, opener.as_mut()) {
             Ok(msg) => {
-                if !sink(SideEvent::Frame { conn, msg }) {
+                let ticket = FrameTicket::take(&unhandled);
+                if !sink(SideEvent::Frame { conn, msg, ticket }) {
                     break;
                 }
             }
@@ -636,6 +680,63 @@ mod tests {
             entries: vec![],
         }))
         .unwrap()
+    }
+
+    /// A peer that sends faster than the executor handles waits on its own frames: its reader
+    /// stops once `MAX_UNHANDLED_FRAMES` of them are unhandled (says so once), and resumes,
+    /// losing none, as they are handled.
+    #[test]
+    fn a_flooding_peer_waits_on_its_own_unhandled_frames() {
+        let key = ClusterKey::generate().unwrap();
+        let (addr, events, _stop) = p_side(&key);
+        let s = TcpStream::connect(addr).unwrap();
+        let session = auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2)).unwrap();
+        let (mut sealer, _) = session.split();
+        let sent = 4 * MAX_UNHANDLED_FRAMES;
+        // All of it fits in the socket buffers: only the reader's own limit can hold it back.
+        let flood = std::thread::spawn(move || {
+            for _ in 0..=sent {
+                write_frame(&mut &s, &frame(), Some(&mut sealer)).unwrap();
+            }
+            s
+        });
+        // Nothing is handled for a while: every event received is kept, tickets and all.
+        std::thread::sleep(Duration::from_millis(500));
+        let held: Vec<SideEvent> = events.try_iter().collect();
+        let frames = |evs: &[SideEvent]| {
+            evs.iter()
+                .filter(|e| matches!(e, SideEvent::Frame { .. }))
+                .count()
+        };
+        assert!(
+            matches!(held[0], SideEvent::Accepted { .. }),
+            "{:?}",
+            held[0]
+        );
+        assert_eq!(
+            frames(&held),
+            MAX_UNHANDLED_FRAMES,
+            "frames queued unhandled"
+        );
+        assert!(
+            matches!(held.last(), Some(SideEvent::Backpressured { .. })),
+            "{:?}",
+            held.last()
+        );
+        // Handled (dropped): the reader goes on, and every frame arrives.
+        let mut got = frames(&held);
+        drop(held);
+        while got < sent {
+            match events
+                .recv_timeout(Duration::from_secs(5))
+                .expect("the rest")
+            {
+                SideEvent::Frame { .. } => got += 1,
+                SideEvent::Backpressured { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        let _s = flood.join().unwrap();
     }
 
     /// A relay that passed the handshake through (to a P address a client chose) cannot change
