@@ -21,7 +21,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use handoff_connector::Connector;
 use handoff_proto::KvTransferParams;
@@ -146,17 +146,37 @@ fn answer(request: &[u8], connector: &Connector) -> String {
     }
 }
 
-fn serve(mut conn: UnixStream, connector: &Connector) {
-    let _ = conn.set_read_timeout(Some(TIMEOUT));
-    let _ = conn.set_write_timeout(Some(TIMEOUT));
+/// Reads a request to its end (the client's write shutdown) within `TIMEOUT` in all: the
+/// connections are served one at a time, and a client that dribbles a byte now and then must not
+/// hold the socket (every refusal and info request waits behind it) for longer than that.
+fn read_request(conn: &mut UnixStream) -> Result<Vec<u8>, String> {
+    let deadline = Instant::now() + TIMEOUT;
     let mut body = Vec::new();
-    let answer = match (&mut conn)
-        .take(MAX_REQUEST as u64 + 1)
-        .read_to_end(&mut body)
-    {
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no whole request within {TIMEOUT:?}"));
+        }
+        conn.set_read_timeout(Some(left))
+            .map_err(|e| e.to_string())?;
+        match conn.read(&mut buf) {
+            Ok(0) => return Ok(body),
+            Ok(n) if body.len() + n > MAX_REQUEST => {
+                return Err(format!("more than {MAX_REQUEST} bytes"))
+            }
+            Ok(n) => body.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+fn serve(mut conn: UnixStream, connector: &Connector) {
+    let _ = conn.set_write_timeout(Some(TIMEOUT));
+    let answer = match read_request(&mut conn) {
         Err(e) => format!("error: {e}"),
-        Ok(_) if body.len() > MAX_REQUEST => format!("error: more than {MAX_REQUEST} bytes"),
-        Ok(_) => answer(&body, connector),
+        Ok(body) => answer(&body, connector),
     };
     if answer.starts_with("error: ") {
         tracing::warn!(%answer, "engine socket request refused");
@@ -183,6 +203,34 @@ pub fn ask(engine_id: &str, verb: Verb, body: &[u8]) -> std::io::Result<String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that sends a byte every 100 ms never ends its request: it is cut once `TIMEOUT`
+    /// has passed in all, not left to hold the socket for as long as it keeps dribbling.
+    #[test]
+    fn a_dribbling_client_is_cut_at_the_timeout() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        let dribbler = std::thread::spawn(move || {
+            let mut client = client;
+            for _ in 0..40 {
+                if client.write_all(b"i").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let start = Instant::now();
+        let r = read_request(&mut server);
+        let took = start.elapsed();
+        assert!(r.is_err(), "{r:?}");
+        assert!(took < TIMEOUT + Duration::from_millis(500), "{took:?}");
+        drop(server);
+        dribbler.join().unwrap();
+        // An honest request is read whole.
+        let (mut server, mut client) = UnixStream::pair().unwrap();
+        client.write_all(b"info").unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(read_request(&mut server).unwrap(), b"info");
+    }
 
     #[test]
     fn a_request_names_its_verb_on_its_first_line() {
