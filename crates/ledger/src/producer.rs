@@ -758,6 +758,12 @@ impl ProducerLedger {
             self.stats.stale_epoch += 1;
             return;
         }
+        // A push handoff ends on P's own writes (and their grants), never on a reader's word
+        // that it read: freeing now would free blocks under P's WRITE.
+        if h.mode != TransferMode::Pull {
+            self.stats.ignored += 1;
+            return;
+        }
         // Only the reader was told where the blocks are (PullBlocks goes to it alone), so only
         // the reader can have read them.
         if h.reader != Some(from) {
@@ -844,8 +850,12 @@ impl ProducerLedger {
                     handoff: r.handoff,
                     epoch: r.epoch,
                 };
-                self.unknown(r.handoff, Some(from), Message::PushRegister(r), now);
-                self.early_asks.entry(from).or_default().push(ask);
+                // Asked early only when staged: a registration the bounded staging dropped is
+                // not asked about, so a flood of made-up ids costs P no more asks than its
+                // staging quota.
+                if self.unknown(r.handoff, Some(from), Message::PushRegister(r), now) {
+                    self.early_asks.entry(from).or_default().push(ask);
+                }
             }
             return;
         };
@@ -922,6 +932,17 @@ impl ProducerLedger {
         };
         if h.epoch != c.epoch {
             self.stats.stale_epoch += 1;
+            return;
+        }
+        // A cancel ends the handoff without a fence: only the D whose registration it cancels
+        // may send it, and only for a push. From anyone else (or for a pull, whose reader may be
+        // mid-READ) it would free blocks under a transfer it cannot promise is over.
+        if h.mode != TransferMode::Push {
+            self.stats.ignored += 1;
+            return;
+        }
+        if h.reader.is_some_and(|reader| reader != from) {
+            self.stats.not_from_reader += 1;
             return;
         }
         let mut pending = false;
@@ -1014,15 +1035,18 @@ impl ProducerLedger {
         }
     }
 
-    fn unknown(&mut self, id: HandoffId, from: Option<PeerId>, msg: Message, now: Time) {
+    /// Stages a message about a handoff P does not hold (yet); whether it was staged.
+    fn unknown(&mut self, id: HandoffId, from: Option<PeerId>, msg: Message, now: Time) -> bool {
         if self.tombstones.get(&id).is_some() {
             self.stats.late_notifications += 1;
+            false
         } else {
             // A notification that arrives before the handoff exists is staged, never dropped
             // (unless the bounded staging is full or it expires).
             self.stats.staged += 1;
-            self.staging.stage(id, from, msg, now);
+            let staged = self.staging.stage(id, from, msg, now);
             self.stats.staged_over_quota = self.staging.over_quota;
+            staged
         }
     }
 

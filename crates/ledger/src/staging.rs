@@ -51,16 +51,16 @@ impl<M> Staging<M> {
         self.count
     }
 
-    pub fn stage(&mut self, id: HandoffId, from: Option<PeerId>, msg: M, now: Time) {
+    pub fn stage(&mut self, id: HandoffId, from: Option<PeerId>, msg: M, now: Time) -> bool {
         self.expire(now);
         if self.capacity == 0 {
             self.dropped += 1;
-            return;
+            return false;
         }
         if self.counts.get(&from).copied().unwrap_or(0) >= self.per_peer {
             self.dropped += 1;
             self.over_quota += 1;
-            return;
+            return false;
         }
         if self
             .by_id
@@ -68,7 +68,7 @@ impl<M> Staging<M> {
             .is_some_and(|l| l.len() >= self.per_handoff)
         {
             self.dropped += 1;
-            return;
+            return false;
         }
         while self.count >= self.capacity {
             let Some(biggest) = self.counts.iter().max_by_key(|(_, n)| **n).map(|(p, _)| *p) else {
@@ -82,6 +82,7 @@ impl<M> Staging<M> {
         self.queues.entry(from).or_default().push_back((now, id));
         *self.counts.entry(from).or_default() += 1;
         self.count += 1;
+        true
     }
 
     pub fn take(&mut self, id: HandoffId, now: Time) -> Vec<(Option<PeerId>, M)> {

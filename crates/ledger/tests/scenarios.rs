@@ -8,8 +8,8 @@ use std::time::Duration;
 use common::*;
 use handoff_ledger::*;
 use handoff_proto::{
-    Epoch, Grant, GrantBatch, Heartbeat, HeartbeatEntry, Message, PullDone, PushRegister, Release,
-    ReleaseReason, TransferMode,
+    Epoch, Grant, GrantBatch, Heartbeat, HeartbeatEntry, Message, PullDone, PushCancel,
+    PushRegister, Release, ReleaseReason, TransferMode,
 };
 
 const BLOCKS: [u32; 4] = [10, 11, 12, 13];
@@ -1640,6 +1640,111 @@ fn completions_from_others_than_the_reader_are_ignored() {
     );
     assert_eq!(pair.p.held_blocks(), BLOCKS.len());
     assert_eq!(pair.p.stats().not_from_reader, 1);
+}
+
+fn acked(p: &mut ProducerLedger) -> bool {
+    std::iter::from_fn(|| p.poll_message()).any(|(_, m)| matches!(m, Message::PushCancelAck(_)))
+}
+
+/// A PushCancel ends a handoff without a fence, so it counts only for a push and only from the
+/// D whose registration it cancels. From another member, or for a pull (whose reader may be
+/// mid-READ), it frees nothing and is not acked.
+#[test]
+fn a_push_cancel_from_another_peer_or_for_a_pull_frees_nothing() {
+    let mallory = PeerId(77);
+    let cancel = |id| {
+        Message::PushCancel(PushCancel {
+            handoff: id,
+            epoch: Epoch::FIRST,
+        })
+    };
+    // Pull: the reader's READ is in flight.
+    let mut pair = Pair::default_pair();
+    let id = hid(65);
+    let _read = start_pull(&mut pair, id, 1);
+    pair.p.handle_message(mallory, cancel(id), pair.now);
+    pair.p.handle_message(D_PEER, cancel(id), pair.now);
+    assert!(
+        pair.p.poll_release().is_none(),
+        "freed under the reader's READ"
+    );
+    assert_eq!(pair.p.held_blocks(), BLOCKS.len());
+    assert!(!acked(&mut pair.p), "a cancel of a pull was acked");
+    // Push: D registered and P writes into it; mallory's cancel changes nothing.
+    let mut pair = push_pair();
+    let id = hid(66);
+    let w = pair.push_writing(id);
+    pair.p.handle_message(mallory, cancel(id), pair.now);
+    assert!(pair.p.poll_release().is_none(), "freed under P's WRITE");
+    assert!(pair.p.contains(id));
+    assert!(!acked(&mut pair.p), "mallory's cancel was acked");
+    assert_eq!(pair.p.stats().not_from_reader, 1);
+    // The write ends and completes the handoff as if mallory had never spoken.
+    pair.complete_write(&w);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+}
+
+/// A push handoff ends on P's own writes: a PullDone from its D (a pull's completion) frees
+/// nothing while P's WRITE may still read the blocks.
+#[test]
+fn a_pull_done_for_a_push_frees_nothing_under_p_s_write() {
+    let mut pair = push_pair();
+    let id = hid(67);
+    let w = pair.push_writing(id);
+    pair.p.handle_message(
+        D_PEER,
+        Message::PullDone(PullDone {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            p_rank: 0,
+            consumer_rank: 0,
+            consumers: 1,
+        }),
+        pair.now,
+    );
+    assert!(pair.p.poll_release().is_none(), "freed under P's WRITE");
+    assert!(pair.p.contains(id));
+    pair.complete_write(&w);
+    assert_eq!(pair.p_released(id).unwrap().reason, EndReason::Done);
+}
+
+/// A member registers pushes for many made-up handoff ids: P asks it for grants only on the
+/// registrations its staging kept (its quota), not one ask per message it sent.
+#[test]
+fn made_up_push_registrations_cost_p_no_more_asks_than_the_staging_quota() {
+    let quota = 8;
+    let mut p = ProducerLedger::new(ProducerConfig {
+        staging_per_peer: quota,
+        ..Default::default()
+    });
+    let mallory = PeerId(77);
+    let now = ms(0);
+    for n in 0..1000u128 {
+        let register = PushRegister {
+            handoff: hid(100_000 + n),
+            epoch: Epoch::FIRST,
+            d_rank: 0,
+            d_tp: 1,
+            num_tokens: 16,
+            block_ids: vec![8],
+            cached_blocks: 0,
+        };
+        p.handle_message(mallory, Message::PushRegister(register), now);
+    }
+    let mut asked = 0;
+    let mut t = now;
+    for _ in 0..4 {
+        t += ms(300);
+        p.handle_timeout(t);
+        asked += std::iter::from_fn(|| p.poll_message())
+            .filter_map(|(to, m)| match m {
+                Message::Heartbeat(hb) if to == mallory => Some(hb.entries.len()),
+                _ => None,
+            })
+            .sum::<usize>();
+    }
+    assert!(asked > 0, "P asked nothing");
+    assert!(asked <= 4 * quota, "{asked} entries asked of mallory");
 }
 
 /// A member floods P with messages for made-up handoff ids. Past its staging quota its own new
