@@ -339,14 +339,7 @@ impl Scheduler {
         for ev in c.poll_events() {
             match ev {
                 ConnectorEvent::BlocksReleased { blocks, .. } => self.pool.free(&blocks),
-                ConnectorEvent::Ready { requests, blocks } => {
-                    for id in requests {
-                        if let Some(mut r) = self.awaiting_kv.remove(&id) {
-                            r.prompt_blocks = blocks.clone();
-                            self.start_decoding(r);
-                        }
-                    }
-                }
+                ConnectorEvent::Ready { requests, blocks } => self.kv_landed(requests, blocks),
                 ConnectorEvent::Recompute { requests, reason } => {
                     for id in requests {
                         // Not admitted yet: it will prefill here when it is.
@@ -388,6 +381,21 @@ impl Scheduler {
                     }
                 }
             }
+        }
+    }
+
+    /// A handoff's KV landed in `blocks` for `requests`: the one still waiting for it decodes from
+    /// them. One that no longer waits (its client left after the connector queued this event, or
+    /// a second request naming the same handoff was settled on its own) takes nothing, and with
+    /// no taker the blocks go back to the pool: nobody else will ever free them.
+    fn kv_landed(&mut self, requests: Vec<u64>, blocks: Vec<u32>) {
+        let taker = requests.iter().find_map(|id| self.awaiting_kv.remove(id));
+        match taker {
+            Some(mut r) => {
+                r.prompt_blocks = blocks;
+                self.start_decoding(r);
+            }
+            None => self.pool.free(&blocks),
         }
     }
 
@@ -798,5 +806,77 @@ impl Scheduler {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
+
+    use super::*;
+
+    fn scheduler() -> Scheduler {
+        let spec = KvSpec {
+            shape: ModelShape {
+                num_layers: 2,
+                num_kv_heads: 1,
+                head_dim: 8,
+                dtype_size: 2,
+            },
+            tp: 1,
+            block_size: 4,
+            block_layout: BlockLayout::HeadMajor,
+        };
+        let kv = KvMemory::new(spec, 16, PoolLayout::BlocksOutermost).unwrap();
+        let cfg = EngineConfig {
+            num_blocks: 16,
+            block_size: 4,
+            decode_step_ms: 0.0,
+            decode_us_per_seq: 0.0,
+            ..EngineConfig::default()
+        };
+        let metrics = EngineMetrics::new(&mut prometheus_client::registry::Registry::default());
+        Scheduler::new(cfg, Arc::new(kv), None, metrics)
+    }
+
+    /// The KV of a handoff lands for requests none of which still waits for it (the client of
+    /// the one admitted left after the connector queued the event; a second request naming the
+    /// same handoff was recomputed on its own): its blocks go back to the pool, where before
+    /// nobody freed them. One request still waiting takes them and decodes.
+    #[test]
+    fn kv_that_lands_for_no_waiting_request_goes_back_to_the_pool() {
+        let mut s = scheduler();
+        let blocks = s.pool.alloc(3).unwrap();
+        s.kv_landed(vec![7, 8], blocks);
+        assert_eq!(s.pool.used_count(), 0, "blocks nobody took were kept");
+
+        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let prompt_blocks = s.pool.alloc(2).unwrap();
+        let gen_blocks = vec![s.pool.alloc(1).unwrap()];
+        s.awaiting_kv.insert(
+            9,
+            Request {
+                sub: Submission {
+                    id: 9,
+                    external_id: "r9".into(),
+                    prompt: (0..8).collect(),
+                    max_tokens: 1,
+                    n: 1,
+                    kind: Kind::Local,
+                    events,
+                },
+                arrived: Instant::now(),
+                admitted: Some(Instant::now()),
+                gen_blocks,
+                prompt_blocks: Vec::new(),
+                recompute: false,
+                handed_over: false,
+            },
+        );
+        s.kv_landed(vec![8, 9], prompt_blocks);
+        assert!(matches!(rx.try_recv(), Ok(SeqEvent::Token { .. })));
+        // One token asked: the request finished and gave back every block it held.
+        assert_eq!(s.pool.used_count(), 0);
+        assert_eq!(s.pool.double_frees, 0);
     }
 }
