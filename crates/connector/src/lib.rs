@@ -110,7 +110,13 @@ pub fn check_exposure(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnectorEvent {
     /// These blocks are the pool's again (P: handoff ended; D: a transfer that will not be used).
-    BlocksReleased { blocks: Vec<u32>, reason: String },
+    /// `handoff` names whose they were: block ids alone do not (on P a prefix cache shares a
+    /// prompt's first blocks between requests, so two handoffs may hold the same ones).
+    BlocksReleased {
+        handoff: handoff_proto::HandoffId,
+        blocks: Vec<u32>,
+        reason: String,
+    },
     /// The KV of these requests is in `blocks`, which now belong to the requests.
     Ready {
         requests: Vec<u64>,

@@ -169,13 +169,10 @@ fn workers_in_another_process_serve_a_pull() {
     let released = wait_for(&p, "release on P", |e| {
         matches!(e, ConnectorEvent::BlocksReleased { .. })
     });
-    assert_eq!(
-        released,
-        ConnectorEvent::BlocksReleased {
-            blocks: p_blocks.clone(),
-            reason: "done".into()
-        }
-    );
+    let ConnectorEvent::BlocksReleased { blocks, reason, .. } = released else {
+        unreachable!("waited for a release")
+    };
+    assert_eq!((blocks, reason.as_str()), (p_blocks.clone(), "done"));
 
     // D's blocks hold exactly P's bytes for the prompt's tokens, and zeros past them.
     for (rank, (layout, region)) in d_regions.iter().enumerate() {

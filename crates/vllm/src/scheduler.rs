@@ -142,10 +142,14 @@ pub struct SchedulerSide {
     connector: Arc<Connector>,
     sink: ReportSink,
     steps: Vec<Receiver<WorkerStep>>,
-    /// First block of blocks the connector holds → the finished vLLM request they belong to
-    /// (P: a handoff's; D: a request that ended while its READ may still land). vLLM frees
-    /// them when the request is named in `finished_sending`.
-    sending: HashMap<u32, String>,
+    /// P: the handoff that holds a finished vLLM request's blocks → the request. vLLM frees
+    /// them when the request is named in `finished_sending`. Keyed by handoff, not by block:
+    /// vLLM's prefix cache gives prompts that start alike the same first blocks.
+    sending: HashMap<HandoffId, String>,
+    /// D: first block of a request that ended while its READ may still land → the request
+    /// (named in `finished_sending` once the ledger let the blocks go). D's blocks for a
+    /// transfer are its own (never prefix-cache blocks), so the first one names the request.
+    ended_reading: HashMap<u32, String>,
     /// D: the first block given to each tracked request (its KV lands there).
     first_block: HashMap<u64, u32>,
     /// D: first blocks of the requests whose blocks D's ledger still holds (a READ or a WRITE
@@ -253,6 +257,7 @@ impl SchedulerSide {
             sink,
             steps: rxs,
             sending: HashMap::new(),
+            ended_reading: HashMap::new(),
             first_block: HashMap::new(),
             held: HashSet::new(),
             failed_later: HashMap::new(),
@@ -295,7 +300,7 @@ impl SchedulerSide {
             if let Some(&first) = self.first_block.get(&n) {
                 self.failed_later.remove(&first);
                 if self.held.contains(&first) {
-                    self.sending.insert(first, request_id.to_string());
+                    self.ended_reading.insert(first, request_id.to_string());
                     keep = true;
                 }
             }
@@ -306,10 +311,13 @@ impl SchedulerSide {
             // Its writes may be reading the blocks: they stay until the handoff ends, and D
             // gets the KV even if this request was aborted meanwhile (it holds a
             // registration, as in the reference engine).
-            let Some(&first) = blocks.first() else {
+            let Some(handoff) = params.and_then(|p| p.handoff_id) else {
                 return Ok((false, None));
             };
-            self.sending.insert(first, request_id.to_string());
+            if blocks.is_empty() {
+                return Ok((false, None));
+            }
+            self.sending.insert(handoff, request_id.to_string());
             let out = params.filter(|p| p.do_remote_decode).and_then(|p| {
                 self.connector
                     .on_push_prefill_finished(p, request_id, blocks, num_tokens)
@@ -342,8 +350,13 @@ impl SchedulerSide {
                 return Ok((false, None));
             }
         };
-        tracing::debug!(request_id, handoff = ?out.handoff_id, first, "P keeps blocks for D");
-        self.sending.insert(first, request_id.to_string());
+        let Some(handoff) = out.handoff_id else {
+            // Params without a handoff name nothing a D could read: nothing is kept.
+            tracing::warn!(request_id, "no handoff id in the params for this prefill");
+            return Ok((false, None));
+        };
+        tracing::debug!(request_id, %handoff, first, "P keeps blocks for D");
+        self.sending.insert(handoff, request_id.to_string());
         Ok((true, Some(out)))
     }
 
@@ -478,13 +491,23 @@ impl SchedulerSide {
     pub fn build_meta(&mut self) -> StepMeta {
         for ev in self.connector.poll_events() {
             match ev {
-                ConnectorEvent::BlocksReleased { blocks, reason } => {
-                    // P: a handoff ended; D: no transfer can land in these blocks any more.
+                ConnectorEvent::BlocksReleased {
+                    handoff,
+                    blocks,
+                    reason,
+                } => {
+                    // P: a handoff ended.
+                    if let Some(req) = self.sending.remove(&handoff) {
+                        tracing::debug!(request = %req, %reason, blocks = blocks.len(), "blocks back");
+                        self.pending.finished_sending.push(req);
+                        continue;
+                    }
+                    // D: no transfer can land in these blocks any more.
                     let Some(&first) = blocks.first() else {
                         continue;
                     };
                     self.held.remove(&first);
-                    if let Some(req) = self.sending.remove(&first) {
+                    if let Some(req) = self.ended_reading.remove(&first) {
                         tracing::debug!(request = %req, %reason, blocks = blocks.len(), "blocks back");
                         self.pending.finished_sending.push(req);
                     }
@@ -549,11 +572,14 @@ impl SchedulerSide {
     }
 
     /// Whether vLLM must keep stepping (blocks held, transfers waited for, news to deliver).
-    /// Every block the connector holds is named here (`sending`: kept for a finished request;
-    /// `ids`: a D request waiting for its KV), so vLLM's loop asks no round trip of the
+    /// Every block the connector holds is named here (`sending`, `ended_reading`: kept for a
+    /// finished request; `ids`: a D request waiting for its KV), so vLLM's loop asks no round trip of the
     /// executor thread.
     pub fn has_pending_work(&self) -> bool {
-        !self.ids.is_empty() || !self.sending.is_empty() || !self.pending.is_empty()
+        !self.ids.is_empty()
+            || !self.sending.is_empty()
+            || !self.ended_reading.is_empty()
+            || !self.pending.is_empty()
     }
 
     pub fn shutdown(&self) {

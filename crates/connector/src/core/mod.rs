@@ -730,6 +730,7 @@ impl ConnectorCore {
                 progressed = true;
                 self.revoke(Opens::Writes, rel.handoff);
                 self.out.events.push(ConnectorEvent::BlocksReleased {
+                    handoff: rel.handoff,
                     blocks: rel.blocks,
                     reason: rel.reason.as_str().into(),
                 });
@@ -761,6 +762,7 @@ impl ConnectorCore {
             self.out.transfers_to_abort.push((rank, job));
         }
         self.out.events.push(ConnectorEvent::BlocksReleased {
+            handoff: rel.handoff,
             blocks: rel.blocks,
             reason: rel.reason.as_str().into(),
         });

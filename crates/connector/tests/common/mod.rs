@@ -1010,7 +1010,7 @@ impl Sim {
     fn event(&mut self, node: Node, ev: &ConnectorEvent) {
         let now = self.now;
         match (node, ev) {
-            (_, ConnectorEvent::BlocksReleased { blocks, reason }) => {
+            (_, ConnectorEvent::BlocksReleased { blocks, reason, .. }) => {
                 self.free(node, blocks, reason);
             }
             (Node::D(d), ConnectorEvent::Ready { requests, blocks }) => {

@@ -285,6 +285,34 @@ def test_a_pull_never_writes_the_blocks_d_s_prefix_cache_shares():
         d.shutdown()
 
 
+def test_two_p_requests_sharing_a_prefix_are_each_freed_by_their_own_handoff(pd):
+    """vLLM's prefix cache gives two prompts that start alike the same first block on P. When D
+    has read the first one, P frees that request and only that one: the second keeps its blocks
+    until its own handoff ends. (P once knew its kept requests by their first block: the first
+    handoff's end freed the second request, whose D could still be reading, and the first
+    request was never freed.)"""
+    p, d = pd
+    shared = list(range(3, 3 + BLOCK))
+    prompts = {"a": shared + list(range(500, 500 + BLOCK + 2)),
+               "b": shared + list(range(700, 700 + BLOCK + 2))}
+    p_idle = p.free_blocks()
+    params = {}
+    for k, prompt in prompts.items():
+        p.add(f"p-{k}", prompt, 1, {"do_remote_decode": True})
+        p.step()
+        params[k] = p.finished[f"p-{k}"].kv_transfer_params
+        assert params[k] and params[k]["handoff_id"], params[k]
+    assert p.blocks_of("p-a")[0] == p.blocks_of("p-b")[0], "P's prefix cache shared nothing"
+    d.add("d-a", prompts["a"], 2, dict(params["a"]))
+    run_until([p, d], lambda: "p-a" not in p.sched.requests, "P never freed p-a")
+    assert "p-b" in p.sched.requests, "P freed p-b while its own handoff still held its blocks"
+    d.add("d-b", prompts["b"], 2, dict(params["b"]))
+    run_until([p, d], lambda: "p-b" not in p.sched.requests and p.free_blocks() == p_idle,
+              "P never freed p-b")
+    run_until([p, d], lambda: "d-a" in d.finished and "d-b" in d.finished,
+              "D never finished decoding")
+
+
 def test_a_request_aborted_while_it_waits_for_its_kv_frees_d_and_p_at_once(pd):
     """vLLM aborts the request (a client left) while it waits for remote KV: D's blocks go back
     to vLLM's pool and P is told to release, without waiting for a lease or deadline."""
