@@ -14,6 +14,7 @@ use handoff_proto::HandoffId;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
 use crate::step::WorkerOp;
+use crate::ConnectorEvent;
 
 /// P: where a push's digest stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,9 +160,15 @@ impl ConnectorCore {
                 continue;
             };
             tracing::warn!(%handoff, answers = check.answers, "KV digest not answered in time; not decoded");
-            let Landed { requests, peer, .. } = check.landed;
+            let Landed {
+                requests,
+                peer,
+                blocks,
+                ..
+            } = check.landed;
             let recompute = self.recomputes();
             self.failed(requests, "kv_digest_timeout", peer, recompute, None);
+            self.unused_push_blocks(handoff, blocks, "kv_digest_timeout");
         }
     }
 
@@ -232,7 +239,20 @@ impl ConnectorCore {
                     recompute,
                     None,
                 );
+                self.unused_push_blocks(handoff, blocks, FailReason::DigestMismatch.as_str());
             }
         }
+    }
+
+    /// D: blocks a push landed in that no request will decode (their digest failed or was not
+    /// answered) go back to the engine. Every write into them ended (the ledger saw every
+    /// PushDone, and their grant was revoked), and the ledger handed them over with its ready
+    /// outcome, so nobody else ever releases them.
+    fn unused_push_blocks(&mut self, handoff: HandoffId, blocks: Vec<u32>, reason: &str) {
+        self.out.events.push(ConnectorEvent::BlocksReleased {
+            handoff,
+            blocks,
+            reason: reason.into(),
+        });
     }
 }

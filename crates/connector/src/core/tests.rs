@@ -690,6 +690,19 @@ fn a_pushed_handoff_whose_digest_matches_p_s_is_ready() {
 fn a_pushed_handoff_whose_digest_differs_fails_and_is_never_ready() {
     let (events, observations, _) = push_with_digests(0x5eed, Some(0x5eee));
     assert_failed_on_the_digest(&events, &observations);
+    assert_push_blocks_back(&events);
+}
+
+/// D's blocks of a push nobody decodes go back to the engine, once.
+fn assert_push_blocks_back(events: &[ConnectorEvent]) {
+    let back: Vec<&Vec<u32>> = events
+        .iter()
+        .filter_map(|e| match e {
+            ConnectorEvent::BlocksReleased { blocks, .. } => Some(blocks),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(back, vec![&vec![7, 8]], "D's blocks: {events:?}");
 }
 
 /// D's worker never answers the digest of a push that landed (it stopped): the request still
@@ -710,4 +723,5 @@ fn a_push_digest_no_worker_answers_ends_the_request_after_the_read_timeout() {
             if requests == &vec![1] && reason.contains("kv_digest_timeout"))),
         "{events:?}"
     );
+    assert_push_blocks_back(&events);
 }
