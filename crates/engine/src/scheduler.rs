@@ -360,26 +360,32 @@ impl Scheduler {
                     }
                 }
                 ConnectorEvent::Failed { requests, reason } => {
-                    for id in requests {
-                        // Admitted (waiting for its KV) or not yet (still queued).
-                        let queued = || self.waiting.iter().position(|r| r.sub.id == id);
-                        let r = match self.awaiting_kv.remove(&id) {
-                            Some(r) => Some(r),
-                            None => queued().and_then(|i| self.waiting.remove(i)),
-                        };
-                        if let Some(r) = r {
-                            self.pool.free(&r.gen_blocks.concat());
-                            self.pool.free(&r.prompt_blocks);
-                            self.metrics.outcome("transfer_failed");
-                            let _ = r.sub.events.send(SeqEvent::Error {
-                                status: 502,
-                                message: format!(
-                                    "KV transfer from the prefill engine failed: {reason}"
-                                ),
-                            });
-                        }
-                    }
+                    self.transfer_failed(requests, &reason)
                 }
+            }
+        }
+    }
+
+    /// The KV of `requests` will not come and the policy is to fail them. Their generation
+    /// blocks are freed here; the prompt blocks of an admitted one are the connector's (a READ
+    /// on another rank may still be landing in them) and come back through `BlocksReleased`,
+    /// never here: freeing them twice would hand them to another request while the transfer
+    /// still writes, and the second free would take them from that request.
+    fn transfer_failed(&mut self, requests: Vec<u64>, reason: &str) {
+        for id in requests {
+            // Admitted (waiting for its KV) or not yet (still queued).
+            let queued = || self.waiting.iter().position(|r| r.sub.id == id);
+            let r = match self.awaiting_kv.remove(&id) {
+                Some(r) => Some(r),
+                None => queued().and_then(|i| self.waiting.remove(i)),
+            };
+            if let Some(r) = r {
+                self.pool.free(&r.gen_blocks.concat());
+                self.metrics.outcome("transfer_failed");
+                let _ = r.sub.events.send(SeqEvent::Error {
+                    status: 502,
+                    message: format!("KV transfer from the prefill engine failed: {reason}"),
+                });
             }
         }
     }
@@ -839,6 +845,38 @@ mod tests {
         Scheduler::new(cfg, Arc::new(kv), None, metrics)
     }
 
+    /// Request `id` (8 prompt tokens, one to generate) admitted and waiting for its KV, holding
+    /// `prompt_blocks` (the connector's) and a generation block; its events come out of the
+    /// receiver.
+    fn awaiting_kv(
+        s: &mut Scheduler,
+        id: u64,
+        prompt_blocks: Vec<u32>,
+    ) -> tokio::sync::mpsc::UnboundedReceiver<SeqEvent> {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let gen_blocks = vec![s.pool.alloc(1).unwrap()];
+        let sub = Submission {
+            id,
+            external_id: format!("r{id}"),
+            prompt: (0..8).collect(),
+            max_tokens: 1,
+            n: 1,
+            kind: Kind::Local,
+            events,
+        };
+        let r = Request {
+            sub,
+            arrived: Instant::now(),
+            admitted: Some(Instant::now()),
+            gen_blocks,
+            prompt_blocks,
+            recompute: false,
+            handed_over: false,
+        };
+        s.awaiting_kv.insert(id, r);
+        rx
+    }
+
     /// The KV of a handoff lands for requests none of which still waits for it (the client of
     /// the one admitted left after the connector queued the event; a second request naming the
     /// same handoff was recomputed on its own): its blocks go back to the pool, where before
@@ -850,32 +888,34 @@ mod tests {
         s.kv_landed(vec![7, 8], blocks);
         assert_eq!(s.pool.used_count(), 0, "blocks nobody took were kept");
 
-        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let prompt_blocks = s.pool.alloc(2).unwrap();
-        let gen_blocks = vec![s.pool.alloc(1).unwrap()];
-        s.awaiting_kv.insert(
-            9,
-            Request {
-                sub: Submission {
-                    id: 9,
-                    external_id: "r9".into(),
-                    prompt: (0..8).collect(),
-                    max_tokens: 1,
-                    n: 1,
-                    kind: Kind::Local,
-                    events,
-                },
-                arrived: Instant::now(),
-                admitted: Some(Instant::now()),
-                gen_blocks,
-                prompt_blocks: Vec::new(),
-                recompute: false,
-                handed_over: false,
-            },
-        );
+        let mut rx = awaiting_kv(&mut s, 9, Vec::new());
         s.kv_landed(vec![8, 9], prompt_blocks);
         assert!(matches!(rx.try_recv(), Ok(SeqEvent::Token { .. })));
         // One token asked: the request finished and gave back every block it held.
+        assert_eq!(s.pool.used_count(), 0);
+        assert_eq!(s.pool.double_frees, 0);
+    }
+
+    /// A transfer fails under policy `fail`: the request gets its error and its generation
+    /// blocks back at once, but its prompt blocks only when the connector releases them (a READ
+    /// may still land in them); then each block is freed exactly once.
+    #[test]
+    fn a_failed_transfer_leaves_the_prompt_blocks_to_the_connector() {
+        let mut s = scheduler();
+        let prompt_blocks = s.pool.alloc(2).unwrap();
+        let mut rx = awaiting_kv(&mut s, 9, prompt_blocks.clone());
+        s.transfer_failed(vec![9], "read_failed");
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(SeqEvent::Error { status: 502, .. })
+        ));
+        assert_eq!(
+            s.pool.used_count(),
+            2,
+            "the prompt blocks left before the connector let go"
+        );
+        s.pool.free(&prompt_blocks); // BlocksReleased
         assert_eq!(s.pool.used_count(), 0);
         assert_eq!(s.pool.double_frees, 0);
     }
