@@ -110,23 +110,36 @@ def test_a_pull_across_hosts_over_a_slow_link_decodes_like_a_single_engine(hosts
 def test_d_killed_mid_read_frees_p_at_once(hosts):
     """SIGKILL D while its READ is on the wire (a quarter to three quarters of the KV sent, by
     the shaper's byte counter): P's KV cache usage on vLLM's /metrics is back to idle within 2 s
-    of the kill, and the READ never completed. Runs last in this module: it kills D."""
+    of the kill, and the READ never completed. Runs last in this module: it kills D.
+
+    The test polls the shaper's counter every 10 ms; when this host stalls the test for longer
+    than the READ has left (it happened: 93% sent between two polls), that READ is let finish
+    and another prompt tried, up to three times."""
     p = hosts["p"]
     idle = settled_usage(p)
-    ids = prompt(1000, seed=77)
-    total = len(ids) * KV_BYTES_PER_TOKEN
-    params = p.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})[
-        "kv_transfer_params"]
-    held = p.metric(KV_USAGE)
-    assert held > idle, f"P's KV usage {held} while it holds the prompt, idle {idle}"
-    before = link_bytes()
-    threading.Thread(target=ignore_errors, args=(hosts["d"].complete, ids, 4),
-                     kwargs={"kv_transfer_params": params}, daemon=True).start()
-    deadline = time.monotonic() + 20
-    while link_bytes() - before < total // 4:
-        assert time.monotonic() < deadline, "D's READ never got under way"
-        time.sleep(0.01)
-    sent_at_kill = link_bytes() - before
+    for attempt in range(3):
+        ids = prompt(1000, seed=77 + attempt)
+        total = len(ids) * KV_BYTES_PER_TOKEN
+        params = p.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})[
+            "kv_transfer_params"]
+        held = p.metric(KV_USAGE)
+        assert held > idle, f"P's KV usage {held} while it holds the prompt, idle {idle}"
+        before = link_bytes()
+        reading = threading.Thread(target=ignore_errors, args=(hosts["d"].complete, ids, 4),
+                                   kwargs={"kv_transfer_params": params}, daemon=True)
+        reading.start()
+        deadline = time.monotonic() + 20
+        while link_bytes() - before < total // 4:
+            assert time.monotonic() < deadline, "D's READ never got under way"
+            time.sleep(0.01)
+        sent_at_kill = link_bytes() - before
+        if sent_at_kill < total * 3 // 4:
+            break
+        # Polled too late to call it mid-read: let this one finish, try again.
+        reading.join(timeout=30)
+        assert usage_back_to(p, idle, time.time(), 10) is not None, "P kept a finished READ"
+    else:
+        pytest.fail(f"the READ was never caught mid-way: {sent_at_kill} of {total} bytes")
     killed = time.time()
     hosts["d"].kill()
     assert sent_at_kill < total * 3 // 4, f"{sent_at_kill} of {total} bytes sent: not mid-read"
