@@ -479,6 +479,13 @@ impl ConsumerLedger {
         self.handoffs.contains_key(&id) || self.tombstones.get(&id).is_some()
     }
 
+    /// Push: whether `id`'s blocks are registered with P right now (held, not being cancelled).
+    pub fn is_registered(&self, id: HandoffId) -> bool {
+        self.handoffs
+            .get(&id)
+            .is_some_and(|h| matches!(h.state, State::Registered { .. }))
+    }
+
     pub fn incoming(&self, id: HandoffId) -> Option<&IncomingHandoff> {
         self.handoffs.get(&id).map(|h| &h.info)
     }

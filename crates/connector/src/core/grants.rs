@@ -115,6 +115,16 @@ impl ConnectorCore {
                 (!pass.is_empty()).then_some(Message::PullBlocks(PullBlocks { lists: pass }))
             }
             Message::PushRegister(r) => {
+                // Queued while P's connection was being made, for a request that ended since:
+                // its blocks are back in the pool (and may be another request's), so no grant
+                // may open on them, and P need not hear of it.
+                if !self
+                    .consumer
+                    .as_ref()
+                    .is_some_and(|c| c.is_registered(r.handoff))
+                {
+                    return None;
+                }
                 let (handoff, slot, blocks) = (r.handoff, r.d_rank, r.block_ids.clone());
                 let msg = Message::PushRegister(r);
                 self.hold_for_grant(Opens::Writes, handoff, peer, slot, &blocks, msg)

@@ -725,3 +725,52 @@ fn a_push_digest_no_worker_answers_ends_the_request_after_the_read_timeout() {
     );
     assert_push_blocks_back(&events);
 }
+
+/// D, push: the registration of a request whose P was still being dialled waits in the
+/// connection's queue. When the request ends before the connection is up (its blocks go back to
+/// the pool), the flush drops it: no WRITE grant opens on blocks that may be another request's
+/// by then, and P never hears of it.
+#[test]
+fn a_registration_queued_for_a_request_that_ended_opens_no_grant() {
+    let mut p = core_in("p", Role::Prefill, TransferMode::Push, false);
+    let d_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
+        "do_remote_prefill": true, "transfer_mode": "push",
+        "handoff_id": HandoffId::from_bytes([7; 16]).to_string(),
+        "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 7000,
+        "tp_size": 1, "epoch": 1,
+    }))
+    .unwrap();
+    let mut d = core_in("d", Role::Decode, TransferMode::Push, false);
+    d.on_request_arrived(1, &d_leg, 32, t(1)).unwrap();
+    let r = d.ready();
+    let (hello, attempt) = (r.connects[0].hello.clone(), r.connects[0].attempt);
+    d.advance(r);
+    d.on_blocks_allocated(1, vec![7, 8], t(2)).unwrap();
+    d.on_request_ended(1, ReleaseReason::Aborted, t(3));
+    let r = d.ready();
+    assert!(
+        r.events.iter().any(
+            |e| matches!(e, ConnectorEvent::BlocksReleased { blocks, .. } if blocks == &vec![7, 8])
+        ),
+        "{:?}",
+        r.events
+    );
+    d.advance(r);
+    p.handle_accepted(100, hello, None, t(4));
+    let rp = p.ready();
+    let reply = rp.messages[0].1.clone();
+    p.advance(rp);
+    d.handle_connected("p", attempt, 5, reply, t(5));
+    let r = d.ready();
+    assert!(
+        !r.worker_ops
+            .iter()
+            .any(|(_, op)| matches!(op, WorkerOp::Grant { .. })),
+        "a WRITE grant on blocks back in the pool: {:?}",
+        r.worker_ops
+    );
+    assert!(!r
+        .messages
+        .iter()
+        .any(|(_, m)| matches!(m, Message::PushRegister(_))));
+}
