@@ -106,6 +106,12 @@ impl PyScheduler {
             .map_err(err)
     }
 
+    /// vLLM computes the request's prompt itself: nothing will be loaded for it (see
+    /// [`SchedulerSide::no_load`]).
+    fn no_load(&mut self, request_id: &str) {
+        self.inner.no_load(request_id)
+    }
+
     /// P, push: the step being built completes this request's prompt (see
     /// [`SchedulerSide::push_forward`]).
     fn push_forward(

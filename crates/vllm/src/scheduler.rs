@@ -159,6 +159,13 @@ pub struct SchedulerSide {
     /// D: requests whose KV will not come, told to vLLM once the ledger let their blocks go
     /// (first block → request).
     failed_later: HashMap<u32, String>,
+    /// D: requests vLLM gave blocks for their KV (from then on vLLM waits for it:
+    /// `WAITING_FOR_REMOTE_KVS`).
+    given_blocks: HashSet<u64>,
+    /// D: requests whose handoff failed before vLLM gave them blocks. vLLM asserts that a
+    /// request it hears of a load for waits for remote KV, so the failure is told only once
+    /// vLLM gave the blocks (and then at once: its failure policy recomputes or fails it).
+    failed_unallocated: HashSet<u64>,
     /// D: vLLM request id ↔ the ledgers' number, while the request waits for its KV.
     ids: HashMap<String, u64>,
     names: HashMap<u64, String>,
@@ -258,6 +265,8 @@ impl SchedulerSide {
             steps: rxs,
             sending: HashMap::new(),
             ended_reading: HashMap::new(),
+            given_blocks: HashSet::new(),
+            failed_unallocated: HashSet::new(),
             first_block: HashMap::new(),
             held: HashSet::new(),
             failed_later: HashMap::new(),
@@ -452,6 +461,15 @@ impl SchedulerSide {
         let Some(&n) = self.ids.get(request_id) else {
             return Ok(());
         };
+        self.given_blocks.insert(n);
+        if self.failed_unallocated.remove(&n) {
+            // Its handoff failed while it waited for blocks: vLLM now waits for its KV, and
+            // hears at once that it will not come.
+            if let Some(name) = self.names.get(&n) {
+                self.pending.failed_recving.push(name.clone());
+            }
+            return Ok(());
+        }
         let cached: Vec<u32> = blocks.drain(..cached.min(blocks.len())).collect();
         // The request's own first block names it in the ledger's events (a cached block may
         // start several requests' prompts).
@@ -473,7 +491,28 @@ impl SchedulerSide {
         Ok(())
     }
 
+    /// vLLM `update_state_after_alloc` on D with nothing to load: vLLM computes the request's
+    /// prompt itself (a full prefix-cache hit, or a request that skips every cached prefix, as
+    /// `prompt_logprobs` do). D will not read: P is told to release now, and the request is
+    /// forgotten, so no later outcome of its handoff reaches vLLM for a request that does not
+    /// wait for remote KV.
+    pub fn no_load(&mut self, request_id: &str) {
+        let Some(&n) = self.ids.get(request_id) else {
+            return;
+        };
+        if self.given_blocks.contains(&n) {
+            return;
+        }
+        if !self.settled.contains(&n) {
+            self.connector.on_request_ended(n, ReleaseReason::Done);
+        }
+        self.failed_unallocated.remove(&n);
+        self.forget(n);
+    }
+
     fn forget(&mut self, n: u64) {
+        self.given_blocks.remove(&n);
+        self.failed_unallocated.remove(&n);
         if let Some(name) = self.names.remove(&n) {
             self.ids.remove(&name);
         }
@@ -540,6 +579,9 @@ impl SchedulerSide {
                         match self.first_block.get(&n) {
                             Some(b) if self.held.contains(b) => {
                                 self.failed_later.insert(*b, name.clone());
+                            }
+                            _ if !self.given_blocks.contains(&n) => {
+                                self.failed_unallocated.insert(n);
                             }
                             _ => self.pending.failed_recving.push(name.clone()),
                         }

@@ -327,7 +327,14 @@ class HandoffConnector(KVConnectorBase_V1):
                     _PushPrefill(dict(params), len(request.prompt_token_ids)),
                 )
             return
-        if not params.get("do_remote_prefill") or num_external_tokens <= 0:
+        if not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens <= 0:
+            # vLLM computes the prompt here (a full prefix hit, or a request that skips every
+            # cached prefix): P may release now, and nothing about this handoff may reach vLLM
+            # for a request that does not wait for remote KV.
+            self._sched.no_load(request.request_id)
+            params["do_remote_prefill"] = False
             return
         block_ids = list(blocks.get_block_ids()[0])
         prompt = len(request.prompt_token_ids)

@@ -94,8 +94,9 @@ class Engine:
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> Request:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict | None,
+            **sampling) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, **sampling)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
                       pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
@@ -311,6 +312,25 @@ def test_two_p_requests_sharing_a_prefix_are_each_freed_by_their_own_handoff(pd)
               "P never freed p-b")
     run_until([p, d], lambda: "d-a" in d.finished and "d-b" in d.finished,
               "D never finished decoding")
+
+
+def test_a_request_vllm_computes_itself_releases_p_at_once(pd):
+    """D's request names P's KV, but vLLM computes its prompt itself: it skips every cached or
+    remote prefix (as prompt_logprobs make it). D tells P at once that it will not read, and
+    forgets the request, so no later failure of that handoff is reported to vLLM for a request
+    that does not wait for remote KV (vLLM asserts on that, and its engine dies)."""
+    p, d = pd
+    prompt = list(range(11, 11 + 2 * BLOCK + 3))
+    p_idle = p.free_blocks()
+    params, _ = prefill_on_p(p, prompt)
+    req = d.add("d-req", prompt, 8, dict(params), skip_reading_prefix_cache=True)
+    d.step()
+    assert req.status == RequestStatus.RUNNING, req.status
+    # Only P steps: D's request is still running, and P frees on D's word alone.
+    run_until([p], lambda: p.free_blocks() == p_idle, "P kept blocks no D will read",
+              limit_s=3.0)
+    assert "d-req" not in d.finished
+    run_until([p, d], lambda: "d-req" in d.finished, "D never finished the request")
 
 
 def test_a_request_aborted_while_it_waits_for_its_kv_frees_d_and_p_at_once(pd):
