@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use fake::{Fake, Log};
+use fake::{post_giving_up, Fake, Log};
 use futures_util::StreamExt;
 use handoff_proxy::{start, InstanceInfo, Policy, ProxyConfig, RunningProxy};
 use serde_json::{json, Value};
@@ -348,17 +348,9 @@ async fn client_gone_before_decode_answers_releases_prefill() {
         let d = Fake::decode("D1", &log).await;
         d.set_head_delay(Duration::from_secs(3));
         let proxy = proxy(&[&p], &[&d]).await;
-        let c = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(Duration::from_millis(500))
-            .build()
-            .unwrap();
-        let r = c
-            .post(format!("{}/v1/completions", proxy.url()))
-            .json(&completion())
-            .send()
-            .await;
-        assert!(r.is_err(), "the client gave up");
+        let url = format!("{}/v1/completions", proxy.url());
+        let gave_up = post_giving_up(&url, &completion(), Duration::from_millis(500)).await;
+        assert!(gave_up, "the client gave up");
         assert_eq!(d.received().len(), 1);
         wait_until(|| p.releases().len() == 1).await;
         assert_eq!(
@@ -379,17 +371,9 @@ async fn client_gone_while_p_is_told_to_release_still_releases() {
         // P answers a release after 600 ms, and applies it only then.
         p.set_release_delay(Duration::from_millis(600));
         let proxy = proxy(&[&p], &[&d]).await;
-        let c = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(Duration::from_millis(250))
-            .build()
-            .unwrap();
-        let r = c
-            .post(format!("{}/v1/completions", proxy.url()))
-            .json(&completion())
-            .send()
-            .await;
-        assert!(r.is_err(), "the client gave up while P was being told");
+        let url = format!("{}/v1/completions", proxy.url());
+        let gave_up = post_giving_up(&url, &completion(), Duration::from_millis(250)).await;
+        assert!(gave_up, "the client gave up while P was being told");
         assert_eq!(d.received().len(), 1, "D refused its leg");
         wait_until(|| p.releases().len() == 1).await;
         assert_eq!(

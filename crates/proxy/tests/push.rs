@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, Log};
+use fake::{post_giving_up, Fake, Log};
 use futures_util::StreamExt;
 use handoff_proxy::{start, InstanceInfo, ProxyConfig, RunningProxy, TransferMode};
 use serde_json::{json, Value};
@@ -438,17 +438,9 @@ async fn client_gone_drops_both_legs_and_releases_prefill() {
         p.set_head_delay(Duration::from_secs(3));
         d.set_head_delay(Duration::from_secs(3));
         let proxy = proxy(&[&p], &[&d]).await;
-        let c = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(Duration::from_millis(400))
-            .build()
-            .unwrap();
-        let r = c
-            .post(format!("{}/v1/completions", proxy.url()))
-            .json(&completion())
-            .send()
-            .await;
-        assert!(r.is_err(), "the client gave up");
+        let url = format!("{}/v1/completions", proxy.url());
+        let gave_up = post_giving_up(&url, &completion(), Duration::from_millis(400)).await;
+        assert!(gave_up, "the client gave up");
         wait_until(|| p.state.request_dropped.load(Ordering::SeqCst)).await;
         wait_until(|| d.state.request_dropped.load(Ordering::SeqCst)).await;
         wait_until(|| p.releases().len() == 1).await;
@@ -473,17 +465,9 @@ async fn client_gone_while_p_is_told_to_release_after_its_failure_still_releases
         // P answers a release after 600 ms, and applies it only then.
         p.set_release_delay(Duration::from_millis(600));
         let proxy = proxy(&[&p], &[&d]).await;
-        let c = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(Duration::from_millis(250))
-            .build()
-            .unwrap();
-        let r = c
-            .post(format!("{}/v1/completions", proxy.url()))
-            .json(&completion())
-            .send()
-            .await;
-        assert!(r.is_err(), "the client gave up while P was being told");
+        let url = format!("{}/v1/completions", proxy.url());
+        let gave_up = post_giving_up(&url, &completion(), Duration::from_millis(250)).await;
+        assert!(gave_up, "the client gave up while P was being told");
         wait_until(|| p.releases().len() == 1).await;
         assert_eq!(
             p.releases()[0]["kv_transfer_params"]["handoff_id"],

@@ -16,6 +16,17 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+/// POSTs `body` to `url` with a client that hangs up after `after`; whether it did (no answer
+/// came in time).
+pub async fn post_giving_up(url: &str, body: &Value, after: Duration) -> bool {
+    let c = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(after)
+        .build()
+        .unwrap();
+    c.post(url).json(body).send().await.is_err()
+}
+
 /// Events from every fake in the order they happened ("P1", "D2", ...).
 #[derive(Clone, Default)]
 pub struct Log(Arc<Mutex<Vec<String>>>);
