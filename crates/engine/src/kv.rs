@@ -261,14 +261,15 @@ impl KvMemory {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
 
     use super::*;
 
-    fn memory(pool: PoolLayout) -> KvMemory {
+    /// A small pool: 4 layers, 2 heads, 16-token blocks, 8 of them.
+    pub(crate) fn memory(pool: PoolLayout) -> KvMemory {
         let spec = KvSpec {
             shape: ModelShape {
                 num_layers: 4,

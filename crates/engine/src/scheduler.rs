@@ -817,26 +817,15 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
+    use handoff_plan::PoolLayout;
 
     use super::*;
 
     fn scheduler() -> Scheduler {
-        let spec = KvSpec {
-            shape: ModelShape {
-                num_layers: 2,
-                num_kv_heads: 1,
-                head_dim: 8,
-                dtype_size: 2,
-            },
-            tp: 1,
-            block_size: 4,
-            block_layout: BlockLayout::HeadMajor,
-        };
-        let kv = KvMemory::new(spec, 16, PoolLayout::BlocksOutermost).unwrap();
+        let kv = crate::kv::tests::memory(PoolLayout::BlocksOutermost);
         let cfg = EngineConfig {
-            num_blocks: 16,
-            block_size: 4,
+            num_blocks: 8,
+            block_size: 16,
             decode_step_ms: 0.0,
             decode_us_per_seq: 0.0,
             ..EngineConfig::default()

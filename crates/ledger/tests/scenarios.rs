@@ -15,6 +15,17 @@ use handoff_proto::{
 const BLOCKS: [u32; 4] = [10, 11, 12, 13];
 
 /// P creates `id` (pull, on `BLOCKS`), then request `req` naming it arrives at D.
+/// D's `PullDone` for a handoff of one P rank read by one D rank: it read everything.
+fn read_all(id: handoff_proto::HandoffId) -> Message {
+    Message::PullDone(PullDone {
+        handoff: id,
+        epoch: Epoch::FIRST,
+        p_rank: 0,
+        consumer_rank: 0,
+        consumers: 1,
+    })
+}
+
 fn pull_arrives(pair: &mut Pair, id: handoff_proto::HandoffId, req: u64) {
     pair.p
         .create_handoff(id, BLOCKS.to_vec(), TransferMode::Pull, pair.now)
@@ -246,17 +257,7 @@ fn notification_before_registration_settles_on_registration() {
         }),
         pair.now,
     );
-    pair.p.handle_message(
-        D_PEER,
-        Message::PullDone(PullDone {
-            handoff: b,
-            epoch: Epoch::FIRST,
-            p_rank: 0,
-            consumer_rank: 0,
-            consumers: 1,
-        }),
-        pair.now,
-    );
+    pair.p.handle_message(D_PEER, read_all(b), pair.now);
     assert_eq!(pair.p.staged_messages(), 2);
     pair.now += ms(40);
     pair.p
@@ -1623,17 +1624,7 @@ fn completions_from_others_than_the_reader_are_ignored() {
     let id = hid(64);
     let _read = start_pull(&mut pair, id, 1);
     let mallory = PeerId(77);
-    pair.p.handle_message(
-        mallory,
-        Message::PullDone(PullDone {
-            handoff: id,
-            epoch: Epoch::FIRST,
-            p_rank: 0,
-            consumer_rank: 0,
-            consumers: 1,
-        }),
-        pair.now,
-    );
+    pair.p.handle_message(mallory, read_all(id), pair.now);
     assert!(
         pair.p.poll_release().is_none(),
         "freed under the reader's READ"
@@ -1691,17 +1682,7 @@ fn a_pull_done_for_a_push_frees_nothing_under_p_s_write() {
     let mut pair = push_pair();
     let id = hid(67);
     let w = pair.push_writing(id);
-    pair.p.handle_message(
-        D_PEER,
-        Message::PullDone(PullDone {
-            handoff: id,
-            epoch: Epoch::FIRST,
-            p_rank: 0,
-            consumer_rank: 0,
-            consumers: 1,
-        }),
-        pair.now,
-    );
+    pair.p.handle_message(D_PEER, read_all(id), pair.now);
     assert!(pair.p.poll_release().is_none(), "freed under P's WRITE");
     assert!(pair.p.contains(id));
     pair.complete_write(&w);

@@ -506,7 +506,6 @@ impl SchedulerSide {
         if !self.settled.contains(&n) {
             self.connector.on_request_ended(n, ReleaseReason::Done);
         }
-        self.failed_unallocated.remove(&n);
         self.forget(n);
     }
 

@@ -729,11 +729,7 @@ impl ConnectorCore {
             while let Some(rel) = self.consumer.as_mut().and_then(|c| c.poll_release()) {
                 progressed = true;
                 self.revoke(Opens::Writes, rel.handoff);
-                self.out.events.push(ConnectorEvent::BlocksReleased {
-                    handoff: rel.handoff,
-                    blocks: rel.blocks,
-                    reason: rel.reason.as_str().into(),
-                });
+                self.blocks_back(rel.handoff, rel.blocks, rel.reason.as_str());
             }
             progressed |= self.take_outcomes(None, now);
             while let Some(a) = self.consumer.as_mut().and_then(|c| c.poll_action()) {
@@ -761,10 +757,15 @@ impl ConnectorCore {
         for (rank, job) in self.transfers.end_push(rel.handoff) {
             self.out.transfers_to_abort.push((rank, job));
         }
+        self.blocks_back(rel.handoff, rel.blocks, rel.reason.as_str());
+    }
+
+    /// Tells the engine that `handoff`'s `blocks` are its pool's again.
+    pub(super) fn blocks_back(&mut self, handoff: HandoffId, blocks: Vec<u32>, reason: &str) {
         self.out.events.push(ConnectorEvent::BlocksReleased {
-            handoff: rel.handoff,
-            blocks: rel.blocks,
-            reason: rel.reason.as_str().into(),
+            handoff,
+            blocks,
+            reason: reason.into(),
         });
     }
 

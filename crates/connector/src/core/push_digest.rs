@@ -14,7 +14,6 @@ use handoff_proto::HandoffId;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
 use crate::step::WorkerOp;
-use crate::ConnectorEvent;
 
 /// P: where a push's digest stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,7 +167,8 @@ impl ConnectorCore {
             } = check.landed;
             let recompute = self.recomputes();
             self.failed(requests, "kv_digest_timeout", peer, recompute, None);
-            self.unused_push_blocks(handoff, blocks, "kv_digest_timeout");
+            // No request decodes these blocks, and nobody else releases them (see below).
+            self.blocks_back(handoff, blocks, "kv_digest_timeout");
         }
     }
 
@@ -239,20 +239,11 @@ impl ConnectorCore {
                     recompute,
                     None,
                 );
-                self.unused_push_blocks(handoff, blocks, FailReason::DigestMismatch.as_str());
+                // Every write into them ended (the ledger saw every PushDone, and their grant
+                // was revoked), and the ledger handed them over with its ready outcome: no
+                // request decodes them and nobody else ever releases them.
+                self.blocks_back(handoff, blocks, FailReason::DigestMismatch.as_str());
             }
         }
-    }
-
-    /// D: blocks a push landed in that no request will decode (their digest failed or was not
-    /// answered) go back to the engine. Every write into them ended (the ledger saw every
-    /// PushDone, and their grant was revoked), and the ledger handed them over with its ready
-    /// outcome, so nobody else ever releases them.
-    fn unused_push_blocks(&mut self, handoff: HandoffId, blocks: Vec<u32>, reason: &str) {
-        self.out.events.push(ConnectorEvent::BlocksReleased {
-            handoff,
-            blocks,
-            reason: reason.into(),
-        });
     }
 }
