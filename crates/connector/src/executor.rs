@@ -290,6 +290,9 @@ impl Connector {
                 Role::Decode => "decode",
                 Role::Both => "both",
             },
+            // This engine's P takes a layer-wise pull (`KvTransferParams::layerwise`): the
+            // proxy may send both legs at once and D reads as the prefill saves layers.
+            "layerwise_pull": self.mode == handoff_proto::TransferMode::Pull && self.role != Role::Decode,
         })
     }
 
@@ -322,7 +325,38 @@ impl Connector {
         self.call(move |core, now| core.on_push_prefill_start(&params, blocks, num_tokens, now))?
     }
 
-    /// Worker point "layer saved": the layer leaves for D as soon as its grant allows.
+    /// See [`ConnectorCore::on_pull_prefill_start`].
+    pub fn on_pull_prefill_start(
+        &self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+    ) -> Result<Option<HandoffId>, ConnectorError> {
+        let params = params.clone();
+        self.call(move |core, now| core.on_pull_prefill_start(&params, blocks, now))?
+    }
+
+    /// See [`ConnectorCore::on_pull_prefill_finished`].
+    pub fn on_pull_prefill_finished(
+        &self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let params = params.clone();
+        let request_id = request_id.to_string();
+        self.call(move |core, now| {
+            core.on_pull_prefill_finished(&params, &request_id, blocks, num_tokens, now)
+        })?
+    }
+
+    /// See [`ConnectorCore::on_pull_prefill_failed`].
+    pub fn on_pull_prefill_failed(&self, handoff: HandoffId) {
+        self.tell(move |core, now| core.on_pull_prefill_failed(handoff, now));
+    }
+
+    /// Worker point "layer saved": the layer leaves for D as soon as its grant allows (push), or
+    /// D may read it (layer-wise pull).
     pub fn on_layer_saved(&self, handoff: HandoffId, layer: u32) {
         self.tell(move |core, now| core.on_layer_saved(handoff, layer, now));
     }
@@ -751,6 +785,9 @@ impl Executor {
             }
             Observation::RejectOfTrackedHandoff => {
                 m.rejects_of_tracked_handoffs.inc();
+            }
+            Observation::ReadStage => {
+                m.read_stages.inc();
             }
             Observation::QueuedDropped => {
                 m.queued_dropped.inc();

@@ -52,6 +52,7 @@ pub struct Metrics {
     pub transport_refused: Counter,
     pub transfers_refused: Counter,
     pub rejects_of_tracked_handoffs: Counter,
+    pub read_stages: Counter,
     pub queued_dropped: Counter,
     pub send_queue_full: Counter,
     pub digests_checked: Family<MatchedLabels, Counter>,
@@ -96,6 +97,7 @@ impl Metrics {
             transport_refused: Counter::default(),
             transfers_refused: Counter::default(),
             rejects_of_tracked_handoffs: Counter::default(),
+            read_stages: Counter::default(),
             queued_dropped: Counter::default(),
             send_queue_full: Counter::default(),
             digests_checked: Family::default(),
@@ -226,6 +228,12 @@ impl Metrics {
             "rejects_of_tracked_handoffs",
             "Requests D refused whose handoff it still tracks for another request (P not told)",
             m.rejects_of_tracked_handoffs.clone(),
+        );
+        r.register(
+            "read_stages",
+            "READ stages D posted: one per classic pull, more when a layer-wise pull reads layers \
+             while P's prefill saves the next",
+            m.read_stages.clone(),
         );
         r.register(
             "side_channel_queued_dropped",

@@ -74,8 +74,22 @@ fn faults() -> impl Strategy<Value = Faults> {
         )
 }
 
-fn mode() -> impl Strategy<Value = TransferMode> {
-    prop_oneof![Just(TransferMode::Pull), Just(TransferMode::Push)]
+/// Pull, push, or pull as a layer-wise pull.
+fn mode() -> impl Strategy<Value = (TransferMode, bool)> {
+    prop_oneof![
+        Just((TransferMode::Pull, false)),
+        Just((TransferMode::Push, false)),
+        Just((TransferMode::Pull, true)),
+    ]
+}
+
+fn sim((mode, layerwise): (TransferMode, bool), reqs: Vec<ReqSpec>, faults: Faults) -> Sim {
+    let s = Sim::new(mode, reqs, faults);
+    if layerwise {
+        s.layerwise()
+    } else {
+        s
+    }
 }
 
 proptest! {
@@ -91,7 +105,7 @@ proptest! {
         reqs in proptest::collection::vec(req(), 1..12),
         faults in faults(),
     ) {
-        let report = Sim::new(mode, reqs, faults).run();
+        let report = sim(mode, reqs, faults).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
     }
 
@@ -104,7 +118,7 @@ proptest! {
     ) {
         let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
         let n = reqs.len();
-        let report = Sim::new(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }).run();
+        let report = sim(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
         prop_assert_eq!(report.recomputed, 0);
         prop_assert_eq!(report.ready, n);

@@ -554,6 +554,11 @@ impl Scheduler {
             }
             _ => None,
         };
+        // A layer-wise pull: D got its leg at the same time and reads each layer once saved.
+        let layerwise = match &r.sub.kind {
+            Kind::RemoteDecode(Some(p)) if p.is_layerwise_pull() => Some(p.clone()),
+            _ => None,
+        };
         if let (Some(params), Some(c)) = (&push, &self.connector) {
             if let Err(e) =
                 c.on_push_prefill_start(params, r.prompt_blocks.clone(), prompt.len() as u32)
@@ -562,6 +567,13 @@ impl Scheduler {
             }
             r.handed_over = true;
         }
+        if let (Some(params), Some(c)) = (&layerwise, &self.connector) {
+            match c.on_pull_prefill_start(params, r.prompt_blocks.clone()) {
+                Ok(held) => r.handed_over = held.is_some(),
+                Err(e) => return self.fail_local(r, e.to_string()),
+            }
+        }
+        let saved_for = push.as_ref().or(layerwise.as_ref());
         // The forward pass, layer by layer: each layer's KV exists once its share of the cost is
         // spent, and in push mode it leaves for D at once, overlapping the rest of the prefill.
         // The share is spent first and the KV written at its end: on a GPU the layer's time is
@@ -579,7 +591,7 @@ impl Scheduler {
             ) {
                 return self.fail_local(r, e);
             }
-            if let (Some(params), Some(c)) = (&push, &self.connector) {
+            if let (Some(params), Some(c)) = (saved_for, &self.connector) {
                 if let Some(h) = params.handoff_id {
                     c.on_layer_saved(h, layer);
                 }
@@ -602,14 +614,20 @@ impl Scheduler {
                 let Some(c) = self.connector.clone() else {
                     return self.fail_local(r, "no connector".into());
                 };
-                let params = match &push {
-                    Some(p) => c.on_push_prefill_finished(
+                let params = match (&push, &layerwise) {
+                    (Some(p), _) => c.on_push_prefill_finished(
                         p,
                         &r.sub.external_id,
                         r.prompt_blocks.clone(),
                         prompt.len() as u32,
                     ),
-                    None => c.on_prefill_finished(
+                    (None, Some(p)) => c.on_pull_prefill_finished(
+                        p,
+                        &r.sub.external_id,
+                        r.prompt_blocks.clone(),
+                        prompt.len() as u32,
+                    ),
+                    (None, None) => c.on_prefill_finished(
                         &r.sub.external_id,
                         r.prompt_blocks.clone(),
                         prompt.len() as u32,
@@ -624,12 +642,13 @@ impl Scheduler {
                             choice: 0,
                             text: model::detokenize(token),
                         });
-                        let release = push.is_none().then(|| params.clone());
+                        let release =
+                            (push.is_none() && layerwise.is_none()).then(|| params.clone());
                         if ev.send(SeqEvent::KvParams(Box::new(params))).is_err() {
                             // The client left during the prefill: nobody will ever see these
                             // params, so no D will read or release them. Pull: release now
-                            // instead of at lease end. (Push: D already holds a registration
-                            // and receives the KV anyway.)
+                            // instead of at lease end. (Push and layer-wise pull: D got its leg
+                            // at the same time and takes the KV anyway.)
                             if let Some(params) = release {
                                 tracing::info!(
                                     request = %r.sub.external_id,
@@ -663,6 +682,15 @@ impl Scheduler {
         // another request take blocks a WRITE may still read.
         if !r.handed_over {
             self.pool.free(&r.prompt_blocks);
+        }
+        // A layer-wise pull's handoff ends with its prefill (after the fence when D may be
+        // reading the layers saved so far).
+        if let (true, Kind::RemoteDecode(Some(p)), Some(c)) =
+            (r.handed_over, &r.sub.kind, &self.connector)
+        {
+            if let (true, Some(h)) = (p.is_layerwise_pull(), p.handoff_id) {
+                c.on_pull_prefill_failed(h);
+            }
         }
         self.pool.free(&r.gen_blocks.concat());
         self.metrics.outcome("failed");

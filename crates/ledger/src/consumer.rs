@@ -7,6 +7,10 @@
 //! Pull: D reads only on a grant that is still valid minus a margin, and a read that ends after
 //! `grant + read_grace` (or after the read timeout) is a failure (rules 2 and 4). Blocks a failed
 //! read may still write into are quarantined until the transport confirms the read ended.
+//! A layer-wise pull reads while P's prefill runs: P's block list says how many layers are saved
+//! ([`handoff_proto::BlockList::layers`]), the read starts with those and goes on in stages as
+//! more are (each posted only on a valid grant: [`ConsumerLedger::permit_read_more`]); it is
+//! done when the stage with every layer landed.
 //!
 //! Push: D reserves blocks at once, registers them with P, and grants P a lease on the
 //! registration through P's heartbeats. A registration P has not asked a grant on for
@@ -21,6 +25,7 @@
 //! | `Waiting`    | blocks allocated (pull)        | `Admitted`                                     |
 //! | `Waiting`    | blocks reserved (push)         | `Registered`, `PushRegister` to P              |
 //! | `Admitted`   | valid grant                    | `Reading`, `StartRead`                         |
+//! | `Reading`    | P saved more layers (layer-wise)| `ReadMore` (posted on a valid grant)           |
 //! | `Reading`    | every rank done in time        | `Ready` outcome, handoff ends                  |
 //! | `Reading`    | failure or read deadline       | outcome per policy, `Quarantine`               |
 //! | `Reading`    | last request aborted/rejected  | `CancelRead`, `Quarantine`                     |
@@ -126,7 +131,8 @@ pub struct IncomingHandoff {
     pub peer: PeerId,
     pub p_tp: u16,
     pub mode: TransferMode,
-    /// Pull: P's blocks. Push: empty.
+    /// Pull: P's blocks as the client claimed them (empty for a layer-wise pull); only P's own
+    /// answer is ever read. Push: empty.
     pub p_blocks: Vec<BlockId>,
     pub num_tokens: u32,
 }
@@ -250,6 +256,14 @@ pub enum ConsumerAction {
     StartRead(StartRead),
     /// Abort the reads of a handoff (deadline passed); still report their end.
     CancelRead { handoff: HandoffId },
+    /// Layer-wise pull: P saved more layers of a handoff being read (`layers`: how many, `None`
+    /// when every one). The next stage may be posted once the one in flight ended, each only
+    /// after [`ConsumerLedger::permit_read_more`] said yes.
+    ReadMore {
+        handoff: HandoffId,
+        layers: Option<u32>,
+        p_digest: Option<u64>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,6 +284,9 @@ pub struct StartRead {
     pub done: Vec<PullDone>,
     /// The KV digest P sent with its block list, if any: what the landed KV must have.
     pub p_digest: Option<u64>,
+    /// Layer-wise pull: only the first `n` layers are saved yet (`Some(n)`, n > 0); more follow
+    /// as [`ConsumerAction::ReadMore`]. `None`: every layer.
+    pub layers: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -304,6 +321,8 @@ enum State {
         deadline: Time,
         pending: Vec<u16>,
         failed: Option<FailReason>,
+        /// When the latest stage was posted (the read timeout counts from it).
+        posted: Time,
     },
     Quarantine {
         until: Time,
@@ -336,6 +355,14 @@ struct Handoff {
     blocks_from_p: bool,
     /// The KV digest P sent with its block list (pull) or its `PushDone`s (push).
     p_digest: Option<u64>,
+    /// Pull: the layers P's latest list says are saved (`None`: every one; see
+    /// [`handoff_proto::BlockList::layers`]).
+    p_layers: Option<u32>,
+    /// P's first block list said the prefill was still running: the read goes in stages.
+    layerwise: bool,
+    /// Layer-wise pull: a stage was refused for want of a valid grant; the next grant asks for
+    /// it again.
+    more_waiting: bool,
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
@@ -525,9 +552,6 @@ impl ConsumerLedger {
         if inc.p_tp == 0 {
             return Err(ArriveError::Invalid("P tp size is 0"));
         }
-        if inc.mode == TransferMode::Pull && inc.p_blocks.is_empty() {
-            return Err(ArriveError::Invalid("pull handoff without P blocks"));
-        }
         if let Some(h) = self.handoffs.get_mut(&inc.handoff) {
             // n>1: a sibling joins the one transfer.
             if h.info.peer != inc.peer || h.first_epoch != inc.epoch || h.info.mode != inc.mode {
@@ -551,6 +575,9 @@ impl ConsumerLedger {
             retries_left: self.cfg.read_retries,
             blocks_from_p: false,
             p_digest: None,
+            p_layers: None,
+            layerwise: false,
+            more_waiting: false,
             info: inc,
             requests: vec![req],
             deadline,
@@ -682,6 +709,43 @@ impl ConsumerLedger {
         }
     }
 
+    /// Layer-wise pull: may the next stage of `handoff`'s read be posted now? Only while it is
+    /// read and nothing failed, before the request's deadline, and on a grant still valid minus
+    /// the margin (rule 2); the read's deadline then counts from now. Refused for want of a
+    /// grant, the next grant brings the `ReadMore` again.
+    pub fn permit_read_more(&mut self, handoff: HandoffId, now: Time) -> bool {
+        self.last_now = self.last_now.max(now);
+        let (margin, timeout, grace) = (
+            self.cfg.read_margin,
+            self.cfg.read_timeout,
+            self.cfg.read_grace,
+        );
+        let Some(h) = self.handoffs.get_mut(&handoff) else {
+            return false;
+        };
+        let State::Reading {
+            failed: None,
+            deadline,
+            posted,
+            ..
+        } = &mut h.state
+        else {
+            return false;
+        };
+        if now >= h.deadline {
+            return false;
+        }
+        let Some(grant_until) = h.grant_until.filter(|g| *g > now + margin) else {
+            h.more_waiting = true;
+            return false;
+        };
+        *posted = now;
+        *deadline = (now + timeout).min(grant_until + grace).min(h.deadline);
+        let d = *deadline;
+        h.timer.arm(&mut self.timers, handoff, d);
+        true
+    }
+
     /// One D rank's reads of `handoff` ended (`ok`: every byte landed).
     /// Like [`Self::on_read_done`] with `ok` false, for a read whose bytes landed but whose KV
     /// digest differs from P's: the handoff fails with [`FailReason::DigestMismatch`] (not
@@ -710,6 +774,7 @@ impl ConsumerLedger {
                 deadline,
                 pending,
                 failed,
+                ..
             } => {
                 let Some(pos) = pending.iter().position(|r| *r == d_rank) else {
                     return;
@@ -911,9 +976,34 @@ impl ConsumerLedger {
             // Anchored at the moment the heartbeat left: P's lease began no earlier, so this
             // end is never later than P's (rule 2), however late the reply arrived.
             let until = sent_at + Duration::from_millis(grant.lease_ms as u64);
-            h.grant_until = Some(h.grant_until.map_or(until, |u| u.max(until)));
-            if h.state == State::Admitted {
-                self.try_start_read(grant.handoff, now);
+            let grant_until = h.grant_until.map_or(until, |u| u.max(until));
+            h.grant_until = Some(grant_until);
+            match &mut h.state {
+                State::Admitted => self.try_start_read(grant.handoff, now),
+                // A layer-wise read spans P's prefill: a stage in flight may run until this
+                // later grant's end + the grace (P's lease covers it), and a stage refused for
+                // want of a grant may go now.
+                State::Reading {
+                    failed: None,
+                    deadline,
+                    posted,
+                    ..
+                } if h.layerwise => {
+                    *deadline = (*posted + self.cfg.read_timeout)
+                        .min(grant_until + self.cfg.read_grace)
+                        .min(h.deadline)
+                        .max(*deadline);
+                    let d = *deadline;
+                    h.timer.arm(&mut self.timers, grant.handoff, d);
+                    if std::mem::take(&mut h.more_waiting) {
+                        self.actions.push_back(ConsumerAction::ReadMore {
+                            handoff: grant.handoff,
+                            layers: h.p_layers,
+                            p_digest: h.p_digest,
+                        });
+                    }
+                }
+                _ => {}
             }
         }
         for e in g.gone {
@@ -937,6 +1027,15 @@ impl ConsumerLedger {
                 State::Registered { .. } => {
                     self.fail_requests(e.handoff, FailReason::HandoffGone);
                     self.cancel_push(e.handoff, EndReason::Cancelled, now);
+                }
+                // A layer-wise read whose layers will never all come (P's prefill failed, or P
+                // ended the handoff): stop the stage in flight, and P hears once it ended.
+                State::Reading { ref pending, .. } if h.p_layers.is_some() => {
+                    let pending = pending.clone();
+                    self.fail_requests(e.handoff, FailReason::HandoffGone);
+                    self.actions
+                        .push_back(ConsumerAction::CancelRead { handoff: e.handoff });
+                    self.quarantine(e.handoff, pending, ReleaseReason::Failed, now);
                 }
                 // A read in flight ends by its own deadline, which P's fence outlasts.
                 _ => {}
@@ -989,7 +1088,7 @@ impl ConsumerLedger {
                 self.stats.late_notifications += 1;
                 continue;
             };
-            if h.info.peer != from || h.info.mode != TransferMode::Pull || h.blocks_from_p {
+            if h.info.peer != from || h.info.mode != TransferMode::Pull {
                 self.stats.ignored += 1;
                 continue;
             }
@@ -997,18 +1096,49 @@ impl ConsumerLedger {
                 self.stats.stale_epoch += 1;
                 continue;
             }
+            if h.blocks_from_p {
+                // Only a layer-wise pull's next list: the same blocks, more layers saved.
+                let more = match (h.p_layers, list.layers) {
+                    (Some(had), Some(now)) => now > had,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                };
+                if !more || list.blocks != h.info.p_blocks {
+                    self.stats.ignored += 1;
+                    continue;
+                }
+                h.p_layers = list.layers;
+                h.p_digest = list.digest;
+                match h.state {
+                    State::Admitted => self.try_start_read(list.handoff, now),
+                    State::Reading { failed: None, .. } => {
+                        self.actions.push_back(ConsumerAction::ReadMore {
+                            handoff: list.handoff,
+                            layers: list.layers,
+                            p_digest: list.digest,
+                        })
+                    }
+                    _ => {}
+                }
+                continue;
+            }
             if list.blocks.is_empty() {
                 self.stats.ignored += 1;
                 continue;
             }
             if h.info.p_blocks != list.blocks {
-                // Counted; the connector's metrics and logs follow the counter.
-                self.stats.client_blocks_replaced += 1;
+                // Counted (the connector's metrics and logs follow the counter), unless the
+                // client named none (a layer-wise pull's D leg leaves before P has blocks).
+                if !h.info.p_blocks.is_empty() {
+                    self.stats.client_blocks_replaced += 1;
+                }
                 h.info.p_blocks = list.blocks;
             }
             h.blocks_from_p = true;
             h.blocks_answer_at = Some(now);
             h.p_digest = list.digest;
+            h.p_layers = list.layers;
+            h.layerwise = list.layers.is_some();
             if h.state == State::Admitted {
                 self.try_start_read(list.handoff, now);
             }
@@ -1114,7 +1244,8 @@ impl ConsumerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        if h.state != State::Admitted || !h.blocks_from_p {
+        // A layer-wise pull starts once P saved a layer.
+        if h.state != State::Admitted || !h.blocks_from_p || h.p_layers == Some(0) {
             return;
         }
         let Some(grant_until) = h.grant_until else {
@@ -1155,11 +1286,13 @@ impl ConsumerLedger {
             deadline,
             done,
             p_digest: h.p_digest,
+            layers: h.p_layers,
         }));
         h.state = State::Reading {
             deadline,
             pending: (0..tp).collect(),
             failed: None,
+            posted: now,
         };
         h.transfer_at = Some(now);
         h.timer.arm(&mut self.timers, id, deadline);
@@ -1224,6 +1357,7 @@ impl ConsumerLedger {
                 deadline,
                 pending,
                 failed,
+                ..
             } => {
                 if now >= deadline {
                     // Requests of a read that failed and waited for a retry learn it now.

@@ -17,14 +17,19 @@
 //! | `Leased`   | peer dead                          | released now (a dead reader is not harmed)  |
 //! | `Fencing`  | fence end / pull-done / release    | released                                    |
 //! | `Draining` | push write ended or fence end      | released (never under an in-flight WRITE)   |
+//!
+//! A layer-wise pull's handoff is created when P's prefill starts ([`ProducerLedger::create_filling_handoff`]):
+//! its reader gets one more block list each time layers are saved, and whatever would end it
+//! while the prefill runs only takes effect when the prefill ends — P's forward pass still writes
+//! those blocks ([`ProducerLedger::prefill_ended`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
     split_block_lists, split_grants, BlockList, BlocksQuery, Epoch, Grant, GrantBatch, HandoffId,
-    Heartbeat, HeartbeatEntry, Message, PullDone, PushCancel, PushCancelAck, PushDone, PushFailed,
-    PushRegister, Release, TransferMode, MAX_REGISTERED_BLOCKS,
+    Heartbeat, HeartbeatEntry, Message, PullBlocks, PullDone, PushCancel, PushCancelAck, PushDone,
+    PushFailed, PushRegister, Release, TransferMode, MAX_REGISTERED_BLOCKS,
 };
 
 use crate::heartbeat::HeartbeatSender;
@@ -233,10 +238,35 @@ struct Handoff {
     /// free them at once. From then on no write to that D starts, whatever registration or
     /// grant arrives late (rule 3).
     cancel_acked: bool,
+    /// Pull: the reader asked for the block list (and gets every later one of a layer-wise pull).
+    asked: bool,
+    /// Layer-wise pull: P's prefill still writes the blocks.
+    filling: Option<Filling>,
     timer: TimerSlot,
 }
 
+/// A layer-wise pull's prefill, still running.
+#[derive(Debug, Clone, Copy, Default)]
+struct Filling {
+    /// Layers whose KV is in the blocks.
+    layers: u32,
+    /// Why the handoff ended meanwhile: its blocks go back once the prefill ends.
+    ended: Option<EndReason>,
+}
+
 impl Handoff {
+    /// The block list as the reader is told it: every layer saved, or so far.
+    fn block_list(&self, id: HandoffId) -> BlockList {
+        BlockList {
+            handoff: id,
+            epoch: self.epoch,
+            blocks: self.blocks.clone(),
+            // Filled in by the connector once its workers computed it.
+            digest: None,
+            layers: self.filling.map(|f| f.layers),
+        }
+    }
+
     /// The reader retries a failed read under the next epoch: completions of the first attempt
     /// still on their way must not count for the retry, so every rank's count starts again.
     /// Only the reader may do it, only while leased, one epoch at a time, a bounded number of
@@ -416,6 +446,83 @@ impl ProducerLedger {
         mode: TransferMode,
         now: Time,
     ) -> Result<Grant, CreateError> {
+        self.create(id, blocks, mode, None, now)
+    }
+
+    /// Layer-wise pull: P's prefill into `blocks` starts now under `id` (the proxy's, sent to D
+    /// at the same time). D's heartbeats and block query may be staged already; its reader is
+    /// told of each layer saved ([`Self::layers_saved`]), and the handoff cannot end before
+    /// [`Self::prefill_ended`].
+    pub fn create_filling_handoff(
+        &mut self,
+        id: HandoffId,
+        blocks: Vec<BlockId>,
+        now: Time,
+    ) -> Result<Grant, CreateError> {
+        self.create(
+            id,
+            blocks,
+            TransferMode::Pull,
+            Some(Filling::default()),
+            now,
+        )
+    }
+
+    /// Layer-wise pull: the first `layers` layers of the handoff's blocks hold their KV. The
+    /// reader, once it asked, gets the list again with that count.
+    pub fn layers_saved(&mut self, id: HandoffId, layers: u32) {
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        let Some(f) = h.filling.as_mut().filter(|f| layers > f.layers) else {
+            return;
+        };
+        f.layers = layers;
+        if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
+            let lists = vec![h.block_list(id)];
+            self.messages
+                .push_back((reader, Message::PullBlocks(PullBlocks { lists })));
+        }
+    }
+
+    /// Layer-wise pull: P's prefill ended (`ok`: every layer is saved). The reader gets the
+    /// final list; an end that came meanwhile takes effect now. A failed prefill ends the
+    /// handoff: at once when no reader was told where the blocks are, else under the fence (it
+    /// may be reading the layers saved so far, rule 2).
+    pub fn prefill_ended(&mut self, id: HandoffId, ok: bool, now: Time) {
+        self.last_now = self.last_now.max(now);
+        let Some(h) = self.handoffs.get_mut(&id) else {
+            return;
+        };
+        let Some(f) = h.filling.take() else {
+            return;
+        };
+        if let Some(reason) = f.ended {
+            self.release_now(id, reason, now);
+        } else if !ok && h.asked && h.phase == Phase::Leased {
+            let until = h.lease_end.max(now) + self.cfg.fence_grace;
+            h.phase = Phase::Fencing {
+                until,
+                reason: EndReason::Failed,
+            };
+            h.timer.arm(&mut self.timers, id, until);
+        } else if !ok {
+            self.begin_end(id, EndReason::Failed, now);
+        } else if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
+            let lists = vec![h.block_list(id)];
+            self.messages
+                .push_back((reader, Message::PullBlocks(PullBlocks { lists })));
+        }
+    }
+
+    fn create(
+        &mut self,
+        id: HandoffId,
+        blocks: Vec<BlockId>,
+        mode: TransferMode,
+        filling: Option<Filling>,
+        now: Time,
+    ) -> Result<Grant, CreateError> {
         self.last_now = self.last_now.max(now);
         if self.handoffs.contains_key(&id) || self.tombstones.get(&id).is_some() {
             return Err(CreateError::Duplicate(id));
@@ -442,6 +549,8 @@ impl ProducerLedger {
             parts: vec![Part::default(); self.cfg.tp.max(1) as usize],
             registrations: Vec::new(),
             cancel_acked: false,
+            asked: false,
+            filling,
             timer: TimerSlot::default(),
         };
         h.timer.arm(&mut self.timers, id, lease_end);
@@ -477,7 +586,7 @@ impl ProducerLedger {
             Message::PushRegister(r) => self.on_push_register(from, r, now),
             Message::PushCancel(c) => self.on_push_cancel(from, c, now),
             Message::GrantBatch(g) => self.on_grants(from, g, now),
-            Message::BlocksQuery(q) => self.on_blocks_query(from, q),
+            Message::BlocksQuery(q) => self.on_blocks_query(from, q, now),
             Message::Hello(_)
             | Message::HelloReply(_)
             | Message::PushDone(_)
@@ -650,7 +759,13 @@ impl ProducerLedger {
         let mut gone = Vec::new();
         for e in hb.entries {
             if let Some(h) = self.handoffs.get_mut(&e.handoff) {
-                if h.epoch != e.epoch && !h.adopt_epoch(from, e.epoch) {
+                if h.epoch != e.epoch && h.adopt_epoch(from, e.epoch) && h.asked {
+                    // The retry reads under the new epoch: a list it ignored as stale (a
+                    // layer-wise pull's last, sent before the move) is sent again under it.
+                    let lists = vec![h.block_list(e.handoff)];
+                    self.messages
+                        .push_back((from, Message::PullBlocks(PullBlocks { lists })));
+                } else if h.epoch != e.epoch {
                     // The reader moved on to an epoch we cannot follow (fencing, or out of
                     // moves): tell it at once rather than let it wait out its deadline.
                     if e.epoch > h.epoch && h.reader == Some(from) {
@@ -685,14 +800,11 @@ impl ProducerLedger {
                     && e.epoch == Epoch::FIRST => {}
                 None if self.tombstones.get(&e.handoff).is_some() => gone.push(e),
                 None => {
-                    self.stats.staged += 1;
                     let single = Heartbeat {
                         seq: hb.seq,
                         entries: vec![e],
                     };
-                    self.staging
-                        .stage(e.handoff, Some(from), Message::Heartbeat(single), now);
-                    self.stats.staged_over_quota = self.staging.over_quota;
+                    self.stage_once(from, Message::Heartbeat(single), e.handoff, now);
                 }
             }
         }
@@ -705,13 +817,14 @@ impl ProducerLedger {
     /// D asks which blocks to read. Only a handoff's reader (the first D that heartbeats or
     /// asks for it) is answered: a client that names a handoff id learns nothing through another
     /// D, and D never reads the block ids a client wrote into its request.
-    fn on_blocks_query(&mut self, from: PeerId, q: BlocksQuery) {
+    fn on_blocks_query(&mut self, from: PeerId, q: BlocksQuery, now: Time) {
         let mut lists = Vec::new();
         for e in q.entries {
             let Some(h) = self.handoffs.get_mut(&e.handoff) else {
-                // Not created yet, or ended: D asks again with its next heartbeat, or hears
-                // "gone" in the grant reply.
-                self.stats.ignored += 1;
+                // Not created yet (a layer-wise pull's D asks as P's prefill is about to start):
+                // answered at creation. Ended: D hears "gone" in the grant reply.
+                let single = BlocksQuery { entries: vec![e] };
+                self.stage_once(from, Message::BlocksQuery(single), e.handoff, now);
                 continue;
             };
             if h.epoch != e.epoch {
@@ -733,13 +846,8 @@ impl ProducerLedger {
                     self.by_peer.entry(from).or_default().insert(e.handoff);
                 }
             }
-            lists.push(BlockList {
-                handoff: e.handoff,
-                epoch: h.epoch,
-                blocks: h.blocks.clone(),
-                // Filled in by the connector once its workers computed it.
-                digest: None,
-            });
+            h.asked = true;
+            lists.push(h.block_list(e.handoff));
         }
         // A handoff too long to name in one message was refused at creation (see
         // `create_handoff`), so nothing is left over here.
@@ -1050,6 +1158,24 @@ impl ProducerLedger {
         }
     }
 
+    /// Stages a heartbeat or block query for a handoff not created yet, replacing the one of its
+    /// kind `from` staged before: D repeats both every heartbeat interval while P's request
+    /// queues, and only the latest matters (its heartbeat is the freshest anchor for the grant
+    /// it gets at creation). Keeps the staging's per-handoff room for what must not be lost (an
+    /// early release).
+    fn stage_once(&mut self, from: PeerId, msg: Message, id: HandoffId, now: Time) {
+        if self.tombstones.get(&id).is_some() {
+            self.stats.ignored += 1;
+            return;
+        }
+        let kind = msg.kind();
+        self.staging
+            .discard(id, |f, m| f == Some(from) && m.kind() == kind);
+        self.stats.staged += 1;
+        self.staging.stage(id, Some(from), msg, now);
+        self.stats.staged_over_quota = self.staging.over_quota;
+    }
+
     // ----- transitions -----
 
     fn start_writes(&mut self, id: HandoffId, now: Time) {
@@ -1187,6 +1313,15 @@ impl ProducerLedger {
     }
 
     fn release_now(&mut self, id: HandoffId, reason: EndReason, now: Time) {
+        if let Some(h) = self.handoffs.get_mut(&id) {
+            if let Some(f) = h.filling.as_mut() {
+                // P's forward pass still writes these blocks: they go back when it ends
+                // (`prefill_ended`). Meanwhile the handoff is over for everyone else.
+                f.ended = Some(f.ended.unwrap_or(reason));
+                h.phase = Phase::Draining { until: now, reason };
+                return;
+            }
+        }
         let Some(h) = self.handoffs.remove(&id) else {
             return;
         };

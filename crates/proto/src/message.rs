@@ -258,9 +258,16 @@ pub struct BlockList {
     /// The KV digest of these blocks summed over P's ranks (see the connector's `digest`
     /// module), when P computed one: D compares it with its own after the READ landed.
     pub digest: Option<u64>,
+    /// Layer-wise pull: P's prefill is still running and only the first `n` layers of every
+    /// block hold their KV (`Some(n)`); D may read those and waits for the next list. `None`:
+    /// every layer is final (a classic pull, or the last list of a layer-wise one, which alone
+    /// carries the digest).
+    pub layers: Option<u32>,
 }
 
-/// Pull mode, P to the D that reads these handoffs (and no one else). At most
+/// Pull mode, P to the D that reads these handoffs (and no one else): the answer to its
+/// [`BlocksQuery`], and in a layer-wise pull one more list each time P's prefill saved layers.
+/// At most
 /// [`MAX_LISTS_PER_MESSAGE`] lists and [`MAX_REGISTERED_BLOCKS`] blocks in all.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullBlocks {

@@ -72,6 +72,11 @@ pub struct KvTransferParams {
     pub lease_ms: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<u32>,
+    /// Layer-wise pull (the proxy sends both legs at once, as for a push): P creates the handoff
+    /// under `handoff_id` when its prefill starts and D reads each layer once it is saved. D's
+    /// leg then names no `remote_block_ids` (D reads only the blocks P names anyway).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layerwise: Option<bool>,
     /// Keys this build does not know, kept so a newer peer's params survive a round trip.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -132,6 +137,11 @@ impl KvTransferParams {
         self.transfer_mode.unwrap_or_default()
     }
 
+    /// A layer-wise pull (see [`KvTransferParams::layerwise`]).
+    pub fn is_layerwise_pull(&self) -> bool {
+        self.mode() == TransferMode::Pull && self.layerwise == Some(true)
+    }
+
     /// What P must ask for: "prefill, keep the KV for a remote decode" (the proxy's first leg).
     pub fn for_prefill_leg() -> Self {
         KvTransferParams {
@@ -157,7 +167,10 @@ impl KvTransferParams {
         if self.handoff_id.is_none() {
             return Err(ParamsError::Missing("handoff_id"));
         }
-        if self.mode() == TransferMode::Pull && self.block_ids().is_none() {
+        if self.mode() == TransferMode::Pull
+            && !self.is_layerwise_pull()
+            && self.block_ids().is_none()
+        {
             return Err(ParamsError::Missing("remote_block_ids"));
         }
         Ok(())

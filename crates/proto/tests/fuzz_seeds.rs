@@ -132,6 +132,7 @@ fn samples() -> Vec<(&'static str, Message)> {
                     epoch: e,
                     blocks: vec![5, 6, 9],
                     digest: None,
+                    layers: None,
                 }],
             }),
         ),

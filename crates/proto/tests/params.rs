@@ -367,6 +367,16 @@ fn validate_remote_prefill_names_the_missing_key() {
     push["transfer_mode"] = json!("push");
     push.as_object_mut().unwrap().remove("remote_block_ids");
     assert_eq!(parse(push).unwrap().validate_remote_prefill(), Ok(()));
+    // Nor does a layer-wise pull: its D leg leaves before P has blocks.
+    let mut layerwise = full.clone();
+    layerwise["layerwise"] = json!(true);
+    layerwise
+        .as_object_mut()
+        .unwrap()
+        .remove("remote_block_ids");
+    let p = parse(layerwise).unwrap();
+    assert!(p.is_layerwise_pull());
+    assert_eq!(p.validate_remote_prefill(), Ok(()));
     // Not a remote prefill: nothing to check.
     assert_eq!(
         parse(json!({"do_remote_prefill": false}))
@@ -424,6 +434,7 @@ fn params() -> impl Strategy<Value = KvTransferParams> {
         proptest::option::of(handoff_id()),
         proptest::option::of(any::<u32>()),
         proptest::option::of(any::<u32>()),
+        proptest::option::of(any::<bool>()),
         // Unknown keys never collide with known ones: "x_" is no known key's prefix.
         btree_map("x_[a-z_]{0,10}", json_value(), 0..4),
     );
@@ -442,7 +453,8 @@ fn params() -> impl Strategy<Value = KvTransferParams> {
         handoff_id: o.0,
         lease_ms: o.1,
         epoch: o.2,
-        extra: o.3.into_iter().collect::<Map<String, Value>>(),
+        layerwise: o.3,
+        extra: o.4.into_iter().collect::<Map<String, Value>>(),
     })
 }
 

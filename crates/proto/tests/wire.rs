@@ -186,6 +186,23 @@ fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
 }
 
 #[test]
+fn worst_case_pull_blocks_fits_in_one_message() {
+    // The most lists and blocks a PullBlocks may carry, every number at its widest (a layer-wise
+    // list names its layers too): P must always be able to answer.
+    let per_list = MAX_REGISTERED_BLOCKS / MAX_LISTS_PER_MESSAGE;
+    let lists = (0..MAX_LISTS_PER_MESSAGE)
+        .map(|_| BlockList {
+            handoff: HandoffId::from_bytes(u128::to_le_bytes(u128::MAX)),
+            epoch: Epoch(u32::MAX),
+            blocks: vec![u32::MAX; per_list],
+            digest: Some(u64::MAX),
+            layers: Some(u32::MAX),
+        })
+        .collect();
+    assert_roundtrip(&Message::PullBlocks(PullBlocks { lists }));
+}
+
+#[test]
 fn release_wire_layout_is_stable() {
     // Pins the format: version, variant index, 16 little-endian id bytes, varint epoch, reason.
     let id = HandoffId::from_bytes(u128::to_le_bytes(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff));
@@ -805,6 +822,7 @@ fn block_lists_split_into_messages_a_peer_accepts() {
             epoch: Epoch::FIRST,
             blocks: (0..(i % 40)).map(|b| b * 1_000_003).collect(),
             digest: Some(u64::MAX - i as u64),
+            layers: (i % 3 == 0).then_some(u32::MAX - i),
         })
         .collect();
     let (msgs, too_long) = split_block_lists(lists.clone());
@@ -823,6 +841,7 @@ fn block_lists_split_into_messages_a_peer_accepts() {
         epoch: Epoch::FIRST,
         blocks: vec![1; MAX_REGISTERED_BLOCKS + 1],
         digest: None,
+        layers: None,
     };
     let (msgs, too_long) = split_block_lists(vec![long.clone()]);
     assert!(msgs.is_empty());

@@ -1,5 +1,6 @@
-//! Periodic health checks: GET `{url}/health` of every instance, and in push mode
-//! `{url}/v1/handoff/info` of every P as well.
+//! Periodic health checks: GET `{url}/health` of every instance, and `{url}/v1/handoff/info`
+//! of every P as well (push mode: P must answer it; pull mode: it says whether P takes a
+//! layer-wise pull).
 
 use std::sync::Arc;
 
@@ -48,6 +49,16 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
                 Err(reason)
             }
         }
+    } else if inst.role == Role::Prefill && verdict.is_ok() {
+        // A pull P: its info only says whether it takes a layer-wise pull. One without it (a
+        // vLLM P) is as healthy, and pulled the classic way.
+        match push::fetch_info(shared, inst, shared.cfg.health_timeout).await {
+            Ok(info) => push::store_info(inst, info),
+            Err(_) => {
+                inst.set_handoff_info(None);
+            }
+        }
+        verdict
     } else {
         verdict
     };

@@ -1,5 +1,7 @@
 //! The push flow (see the crate docs): one fresh handoff id, P's side channel from its
 //! `/v1/handoff/info`, both legs sent at once, D's answer relayed while P's leg is watched.
+//! A layer-wise pull (a pull-mode P whose info says `layerwise_pull`) runs the same flow: only
+//! the mode in both legs' params differs, and D reads where P would have written.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -40,14 +42,25 @@ pub(crate) struct EngineInfo {
     pub(crate) transfer_mode: Option<TransferMode>,
     #[serde(default)]
     pub(crate) role: Option<String>,
+    /// A pull-mode P that takes a layer-wise pull (both legs at once).
+    #[serde(default)]
+    pub(crate) layerwise_pull: Option<bool>,
 }
 
-/// GETs `{P}/v1/handoff/info` within `t` and checks that P can serve a push.
+impl EngineInfo {
+    /// Whether a pull of this P may run as a layer-wise pull.
+    pub(crate) fn takes_layerwise_pull(&self) -> bool {
+        self.layerwise_pull == Some(true) && self.transfer_mode != Some(TransferMode::Push)
+    }
+}
+
+/// GETs `{P}/v1/handoff/info` within `t` and checks that P can serve this proxy's mode.
 pub(crate) async fn fetch_info(
     s: &Shared,
     p: &Instance,
     t: Duration,
 ) -> Result<EngineInfo, ProxyError> {
+    let mode = s.cfg.mode;
     let req = s.http.get(format!("{}/v1/handoff/info", p.url)).timeout(t);
     let (status, body) =
         crate::routes::call_prefill(s, p, req, t, "no answer to GET /v1/handoff/info").await?;
@@ -73,10 +86,12 @@ pub(crate) async fn fetch_info(
     })?;
     // Push and pull peers cannot pair (vLLM hashes the mode into its compatibility check too):
     // better to refuse here than to leave D waiting for writes that never come.
-    if info.transfer_mode == Some(TransferMode::Pull) {
-        return Err(bad(
-            "is in pull mode and this proxy runs push: push and pull engines cannot pair".into(),
-        ));
+    if info.transfer_mode.is_some_and(|m| m != mode) {
+        return Err(bad(format!(
+            "is in {} mode and this proxy runs {}: push and pull engines cannot pair",
+            info.transfer_mode.unwrap_or_default().as_str(),
+            mode.as_str()
+        )));
     }
     if info.role.as_deref() == Some("decode") {
         return Err(bad("is a decode-only engine: it cannot prefill".into()));
@@ -96,6 +111,7 @@ pub(crate) fn store_info(p: &Instance, info: EngineInfo) {
             tp_size = info.tp_size,
             block_size = ?info.block_size,
             role = ?info.role,
+            layerwise_pull = info.takes_layerwise_pull(),
             "prefill handoff info"
         );
     }
@@ -112,35 +128,46 @@ async fn prefill_info(s: &Shared, p: &Instance) -> Result<Arc<EngineInfo>, Proxy
         .ok_or_else(|| internal(format!("prefill instance {} info vanished", p.url)))
 }
 
-/// `kv_transfer_params` of the P leg: prefill, then write the KV into the blocks D registers
-/// under this handoff id.
-pub(crate) fn prefill_params(handoff: HandoffId) -> Value {
-    json!({
+/// `kv_transfer_params` of the P leg. Push: prefill, then write the KV into the blocks D
+/// registers under this handoff id. Layer-wise pull: hold the KV under this handoff id from the
+/// prefill's start, and let D read each layer once saved.
+pub(crate) fn prefill_params(handoff: HandoffId, mode: TransferMode) -> Value {
+    let mut v = json!({
         "do_remote_decode": true,
         "do_remote_prefill": false,
-        "transfer_mode": TransferMode::Push.as_str(),
+        "transfer_mode": mode.as_str(),
         "handoff_id": handoff.to_string(),
-    })
+    });
+    if mode == TransferMode::Pull {
+        v["layerwise"] = json!(true);
+    }
+    v
 }
 
-/// `kv_transfer_params` of the D leg: reserve blocks now, register them with P (found by its
-/// info), decode once P's writes land. No `remote_block_ids`: P writes into D's blocks.
-pub(crate) fn decode_params(handoff: HandoffId, p: &EngineInfo) -> Value {
-    json!({
+/// `kv_transfer_params` of the D leg. Push: reserve blocks now, register them with P (found by
+/// its info), decode once P's writes land. Layer-wise pull: ask P (found by its info) for the
+/// blocks at once and read the layers as P saves them. No `remote_block_ids`: D learns P's
+/// from P.
+pub(crate) fn decode_params(handoff: HandoffId, p: &EngineInfo, mode: TransferMode) -> Value {
+    let mut v = json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
-        "transfer_mode": TransferMode::Push.as_str(),
+        "transfer_mode": mode.as_str(),
         "handoff_id": handoff.to_string(),
         "remote_engine_id": p.engine_id,
         "remote_host": p.remote_host,
         "remote_port": p.remote_port,
         "tp_size": p.tp_size,
-    })
+    });
+    if mode == TransferMode::Pull {
+        v["layerwise"] = json!(true);
+    }
+    v
 }
 
 /// What a release names when P has not answered (yet): the handoff and its first epoch.
-fn release_params(handoff: HandoffId) -> Value {
-    let mut v = prefill_params(handoff);
+fn release_params(handoff: HandoffId, mode: TransferMode) -> Value {
+    let mut v = prefill_params(handoff, mode);
     v["epoch"] = json!(1);
     v
 }
@@ -160,9 +187,11 @@ pub(crate) struct PrefillLeg {
     p: Arc<Instance>,
     rid: String,
     handoff: HandoffId,
+    mode: TransferMode,
 }
 
 impl PrefillLeg {
+    #[allow(clippy::too_many_arguments)]
     fn spawn(
         s: &Arc<Shared>,
         guard: InFlight,
@@ -171,6 +200,7 @@ impl PrefillLeg {
         body: Value,
         rid: &str,
         handoff: HandoffId,
+        mode: TransferMode,
     ) -> Self {
         let p = guard.instance().clone();
         let shared = s.clone();
@@ -183,7 +213,7 @@ impl PrefillLeg {
                     error,
                     params: None,
                 })?;
-            match check_answer(p, &params, handoff) {
+            match check_answer(p, &params, handoff, mode) {
                 Ok(()) => Ok(params),
                 Err(error) => Err(PrefillFailure {
                     error,
@@ -197,6 +227,7 @@ impl PrefillLeg {
             p,
             rid: rid.to_string(),
             handoff,
+            mode,
         }
     }
 
@@ -228,7 +259,7 @@ impl PrefillLeg {
             .params
             .clone()
             .filter(|v| v.get("handoff_id").is_some_and(Value::is_string))
-            .unwrap_or_else(|| release_params(self.handoff));
+            .unwrap_or_else(|| release_params(self.handoff, self.mode));
         Some(release(
             self.shared.clone(),
             self.p.clone(),
@@ -291,9 +322,15 @@ impl Drop for PrefillLeg {
     }
 }
 
-/// P answered 200 with params: they must be for this push (an engine that ignored the push
-/// would keep its KV for a pull no D will make, and D would wait for writes that never come).
-fn check_answer(p: &Instance, params: &Value, handoff: HandoffId) -> Result<(), ProxyError> {
+/// P answered 200 with params: they must be for this handoff and mode (an engine that ignored
+/// a push would keep its KV for a pull no D will make, and D would wait for writes that never
+/// come; one that ignored a layer-wise pull holds its KV under an id no D knows).
+fn check_answer(
+    p: &Instance,
+    params: &Value,
+    handoff: HandoffId,
+    mode: TransferMode,
+) -> Result<(), ProxyError> {
     let bad = |reason: String| {
         ProxyError::upstream(
             Role::Prefill,
@@ -305,10 +342,11 @@ fn check_answer(p: &Instance, params: &Value, handoff: HandoffId) -> Result<(), 
     };
     match params.get("transfer_mode") {
         None | Some(Value::Null) => {}
-        Some(Value::String(m)) if m == TransferMode::Push.as_str() => {}
+        Some(Value::String(m)) if m == mode.as_str() => {}
         Some(other) => {
             return Err(bad(format!(
-                "answered a push with transfer_mode {other}: it did not push"
+                "answered a {} with transfer_mode {other}",
+                mode.as_str()
             )))
         }
     }
@@ -386,14 +424,47 @@ pub(crate) async fn push(
     client: Map<String, Value>,
     received: Instant,
 ) -> Result<Response, ProxyError> {
-    let policy = s.cfg.policy;
     if s.decode.healthy_count() == 0 {
         return Err(ProxyError::no_instance(Role::Decode));
     }
     let p_guard = s
         .prefill
-        .pick(policy)
+        .pick(s.cfg.policy)
         .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
+    let legs = BothLegs {
+        path,
+        rid,
+        headers,
+        received,
+        mode: TransferMode::Push,
+    };
+    both_legs(s, legs, client, p_guard).await
+}
+
+/// What a request sent to both engines at once needs besides the client's body.
+pub(crate) struct BothLegs<'a> {
+    pub(crate) path: &'static str,
+    pub(crate) rid: &'a str,
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) received: Instant,
+    pub(crate) mode: TransferMode,
+}
+
+/// Both legs at once (push, or a layer-wise pull) to P (`p_guard`) and a D picked now.
+pub(crate) async fn both_legs(
+    s: &Arc<Shared>,
+    legs: BothLegs<'_>,
+    client: Map<String, Value>,
+    p_guard: InFlight,
+) -> Result<Response, ProxyError> {
+    let BothLegs {
+        path,
+        rid,
+        headers,
+        received,
+        mode,
+    } = legs;
+    let policy = s.cfg.policy;
     let d_guard = s
         .decode
         .pick(policy)
@@ -406,16 +477,19 @@ pub(crate) async fn push(
     let handoff = HandoffId::from_bytes(rand::random());
     let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
     let mut p_body = prefill_leg_body(&client);
-    p_body["kv_transfer_params"] = prefill_params(handoff);
+    p_body["kv_transfer_params"] = prefill_params(handoff, mode);
     let mut d_body = client;
-    d_body.insert("kv_transfer_params".into(), decode_params(handoff, &info));
+    d_body.insert(
+        "kv_transfer_params".into(),
+        decode_params(handoff, &info, mode),
+    );
     tracing::debug!(
         request_id = %rid, handoff_id = %handoff, prefill = %p.url, decode = %d.url,
-        "push: sending both legs"
+        mode = mode.as_str(), "sending both legs"
     );
 
     // From here P may hold blocks for this handoff: every way out until D accepts releases them.
-    let mut release = ReleaseGuard::new(s.clone(), p.clone(), release_params(handoff), rid);
+    let mut release = ReleaseGuard::new(s.clone(), p.clone(), release_params(handoff, mode), rid);
     let mut leg = PrefillLeg::spawn(
         s,
         p_guard,
@@ -424,6 +498,7 @@ pub(crate) async fn push(
         p_body,
         rid,
         handoff,
+        mode,
     );
 
     let t = s.cfg.request_timeout;
@@ -523,7 +598,7 @@ mod tests {
     fn leg_params() {
         let h: HandoffId = "0123456789abcdef0123456789abcdef".parse().unwrap();
         assert_eq!(
-            prefill_params(h),
+            prefill_params(h, TransferMode::Push),
             json!({
                 "do_remote_decode": true, "do_remote_prefill": false,
                 "transfer_mode": "push", "handoff_id": "0123456789abcdef0123456789abcdef"
@@ -535,7 +610,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            decode_params(h, &info),
+            decode_params(h, &info, TransferMode::Push),
             json!({
                 "do_remote_prefill": true, "do_remote_decode": false,
                 "transfer_mode": "push", "handoff_id": "0123456789abcdef0123456789abcdef",
@@ -543,10 +618,32 @@ mod tests {
                 "tp_size": 2
             })
         );
-        assert_eq!(release_params(h)["epoch"], 1);
+        assert_eq!(release_params(h, TransferMode::Push)["epoch"], 1);
         assert!(info.transfer_mode == Some(TransferMode::Push));
+        assert!(!info.takes_layerwise_pull());
+        // A layer-wise pull: the same legs, in pull mode, each saying it is layer-wise.
+        assert_eq!(prefill_params(h, TransferMode::Pull)["layerwise"], true);
         assert_eq!(
-            release_params(h)["handoff_id"],
+            prefill_params(h, TransferMode::Pull)["transfer_mode"],
+            "pull"
+        );
+        let d = decode_params(h, &info, TransferMode::Pull);
+        assert_eq!(
+            (d["layerwise"].clone(), d["transfer_mode"].clone()),
+            (json!(true), json!("pull"))
+        );
+        assert!(d.get("remote_block_ids").is_none());
+        assert!(prefill_params(h, TransferMode::Push)
+            .get("layerwise")
+            .is_none());
+        let pull_p: EngineInfo = serde_json::from_value(json!({
+            "engine_id": "p-1", "remote_host": "10.0.0.2", "remote_port": 5601, "tp_size": 1,
+            "transfer_mode": "pull", "layerwise_pull": true
+        }))
+        .unwrap();
+        assert!(pull_p.takes_layerwise_pull());
+        assert_eq!(
+            release_params(h, TransferMode::Push)["handoff_id"],
             "0123456789abcdef0123456789abcdef"
         );
     }
@@ -558,15 +655,20 @@ mod tests {
         let p = pool.add("http://p:1".into(), &m).unwrap();
         let h = HandoffId::from_bytes(u128::to_le_bytes(0xabc));
         let ok = json!({"handoff_id": h.to_string(), "transfer_mode": "push", "epoch": 1});
-        assert!(check_answer(&p, &ok, h).is_ok());
+        let push = TransferMode::Push;
+        assert!(check_answer(&p, &ok, h, push).is_ok());
         // Keys left out are not held against P.
-        assert!(check_answer(&p, &json!({"epoch": 1}), h).is_ok());
+        assert!(check_answer(&p, &json!({"epoch": 1}), h, push).is_ok());
         let other = json!({"handoff_id": HandoffId::from_bytes(u128::to_le_bytes(7)).to_string(), "transfer_mode": "push"});
-        let e = check_answer(&p, &other, h).unwrap_err();
+        let e = check_answer(&p, &other, h, push).unwrap_err();
         assert_eq!(e.kind, "bad_prefill_response");
         assert!(e.message.contains("http://p:1"), "{}", e.message);
         let pulled = json!({"handoff_id": h.to_string(), "transfer_mode": "pull"});
-        assert!(check_answer(&p, &pulled, h).is_err());
-        assert!(check_answer(&p, &json!({"handoff_id": 5}), h).is_err());
+        assert!(check_answer(&p, &pulled, h, push).is_err());
+        assert!(check_answer(&p, &json!({"handoff_id": 5}), h, push).is_err());
+        // A layer-wise pull's answer must be a pull's, for the same handoff.
+        assert!(check_answer(&p, &pulled, h, TransferMode::Pull).is_ok());
+        assert!(check_answer(&p, &ok, h, TransferMode::Pull).is_err());
+        assert!(check_answer(&p, &other, h, TransferMode::Pull).is_err());
     }
 }

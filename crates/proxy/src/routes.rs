@@ -218,7 +218,7 @@ pub(crate) fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
 
 async fn pull(
     s: &Arc<Shared>,
-    path: &str,
+    path: &'static str,
     rid: &str,
     headers: &HeaderMap,
     client: Map<String, Value>,
@@ -234,6 +234,18 @@ async fn pull(
         .pick(policy)
         .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
     let p = p_guard.instance().clone();
+    // A P that takes a layer-wise pull (its health check read its info) gets both legs at once,
+    // as in push mode: D reads each layer while P's prefill runs.
+    if p.handoff_info().is_some_and(|i| i.takes_layerwise_pull()) {
+        let legs = push::BothLegs {
+            path,
+            rid,
+            headers,
+            received,
+            mode: TransferMode::Pull,
+        };
+        return push::both_legs(s, legs, client, p_guard).await;
+    }
     let params = prefill_leg(
         s,
         &p,

@@ -489,10 +489,13 @@ fn parts(c: &Case) -> [f64; 7] {
             0.0,
         ];
     }
-    let (p_queued, p_prefill) = if c.path == "pull" {
+    // A classic pull calls D once P answered: P's leg comes first. A push and a layer-wise
+    // pull (what the reference P takes) send both legs at once: P's leg runs beside D's wait,
+    // which already holds it.
+    let p_leg_first = c.path == "pull" && m("proxy.to_decode") >= m("p.prefill");
+    let (p_queued, p_prefill) = if p_leg_first {
         (m("p.queued"), m("p.prefill"))
     } else {
-        // Push: P's leg runs beside D's wait, which already holds it.
         (0.0, 0.0)
     };
     let d = [m("d.queued"), m("d.kv_wait"), m("d.first_token")];

@@ -111,6 +111,8 @@ pub enum Observation {
         duration: Time,
         descriptors: usize,
     },
+    /// D posted a READ stage (see `transfers`).
+    ReadStage,
     /// D compared a landed handoff's KV digest with P's.
     DigestChecked {
         matched: bool,
@@ -351,12 +353,87 @@ impl ConnectorCore {
         Ok(handoff)
     }
 
-    /// P, push mode: layer `layer` of the handoff's KV is in its blocks; it is written to D as
-    /// soon as D's registration holds a valid grant.
+    /// P: layer `layer` of the handoff's KV is in its blocks. Push: it is written to D as soon
+    /// as D's registration holds a valid grant. Layer-wise pull: D is told it may read it.
     pub fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
         if self.transfers.layer_saved(handoff, layer) {
             self.ask_push_digest(handoff);
             self.advance_push(handoff, now);
+        } else if let Some(p) = self.producer.as_mut() {
+            p.layers_saved(handoff, layer.saturating_add(1));
+        }
+        self.pump(now);
+    }
+
+    /// P, layer-wise pull (`params.layerwise`, both legs sent at once by the proxy): the
+    /// request got `blocks` and its prefill starts now. The handoff, under the proxy's id,
+    /// exists from now on, and D reads each layer once [`Self::on_layer_saved`] said it is
+    /// saved. With `kv_digest` the handoff is created only when the prefill ended (a digest
+    /// covers the final KV): D's early questions wait for it, and it reads every layer at once.
+    /// Returns the handoff when it holds `blocks` from now on (they come back only through
+    /// [`ConnectorEvent::BlocksReleased`]).
+    pub fn on_pull_prefill_start(
+        &mut self,
+        params: &KvTransferParams,
+        blocks: Vec<u32>,
+        now: Time,
+    ) -> Result<Option<HandoffId>, ConnectorError> {
+        let handoff = layerwise_handoff(params)?;
+        let p = self
+            .producer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+        if self.cfg.kv_digest {
+            return Ok(None);
+        }
+        p.create_filling_handoff(handoff, blocks, now)?;
+        // A query staged before the handoff existed may come from a D that died since.
+        self.redeclare_dead(now);
+        self.pump(now);
+        Ok(Some(handoff))
+    }
+
+    /// P, layer-wise pull: the prefill ended and every layer is saved. Returns the parameters
+    /// for the response (the handoff's blocks, for the record: D has them from P already).
+    pub fn on_pull_prefill_finished(
+        &mut self,
+        params: &KvTransferParams,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        let handoff = layerwise_handoff(params)?;
+        let p = self
+            .producer
+            .as_mut()
+            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+        if !p.contains(handoff) {
+            // Created only now (`kv_digest`), like a classic pull's.
+            let mut out = self.on_prefill_finished(request_id, handoff, blocks, num_tokens, now)?;
+            out.layerwise = Some(true);
+            return Ok(out);
+        }
+        p.prefill_ended(handoff, true, now);
+        self.pump(now);
+        let mut out = self.params_for(
+            handoff,
+            Epoch::FIRST,
+            request_id,
+            blocks,
+            num_tokens,
+            self.cfg.producer.initial_lease.as_millis() as u32,
+            TransferMode::Pull,
+        );
+        out.layerwise = Some(true);
+        Ok(out)
+    }
+
+    /// P, layer-wise pull: the prefill failed or was abandoned. The handoff ends: at once when
+    /// no D learned of its blocks, else after the fence (D may be reading saved layers).
+    pub fn on_pull_prefill_failed(&mut self, handoff: HandoffId, now: Time) {
+        if let Some(p) = self.producer.as_mut() {
+            p.prefill_ended(handoff, false, now);
         }
         self.pump(now);
     }
@@ -467,6 +544,7 @@ impl ConnectorCore {
             handoff_id: Some(handoff),
             lease_ms: Some(lease_ms),
             epoch: Some(epoch.0),
+            layerwise: None,
             extra: Default::default(),
         }
     }
@@ -736,7 +814,12 @@ impl ConnectorCore {
                 progressed = true;
                 match a {
                     ConsumerAction::StartRead(r) => self.start_read(r, now),
-                    ConsumerAction::CancelRead { handoff } => self.cancel_read(handoff),
+                    ConsumerAction::CancelRead { handoff } => self.cancel_read(handoff, now),
+                    ConsumerAction::ReadMore {
+                        handoff,
+                        layers,
+                        p_digest,
+                    } => self.read_more(handoff, layers, p_digest, now),
                 }
             }
             if !progressed {
@@ -1042,6 +1125,16 @@ pub struct CoreMemory {
 }
 
 /// The handoff a push request names: its proxy picked the id for both legs.
+/// The proxy's handoff id of a layer-wise pull's P leg.
+fn layerwise_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
+    if !params.is_layerwise_pull() {
+        return Err(ConnectorError::BadParams("not a layer-wise pull"));
+    }
+    params.handoff_id.ok_or(ConnectorError::BadParams(
+        "a layer-wise pull needs handoff_id",
+    ))
+}
+
 fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
     params
         .handoff_id

@@ -1,6 +1,12 @@
 //! Transfers in flight: D's reads (pull) and P's per-layer writes (push), as jobs the workers
 //! post. The write gate lives here: a layer is posted only once it was saved, and only on a
 //! registration grant the producer ledger still honours (rule 3).
+//!
+//! A read goes in stages: one READ job per D rank for the layers P has saved, the next stage
+//! for the layers saved meanwhile once every rank's job of the one before landed. A classic pull
+//! is one stage of every layer; a layer-wise pull has as many as P's saves outpace the READs.
+//! Only the stage of the last layers carries the `PullDone`s, zeroes the tail and digests what
+//! landed, and the ledger hears of the read once, when it is over.
 
 use std::collections::HashMap;
 
@@ -23,12 +29,21 @@ enum JobOwner {
 
 #[derive(Debug)]
 struct ReadInFlight {
+    /// What the ledger asked for; its `p_digest` is P's latest.
+    read: StartRead,
     started: Time,
     bytes: u64,
     descs: usize,
-    /// Per D rank, its job still running.
+    /// Per D rank, its job of the stage in flight still running.
     jobs: HashMap<u16, JobId>,
-    /// With a KV digest from P: P's digest, and D's ranks' shares so far.
+    /// Layers posted so far, and saved on P (as P's latest list says; all of them in a classic
+    /// pull).
+    posted: u32,
+    saved: u32,
+    /// A job failed, or the ledger cancelled the read: no stage follows.
+    failed: bool,
+    cancelled: bool,
+    /// Posted with the last stage, with a KV digest from P: P's digest, and D's ranks' shares.
     digest: Option<(u64, Shares)>,
 }
 
@@ -188,25 +203,116 @@ impl Transfers {
 }
 
 impl ConnectorCore {
-    /// D: plan a handoff's reads and post one job per D rank (each rank reads from every P rank
-    /// it pairs with; the READ of each pair carries that pair's `PullDone`).
+    /// D: a handoff's read starts with the layers P saved (every one in a classic pull), on the
+    /// grant the ledger checked.
     pub(super) fn start_read(&mut self, r: StartRead, now: Time) {
-        let d_tp = self.spec.tp as u16;
-        let opaque = self.cfg.opaque_blocks;
-        let digest = r.p_digest.filter(|_| self.cfg.kv_digest);
-        let fail_all = |core: &mut ConnectorCore, why: String| {
-            tracing::warn!(handoff = %r.handoff, %why, "read not started");
-            if let Some(c) = core.consumer.as_mut() {
-                for rank in 0..d_tp {
-                    c.on_read_done(r.handoff, rank, false, now);
+        let num_layers = self.spec.shape.num_layers;
+        let handoff = r.handoff;
+        let saved = r.layers.map_or(num_layers, |n| n.min(num_layers));
+        self.transfers.reads.insert(
+            handoff,
+            ReadInFlight {
+                read: r,
+                started: now,
+                bytes: 0,
+                descs: 0,
+                jobs: HashMap::new(),
+                posted: 0,
+                saved,
+                failed: false,
+                cancelled: false,
+                digest: None,
+            },
+        );
+        self.advance_read(handoff, true, now);
+    }
+
+    /// D, layer-wise pull: P saved more layers of a handoff being read.
+    pub(super) fn read_more(
+        &mut self,
+        handoff: HandoffId,
+        layers: Option<u32>,
+        p_digest: Option<u64>,
+        now: Time,
+    ) {
+        let num_layers = self.spec.shape.num_layers;
+        let Some(read) = self.transfers.reads.get_mut(&handoff) else {
+            return;
+        };
+        read.saved = read
+            .saved
+            .max(layers.map_or(num_layers, |n| n.min(num_layers)));
+        read.read.p_digest = p_digest;
+        self.advance_read(handoff, false, now);
+    }
+
+    /// Posts the next stage of a read when none is in flight and P saved layers not read yet;
+    /// a stage after the first only on the ledger's word that its grant still holds
+    /// (`permitted`: the ledger checked it for this one already).
+    fn advance_read(&mut self, handoff: HandoffId, permitted: bool, now: Time) {
+        let num_layers = self.spec.shape.num_layers;
+        let Some(read) = self.transfers.reads.get(&handoff) else {
+            return;
+        };
+        if !read.jobs.is_empty() || read.failed || read.cancelled || read.saved <= read.posted {
+            return;
+        }
+        let layers = read.posted..read.saved;
+        let last = read.saved == num_layers;
+        if !permitted
+            && !self
+                .consumer
+                .as_mut()
+                .is_some_and(|c| c.permit_read_more(handoff, now))
+        {
+            return;
+        }
+        match self.plan_read_stage(handoff, layers.clone(), last) {
+            Ok(posts) => {
+                let read = self
+                    .transfers
+                    .reads
+                    .get_mut(&handoff)
+                    .expect("looked up above");
+                read.posted = layers.end;
+                self.out.observations.push(Observation::ReadStage);
+                for (d_rank, job, bytes, descs) in posts {
+                    read.jobs.insert(d_rank, job.job);
+                    read.bytes += bytes;
+                    read.descs += descs;
+                    self.out.transfers_to_post.push((d_rank, job));
+                }
+                if last {
+                    let digest = read.read.p_digest.filter(|_| self.cfg.kv_digest);
+                    read.digest = digest.map(|p| (p, Shares::default()));
                 }
             }
-        };
-        let Some(peer) = self.peers.get(r.p_peer) else {
-            return fail_all(self, "unknown P".into());
-        };
+            Err(why) => {
+                tracing::warn!(%handoff, %why, "read not started");
+                if let Some(read) = self.transfers.reads.get_mut(&handoff) {
+                    read.failed = true;
+                }
+                self.finish_read(handoff, now);
+            }
+        }
+    }
+
+    /// One READ job per D rank for `layers` of a handoff's read (each rank reads from every P
+    /// rank it pairs with); the last stage's READ of each pair carries that pair's `PullDone`.
+    /// Each job comes with its bytes and descriptors.
+    fn plan_read_stage(
+        &mut self,
+        handoff: HandoffId,
+        layers: std::ops::Range<u32>,
+        last: bool,
+    ) -> Result<Vec<(u16, TransferJob, u64, usize)>, String> {
+        let d_tp = self.spec.tp as u16;
+        let opaque = self.cfg.opaque_blocks;
+        let kv_digest = self.cfg.kv_digest;
+        let r = &self.transfers.reads.get(&handoff).ok_or("no read")?.read;
+        let peer = self.peers.get(r.p_peer).ok_or("unknown P")?;
         if peer.state != PeerState::Ready || peer.layouts.is_empty() {
-            return fail_all(self, "P not connected".into());
+            return Err("P not connected".into());
         }
         let d_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
         // A prefix cache hit on D: its blocks hold the prompt's first tokens and other requests
@@ -216,13 +322,10 @@ impl ConnectorCore {
         let src_blocks = match r.src_blocks.get((skip / p_block_size.max(1)) as usize..) {
             Some(src) if skip % p_block_size.max(1) == 0 && skip < r.num_tokens => src,
             _ => {
-                return fail_all(
-                    self,
-                    format!(
-                        "{skip} cached tokens do not end a block of P's ({p_block_size} tokens) \
-                         inside the prompt"
-                    ),
-                )
+                return Err(format!(
+                    "{skip} cached tokens do not end a block of P's ({p_block_size} tokens) \
+                     inside the prompt"
+                ))
             }
         };
         let tokens = r.num_tokens - skip;
@@ -234,46 +337,43 @@ impl ConnectorCore {
             (&r.dst_blocks, self.spec.block_size),
             tokens,
         );
-        let plan = match handoff_plan::plan(
+        let plan = handoff_plan::plan_layers(
             &peer.layouts,
             &d_layouts,
             src_blocks,
             &r.dst_blocks,
             planned_tokens,
-        ) {
-            Ok(p) => p,
-            Err(e) => return fail_all(self, e.to_string()),
-        };
-        let mut parts: HashMap<u16, Vec<TransferPart>> = HashMap::new();
-        let mut broken: Vec<u16> = Vec::new();
-        let mut bytes = 0;
-        let mut descs = 0;
+            layers,
+        )
+        .map_err(|e| e.to_string())?;
+        let mut parts: HashMap<u16, (Vec<TransferPart>, u64, usize)> = HashMap::new();
         for pair in &plan.pairs {
             let d_rank = pair.d_rank as u16;
             let p_rank = pair.p_rank as u16;
             // D reads: its own memory is the destination.
             let list = xfer_descs(&pair.descriptors, XferOp::Read);
-            bytes += list.iter().map(|d| d.len).sum::<u64>();
-            descs += list.len();
             let notification = r
                 .done
                 .iter()
-                .find(|n| n.consumer_rank == d_rank && n.p_rank == p_rank)
+                .find(|n| last && n.consumer_rank == d_rank && n.p_rank == p_rank)
                 .and_then(|n| encode(&Message::PullDone(*n)).ok());
-            match peer.agents.get(p_rank as usize) {
-                Some(agent) if d_rank < d_tp => {
-                    parts.entry(d_rank).or_default().push(TransferPart {
-                        agent: agent.clone(),
-                        descs: list,
-                        notification,
-                    })
-                }
-                _ => broken.push(d_rank),
-            }
+            let agent = peer
+                .agents
+                .get(p_rank as usize)
+                .filter(|_| d_rank < d_tp)
+                .ok_or_else(|| format!("no agent for P rank {p_rank} or D rank {d_rank}"))?;
+            let entry = parts.entry(d_rank).or_default();
+            entry.1 += list.iter().map(|d| d.len).sum::<u64>();
+            entry.2 += list.len();
+            entry.0.push(TransferPart {
+                agent: agent.clone(),
+                descs: list,
+                notification,
+            });
         }
         // The whole prompt's KV is digested, the cached prefix included: P's digest covers
         // every token.
-        let digested = digest.map(|_| {
+        let digested = r.p_digest.filter(|_| last && kv_digest).map(|_| {
             let blocks = [&r.cached_blocks[..], &r.dst_blocks[..]].concat();
             let of = DigestOf {
                 num_tokens: r.num_tokens,
@@ -281,56 +381,91 @@ impl ConnectorCore {
             };
             (blocks, of)
         });
-        let mut jobs = HashMap::new();
-        let mut failed_ranks = Vec::new();
+        let zero_tail = (last && !opaque).then(|| (r.dst_blocks.clone(), tokens));
+        let mut out = Vec::new();
         for d_rank in 0..d_tp {
-            match parts.remove(&d_rank) {
-                Some(parts) if !broken.contains(&d_rank) => {
-                    let job = self.transfers.new_job(JobOwner::Read {
-                        handoff: r.handoff,
-                        d_rank,
-                    });
-                    self.out.transfers_to_post.push((
-                        d_rank,
-                        TransferJob {
-                            job,
-                            op: XferOp::Read,
-                            parts,
-                            zero_tail: (!opaque).then(|| (r.dst_blocks.clone(), tokens)),
-                            digest: digested.clone(),
-                            push_layer: None,
-                        },
-                    ));
-                    jobs.insert(d_rank, job);
-                }
-                _ => failed_ranks.push(d_rank),
-            }
-        }
-        if !jobs.is_empty() {
-            self.transfers.reads.insert(
-                r.handoff,
-                ReadInFlight {
-                    started: now,
-                    bytes,
-                    descs,
-                    jobs,
-                    digest: digest.map(|p| (p, Shares::default())),
+            let (parts, bytes, descs) = parts
+                .remove(&d_rank)
+                .ok_or_else(|| format!("the plan leaves D rank {d_rank} nothing to read"))?;
+            let job = self.transfers.new_job(JobOwner::Read { handoff, d_rank });
+            out.push((
+                d_rank,
+                TransferJob {
+                    job,
+                    op: XferOp::Read,
+                    parts,
+                    zero_tail: zero_tail.clone(),
+                    digest: digested.clone(),
+                    push_layer: None,
                 },
-            );
+                bytes,
+                descs,
+            ));
         }
-        if let Some(c) = self.consumer.as_mut() {
-            for rank in failed_ranks {
-                c.on_read_done(r.handoff, rank, false, now);
-            }
+        Ok(out)
+    }
+
+    /// D: the ledger gave up on a read (deadline, dead P, every request gone). Every rank's job
+    /// is aborted; the ledger hears of the read's end once each confirmed it stopped (at once
+    /// between two stages, when none is in flight).
+    pub(super) fn cancel_read(&mut self, handoff: HandoffId, now: Time) {
+        let Some(read) = self.transfers.reads.get_mut(&handoff) else {
+            return;
+        };
+        read.cancelled = true;
+        if read.jobs.is_empty() {
+            return self.finish_read(handoff, now);
+        }
+        for (rank, job) in &read.jobs {
+            self.out.transfers_to_abort.push((*rank, *job));
         }
     }
 
-    /// D: the ledger gave up on a read (deadline, dead P). Every rank's job is aborted; each
-    /// reports its end, which the ledger waits for before it frees the blocks.
-    pub(super) fn cancel_read(&mut self, handoff: HandoffId) {
-        if let Some(read) = self.transfers.reads.get(&handoff) {
-            for (rank, job) in &read.jobs {
-                self.out.transfers_to_abort.push((*rank, *job));
+    /// D: the read is over (its last stage landed, or it failed or was cancelled with nothing
+    /// in flight): the digest is checked and every rank's end reported to the ledger.
+    fn finish_read(&mut self, handoff: HandoffId, now: Time) {
+        let Some(read) = self.transfers.reads.remove(&handoff) else {
+            return;
+        };
+        let d_tp = self.spec.tp as u16;
+        let ok = !read.failed && !read.cancelled;
+        if read.posted > 0 {
+            self.out.observations.push(Observation::Transfer {
+                bytes: read.bytes,
+                duration: now.saturating_sub(read.started),
+                descriptors: read.descs,
+            });
+        }
+        let check = match read.digest {
+            Some((p, d)) if ok => match d.total(d_tp as usize) {
+                Some(d) if d == p => DigestCheck::Matched,
+                Some(_) => DigestCheck::Mismatched,
+                None => DigestCheck::Unchecked,
+            },
+            _ => DigestCheck::Unchecked,
+        };
+        match check {
+            DigestCheck::Matched => {
+                tracing::debug!(%handoff, "KV digest matched P's");
+                self.out
+                    .observations
+                    .push(Observation::DigestChecked { matched: true })
+            }
+            DigestCheck::Mismatched => {
+                tracing::warn!(%handoff, "KV digest mismatch: the landed KV differs from P's; not decoded");
+                self.out
+                    .observations
+                    .push(Observation::DigestChecked { matched: false });
+            }
+            DigestCheck::Unchecked => {}
+        }
+        if let Some(c) = self.consumer.as_mut() {
+            for d_rank in 0..d_tp {
+                if matches!(check, DigestCheck::Mismatched) {
+                    c.on_read_mismatch(handoff, d_rank, now);
+                } else {
+                    c.on_read_done(handoff, d_rank, ok, now);
+                }
             }
         }
     }
@@ -341,49 +476,19 @@ impl ConnectorCore {
         };
         match owner {
             JobOwner::Read { handoff, d_rank } => {
-                let mut check = DigestCheck::Unchecked;
-                if let Some(read) = self.transfers.reads.get_mut(&handoff) {
-                    read.jobs.remove(&d_rank);
-                    if read.jobs.is_empty() {
-                        if let Some(read) = self.transfers.reads.remove(&handoff) {
-                            self.out.observations.push(Observation::Transfer {
-                                bytes: read.bytes,
-                                duration: now.saturating_sub(read.started),
-                                descriptors: read.descs,
-                            });
-                            let d_tp = self.spec.tp as usize;
-                            check = match read.digest {
-                                Some((p, d)) if ok => match d.total(d_tp) {
-                                    Some(d) if d == p => DigestCheck::Matched,
-                                    Some(_) => DigestCheck::Mismatched,
-                                    None => DigestCheck::Unchecked,
-                                },
-                                _ => DigestCheck::Unchecked,
-                            };
-                        }
-                    }
+                let num_layers = self.spec.shape.num_layers;
+                let Some(read) = self.transfers.reads.get_mut(&handoff) else {
+                    return;
+                };
+                read.jobs.remove(&d_rank);
+                read.failed |= !ok;
+                if !read.jobs.is_empty() {
+                    return; // the stage goes on on other ranks
                 }
-                match check {
-                    DigestCheck::Matched => {
-                        tracing::debug!(%handoff, "KV digest matched P's");
-                        self.out
-                            .observations
-                            .push(Observation::DigestChecked { matched: true })
-                    }
-                    DigestCheck::Mismatched => {
-                        tracing::warn!(%handoff, "KV digest mismatch: the landed KV differs from P's; not decoded");
-                        self.out
-                            .observations
-                            .push(Observation::DigestChecked { matched: false });
-                    }
-                    DigestCheck::Unchecked => {}
-                }
-                if let Some(c) = self.consumer.as_mut() {
-                    if matches!(check, DigestCheck::Mismatched) {
-                        c.on_read_mismatch(handoff, d_rank, now);
-                    } else {
-                        c.on_read_done(handoff, d_rank, ok, now);
-                    }
+                if read.failed || read.cancelled || read.posted == num_layers {
+                    self.finish_read(handoff, now);
+                } else {
+                    self.advance_read(handoff, false, now);
                 }
             }
             JobOwner::Write { handoff, d_rank } => {

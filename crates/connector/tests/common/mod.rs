@@ -131,6 +131,9 @@ impl Node {
 #[derive(Debug)]
 enum Ev {
     Create(usize),
+    /// Layer-wise pull: P's prefill starts (the handoff exists from now on), then ends.
+    PrefillStart(usize),
+    PrefillEnd(usize),
     LayerSaved(usize, u32),
     Arrive(usize),
     Admit(usize),
@@ -244,6 +247,10 @@ struct Req {
     tracked: bool,
     outcome: Option<&'static str>,
     aborted: bool,
+    /// Layer-wise pull: P's prefill writes the blocks (started, not ended), and the layers it
+    /// saved so far.
+    filling: bool,
+    layers_saved: u32,
 }
 
 /// What a run found.
@@ -258,6 +265,8 @@ pub struct Report {
 pub struct Sim {
     now: Duration,
     mode: TransferMode,
+    /// Pull mode as a layer-wise pull: both legs at once, D reads each layer once P saved it.
+    layerwise: bool,
     reqs: Vec<ReqSpec>,
     state: Vec<Req>,
     faults: Faults,
@@ -325,6 +334,7 @@ impl Sim {
         let mut sim = Sim {
             now: Duration::ZERO,
             mode,
+            layerwise: false,
             state: reqs.iter().map(|_| Req::default()).collect(),
             rng: faults.seed | 1,
             faults: faults.clone(),
@@ -459,6 +469,40 @@ impl Sim {
         self.report
     }
 
+    /// The same schedule run as layer-wise pulls (pull mode only).
+    pub fn layerwise(mut self) -> Sim {
+        self.layerwise = self.mode == TransferMode::Pull;
+        self
+    }
+
+    /// A layer-wise pull's legs as the proxy sends them: P's (to prefill under the proxy's id)
+    /// and D's (P found by its info, no block ids).
+    fn layerwise_legs(&self, i: usize, handoff: HandoffId) -> (KvTransferParams, KvTransferParams) {
+        let p = KvTransferParams {
+            do_remote_decode: true,
+            handoff_id: Some(handoff),
+            transfer_mode: Some(TransferMode::Pull),
+            layerwise: Some(true),
+            ..Default::default()
+        };
+        let d = KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some("p".into()),
+            remote_host: Some("p".into()),
+            remote_port: Some(7000),
+            tp_size: Some(1),
+            remote_num_tokens: Some(self.tokens(i)),
+            ..p.clone()
+        };
+        (
+            p,
+            KvTransferParams {
+                do_remote_decode: false,
+                ..d
+            },
+        )
+    }
+
     fn params_for_push(&self, i: usize, handoff: HandoffId) -> KvTransferParams {
         KvTransferParams {
             handoff_id: Some(handoff),
@@ -483,6 +527,21 @@ impl Sim {
                 id[..8].copy_from_slice(&self.rand().to_le_bytes());
                 id[8..].copy_from_slice(&(i as u64 + 1).to_le_bytes());
                 let handoff = HandoffId::from_bytes(id);
+                if self.layerwise {
+                    // Both legs leave at once; either may arrive first.
+                    let (_, d_params) = self.layerwise_legs(i, handoff);
+                    self.state[i].handoff = Some(handoff);
+                    self.state[i].params = Some(d_params);
+                    let lag = ms(self.reqs[i].lag_ms);
+                    let (p_at, d_at) = if self.reqs[i].lag_ms % 2 == 1 {
+                        (now + lag, now)
+                    } else {
+                        (now, now + lag)
+                    };
+                    self.at(p_at, Ev::PrefillStart(i));
+                    self.at(d_at, Ev::Arrive(i));
+                    return;
+                }
                 let n = usize::from(self.reqs[i].blocks);
                 let Some(blocks) = self
                     .eng(Node::P)
@@ -527,8 +586,68 @@ impl Sim {
                 }
                 self.at(now + lag, Ev::Arrive(i));
             }
+            Ev::PrefillStart(i) => {
+                let Some(handoff) = self.state[i].handoff else {
+                    return;
+                };
+                if !self.alive(Node::P) {
+                    return;
+                }
+                let n = usize::from(self.reqs[i].blocks);
+                let Some(blocks) = self
+                    .eng(Node::P)
+                    .pool
+                    .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
+                else {
+                    return;
+                };
+                let (p_params, _) = self.layerwise_legs(i, handoff);
+                match self.engines[0]
+                    .core
+                    .on_pull_prefill_start(&p_params, blocks.clone(), now)
+                {
+                    Ok(Some(_)) => {}
+                    other => {
+                        self.errs
+                            .push(format!("P refused a layer-wise prefill {i}: {other:?}"));
+                        return;
+                    }
+                }
+                self.state[i].p_blocks = blocks;
+                self.state[i].filling = true;
+                for l in 0..LAYERS {
+                    self.at(now + ms(20 * u64::from(l + 1)), Ev::LayerSaved(i, l));
+                }
+                self.at(now + ms(20 * u64::from(LAYERS) + 5), Ev::PrefillEnd(i));
+            }
+            Ev::PrefillEnd(i) => {
+                let Some(handoff) = self.state[i].handoff else {
+                    return;
+                };
+                if !self.alive(Node::P) || !self.state[i].filling {
+                    return;
+                }
+                self.state[i].filling = false;
+                let (p_params, _) = self.layerwise_legs(i, handoff);
+                let blocks = self.state[i].p_blocks.clone();
+                let tokens = self.tokens(i);
+                if let Err(e) = self.engines[0].core.on_pull_prefill_finished(
+                    &p_params,
+                    &format!("r{i}"),
+                    blocks,
+                    tokens,
+                    now,
+                ) {
+                    self.errs
+                        .push(format!("P refused to end layer-wise prefill {i}: {e}"));
+                }
+            }
             Ev::LayerSaved(i, l) => {
                 if let (true, Some(h)) = (self.alive(Node::P), self.state[i].handoff) {
+                    if self.layerwise && !self.state[i].filling {
+                        return;
+                    }
+                    self.state[i].layers_saved = self.state[i].layers_saved.max(l + 1);
                     self.engines[0].core.on_layer_saved(h, l, now);
                 }
             }
@@ -944,6 +1063,38 @@ impl Sim {
                 job.op
             ));
         }
+        // Layer-wise pull: D reads no layer P has not saved yet (the cross-layer layout puts
+        // layer `l` of a block at `l` block sizes into its range).
+        if let (true, XferOp::Read, Some(h)) = (self.layerwise, job.op, p_owner.iter().next()) {
+            let layer_bytes = spec().block_bytes();
+            let stride = block_stride();
+            let deepest = job
+                .parts
+                .iter()
+                .flat_map(|p| &p.descs)
+                .map(|x| {
+                    let (first, last) = (x.remote_offset, x.remote_offset + x.len.max(1) - 1);
+                    if last / stride != first / stride {
+                        LAYERS - 1
+                    } else {
+                        ((last % stride) / layer_bytes) as u32
+                    }
+                })
+                .max();
+            let i = self.state.iter().position(|st| {
+                st.handoff
+                    .is_some_and(|x| u128::from_le_bytes(x.to_bytes()) == *h)
+            });
+            if let (Some(deepest), Some(i)) = (deepest, i) {
+                let st = &self.state[i];
+                let saved = if st.filling { st.layers_saved } else { LAYERS };
+                if deepest >= saved && self.alive(Node::P) {
+                    self.errs.push(format!(
+                        "layer-wise: D{d} reads layer {deepest} of handoff {i} with {saved} saved, at {now:?}"
+                    ));
+                }
+            }
+        }
         if let (Some(h), Some(r)) = (p_owner.iter().next(), d_owner.iter().next()) {
             let matched = self
                 .by_d_req
@@ -1070,6 +1221,22 @@ impl Sim {
 
     fn free(&mut self, node: Node, blocks: &[u32], why: &str) {
         let now = self.now;
+        if node == Node::P {
+            let owners: HashSet<u128> = blocks
+                .iter()
+                .filter_map(|b| self.engines[0].pool.owner.get(b).copied())
+                .collect();
+            for (i, st) in self.state.iter().enumerate() {
+                let mine = st
+                    .handoff
+                    .is_some_and(|h| owners.contains(&u128::from_le_bytes(h.to_bytes())));
+                if mine && st.filling {
+                    self.errs.push(format!(
+                        "layer-wise: P frees handoff {i}'s blocks ({why}) while its prefill writes them, at {now:?}"
+                    ));
+                }
+            }
+        }
         // Rules 2 and 3: no block goes back under a transfer that may still touch it.
         for other in 0..3 {
             let owner = match other {

@@ -32,6 +32,8 @@ pub struct Pair {
     pub outcomes: Vec<Outcome>,
     pub reads: Vec<StartRead>,
     pub cancelled_reads: Vec<HandoffId>,
+    /// Layer-wise pull: the layers each `ReadMore` said are saved.
+    pub read_more: Vec<(HandoffId, Option<u32>)>,
     pub writes: Vec<PushWrite>,
     pub aborted_writes: Vec<(HandoffId, u16)>,
     /// Every message delivered, in order, with its direction ("P>D" or "D>P").
@@ -52,6 +54,7 @@ impl Pair {
             outcomes: vec![],
             reads: vec![],
             cancelled_reads: vec![],
+            read_more: vec![],
             writes: vec![],
             aborted_writes: vec![],
             log: vec![],
@@ -111,6 +114,9 @@ impl Pair {
                 match a {
                     ConsumerAction::StartRead(r) => self.reads.push(r),
                     ConsumerAction::CancelRead { handoff } => self.cancelled_reads.push(handoff),
+                    ConsumerAction::ReadMore {
+                        handoff, layers, ..
+                    } => self.read_more.push((handoff, layers)),
                 }
             }
             while let Some(a) = self.p.poll_action() {

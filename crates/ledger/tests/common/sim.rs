@@ -782,6 +782,8 @@ impl Sim {
                             },
                         );
                     }
+                    // Not yet simulated: every read here is a classic pull's.
+                    ConsumerAction::ReadMore { .. } => {}
                     ConsumerAction::CancelRead { handoff } => {
                         if let Some(read) = self.reads.get(&(d, handoff)) {
                             for rank in read.pending.clone() {

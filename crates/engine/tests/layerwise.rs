@@ -1,0 +1,187 @@
+//! Layer-wise pull end to end in one process (mem transport): both legs sent at once, as the
+//! proxy does for a P whose info says `layerwise_pull`. D asks P for the blocks before P's
+//! prefill starts, reads each layer once P saved it, and the output equals a monolithic
+//! engine's, whichever leg arrives first and across TP sizes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{metric, metrics_text, released_within, texts};
+
+use handoff_engine::{start, EngineConfig, RunningEngine};
+use serde_json::{json, Value};
+
+fn cfg(role: &str, tp: u32) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "mem".into(),
+        mode: "pull".into(),
+        tp,
+        num_blocks: 512,
+        // Slow enough that a prefill of a few hundred tokens spans many READ stages.
+        prefill_us_per_token: 40.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        ..EngineConfig::default()
+    }
+}
+
+fn prompt(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("l{}", (i * 389 + seed * 97) % 4000))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn info(c: &reqwest::Client, e: &RunningEngine) -> Value {
+    c.get(format!("{}/v1/handoff/info", e.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Both legs as the proxy sends them for a layer-wise pull; `d_first` delays the P leg.
+async fn layerwise(
+    c: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    text: &str,
+    n: u32,
+    id: u64,
+    d_first: bool,
+) -> (u16, Value) {
+    let pi = info(c, p).await;
+    let hid = format!(
+        "{:032x}",
+        0x6c61_7965_0000_0000_0000_0000_0000_0000u128 | id as u128
+    );
+    let p_body = json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "pull",
+        "layerwise": true, "handoff_id": hid}});
+    let d_body = json!({"prompt": text, "max_tokens": 8, "n": n, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "pull",
+        "layerwise": true, "handoff_id": hid, "remote_engine_id": pi["engine_id"],
+        "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
+        "tp_size": pi["tp_size"]}});
+    let (purl, durl) = (p.url(), d.url());
+    let (c1, c2) = (c.clone(), c.clone());
+    let p_leg = tokio::spawn(async move {
+        if d_first {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        let r = c1
+            .post(format!("{purl}/v1/completions"))
+            .json(&p_body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    });
+    let d_leg = tokio::spawn(async move {
+        if !d_first {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        let r = c2
+            .post(format!("{durl}/v1/completions"))
+            .json(&d_body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    });
+    let (ps, pv) = p_leg.await.unwrap();
+    assert_eq!(ps, 200, "{pv}");
+    assert_eq!(pv["kv_transfer_params"]["layerwise"], true, "{pv}");
+    assert_eq!(pv["kv_transfer_params"]["handoff_id"], hid, "{pv}");
+    d_leg.await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layerwise_pull_output_equals_monolithic_and_reads_during_the_prefill() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", 1)).await.unwrap();
+    let mut id = 0;
+    for (ptp, dtp) in [(1, 1), (1, 2), (2, 1)] {
+        let p = start(cfg("prefill", ptp)).await.unwrap();
+        let d = start(cfg("decode", dtp)).await.unwrap();
+        assert_eq!(info(&c, &p).await["layerwise_pull"], true);
+        assert_eq!(
+            info(&c, &d).await["layerwise_pull"],
+            false,
+            "D cannot prefill"
+        );
+        let mut handoffs = 0;
+        for (i, words) in [9usize, 300, 1500].into_iter().enumerate() {
+            for d_first in [true, false] {
+                for n in [1, 2] {
+                    id += 1;
+                    handoffs += 1;
+                    let text = prompt(i * 10 + ptp as usize, words);
+                    let m: Value = c
+                        .post(format!("{}/v1/completions", mono.url()))
+                        .json(&json!({"prompt": text, "max_tokens": 8, "n": n}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    let (s, v) = layerwise(&c, &p, &d, &text, n, id, d_first).await;
+                    assert_eq!(s, 200, "{v}");
+                    assert_eq!(
+                        texts(&v),
+                        texts(&m),
+                        "P tp {ptp} D tp {dtp}, {words} words, d_first {d_first}, n {n}"
+                    );
+                }
+            }
+        }
+        // Every handoff was read, and some in several stages: D read layers while P's prefill
+        // was still saving the next ones (one stage each would be a classic pull).
+        let stages = metric(&metrics_text(&c, &d).await, "handoff_read_stages_total");
+        assert!(
+            stages > handoffs as f64,
+            "{stages} READ stages for {handoffs} handoffs: no read overlapped a prefill"
+        );
+        // A bound against leaks, not a timing assertion.
+        released_within(&p, Duration::from_secs(10)).await;
+        released_within(&d, Duration::from_secs(10)).await;
+        let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+        assert_eq!(
+            ended.get("done").copied().unwrap_or(0),
+            handoffs,
+            "{ended:?}"
+        );
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
+
+/// D refuses the request (its pool cannot hold it) while P's prefill runs: P is told at once and
+/// frees the blocks once its forward pass is done with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layerwise_pull_d_refuses_frees_p_after_its_prefill() {
+    let c = reqwest::Client::new();
+    let p = start(cfg("prefill", 1)).await.unwrap();
+    let d = start(EngineConfig {
+        num_blocks: 8,
+        ..cfg("decode", 1)
+    })
+    .await
+    .unwrap();
+    let (s, v) = layerwise(&c, &p, &d, &prompt(3, 600), 1, 900, false).await;
+    assert_eq!(s, 400, "{v}");
+    released_within(&p, Duration::from_secs(5)).await;
+    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    assert_eq!(ended.get("rejected"), Some(&1), "{ended:?}");
+    p.stop().await;
+    d.stop().await;
+}
