@@ -122,6 +122,10 @@ pub enum ConnectorEvent {
         requests: Vec<u64>,
         blocks: Vec<u32>,
     },
+    /// D: P holds the handoff of these requests, still waiting for admission (in a layer-wise
+    /// pull: P's prefill started). An engine admits a layer-wise pull only from then on
+    /// (`ConsumerLedger::poll_started` says why); others may ignore it.
+    RemoteStarted { requests: Vec<u64> },
     /// Transfer failed: prefill these requests locally.
     Recompute { requests: Vec<u64>, reason: String },
     /// Transfer failed: fail these requests with `reason`.

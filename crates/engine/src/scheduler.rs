@@ -84,6 +84,17 @@ struct Request {
     /// P, push: the prompt blocks belong to the connector's handoff since the prefill started
     /// (`on_push_prefill_start`); they come back through `BlocksReleased`, never freed here.
     handed_over: bool,
+    /// D, layer-wise pull: P's prefill has not started yet (`ConnectorEvent::RemoteStarted`),
+    /// so the request is not admitted: blocks held here for a request P cannot start, while P's
+    /// pool is full of requests waiting for D's blocks, would deadlock the two engines.
+    awaits_remote_start: bool,
+}
+
+impl Request {
+    /// Whether admission may give it blocks now.
+    fn admissible(&self) -> bool {
+        !self.awaits_remote_start || self.recompute
+    }
 }
 
 struct Seq {
@@ -269,6 +280,8 @@ impl Scheduler {
                 "this engine does not prefill for remote decode".into(),
             );
         }
+        let awaits_remote_start =
+            matches!(&sub.kind, Kind::RemotePrefill(p) if p.is_layerwise_pull());
         self.waiting.push_back(Request {
             sub,
             arrived: Instant::now(),
@@ -277,6 +290,7 @@ impl Scheduler {
             prompt_blocks: vec![],
             recompute: false,
             handed_over: false,
+            awaits_remote_start,
         });
     }
 
@@ -314,6 +328,7 @@ impl Scheduler {
             prompt_blocks: prompt.clone(),
             recompute: false,
             handed_over: false,
+            awaits_remote_start: false,
             sub,
         };
         match c.on_blocks_allocated(r.sub.id, prompt) {
@@ -340,6 +355,13 @@ impl Scheduler {
             match ev {
                 ConnectorEvent::BlocksReleased { blocks, .. } => self.pool.free(&blocks),
                 ConnectorEvent::Ready { requests, blocks } => self.kv_landed(requests, blocks),
+                ConnectorEvent::RemoteStarted { requests } => {
+                    for r in self.waiting.iter_mut() {
+                        if requests.contains(&r.sub.id) {
+                            r.awaits_remote_start = false;
+                        }
+                    }
+                }
                 ConnectorEvent::Recompute { requests, reason } => {
                     for id in requests {
                         // Not admitted yet: it will prefill here when it is.
@@ -470,7 +492,10 @@ impl Scheduler {
     fn admit(&mut self) {
         // One prefill per iteration so decode steps interleave with long prompts.
         let mut prefilled = false;
-        while let Some(front) = self.waiting.front() {
+        // In order, passing over layer-wise pulls P has not started: the first of those must not
+        // hold back the requests behind it (P may be waiting for D to read them).
+        while let Some(at) = self.waiting.iter().position(Request::admissible) {
+            let front = &self.waiting[at];
             let prompt = front.sub.prompt.len();
             let gen_each = self.blocks_for(front.sub.max_tokens as usize);
             let n = front.sub.n as usize;
@@ -487,11 +512,11 @@ impl Scheduler {
             if self.pool.free_count() < need {
                 break;
             }
-            let Some(mut r) = self.waiting.pop_front() else {
+            let Some(mut r) = self.waiting.remove(at) else {
                 break;
             };
             let Some(prompt_blocks) = self.pool.alloc(self.blocks_for(prompt)) else {
-                self.waiting.push_front(r);
+                self.waiting.insert(at, r);
                 break;
             };
             if r.gen_blocks.is_empty() && matches!(r.sub.kind, Kind::Local | Kind::RemotePrefill(_))
@@ -524,7 +549,7 @@ impl Scheduler {
                         let id = r.sub.id;
                         self.pool.free(&r.prompt_blocks);
                         r.prompt_blocks.clear();
-                        self.waiting.push_front(r);
+                        self.waiting.insert(at, r);
                         self.settle_refused(id, e);
                         break;
                     }
@@ -889,6 +914,7 @@ mod tests {
             prompt_blocks,
             recompute: false,
             handed_over: false,
+            awaits_remote_start: false,
         };
         s.awaiting_kv.insert(id, r);
         rx

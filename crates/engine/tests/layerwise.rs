@@ -185,3 +185,106 @@ async fn a_layerwise_pull_d_refuses_frees_p_after_its_prefill() {
     p.stop().await;
     d.stop().await;
 }
+
+/// Both pools hold two prompts, and four requests reach P and D in opposite orders: D's first
+/// two are P's last two. Were D to admit (hold blocks for) requests P has not started, D would
+/// hold blocks for the two P cannot start while P holds its blocks for the two D cannot admit —
+/// until D's wait deadline recomputed them. D admits a layer-wise pull once P's prefill started,
+/// so every request is decoded from P's KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_orders_at_p_and_d_with_full_pools_do_not_deadlock() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", 1)).await.unwrap();
+    // 300 words: 19 blocks of prompt + 1 for the token(s); 48 blocks hold two such requests.
+    let small = |role: &str| EngineConfig {
+        num_blocks: 48,
+        prefill_us_per_token: 100.0,
+        wait_deadline_ms: 20_000,
+        ..cfg(role, 1)
+    };
+    let p = start(small("prefill")).await.unwrap();
+    let d = start(small("decode")).await.unwrap();
+    let pi = info(&c, &p).await;
+    let texts_mono = {
+        let mut out = Vec::new();
+        for i in 0..4 {
+            let m: Value = c
+                .post(format!("{}/v1/completions", mono.url()))
+                .json(&json!({"prompt": prompt(40 + i, 300), "max_tokens": 4}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            out.push(texts(&m));
+        }
+        out
+    };
+    let started = std::time::Instant::now();
+    let mut d_legs = Vec::new();
+    for i in 0..4u64 {
+        let hid = format!(
+            "{:032x}",
+            0xdead_0000_0000_0000_0000_0000_0000_0000u128 | i as u128
+        );
+        let body = json!({"prompt": prompt(40 + i as usize, 300), "max_tokens": 4,
+            "kv_transfer_params": {"do_remote_prefill": true, "transfer_mode": "pull",
+            "layerwise": true, "handoff_id": hid, "remote_engine_id": pi["engine_id"],
+            "remote_host": pi["remote_host"], "remote_port": pi["remote_port"], "tp_size": 1}});
+        let (c2, url) = (c.clone(), d.url());
+        d_legs.push(tokio::spawn(async move {
+            let r = c2
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut p_legs = Vec::new();
+    for i in (0..4u64).rev() {
+        let hid = format!(
+            "{:032x}",
+            0xdead_0000_0000_0000_0000_0000_0000_0000u128 | i as u128
+        );
+        let body = json!({"prompt": prompt(40 + i as usize, 300), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "transfer_mode": "pull",
+            "layerwise": true, "handoff_id": hid}});
+        let (c2, url) = (c.clone(), p.url());
+        p_legs.push(tokio::spawn(async move {
+            let r = c2
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (i, leg) in d_legs.into_iter().enumerate() {
+        let (s, v) = leg.await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(texts(&v), texts_mono[i], "request {i}");
+    }
+    for leg in p_legs {
+        assert_eq!(leg.await.unwrap(), 200);
+    }
+    let page = metrics_text(&c, &d).await;
+    assert_eq!(
+        common::metric_with(&page, "engine_requests_total", "recomputed"),
+        0.0,
+        "requests recomputed after {:?}: the engines waited on each other",
+        started.elapsed()
+    );
+    released_within(&p, Duration::from_secs(10)).await;
+    released_within(&d, Duration::from_secs(10)).await;
+    p.stop().await;
+    d.stop().await;
+    mono.stop().await;
+}

@@ -425,6 +425,9 @@ pub struct ConsumerLedger {
     messages: VecDeque<(PeerId, Message)>,
     releases: VecDeque<BlockRelease>,
     outcomes: VecDeque<Outcome>,
+    /// Pull: requests whose handoff P named its blocks for while they still waited for
+    /// admission (see [`ConsumerLedger::poll_started`]).
+    started: VecDeque<Vec<RequestId>>,
     actions: VecDeque<ConsumerAction>,
     last_now: Time,
     held_blocks: usize,
@@ -446,6 +449,7 @@ impl ConsumerLedger {
             messages: VecDeque::new(),
             releases: VecDeque::new(),
             outcomes: VecDeque::new(),
+            started: VecDeque::new(),
             actions: VecDeque::new(),
             last_now: Time::ZERO,
             held_blocks: 0,
@@ -946,6 +950,15 @@ impl ConsumerLedger {
         self.releases.pop_front()
     }
 
+    /// Pull: requests still waiting for admission whose P now holds the handoff (P's block list
+    /// came: in a layer-wise pull, P's prefill started). An engine that admits a layer-wise pull
+    /// only then never holds blocks for a request P cannot start yet: with both engines' pools
+    /// full, D holding blocks for some requests while P holds them for others, waiting on each
+    /// other, is a deadlock.
+    pub fn poll_started(&mut self) -> Option<Vec<RequestId>> {
+        self.started.pop_front()
+    }
+
     pub fn poll_outcome(&mut self) -> Option<Outcome> {
         self.outcomes.pop_front()
     }
@@ -1139,6 +1152,9 @@ impl ConsumerLedger {
             h.p_digest = list.digest;
             h.p_layers = list.layers;
             h.layerwise = list.layers.is_some();
+            if h.state == State::Waiting {
+                self.started.push_back(h.requests.clone());
+            }
             if h.state == State::Admitted {
                 self.try_start_read(list.handoff, now);
             }

@@ -1,6 +1,7 @@
 //! handoff's P/D router: an OpenAI-compatible HTTP front that sends each completion request to a
 //! prefill engine (P) and a decode engine (D) — one after the other in pull mode, both at once in
-//! push mode — carrying the KV handoff between them in `kv_transfer_params`.
+//! push mode and in a layer-wise pull — carrying the KV handoff between them in
+//! `kv_transfer_params`.
 //!
 //! # The pull flow
 //!
@@ -52,6 +53,16 @@
 //!
 //! Which of P's write and D's registration comes first does not matter to the engines; the
 //! proxy only makes sure neither leg waits on the other.
+//!
+//! # The layer-wise pull flow
+//!
+//! In pull mode, a P whose cached info (read by every health check; a P that does not answer
+//! `GET /v1/handoff/info`, as vLLM's, stays healthy and is pulled as above) says
+//! `"layerwise_pull": true` gets the push flow's two legs at once, in pull mode: both legs'
+//! `kv_transfer_params` say `"transfer_mode": "pull", "layerwise": true` with the fresh handoff
+//! id. P creates the handoff when its prefill starts, D asks P for the blocks at once and reads
+//! each layer once P saved it: the READ runs beside P's prefill instead of after it. P's answer
+//! must be a pull's for the same handoff; failures and releases are the push flow's.
 //!
 //! # Failure policy: fail loudly, release at once
 //!

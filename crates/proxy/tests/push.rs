@@ -192,6 +192,77 @@ async fn both_legs_go_at_once_with_exact_push_params() {
     .await
 }
 
+/// In pull mode, a P whose info says it takes a layer-wise pull gets the push flow's two legs
+/// at once, in pull mode; a P whose info says nothing of it (or that cannot answer it) is pulled
+/// the classic way, P first.
+#[tokio::test]
+async fn a_pull_proxy_sends_a_layerwise_p_both_legs_at_once() {
+    bounded(async {
+        let log = Log::default();
+        let p = Fake::prefill("P1", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        p.set_info(json!({
+            "engine_id": "p-engine-3", "remote_host": "10.9.8.3", "remote_port": 7303,
+            "tp_size": 1, "block_size": 16, "transfer_mode": "pull", "role": "prefill",
+            "layerwise_pull": true
+        }));
+        // P prefills for 300 ms; D reads as P saves layers and answers after 500 ms.
+        p.set_head_delay(Duration::from_millis(300));
+        d.set_head_delay(Duration::from_millis(500));
+        let proxy = start(ProxyConfig {
+            mode: TransferMode::Pull,
+            ..config(&[&p], &[&d])
+        })
+        .await
+        .unwrap();
+        assert_eq!(post(&proxy, &completion()).await.0, 200);
+        assert!(
+            position(&log, "D1") < position(&log, "P1:answer"),
+            "D must get its leg before P answers: {:?}",
+            log.events()
+        );
+        let h = handoff_of(&p, 0);
+        assert_eq!(
+            p.received()[0].body["kv_transfer_params"],
+            json!({
+                "do_remote_decode": true, "do_remote_prefill": false,
+                "transfer_mode": "pull", "layerwise": true, "handoff_id": h
+            })
+        );
+        assert_eq!(
+            d.received()[0].body["kv_transfer_params"],
+            json!({
+                "do_remote_prefill": true, "do_remote_decode": false,
+                "transfer_mode": "pull", "layerwise": true, "handoff_id": h,
+                "remote_engine_id": "p-engine-3", "remote_host": "10.9.8.3",
+                "remote_port": 7303, "tp_size": 1
+            })
+        );
+        assert!(p.releases().is_empty());
+
+        // The same P without the key: P first, then D with P's own params.
+        p.set_info(json!({
+            "engine_id": "p-engine-3", "remote_host": "10.9.8.3", "remote_port": 7303,
+            "tp_size": 1, "transfer_mode": "pull", "role": "prefill"
+        }));
+        let proxy = start(ProxyConfig {
+            mode: TransferMode::Pull,
+            ..config(&[&p], &[&d])
+        })
+        .await
+        .unwrap();
+        assert_eq!(post(&proxy, &completion()).await.0, 200);
+        let got = &p.received()[1].body["kv_transfer_params"];
+        assert!(got.get("layerwise").is_none(), "{got}");
+        assert_eq!(
+            d.received()[1].body["kv_transfer_params"],
+            p.issued()[1],
+            "D gets P's params"
+        );
+    })
+    .await
+}
+
 #[tokio::test]
 async fn streaming_passthrough_in_push_mode() {
     bounded(async {

@@ -553,6 +553,8 @@ impl SchedulerSide {
                         self.pending.failed_recving.push(req);
                     }
                 }
+                // vLLM admits requests itself; a layer-wise pull is not asked of vLLM's P.
+                ConnectorEvent::RemoteStarted { .. } => {}
                 ConnectorEvent::Ready { requests, .. } => {
                     for n in requests {
                         if let Some(b) = self.first_block.get(&n) {

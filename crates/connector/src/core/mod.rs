@@ -809,6 +809,13 @@ impl ConnectorCore {
                 self.revoke(Opens::Writes, rel.handoff);
                 self.blocks_back(rel.handoff, rel.blocks, rel.reason.as_str());
             }
+            while let Some(requests) = self.consumer.as_mut().and_then(|c| c.poll_started()) {
+                progressed = true;
+                let requests = requests.into_iter().map(|r| r.0).collect();
+                self.out
+                    .events
+                    .push(ConnectorEvent::RemoteStarted { requests });
+            }
             progressed |= self.take_outcomes(None, now);
             while let Some(a) = self.consumer.as_mut().and_then(|c| c.poll_action()) {
                 progressed = true;

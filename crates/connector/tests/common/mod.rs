@@ -1188,6 +1188,7 @@ impl Sim {
                     self.at(now + ms(50), Ev::DecodeDone { d, req: *r });
                 }
             }
+            (Node::D(_), ConnectorEvent::RemoteStarted { .. }) => {}
             (Node::D(d), ConnectorEvent::Recompute { requests, .. })
             | (Node::D(d), ConnectorEvent::Failed { requests, .. }) => {
                 for r in requests {

@@ -392,8 +392,9 @@ async fn completion(
     match s.kind {
         Kind::Prefill => {
             let asked = &body["kv_transfer_params"];
-            let params = if asked["transfer_mode"] == "push" {
-                // A push P answers under the proxy's handoff id, with its info.
+            let params = if asked["transfer_mode"] == "push" || asked["layerwise"] == true {
+                // A push P, or a layer-wise pull's, answers under the proxy's handoff id and
+                // mode, with its info.
                 let info = s.info.lock().unwrap().clone();
                 json!({
                     "do_remote_prefill": true,
@@ -406,7 +407,7 @@ async fn completion(
                     "handoff_id": asked["handoff_id"],
                     "lease_ms": 30000,
                     "epoch": 1,
-                    "transfer_mode": "push",
+                    "transfer_mode": asked["transfer_mode"],
                 })
             } else {
                 let n = NEXT_HANDOFF.fetch_add(1, Ordering::SeqCst);
