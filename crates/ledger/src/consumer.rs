@@ -566,6 +566,10 @@ impl ConsumerLedger {
             }
             h.requests.push(req);
             self.by_request.insert(req, inc.handoff);
+            if h.blocks_from_p {
+                // P named its blocks before this sibling came: it is told as the first was.
+                self.started.push_back(vec![req]);
+            }
             return Ok(());
         }
         if self.tombstones.get(&inc.handoff).is_some() {

@@ -499,13 +499,16 @@ impl ProducerLedger {
         };
         if let Some(reason) = f.ended {
             self.release_now(id, reason, now);
-        } else if !ok && h.asked && h.phase == Phase::Leased {
-            let until = h.lease_end.max(now) + self.cfg.fence_grace;
-            h.phase = Phase::Fencing {
-                until,
-                reason: EndReason::Failed,
-            };
-            h.timer.arm(&mut self.timers, id, until);
+        } else if !ok && h.asked {
+            // Already fencing (the lease ran out, the proxy released): that fence, armed, ends it.
+            if h.phase == Phase::Leased {
+                let until = h.lease_end.max(now) + self.cfg.fence_grace;
+                h.phase = Phase::Fencing {
+                    until,
+                    reason: EndReason::Failed,
+                };
+                h.timer.arm(&mut self.timers, id, until);
+            }
         } else if !ok {
             self.begin_end(id, EndReason::Failed, now);
         } else if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {

@@ -1962,3 +1962,61 @@ fn a_layerwise_list_that_goes_back_or_names_other_blocks_is_ignored() {
     assert_eq!(pair.d.stats().ignored, ignored + 3);
     assert_eq!(layers_read(&pair), vec![Some(2)]);
 }
+
+/// P's prefill fails while the handoff is already fencing (the proxy released it: it cannot
+/// know D is reading): the fence still runs to its end, never cut short by the failure.
+#[test]
+fn a_failed_layerwise_prefill_keeps_a_running_fence() {
+    let mut pair = Pair::default_pair();
+    let id = hid(94);
+    layerwise_d_arrives(&mut pair, id);
+    pair.p
+        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
+        .unwrap();
+    pair.p.layers_saved(id, 1);
+    pair.pump();
+    assert_eq!(pair.reads.len(), 1, "D reads the first layer");
+    pair.p.release_unclaimed(
+        Release {
+            handoff: id,
+            epoch: Epoch::FIRST,
+            reason: ReleaseReason::Aborted,
+        },
+        pair.now,
+    );
+    pair.p.prefill_ended(id, false, pair.now);
+    pair.pump();
+    assert!(pair.p_released(id).is_none(), "freed under D's READ");
+    // D's READ never ends (its deadline runs); P frees once its fence is over, not before.
+    pair.d_alive = false;
+    let fence = pair.p.config().fence_grace;
+    let lease = pair.p.config().initial_lease;
+    pair.advance(lease);
+    assert!(pair.p_released(id).is_none(), "freed before the fence");
+    pair.advance(fence + ms(1));
+    assert!(pair.p_released(id).is_some());
+}
+
+/// A second request naming a layer-wise handoff whose blocks P already named is told so too
+/// (an engine waiting for it before admitting would otherwise wait forever).
+#[test]
+fn a_sibling_after_ps_first_list_is_told_p_started() {
+    let mut pair = Pair::default_pair();
+    let id = hid(95);
+    let mut inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+    inc.p_blocks = Vec::new();
+    pair.d
+        .on_request_arrived(RequestId(1), inc.clone(), pair.now)
+        .unwrap();
+    pair.pump();
+    pair.p
+        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
+        .unwrap();
+    pair.pump();
+    assert_eq!(pair.d.poll_started(), Some(vec![RequestId(1)]));
+    pair.d
+        .on_request_arrived(RequestId(2), inc, pair.now)
+        .unwrap();
+    assert_eq!(pair.d.poll_started(), Some(vec![RequestId(2)]));
+    assert_eq!(pair.d.poll_started(), None);
+}

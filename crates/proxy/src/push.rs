@@ -438,7 +438,9 @@ pub(crate) async fn push(
         received,
         mode: TransferMode::Push,
     };
-    both_legs(s, legs, client, p_guard).await
+    // Nothing is sent before P's side channel is known: D could not register without it.
+    let info = prefill_info(s, p_guard.instance()).await?;
+    both_legs(s, legs, client, p_guard, info).await
 }
 
 /// What a request sent to both engines at once needs besides the client's body.
@@ -450,12 +452,14 @@ pub(crate) struct BothLegs<'a> {
     pub(crate) mode: TransferMode,
 }
 
-/// Both legs at once (push, or a layer-wise pull) to P (`p_guard`) and a D picked now.
+/// Both legs at once (push, or a layer-wise pull) to P (`p_guard`, whose side channel `info`
+/// names) and a D picked now.
 pub(crate) async fn both_legs(
     s: &Arc<Shared>,
     legs: BothLegs<'_>,
     client: Map<String, Value>,
     p_guard: InFlight,
+    info: Arc<EngineInfo>,
 ) -> Result<Response, ProxyError> {
     let BothLegs {
         path,
@@ -471,8 +475,6 @@ pub(crate) async fn both_legs(
         .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
     let p = p_guard.instance().clone();
     let d = d_guard.instance().clone();
-    // Nothing is sent before P's side channel is known: D could not register without it.
-    let info = prefill_info(s, &p).await?;
     // 128 random bits: the id is a capability, unguessable by anyone but the two legs.
     let handoff = HandoffId::from_bytes(rand::random());
     let stream = client.get("stream").and_then(Value::as_bool) == Some(true);

@@ -236,7 +236,7 @@ async fn pull(
     let p = p_guard.instance().clone();
     // A P that takes a layer-wise pull (its health check read its info) gets both legs at once,
     // as in push mode: D reads each layer while P's prefill runs.
-    if p.handoff_info().is_some_and(|i| i.takes_layerwise_pull()) {
+    if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
         let legs = push::BothLegs {
             path,
             rid,
@@ -244,7 +244,7 @@ async fn pull(
             received,
             mode: TransferMode::Pull,
         };
-        return push::both_legs(s, legs, client, p_guard).await;
+        return push::both_legs(s, legs, client, p_guard, info).await;
     }
     let params = prefill_leg(
         s,
