@@ -43,6 +43,9 @@ pub struct WorkerSide {
     rank: u16,
     mem: RankMemory,
     jobs: HashMap<JobId, Job>,
+    /// Aborted jobs whose transfers the backend has not stopped yet: reported ended only once
+    /// it has (see `Transport::still_running`).
+    aborting: HashMap<JobId, Vec<XferId>>,
     report: WorkerReport,
     /// The transport's refused-connection and refused-transfer totals at the last report.
     refused_seen: (u64, u64),
@@ -71,6 +74,7 @@ impl WorkerSide {
             rank,
             mem,
             jobs: HashMap::new(),
+            aborting: HashMap::new(),
             refused_seen: (0, 0),
             gate: ForwardGate::default(),
             report: WorkerReport {
@@ -178,10 +182,22 @@ impl WorkerSide {
                 WorkerOp::Post(job) => self.post(job),
                 WorkerOp::Abort { job } => {
                     if let Some(j) = self.jobs.remove(&job) {
-                        for id in j.xfers {
-                            let _ = self.mem.transport.release(id);
+                        let transport = &self.mem.transport;
+                        let running: Vec<XferId> = j
+                            .xfers
+                            .into_iter()
+                            .filter(|id| {
+                                let _ = transport.release(*id);
+                                transport.still_running(*id)
+                            })
+                            .collect();
+                        // The ledgers free the job's blocks once it is reported ended: not while
+                        // the backend may still land bytes in them or read them.
+                        if running.is_empty() {
+                            self.report.ended.push((job, false));
+                        } else {
+                            self.aborting.insert(job, running);
                         }
-                        self.report.ended.push((job, false));
                     }
                 }
                 WorkerOp::Grant {
@@ -251,6 +267,14 @@ impl WorkerSide {
     /// Progress: jobs that ended, notifications, dead peers. `None` when there is nothing new.
     pub fn poll(&mut self) -> Option<WorkerReport> {
         let transport = &self.mem.transport;
+        let report = &mut self.report;
+        self.aborting.retain(|job, xfers| {
+            xfers.retain(|x| transport.still_running(*x));
+            if xfers.is_empty() {
+                report.ended.push((*job, false));
+            }
+            !xfers.is_empty()
+        });
         let mut ended = Vec::new();
         for (id, job) in self.jobs.iter_mut() {
             job.xfers.retain(|x| match transport.status(*x) {
@@ -441,6 +465,80 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    /// An aborted job's end is what lets the ledgers free its blocks: while the backend still
+    /// runs one of its transfers (NIXL cannot always abort at once), the job is not reported
+    /// ended.
+    #[test]
+    fn an_aborted_job_ends_only_once_the_backend_stopped_its_transfers() {
+        use crate::step::{TransferJob, TransferPart};
+        use handoff_transport::faulty::{FaultPlan, FaultyTransport};
+        use handoff_transport::XferDesc;
+        let l = layout();
+        let len = l.region_len(0).unwrap() as usize;
+        let p = tcp("p-r0");
+        p.register(0, Arc::new(KvRegion::new(len, 256))).unwrap();
+        let linger = 3;
+        let faulty = FaultyTransport::new(
+            tcp("d-r0"),
+            FaultPlan {
+                linger_released: linger,
+                ..FaultPlan::default()
+            },
+        );
+        let mut d = WorkerSide::new(RankMemory {
+            layout: l,
+            regions: vec![(0, Arc::new(KvRegion::new(len, 256)))],
+            transport: faulty,
+        })
+        .unwrap();
+        let job = JobId(7);
+        d.apply(WorkerStep {
+            ops: vec![
+                WorkerOp::LoadRemote {
+                    agent: "p-r0".into(),
+                    metadata: p.local_metadata().unwrap(),
+                },
+                WorkerOp::Post(TransferJob {
+                    job,
+                    op: XferOp::Read,
+                    parts: vec![TransferPart {
+                        agent: "p-r0".into(),
+                        descs: vec![XferDesc {
+                            local_region: 0,
+                            local_offset: 0,
+                            remote_region: 0,
+                            remote_offset: 0,
+                            len: 64,
+                        }],
+                        notification: None,
+                    }],
+                    zero_tail: None,
+                    digest: None,
+                    push_layer: None,
+                }),
+                WorkerOp::Abort { job },
+            ],
+        });
+        let mut polls = 0;
+        let ended = loop {
+            let ended: Vec<(JobId, bool)> = d.poll().map(|r| r.ended).unwrap_or_default();
+            if !ended.is_empty() {
+                break ended;
+            }
+            polls += 1;
+            assert!(polls < 100, "the aborted job never ended");
+        };
+        assert_eq!(ended, vec![(job, false)]);
+        // The backend said "still running" `linger` times: when the abort asked, then at each
+        // poll before the one that reported the end.
+        assert_eq!(
+            polls + 1,
+            linger,
+            "reported ended while the backend still ran its transfer"
+        );
+        drop(p);
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct FaultPlan {
     /// READs that land with one byte of their first destination changed (a transfer that
     /// damaged what it moved, reported done): what a KV digest check must catch.
     pub corrupt_read_pct: u8,
+    /// A released transfer is said to be still running for this many
+    /// [`Transport::still_running`] questions (a NIXL transfer the backend cannot stop at once).
+    pub linger_released: u32,
 }
 
 /// One injected fault, for the replay log.
@@ -73,6 +76,8 @@ struct State {
     failed: HashSet<XferId>,
     /// READs to damage when they report done: the byte to flip.
     corrupt: HashMap<XferId, (RegionId, u64)>,
+    /// Released transfers still said to run: questions left.
+    lingering: HashMap<XferId, u32>,
     regions: HashMap<RegionId, Arc<KvRegion>>,
     next_failed: u64,
     killed: HashSet<String>,
@@ -97,6 +102,7 @@ impl FaultyTransport {
                 held: VecDeque::new(),
                 failed: HashSet::new(),
                 corrupt: HashMap::new(),
+                lingering: HashMap::new(),
                 regions: HashMap::new(),
                 next_failed: u64::MAX / 2,
                 killed: HashSet::new(),
@@ -318,8 +324,28 @@ impl Transport for FaultyTransport {
         if st.failed.remove(&id) {
             return Ok(());
         }
+        // Bounded: a run that never asks keeps at most this many.
+        if self.plan.linger_released > 0 && st.lingering.len() < 4096 {
+            st.lingering.insert(id, self.plan.linger_released);
+        }
         drop(st);
         self.inner.release(id)
+    }
+
+    fn still_running(&self, id: XferId) -> bool {
+        let mut st = self.state.lock();
+        match st.lingering.get_mut(&id) {
+            Some(0) => {
+                st.lingering.remove(&id);
+            }
+            Some(left) => {
+                *left -= 1;
+                return true;
+            }
+            None => {}
+        }
+        drop(st);
+        self.inner.still_running(id)
     }
 
     fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {
@@ -526,6 +552,7 @@ mod tests {
             max_delay_calls: 3,
             fail_transfer_pct: 20,
             corrupt_read_pct: 0,
+            linger_released: 0,
         };
         let run = || {
             let (a, _b, _) = pair(plan.clone());

@@ -157,9 +157,18 @@ pub trait Transport: Send + Sync {
     /// Progress of a posted transfer.
     fn status(&self, id: XferId) -> Result<XferStatus, TransportError>;
 
-    /// Forgets a transfer; one still in progress is aborted first (best effort, and its bytes may
-    /// still land until the backend confirms — the ledgers' fences cover that).
+    /// Forgets a transfer; one still in progress is aborted first (best effort: the backend may
+    /// keep running it, see [`Transport::still_running`]).
     fn release(&self, id: XferId) -> Result<(), TransportError>;
+
+    /// Whether a transfer released while in progress may still move bytes: the backend could
+    /// not stop it yet (NIXL keeps such a request until it can release it). A worker reports an
+    /// aborted job ended only once none of its transfers is, so no block goes back to a pool
+    /// under a transfer still landing (rules 2 and 3). Backends that stop a transfer at once
+    /// say `false`.
+    fn still_running(&self, _id: XferId) -> bool {
+        false
+    }
 
     /// Sends a notification with no transfer.
     fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError>;

@@ -546,6 +546,7 @@ struct Claim {
 }
 
 struct Xfer {
+    id: XferId,
     /// `None` for a transfer with no bytes (done at once).
     req: Option<XferReq>,
     peer: String,
@@ -1240,6 +1241,7 @@ impl Transport for NixlTransport {
         let id = XferId(g.next_xfer);
         g.next_xfer += 1;
         let mut x = Xfer {
+            id,
             req: None,
             peer: peer.to_string(),
             state: XferStatus::InProgress,
@@ -1317,6 +1319,12 @@ impl Transport for NixlTransport {
         g.finish(x);
         g.reap_zombies();
         Ok(())
+    }
+
+    fn still_running(&self, id: XferId) -> bool {
+        let mut g = self.lock();
+        g.reap_zombies();
+        g.zombies.iter().any(|x| x.id == id)
     }
 
     fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), TransportError> {

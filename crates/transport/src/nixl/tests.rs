@@ -502,6 +502,30 @@ fn nixl_bad_metadata_is_rejected() {
     );
 }
 
+/// A transfer released while in flight: NIXL may keep running it (a zombie), and the transport
+/// says so until NIXL let it go, which it does in bounded time.
+#[test]
+fn nixl_a_transfer_released_in_flight_runs_until_nixl_lets_it_go() {
+    let Some(cfg) = nixl() else { return };
+    let len = 64 << 20;
+    let p = pair(&cfg, len, 1 << 20);
+    let b = p.b.name().to_string();
+    let id =
+        p.a.post(XferOp::Read, &b, &[desc(0, 0, len as u64)], None)
+            .unwrap();
+    p.a.release(id).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while p.a.still_running(id) {
+        assert!(Instant::now() < deadline, "NIXL never let the transfer go");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!p.a.still_running(id));
+    assert!(
+        !p.a.still_running(XferId(u64::MAX)),
+        "an unknown transfer does not run"
+    );
+}
+
 #[test]
 fn nixl_locks_local_chunks_until_release() {
     let Some(cfg) = nixl() else { return };
