@@ -91,6 +91,8 @@ pub struct EngineConfig {
     pub http_body_read_timeout_ms: u64,
     /// HTTP API: a connection with no request in progress is closed after this.
     pub http_idle_timeout_ms: u64,
+    /// A client that takes no byte of its answer (a stream) for this long loses its connection.
+    pub http_write_stall_timeout_ms: u64,
     /// HTTP API: connections served at once; more are answered 503 and closed.
     pub http_max_connections: usize,
     /// HTTP API: largest request body; 413.
@@ -163,6 +165,7 @@ impl Default for EngineConfig {
             http_header_read_timeout_ms: 10_000,
             http_body_read_timeout_ms: 30_000,
             http_idle_timeout_ms: 60_000,
+            http_write_stall_timeout_ms: 30_000,
             http_max_connections: 1024,
             http_max_body_bytes: 4 << 20,
             http_max_header_bytes: 64 << 10,
@@ -488,6 +491,10 @@ impl EngineConfig {
             ),
             ("http_body_read_timeout_ms", self.http_body_read_timeout_ms),
             ("http_idle_timeout_ms", self.http_idle_timeout_ms),
+            (
+                "http_write_stall_timeout_ms",
+                self.http_write_stall_timeout_ms,
+            ),
         ] {
             if ms == 0 {
                 return Err(bad(field, "must be at least 1"));
@@ -566,6 +573,7 @@ impl EngineConfig {
             header_read_timeout: Duration::from_millis(self.http_header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(self.http_body_read_timeout_ms),
             idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
+            write_stall_timeout: Duration::from_millis(self.http_write_stall_timeout_ms),
             max_connections: self.http_max_connections,
             max_body_bytes: self.http_max_body_bytes,
             max_header_bytes: self.http_max_header_bytes,

@@ -8,6 +8,7 @@
 //! | `header_read_timeout` | 10 s | from a request's first byte to the end of its headers; the connection gets a 408 and is closed (slowloris) |
 //! | `body_read_timeout` | 30 s | from the end of the headers to the end of the body, whole; 408, connection closed |
 //! | `idle_timeout` | 60 s | a connection with no request in progress and no byte of a next one is closed |
+//! | `write_stall_timeout` | 30 s | an answer the client has not taken a byte of for this long (it stopped reading a stream) is cut: the connection is closed |
 //! | `max_connections` | 1024 | a connection beyond it is answered 503 at once and closed, without reading it |
 //! | `max_body_bytes` | 4 MiB | 413 (at once when `Content-Length` says so, else when the body grows past it); connection closed |
 //! | `max_header_bytes` | 64 KiB | hyper answers 431 and closes |
@@ -15,8 +16,9 @@
 //! Every hit is counted in `http_limit_hits_total{listener, limit}` ([`HttpMetrics`]); open and
 //! accepted connections are counted too. A request body is read whole, within its limits, before
 //! the router sees it (handoff's handlers buffer JSON bodies anyway), so a handler never waits on
-//! a slow client. A response that streams (SSE) is not bounded here: a request in progress, from
-//! its headers to the end of its answer, is the handler's to bound.
+//! a slow client. A response that streams (SSE) is not bounded in length here (a request in
+//! progress, from its headers to the end of its answer, is the handler's to bound), but a client
+//! that stops reading it loses the connection after `write_stall_timeout`.
 
 #![forbid(unsafe_code)]
 
@@ -60,6 +62,9 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     /// A connection with no request in progress and no byte of a next one is closed after this.
     pub idle_timeout: Duration,
+    /// A connection whose client has taken no byte of the answer for this long (its socket
+    /// buffers full: it stopped reading) is closed, and the request with it.
+    pub write_stall_timeout: Duration,
     /// Connections served at once; more are answered 503 and closed.
     pub max_connections: usize,
     /// Largest request body.
@@ -74,6 +79,7 @@ impl Default for Limits {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
+            write_stall_timeout: Duration::from_secs(30),
             max_connections: 1024,
             max_body_bytes: 4 << 20,
             max_header_bytes: 64 << 10,
@@ -91,6 +97,7 @@ impl Limits {
             ("header_read_timeout", self.header_read_timeout),
             ("body_read_timeout", self.body_read_timeout),
             ("idle_timeout", self.idle_timeout),
+            ("write_stall_timeout", self.write_stall_timeout),
         ] {
             if d.is_zero() {
                 return Err(format!("{field} must be greater than zero"));
@@ -242,6 +249,9 @@ struct ConnState {
     /// 1 + nanoseconds after `base` of the first byte read while idle (a request head begun);
     /// 0 when none.
     head_started: AtomicU64,
+    /// 1 + nanoseconds after `base` since when a write has waited for the client to take bytes
+    /// (the socket's buffers full); 0 while writes go through.
+    write_blocked: AtomicU64,
     /// Wakes the connection's task when the above change.
     notify: Notify,
 }
@@ -250,6 +260,8 @@ struct ConnState {
 enum Phase {
     Idle,
     Header,
+    /// The client stopped taking the answer's bytes.
+    WriteStall,
 }
 
 impl ConnState {
@@ -259,6 +271,7 @@ impl ConnState {
             active: AtomicUsize::new(0),
             idle_since: AtomicU64::new(0),
             head_started: AtomicU64::new(0),
+            write_blocked: AtomicU64::new(0),
             notify: Notify::new(),
         }
     }
@@ -275,9 +288,26 @@ impl ConnState {
         }
     }
 
+    /// A write could not go through (`blocked`) or went through.
+    fn write_blocked(&self, blocked: bool) {
+        if !blocked {
+            self.write_blocked.store(0, Ordering::SeqCst);
+        } else if self.write_blocked.load(Ordering::SeqCst) == 0 {
+            self.write_blocked.store(self.nanos() + 1, Ordering::SeqCst);
+            self.notify.notify_one();
+        }
+    }
+
     /// When the connection's current phase ends and which it is; `None` while a request is in
-    /// progress.
+    /// progress and its answer's bytes go out.
     fn deadline(&self, limits: &Limits) -> Option<(Instant, Phase)> {
+        if let w @ 1.. = self.write_blocked.load(Ordering::SeqCst) {
+            let since = Duration::from_nanos(w - 1);
+            return Some((
+                self.base + since + limits.write_stall_timeout,
+                Phase::WriteStall,
+            ));
+        }
         if self.active.load(Ordering::SeqCst) > 0 {
             return None;
         }
@@ -348,7 +378,10 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.state.write_blocked(r.is_pending());
+        r
     }
 
     fn poll_write_vectored(
@@ -356,7 +389,10 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.state.write_blocked(r.is_pending());
+        r
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -537,6 +573,16 @@ async fn serve_conn(
             tracing::debug!(listener = metrics.name(), error = %e, "connection ended with an error");
         }
         End::Expired(Phase::Idle) => metrics.hit(Limit::IdleTimeout),
+        // Dropping the connection closes the socket and ends the answer's body: the handler
+        // sees its client gone (an engine aborts the request, the proxy its legs).
+        End::Expired(Phase::WriteStall) => {
+            metrics.hit(Limit::WriteStall);
+            tracing::debug!(
+                listener = metrics.name(),
+                "the client took no byte of its answer for {:?}: closing",
+                limits.write_stall_timeout
+            );
+        }
         End::Expired(Phase::Header) => {
             metrics.hit(Limit::HeaderTimeout);
             tracing::debug!(

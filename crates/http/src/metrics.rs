@@ -26,6 +26,8 @@ pub enum Limit {
     HeaderTimeout,
     /// A request body not complete within `body_read_timeout` (408).
     BodyTimeout,
+    /// A connection whose client stopped taking its answer, closed after `write_stall_timeout`.
+    WriteStall,
     /// An idle connection closed after `idle_timeout`.
     IdleTimeout,
     /// A request body over `max_body_bytes` (413).
@@ -37,10 +39,11 @@ pub enum Limit {
 }
 
 impl Limit {
-    pub const ALL: [Limit; 7] = [
+    pub const ALL: [Limit; 8] = [
         Limit::Connections,
         Limit::HeaderTimeout,
         Limit::BodyTimeout,
+        Limit::WriteStall,
         Limit::IdleTimeout,
         Limit::BodyTooLarge,
         Limit::HeaderTooLarge,
@@ -53,6 +56,7 @@ impl Limit {
             Limit::HeaderTimeout => "header_timeout",
             Limit::BodyTimeout => "body_timeout",
             Limit::IdleTimeout => "idle_timeout",
+            Limit::WriteStall => "write_stall_timeout",
             Limit::BodyTooLarge => "body_too_large",
             Limit::HeaderTooLarge => "header_too_large",
             Limit::AcceptError => "accept_error",
@@ -119,7 +123,7 @@ impl HttpMetrics {
 #[derive(Clone, Debug)]
 pub struct ListenerMetrics {
     name: &'static str,
-    hits: [Counter; 7],
+    hits: [Counter; Limit::ALL.len()],
     open: Gauge,
     accepted: Counter,
 }

@@ -13,6 +13,7 @@ fn limits() -> Limits {
         header_read_timeout: Duration::from_millis(400),
         body_read_timeout: Duration::from_millis(400),
         idle_timeout: Duration::from_millis(400),
+        write_stall_timeout: Duration::from_millis(400),
         max_connections: 4,
         max_body_bytes: 1000,
         max_header_bytes: 8 << 10,
@@ -231,4 +232,86 @@ fn limits_are_validated() {
     .validate()
     .unwrap_err();
     assert!(e.contains("body_read_timeout"), "{e}");
+}
+
+/// An answer that never ends, 64 KiB at a time; `dropped` is set when the server lets it go.
+struct Endless(Arc<std::sync::atomic::AtomicBool>);
+
+impl http_body::Body for Endless {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from(vec![
+            b'x';
+            64 << 10
+        ])))))
+    }
+}
+
+impl Drop for Endless {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A client that stops reading a streamed answer loses the connection once nothing of the
+/// answer went out for `write_stall_timeout`, and the answer is dropped (the handler learns its
+/// client is gone); one that reads, however long the answer, keeps it.
+#[tokio::test]
+async fn a_client_that_stops_reading_its_answer_is_cut() {
+    bounded(async {
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = dropped.clone();
+        let router = Router::new().route(
+            "/endless",
+            get(move || {
+                let d = d.clone();
+                async move { Body::new(Endless(d)) }
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = ListenerMetrics::unregistered("test");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, router, limits(), metrics.clone(), async {
+            let _ = rx.await;
+        }));
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /endless HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        // Read for a while, slower than the server writes but never stalling it for long.
+        let mut buf = vec![0u8; 64 << 10];
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(900) {
+            let n = tokio::io::AsyncReadExt::read(&mut c, &mut buf)
+                .await
+                .unwrap();
+            assert!(n > 0);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            metrics.hits(Limit::WriteStall),
+            0,
+            "a reading client was cut"
+        );
+        assert!(!dropped.load(Ordering::SeqCst));
+        // Stop reading: the socket's buffers fill, then nothing moves.
+        let t = Instant::now();
+        while !dropped.load(Ordering::SeqCst) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "a stalled answer was never cut"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(metrics.hits(Limit::WriteStall), 1);
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await
 }
