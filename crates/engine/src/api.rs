@@ -436,6 +436,13 @@ async fn stream_response(
                     json!({"index": choice, "text": "", "finish_reason": reason})
                 }
             }
+            // A streamed P leg: the handoff's params in a chunk of their own (no choice, as a
+            // usage chunk), so whoever asked can hand them to D; left out, P's blocks would
+            // wait out the lease for a D that never comes.
+            SeqEvent::KvParams(p) => {
+                return Some(json!({"id": id, "object": object, "created": created,
+                    "model": model, "choices": [], "kv_transfer_params": p.to_json()}))
+            }
             _ => return None,
         };
         Some(

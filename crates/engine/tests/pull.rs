@@ -116,6 +116,60 @@ async fn p_leg(client: &reqwest::Client, p: &RunningEngine, text: &str) -> Value
     pr["kv_transfer_params"].clone()
 }
 
+/// A P leg asked as a stream carries its `kv_transfer_params` too (in a chunk of their own), so
+/// the caller can hand them to D: the KV is pulled and the output is the monolithic engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_p_leg_carries_its_kv_transfer_params() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(cfg("decode")).await.unwrap();
+    let mono = start(cfg("both")).await.unwrap();
+    let client = reqwest::Client::new();
+    let text = prompt(3, 60);
+    let sse = client
+        .post(format!("{}/v1/completions", p.url()))
+        .json(&json!({"prompt": text, "max_tokens": 1, "stream": true,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let params: Vec<Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v.get("kv_transfer_params").cloned())
+        .collect();
+    assert_eq!(params.len(), 1, "{sse}");
+    assert_eq!(params[0]["do_remote_prefill"], true, "{sse}");
+    let (s, dr) = post(
+        &client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 6, "kv_transfer_params": params[0]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{dr}");
+    let (_, m) = post(
+        &client,
+        &mono.url(),
+        json!({"prompt": text, "max_tokens": 6}),
+    )
+    .await;
+    assert_eq!(texts(&dr), texts(&m));
+    released_within(&p, Duration::from_secs(5)).await;
+    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    assert_eq!(
+        ended.get("done"),
+        Some(&1),
+        "read by D, not ended by its lease: {ended:?}"
+    );
+    for e in [p, d, mono] {
+        e.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejection_before_admission_releases_p_at_once() {
     let p = start(cfg("prefill")).await.unwrap();
