@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,11 @@ def _extra(vllm_config) -> dict[str, Any]:
 
 
 class HandoffConnector(KVConnectorBase_V1):
+    # How long the worker remembers that vLLM named a request finished, waiting for its send to
+    # end: far past the longest a handoff lives on P (its hard cap, 120 s, plus the fence). Every
+    # finished request is named, most never send; without a bound the set grows forever.
+    FINISHED_TTL_S = 600.0
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._config = vllm_config
@@ -138,7 +144,8 @@ class HandoffConnector(KVConnectorBase_V1):
         # Worker side.
         self._worker = None
         self._pending_sending: set[str] = set()
-        self._seen_finished: set[str] = set()
+        # Request id -> when vLLM named it finished (monotonic), oldest first.
+        self._seen_finished: dict[str, float] = {}
         self._report: bytes | None = None
         self._last: HandoffMeta | None = None
         self._applied: HandoffMeta | None = None
@@ -241,10 +248,18 @@ class HandoffConnector(KVConnectorBase_V1):
             if report is not None:
                 self._report = bytes(report)
         # A send may be reported only once vLLM named the request finished (base.py).
-        self._seen_finished.update(finished_req_ids)
+        now = time.monotonic()
+        for r in finished_req_ids:
+            self._seen_finished.setdefault(r, now)
         sending = {r for r in self._pending_sending if r in self._seen_finished}
         self._pending_sending -= sending
-        self._seen_finished -= sending
+        for r in sending:
+            del self._seen_finished[r]
+        # Oldest first: stop at the first one still young enough.
+        for r, at in list(self._seen_finished.items()):
+            if now - at < self.FINISHED_TTL_S:
+                break
+            del self._seen_finished[r]
         meta, self._last = self._last, None
         recving = set(meta.finished_recving) if meta else set()
         failed = set(meta.failed_recving) if meta else set()

@@ -235,6 +235,33 @@ def test_a_pulled_request_waits_in_vllm_s_queue_reads_p_s_blocks_and_computes_on
     assert d.free_blocks() == d_idle
 
 
+def test_the_worker_forgets_finished_requests_that_never_send(pd):
+    """vLLM names every finished request to the worker; most never send KV. They are forgotten
+    after a while (its memory stays bounded), and a request that does send is still reported."""
+    p, d = pd
+    w = p.worker
+    w.FINISHED_TTL_S = 0.2
+    for i in range(5):
+        p.add(f"local-{i}", list(range(100 + i, 120 + i)), 1, None)
+    run_until([p], lambda: all(f"local-{i}" in p.finished for i in range(5)),
+              "P never computed the local requests")
+    p.step()
+    assert len(w._seen_finished) == 5, w._seen_finished
+    time.sleep(0.3)
+    p.step()
+    assert not w._seen_finished, "finished requests that never send are kept forever"
+    # With the bound as shipped, a P request still reports its send and is freed.
+    del w.FINISHED_TTL_S
+    p_idle = p.free_blocks()
+    prompt = list(range(40, 40 + 2 * BLOCK + 3))
+    params, _ = prefill_on_p(p, prompt)
+    req = d.add("d-req", prompt, 2, dict(params))
+    run_until([p, d], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+              "D's request never left WAITING_FOR_REMOTE_KVS")
+    run_until([p, d], lambda: p.free_blocks() == p_idle and "p-req" not in p.sched.requests,
+              "P never freed the request's blocks")
+
+
 def cache_first_two_blocks(d: Engine, prompt: list[int]) -> None:
     """D computes an unrelated request, then one with `prompt`'s first two blocks, so that
     vLLM's prefix cache holds them under other ids than P's (the pattern names block ids:
