@@ -80,6 +80,7 @@ pub struct Connector {
     engine_id: String,
     role: Role,
     mode: handoff_proto::TransferMode,
+    layerwise_pull: bool,
     advertise_host: String,
     spec: KvSpec,
     side_addr: SocketAddr,
@@ -210,6 +211,7 @@ impl Connector {
                 engine_id: cfg.engine_id,
                 role: cfg.role,
                 mode: cfg.mode,
+                layerwise_pull: cfg.layerwise_pull,
                 advertise_host: cfg.advertise_host,
                 spec,
                 side_addr,
@@ -290,9 +292,11 @@ impl Connector {
                 Role::Decode => "decode",
                 Role::Both => "both",
             },
-            // This engine's P takes a layer-wise pull (`KvTransferParams::layerwise`): the
-            // proxy may send both legs at once and D reads as the prefill saves layers.
-            "layerwise_pull": self.mode == handoff_proto::TransferMode::Pull && self.role != Role::Decode,
+            // This engine takes a layer-wise pull (`KvTransferParams::layerwise`; see
+            // `ConnectorConfig::layerwise_pull`): the proxy sends both legs at once when P and
+            // D both say so.
+            "layerwise_pull": self.layerwise_pull
+                && self.mode == handoff_proto::TransferMode::Pull,
         })
     }
 

@@ -70,6 +70,11 @@ pub struct ConnectorConfig {
     pub opaque_blocks: bool,
     /// See [`CoreConfig::kv_digest`].
     pub kv_digest: bool,
+    /// The engine takes part in a layer-wise pull (pull mode): as P it drives
+    /// `on_pull_prefill_start` / `on_layer_saved` / `on_pull_prefill_finished`, as D it admits
+    /// such a request only after [`ConnectorEvent::RemoteStarted`]. Said in its info
+    /// (`layerwise_pull`), which is what makes the proxy choose one. vLLM: false.
+    pub layerwise_pull: bool,
     /// The cluster key every side-channel connection proves in both directions (the
     /// transports take theirs in their own settings). `None`: loopback only, unless
     /// `insecure`.

@@ -47,6 +47,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         consumer: Default::default(),
         opaque_blocks: false,
         kv_digest: false,
+        layerwise_pull: false,
         key: None,
         insecure: false,
         max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,

@@ -149,6 +149,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             consumer: cfg.consumer(),
             opaque_blocks: false,
             kv_digest: cfg.kv_digest,
+            layerwise_pull: true,
             key: key.clone(),
             insecure: cfg.insecure,
             max_side_connections: cfg.max_side_connections,

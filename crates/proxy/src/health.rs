@@ -59,6 +59,11 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
             }
         }
         verdict
+    } else if inst.role == Role::Decode && verdict.is_ok() && shared.cfg.mode == TransferMode::Pull
+    {
+        // A pull D: whether it takes a layer-wise pull (see `EngineInfo::takes_layerwise_pull`).
+        inst.set_handoff_info(decode_info(shared, inst).await.map(Arc::new));
+        verdict
     } else {
         verdict
     };
@@ -73,6 +78,21 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
         }
         _ => {}
     }
+}
+
+/// D's `GET /v1/handoff/info`, if it answers one that parses; nothing else is asked of it.
+async fn decode_info(shared: &Shared, inst: &Instance) -> Option<push::EngineInfo> {
+    let t = shared.cfg.health_timeout;
+    let url = format!("{}/v1/handoff/info", inst.url);
+    let call = async {
+        let resp = shared.http.get(&url).timeout(t).send().await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = crate::routes::read_body(resp, 64 << 10).await.ok()?;
+        serde_json::from_slice(&body).ok()
+    };
+    tokio::time::timeout(t, call).await.ok().flatten()
 }
 
 /// Checks every instance of both roles, concurrently (one slow instance must not delay the

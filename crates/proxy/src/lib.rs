@@ -56,9 +56,11 @@
 //!
 //! # The layer-wise pull flow
 //!
-//! In pull mode, a P whose cached info (read by every health check; a P that does not answer
-//! `GET /v1/handoff/info`, as vLLM's, stays healthy and is pulled as above) says
-//! `"layerwise_pull": true` gets the push flow's two legs at once, in pull mode: both legs'
+//! In pull mode, when the picked P and D both say `"layerwise_pull": true` in their cached info
+//! (read by every health check; an engine that does not answer `GET /v1/handoff/info`, or does
+//! not say it, as vLLM's, stays healthy and is pulled as above), they get the push flow's two
+//! legs at once, in pull mode (a D that says it admits such a request only once P's prefill
+//! started, so that the two engines never wait on each other's blocks): both legs'
 //! `kv_transfer_params` say `"transfer_mode": "pull", "layerwise": true` with the fresh handoff
 //! id. P creates the handoff when its prefill starts, D asks P for the blocks at once and reads
 //! each layer once P saved it: the READ runs beside P's prefill instead of after it. P's answer

@@ -48,7 +48,9 @@ pub(crate) struct EngineInfo {
 }
 
 impl EngineInfo {
-    /// Whether a pull of this P may run as a layer-wise pull.
+    /// Whether this engine takes part in a layer-wise pull: as P, it prefills one; as D, it
+    /// admits one only once P's prefill started (D holding blocks for requests P cannot start
+    /// while P's pool waits on D's reads would deadlock the two).
     pub(crate) fn takes_layerwise_pull(&self) -> bool {
         self.layerwise_pull == Some(true) && self.transfer_mode != Some(TransferMode::Push)
     }
@@ -438,9 +440,13 @@ pub(crate) async fn push(
         received,
         mode: TransferMode::Push,
     };
+    let d_guard = s
+        .decode
+        .pick(s.cfg.policy)
+        .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
     // Nothing is sent before P's side channel is known: D could not register without it.
     let info = prefill_info(s, p_guard.instance()).await?;
-    both_legs(s, legs, client, p_guard, info).await
+    both_legs(s, legs, client, (p_guard, info), d_guard).await
 }
 
 /// What a request sent to both engines at once needs besides the client's body.
@@ -453,13 +459,13 @@ pub(crate) struct BothLegs<'a> {
 }
 
 /// Both legs at once (push, or a layer-wise pull) to P (`p_guard`, whose side channel `info`
-/// names) and a D picked now.
+/// names) and D (`d_guard`).
 pub(crate) async fn both_legs(
     s: &Arc<Shared>,
     legs: BothLegs<'_>,
     client: Map<String, Value>,
-    p_guard: InFlight,
-    info: Arc<EngineInfo>,
+    (p_guard, info): (InFlight, Arc<EngineInfo>),
+    d_guard: InFlight,
 ) -> Result<Response, ProxyError> {
     let BothLegs {
         path,
@@ -468,11 +474,6 @@ pub(crate) async fn both_legs(
         received,
         mode,
     } = legs;
-    let policy = s.cfg.policy;
-    let d_guard = s
-        .decode
-        .pick(policy)
-        .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
     let p = p_guard.instance().clone();
     let d = d_guard.instance().clone();
     // 128 random bits: the id is a capability, unguessable by anyone but the two legs.

@@ -234,17 +234,29 @@ async fn pull(
         .pick(policy)
         .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
     let p = p_guard.instance().clone();
-    // A P that takes a layer-wise pull (its health check read its info) gets both legs at once,
-    // as in push mode: D reads each layer while P's prefill runs.
+    // A P and a D that both take a layer-wise pull (their health checks read their info) get
+    // both legs at once, as in push mode: D reads each layer while P's prefill runs.
+    let mut d_picked = None;
     if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
-        let legs = push::BothLegs {
-            path,
-            rid,
-            headers,
-            received,
-            mode: TransferMode::Pull,
-        };
-        return push::both_legs(s, legs, client, p_guard, info).await;
+        let d_guard = s
+            .decode
+            .pick(policy)
+            .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
+        let d_takes = d_guard
+            .instance()
+            .handoff_info()
+            .is_some_and(|i| i.takes_layerwise_pull());
+        if d_takes {
+            let legs = push::BothLegs {
+                path,
+                rid,
+                headers,
+                received,
+                mode: TransferMode::Pull,
+            };
+            return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
+        }
+        d_picked = Some(d_guard);
     }
     let params = prefill_leg(
         s,
@@ -258,7 +270,7 @@ async fn pull(
 
     // From here P holds blocks for this request: every way out until D accepts it releases them.
     let mut release = ReleaseGuard::new(s.clone(), p.clone(), params.clone(), rid);
-    let Some(d_guard) = s.decode.pick(policy) else {
+    let Some(d_guard) = d_picked.or_else(|| s.decode.pick(policy)) else {
         let mut e = ProxyError::no_instance(Role::Decode);
         e.detail.prefill_released = Some(release.release_now("no healthy decode instance").await);
         return Err(e);

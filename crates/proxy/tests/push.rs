@@ -192,9 +192,9 @@ async fn both_legs_go_at_once_with_exact_push_params() {
     .await
 }
 
-/// In pull mode, a P whose info says it takes a layer-wise pull gets the push flow's two legs
-/// at once, in pull mode; a P whose info says nothing of it (or that cannot answer it) is pulled
-/// the classic way, P first.
+/// In pull mode, a P and a D whose info both say they take a layer-wise pull get the push
+/// flow's two legs at once, in pull mode; when either says nothing of it (or cannot answer it,
+/// as vLLM's engines), the request is pulled the classic way, P first.
 #[tokio::test]
 async fn a_pull_proxy_sends_a_layerwise_p_both_legs_at_once() {
     bounded(async {
@@ -205,6 +205,10 @@ async fn a_pull_proxy_sends_a_layerwise_p_both_legs_at_once() {
             "engine_id": "p-engine-3", "remote_host": "10.9.8.3", "remote_port": 7303,
             "tp_size": 1, "block_size": 16, "transfer_mode": "pull", "role": "prefill",
             "layerwise_pull": true
+        }));
+        d.set_info(json!({
+            "engine_id": "d-engine-3", "remote_host": "10.9.8.4", "remote_port": 7304,
+            "tp_size": 1, "transfer_mode": "pull", "role": "decode", "layerwise_pull": true
         }));
         // P prefills for 300 ms; D reads as P saves layers and answers after 500 ms.
         p.set_head_delay(Duration::from_millis(300));
@@ -240,25 +244,31 @@ async fn a_pull_proxy_sends_a_layerwise_p_both_legs_at_once() {
         );
         assert!(p.releases().is_empty());
 
-        // The same P without the key: P first, then D with P's own params.
-        p.set_info(json!({
-            "engine_id": "p-engine-3", "remote_host": "10.9.8.3", "remote_port": 7303,
-            "tp_size": 1, "transfer_mode": "pull", "role": "prefill"
-        }));
-        let proxy = start(ProxyConfig {
-            mode: TransferMode::Pull,
-            ..config(&[&p], &[&d])
-        })
-        .await
-        .unwrap();
-        assert_eq!(post(&proxy, &completion()).await.0, 200);
-        let got = &p.received()[1].body["kv_transfer_params"];
-        assert!(got.get("layerwise").is_none(), "{got}");
-        assert_eq!(
-            d.received()[1].body["kv_transfer_params"],
-            p.issued()[1],
-            "D gets P's params"
-        );
+        // A D that does not say it takes one (a vLLM D admits at once: with both pools full
+        // the two engines could wait on each other), then a P that does not: P first, then D
+        // with P's own params.
+        for (i, p_takes, d_takes) in [(1, true, false), (2, false, true)] {
+            for (f, takes) in [(&p, p_takes), (&d, d_takes)] {
+                f.set_info(json!({
+                    "engine_id": "x", "remote_host": "10.9.8.5", "remote_port": 7305,
+                    "tp_size": 1, "transfer_mode": "pull", "layerwise_pull": takes
+                }));
+            }
+            let proxy = start(ProxyConfig {
+                mode: TransferMode::Pull,
+                ..config(&[&p], &[&d])
+            })
+            .await
+            .unwrap();
+            assert_eq!(post(&proxy, &completion()).await.0, 200);
+            let got = &p.received()[i].body["kv_transfer_params"];
+            assert!(got.get("layerwise").is_none(), "{got}");
+            assert_eq!(
+                d.received()[i].body["kv_transfer_params"],
+                p.issued()[i],
+                "D gets P's params"
+            );
+        }
     })
     .await
 }

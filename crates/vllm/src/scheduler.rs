@@ -240,6 +240,8 @@ impl SchedulerSide {
                 consumer,
                 opaque_blocks: cfg.opaque_blocks,
                 kv_digest: cfg.kv_digest,
+                // vLLM's P hands its KV over once vLLM finished the request.
+                layerwise_pull: false,
                 key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
                 insecure: cfg.insecure,
                 max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
