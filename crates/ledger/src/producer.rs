@@ -1153,8 +1153,13 @@ impl ProducerLedger {
             false
         } else {
             // A notification that arrives before the handoff exists is staged, never dropped
-            // (unless the bounded staging is full or it expires).
+            // (unless the bounded staging is full or it expires). At its sender's quota, one of
+            // the heartbeats or block queries it staged (a layer-wise pull's D repeats them
+            // while P's request queues) makes room: those come again, a release does not.
             self.stats.staged += 1;
+            self.staging.make_room(from, |m| {
+                matches!(m, Message::Heartbeat(_) | Message::BlocksQuery(_))
+            });
             let staged = self.staging.stage(id, from, msg, now);
             self.stats.staged_over_quota = self.staging.over_quota;
             staged

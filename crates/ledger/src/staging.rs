@@ -179,6 +179,30 @@ impl<M> Staging<M> {
         true
     }
 
+    /// Makes room for one more message of `from` when it is at its quota, by dropping its
+    /// oldest staged message that `replaceable` says may go (one its sender repeats anyway).
+    /// Whether there is room now.
+    pub fn make_room(&mut self, from: Option<PeerId>, replaceable: impl Fn(&M) -> bool) -> bool {
+        if self.counts.get(&from).copied().unwrap_or(0) < self.per_peer {
+            return true;
+        }
+        let Some(q) = self.queues.get(&from) else {
+            return false;
+        };
+        let by_id = &self.by_id;
+        let oldest = q.iter().find_map(|(t, id)| {
+            by_id
+                .get(id)?
+                .iter()
+                .any(|(f, m, at)| *f == from && at == t && replaceable(m))
+                .then_some((*t, *id))
+        });
+        match oldest {
+            Some((t, id)) => self.remove_entry(id, from, t),
+            None => false,
+        }
+    }
+
     fn drop_oldest_of(&mut self, from: Option<PeerId>) -> bool {
         while let Some((t, id)) = self.queues.get_mut(&from).and_then(|q| q.pop_front()) {
             if self.remove_entry(id, from, t) {

@@ -2020,3 +2020,45 @@ fn a_sibling_after_ps_first_list_is_told_p_started() {
     assert_eq!(pair.d.poll_started(), Some(vec![RequestId(2)]));
     assert_eq!(pair.d.poll_started(), None);
 }
+
+/// A D with many layer-wise pulls queued at P has its heartbeats and block queries staged there
+/// up to its quota. Its release of one of them (the client left) still gets in, in place of a
+/// question it repeats anyway: P frees that handoff when its prefill ends, not at its lease.
+#[test]
+fn an_early_release_gets_into_a_staging_full_of_layerwise_questions() {
+    let mut pair = Pair::new(
+        ProducerConfig {
+            staging_per_peer: 4,
+            ..ProducerConfig::default()
+        },
+        ConsumerConfig::default(),
+    );
+    let (a, b, c) = (hid(96), hid(97), hid(98));
+    for (req, id) in [(1, a), (2, b), (3, c)] {
+        let mut inc = pair.incoming(id, &BLOCKS, TransferMode::Pull);
+        inc.p_blocks = Vec::new();
+        pair.d
+            .on_request_arrived(RequestId(req), inc, pair.now)
+            .unwrap();
+    }
+    pair.pump();
+    assert_eq!(
+        pair.p.staged_messages(),
+        4,
+        "a heartbeat and a query each, to the quota"
+    );
+    pair.d
+        .on_request_ended(RequestId(1), ReleaseReason::Aborted, pair.now);
+    pair.pump();
+    pair.p
+        .create_filling_handoff(a, BLOCKS.to_vec(), pair.now)
+        .unwrap();
+    pair.pump();
+    pair.p.prefill_ended(a, true, pair.now);
+    pair.pump();
+    assert_eq!(
+        pair.p_released(a).map(|r| r.reason),
+        Some(EndReason::Aborted),
+        "the early release was dropped: P holds the blocks until its lease"
+    );
+}
