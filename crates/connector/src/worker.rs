@@ -34,6 +34,9 @@ pub struct RankMemory {
 
 struct Job {
     xfers: Vec<XferId>,
+    /// Transfers that failed and were released, but the backend has not stopped yet (see
+    /// `Transport::still_running`): the job ends once none is left.
+    stopping: Vec<XferId>,
     failed: bool,
     zero_tail: Option<(Vec<u32>, u32)>,
     digest: Option<(Vec<u32>, DigestOf)>,
@@ -243,6 +246,7 @@ impl WorkerSide {
     fn post(&mut self, t: TransferJob) {
         let mut job = Job {
             xfers: Vec::with_capacity(t.parts.len()),
+            stopping: Vec::new(),
             failed: false,
             zero_tail: t.zero_tail,
             digest: t.digest,
@@ -286,6 +290,9 @@ impl WorkerSide {
                 Ok(XferStatus::Failed(e)) => {
                     tracing::warn!(job = id.0, error = %e, "transfer failed");
                     let _ = transport.release(*x);
+                    if transport.still_running(*x) {
+                        job.stopping.push(*x);
+                    }
                     job.failed = true;
                     false
                 }
@@ -294,7 +301,8 @@ impl WorkerSide {
                     false
                 }
             });
-            if job.xfers.is_empty() {
+            job.stopping.retain(|x| transport.still_running(*x));
+            if job.xfers.is_empty() && job.stopping.is_empty() {
                 ended.push(*id);
             }
         }
@@ -537,6 +545,86 @@ mod tests {
             polls + 1,
             linger,
             "reported ended while the backend still ran its transfer"
+        );
+        drop(p);
+    }
+
+    /// A transfer that failed is released too, and the backend may keep running it: its job
+    /// ends (and its blocks may go back) only once the backend stopped it.
+    #[test]
+    fn a_failed_job_ends_only_once_the_backend_stopped_its_transfers() {
+        use crate::step::{TransferJob, TransferPart};
+        use handoff_transport::faulty::{FaultPlan, FaultyTransport};
+        use handoff_transport::XferDesc;
+        let l = layout();
+        let len = l.region_len(0).unwrap() as usize;
+        // Every transfer fails (injected), as a NIXL one may while the backend still runs it.
+        let p = tcp("p-r0");
+        p.register(0, Arc::new(KvRegion::new(len, 256))).unwrap();
+        let linger = 3;
+        let faulty = FaultyTransport::new(
+            tcp("d-r0"),
+            FaultPlan {
+                linger_released: linger,
+                fail_transfer_pct: 100,
+                ..FaultPlan::default()
+            },
+        );
+        let mut d = WorkerSide::new(RankMemory {
+            layout: l,
+            regions: vec![(0, Arc::new(KvRegion::new(len, 256)))],
+            transport: faulty,
+        })
+        .unwrap();
+        let job = JobId(8);
+        d.apply(WorkerStep {
+            ops: vec![
+                WorkerOp::LoadRemote {
+                    agent: "p-r0".into(),
+                    metadata: p.local_metadata().unwrap(),
+                },
+                WorkerOp::Post(TransferJob {
+                    job,
+                    op: XferOp::Read,
+                    parts: vec![TransferPart {
+                        agent: "p-r0".into(),
+                        descs: vec![XferDesc {
+                            local_region: 0,
+                            local_offset: 0,
+                            remote_region: 0,
+                            remote_offset: 0,
+                            len: 64,
+                        }],
+                        notification: None,
+                    }],
+                    zero_tail: None,
+                    digest: None,
+                    push_layer: None,
+                }),
+            ],
+        });
+        let t0 = Instant::now();
+        let mut asked_after_failure = 0;
+        let ended = loop {
+            let r = d.poll();
+            let ended: Vec<(JobId, bool)> = r.map(|r| r.ended).unwrap_or_default();
+            if !ended.is_empty() {
+                break ended;
+            }
+            if d.jobs.get(&job).is_some_and(|j| j.xfers.is_empty()) {
+                asked_after_failure += 1;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the failed job never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(ended, vec![(job, false)]);
+        assert_eq!(
+            asked_after_failure + 1,
+            linger,
+            "reported ended while the backend still ran its failed transfer"
         );
         drop(p);
     }

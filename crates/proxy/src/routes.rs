@@ -236,7 +236,6 @@ async fn pull(
     let p = p_guard.instance().clone();
     // A P and a D that both take a layer-wise pull (their health checks read their info) get
     // both legs at once, as in push mode: D reads each layer while P's prefill runs.
-    let mut d_picked = None;
     if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
         let d_guard = s
             .decode
@@ -256,7 +255,9 @@ async fn pull(
             };
             return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
         }
-        d_picked = Some(d_guard);
+        // Picked again once P answered, as for any classic pull: holding this one through the
+        // prefill would count it busy meanwhile and miss it going down.
+        drop(d_guard);
     }
     let params = prefill_leg(
         s,
@@ -270,7 +271,7 @@ async fn pull(
 
     // From here P holds blocks for this request: every way out until D accepts it releases them.
     let mut release = ReleaseGuard::new(s.clone(), p.clone(), params.clone(), rid);
-    let Some(d_guard) = d_picked.or_else(|| s.decode.pick(policy)) else {
+    let Some(d_guard) = s.decode.pick(policy) else {
         let mut e = ProxyError::no_instance(Role::Decode);
         e.detail.prefill_released = Some(release.release_now("no healthy decode instance").await);
         return Err(e);

@@ -319,14 +319,17 @@ impl Transport for FaultyTransport {
     }
 
     fn release(&self, id: XferId) -> Result<(), TransportError> {
+        // Only a transfer not done lingers (one done has nothing left to move): one in flight,
+        // or one that failed (injected or not), as NIXL may keep either running. Bounded all
+        // the same, for a run that never asks.
+        let done = matches!(self.inner.status(id), Ok(XferStatus::Done));
         let mut st = self.state.lock();
         st.corrupt.remove(&id);
+        if self.plan.linger_released > 0 && !done && st.lingering.len() < 4096 {
+            st.lingering.insert(id, self.plan.linger_released);
+        }
         if st.failed.remove(&id) {
             return Ok(());
-        }
-        // Bounded: a run that never asks keeps at most this many.
-        if self.plan.linger_released > 0 && st.lingering.len() < 4096 {
-            st.lingering.insert(id, self.plan.linger_released);
         }
         drop(st);
         self.inner.release(id)
