@@ -475,23 +475,19 @@ mod tests {
         .unwrap()
     }
 
-    /// An aborted job's end is what lets the ledgers free its blocks: while the backend still
-    /// runs one of its transfers (NIXL cannot always abort at once), the job is not reported
-    /// ended.
-    #[test]
-    fn an_aborted_job_ends_only_once_the_backend_stopped_its_transfers() {
-        use crate::step::{TransferJob, TransferPart};
+    /// A D worker whose transport says a released transfer not done still runs for `linger`
+    /// questions (and fails every transfer when `fail_all`), with P loaded, and a P to read from.
+    fn lingering_d(linger: u32, fail_all: bool) -> (WorkerSide, Arc<TcpTransport>) {
         use handoff_transport::faulty::{FaultPlan, FaultyTransport};
-        use handoff_transport::XferDesc;
         let l = layout();
         let len = l.region_len(0).unwrap() as usize;
         let p = tcp("p-r0");
         p.register(0, Arc::new(KvRegion::new(len, 256))).unwrap();
-        let linger = 3;
         let faulty = FaultyTransport::new(
             tcp("d-r0"),
             FaultPlan {
                 linger_released: linger,
+                fail_transfer_pct: if fail_all { 100 } else { 0 },
                 ..FaultPlan::default()
             },
         );
@@ -501,33 +497,49 @@ mod tests {
             transport: faulty,
         })
         .unwrap();
+        d.apply(WorkerStep {
+            ops: vec![WorkerOp::LoadRemote {
+                agent: "p-r0".into(),
+                metadata: p.local_metadata().unwrap(),
+            }],
+        });
+        (d, p)
+    }
+
+    /// A job reading P's first 64 bytes.
+    fn read_job(job: JobId) -> WorkerOp {
+        use crate::step::{TransferJob, TransferPart};
+        use handoff_transport::XferDesc;
+        WorkerOp::Post(TransferJob {
+            job,
+            op: XferOp::Read,
+            parts: vec![TransferPart {
+                agent: "p-r0".into(),
+                descs: vec![XferDesc {
+                    local_region: 0,
+                    local_offset: 0,
+                    remote_region: 0,
+                    remote_offset: 0,
+                    len: 64,
+                }],
+                notification: None,
+            }],
+            zero_tail: None,
+            digest: None,
+            push_layer: None,
+        })
+    }
+
+    /// An aborted job's end is what lets the ledgers free its blocks: while the backend still
+    /// runs one of its transfers (NIXL cannot always abort at once), the job is not reported
+    /// ended.
+    #[test]
+    fn an_aborted_job_ends_only_once_the_backend_stopped_its_transfers() {
+        let linger = 3;
+        let (mut d, _p) = lingering_d(linger, false);
         let job = JobId(7);
         d.apply(WorkerStep {
-            ops: vec![
-                WorkerOp::LoadRemote {
-                    agent: "p-r0".into(),
-                    metadata: p.local_metadata().unwrap(),
-                },
-                WorkerOp::Post(TransferJob {
-                    job,
-                    op: XferOp::Read,
-                    parts: vec![TransferPart {
-                        agent: "p-r0".into(),
-                        descs: vec![XferDesc {
-                            local_region: 0,
-                            local_offset: 0,
-                            remote_region: 0,
-                            remote_offset: 0,
-                            len: 64,
-                        }],
-                        notification: None,
-                    }],
-                    zero_tail: None,
-                    digest: None,
-                    push_layer: None,
-                }),
-                WorkerOp::Abort { job },
-            ],
+            ops: vec![read_job(job), WorkerOp::Abort { job }],
         });
         let mut polls = 0;
         let ended = loop {
@@ -546,68 +558,22 @@ mod tests {
             linger,
             "reported ended while the backend still ran its transfer"
         );
-        drop(p);
     }
 
     /// A transfer that failed is released too, and the backend may keep running it: its job
     /// ends (and its blocks may go back) only once the backend stopped it.
     #[test]
     fn a_failed_job_ends_only_once_the_backend_stopped_its_transfers() {
-        use crate::step::{TransferJob, TransferPart};
-        use handoff_transport::faulty::{FaultPlan, FaultyTransport};
-        use handoff_transport::XferDesc;
-        let l = layout();
-        let len = l.region_len(0).unwrap() as usize;
-        // Every transfer fails (injected), as a NIXL one may while the backend still runs it.
-        let p = tcp("p-r0");
-        p.register(0, Arc::new(KvRegion::new(len, 256))).unwrap();
         let linger = 3;
-        let faulty = FaultyTransport::new(
-            tcp("d-r0"),
-            FaultPlan {
-                linger_released: linger,
-                fail_transfer_pct: 100,
-                ..FaultPlan::default()
-            },
-        );
-        let mut d = WorkerSide::new(RankMemory {
-            layout: l,
-            regions: vec![(0, Arc::new(KvRegion::new(len, 256)))],
-            transport: faulty,
-        })
-        .unwrap();
+        let (mut d, _p) = lingering_d(linger, true);
         let job = JobId(8);
         d.apply(WorkerStep {
-            ops: vec![
-                WorkerOp::LoadRemote {
-                    agent: "p-r0".into(),
-                    metadata: p.local_metadata().unwrap(),
-                },
-                WorkerOp::Post(TransferJob {
-                    job,
-                    op: XferOp::Read,
-                    parts: vec![TransferPart {
-                        agent: "p-r0".into(),
-                        descs: vec![XferDesc {
-                            local_region: 0,
-                            local_offset: 0,
-                            remote_region: 0,
-                            remote_offset: 0,
-                            len: 64,
-                        }],
-                        notification: None,
-                    }],
-                    zero_tail: None,
-                    digest: None,
-                    push_layer: None,
-                }),
-            ],
+            ops: vec![read_job(job)],
         });
         let t0 = Instant::now();
         let mut asked_after_failure = 0;
         let ended = loop {
-            let r = d.poll();
-            let ended: Vec<(JobId, bool)> = r.map(|r| r.ended).unwrap_or_default();
+            let ended: Vec<(JobId, bool)> = d.poll().map(|r| r.ended).unwrap_or_default();
             if !ended.is_empty() {
                 break ended;
             }
@@ -621,12 +587,12 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         };
         assert_eq!(ended, vec![(job, false)]);
+        // Asked at the failure and again in that poll, then once per poll until it stopped.
         assert_eq!(
             asked_after_failure + 1,
             linger,
             "reported ended while the backend still ran its failed transfer"
         );
-        drop(p);
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_text, released_within, texts};
+use common::{both_legs, info, metric, metrics_text, post_later, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -35,16 +35,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .join(" ")
 }
 
-async fn info(c: &reqwest::Client, e: &RunningEngine) -> Value {
-    c.get(format!("{}/v1/handoff/info", e.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Both legs as the proxy sends them for a layer-wise pull; `d_first` delays the P leg.
 async fn layerwise(
     c: &reqwest::Client,
@@ -68,39 +58,11 @@ async fn layerwise(
         "layerwise": true, "handoff_id": hid, "remote_engine_id": pi["engine_id"],
         "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
         "tp_size": pi["tp_size"]}});
-    let (purl, durl) = (p.url(), d.url());
-    let (c1, c2) = (c.clone(), c.clone());
-    let p_leg = tokio::spawn(async move {
-        if d_first {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-        }
-        let r = c1
-            .post(format!("{purl}/v1/completions"))
-            .json(&p_body)
-            .timeout(Duration::from_secs(30))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    });
-    let d_leg = tokio::spawn(async move {
-        if !d_first {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-        }
-        let r = c2
-            .post(format!("{durl}/v1/completions"))
-            .json(&d_body)
-            .timeout(Duration::from_secs(30))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    });
-    let (ps, pv) = p_leg.await.unwrap();
+    let ((ps, pv), d_answer) = both_legs(c, (p, p_body), (d, d_body), d_first).await;
     assert_eq!(ps, 200, "{pv}");
     assert_eq!(pv["kv_transfer_params"]["layerwise"], true, "{pv}");
     assert_eq!(pv["kv_transfer_params"]["handoff_id"], hid, "{pv}");
-    d_leg.await.unwrap()
+    d_answer
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,58 +181,40 @@ async fn opposite_orders_at_p_and_d_with_full_pools_do_not_deadlock() {
         out
     };
     let started = std::time::Instant::now();
-    let mut d_legs = Vec::new();
-    for i in 0..4u64 {
-        let hid = format!(
+    // D's legs in order 0..4, 20 ms apart, then P's in the opposite order.
+    let hid = |i: usize| {
+        format!(
             "{:032x}",
             0xdead_0000_0000_0000_0000_0000_0000_0000u128 | i as u128
-        );
-        let body = json!({"prompt": prompt(40 + i as usize, 300), "max_tokens": 4,
-            "kv_transfer_params": {"do_remote_prefill": true, "transfer_mode": "pull",
-            "layerwise": true, "handoff_id": hid, "remote_engine_id": pi["engine_id"],
-            "remote_host": pi["remote_host"], "remote_port": pi["remote_port"], "tp_size": 1}});
-        let (c2, url) = (c.clone(), d.url());
-        d_legs.push(tokio::spawn(async move {
-            let r = c2
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .timeout(Duration::from_secs(60))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut p_legs = Vec::new();
-    for i in (0..4u64).rev() {
-        let hid = format!(
-            "{:032x}",
-            0xdead_0000_0000_0000_0000_0000_0000_0000u128 | i as u128
-        );
-        let body = json!({"prompt": prompt(40 + i as usize, 300), "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": true, "transfer_mode": "pull",
-            "layerwise": true, "handoff_id": hid}});
-        let (c2, url) = (c.clone(), p.url());
-        p_legs.push(tokio::spawn(async move {
-            let r = c2
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .timeout(Duration::from_secs(60))
-                .send()
-                .await
-                .unwrap();
-            r.status().as_u16()
-        }));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        )
+    };
+    let gap = |i: usize| Duration::from_millis(20 * i as u64);
+    let d_legs: Vec<_> = (0..4)
+        .map(|i| {
+            let body = json!({"prompt": prompt(40 + i, 300), "max_tokens": 4,
+                "kv_transfer_params": {"do_remote_prefill": true, "transfer_mode": "pull",
+                "layerwise": true, "handoff_id": hid(i), "remote_engine_id": pi["engine_id"],
+                "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
+                "tp_size": 1}});
+            post_later(&c, d.url(), body, gap(i))
+        })
+        .collect();
+    let p_legs: Vec<_> = (0..4)
+        .rev()
+        .map(|i| {
+            let body = json!({"prompt": prompt(40 + i, 300), "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": true, "transfer_mode": "pull",
+                "layerwise": true, "handoff_id": hid(i)}});
+            post_later(&c, p.url(), body, gap(4 + 3 - i))
+        })
+        .collect();
     for (i, leg) in d_legs.into_iter().enumerate() {
         let (s, v) = leg.await.unwrap();
         assert_eq!(s, 200, "{v}");
         assert_eq!(texts(&v), texts_mono[i], "request {i}");
     }
     for leg in p_legs {
-        assert_eq!(leg.await.unwrap(), 200);
+        assert_eq!(leg.await.unwrap().0, 200);
     }
     let page = metrics_text(&c, &d).await;
     assert_eq!(

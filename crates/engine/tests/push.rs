@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{released_within, texts};
+use common::{both_legs, info, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -40,16 +40,6 @@ fn handoff_id(n: u64) -> String {
     )
 }
 
-async fn info(c: &reqwest::Client, e: &RunningEngine) -> Value {
-    c.get(format!("{}/v1/handoff/info", e.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Both legs as the push proxy sends them; `d_first` delays the P leg.
 async fn push(
     c: &reqwest::Client,
@@ -68,37 +58,10 @@ async fn push(
         "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push", "handoff_id": hid,
         "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
         "tp_size": pi["tp_size"]}});
-    let (purl, durl) = (p.url(), d.url());
-    let (c1, c2) = (c.clone(), c.clone());
-    let p_leg = tokio::spawn(async move {
-        if d_first {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let r = c1
-            .post(format!("{purl}/v1/completions"))
-            .json(&p_body)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    });
-    let d_leg = tokio::spawn(async move {
-        if !d_first {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let r = c2
-            .post(format!("{durl}/v1/completions"))
-            .json(&d_body)
-            .timeout(Duration::from_secs(30))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    });
-    let (ps, pv) = p_leg.await.unwrap();
+    let ((ps, pv), d_answer) = both_legs(c, (p, p_body), (d, d_body), d_first).await;
     assert_eq!(ps, 200, "{pv}");
     assert_eq!(pv["kv_transfer_params"]["transfer_mode"], "push");
-    d_leg.await.unwrap()
+    d_answer
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

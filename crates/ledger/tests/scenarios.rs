@@ -1804,6 +1804,16 @@ fn layerwise_d_arrives(pair: &mut Pair, id: handoff_proto::HandoffId) {
     pair.pump();
 }
 
+/// A layer-wise pull under way: D asked, P's prefill started and saved `layers` layers.
+fn layerwise_reading(pair: &mut Pair, id: handoff_proto::HandoffId, layers: u32) {
+    layerwise_d_arrives(pair, id);
+    pair.p
+        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
+        .unwrap();
+    pair.p.layers_saved(id, layers);
+    pair.pump();
+}
+
 /// The layers D has been allowed to read so far: the first read's, then every `ReadMore`'s.
 fn layers_read(pair: &Pair) -> Vec<Option<u32>> {
     let mut out: Vec<Option<u32>> = pair.reads.iter().map(|r| r.layers).collect();
@@ -1899,12 +1909,7 @@ fn a_release_during_a_layerwise_prefill_takes_effect_when_it_ends() {
 fn a_failed_layerwise_prefill_stops_the_read_before_p_frees() {
     let mut pair = Pair::default_pair();
     let id = hid(92);
-    layerwise_d_arrives(&mut pair, id);
-    pair.p
-        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
-        .unwrap();
-    pair.p.layers_saved(id, 1);
-    pair.pump();
+    layerwise_reading(&mut pair, id, 1);
     assert_eq!(pair.reads.len(), 1);
 
     pair.p.prefill_ended(id, false, pair.now);
@@ -1934,12 +1939,7 @@ fn a_failed_layerwise_prefill_stops_the_read_before_p_frees() {
 fn a_layerwise_list_that_goes_back_or_names_other_blocks_is_ignored() {
     let mut pair = Pair::default_pair();
     let id = hid(93);
-    layerwise_d_arrives(&mut pair, id);
-    pair.p
-        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
-        .unwrap();
-    pair.p.layers_saved(id, 2);
-    pair.pump();
+    layerwise_reading(&mut pair, id, 2);
     let list = |blocks: Vec<u32>, layers| {
         Message::PullBlocks(handoff_proto::PullBlocks {
             lists: vec![handoff_proto::BlockList {
@@ -1969,12 +1969,7 @@ fn a_layerwise_list_that_goes_back_or_names_other_blocks_is_ignored() {
 fn a_failed_layerwise_prefill_keeps_a_running_fence() {
     let mut pair = Pair::default_pair();
     let id = hid(94);
-    layerwise_d_arrives(&mut pair, id);
-    pair.p
-        .create_filling_handoff(id, BLOCKS.to_vec(), pair.now)
-        .unwrap();
-    pair.p.layers_saved(id, 1);
-    pair.pump();
+    layerwise_reading(&mut pair, id, 1);
     assert_eq!(pair.reads.len(), 1, "D reads the first layer");
     pair.p.release_unclaimed(
         Release {

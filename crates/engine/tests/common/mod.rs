@@ -116,3 +116,54 @@ pub async fn pool_whole_within(c: &reqwest::Client, e: &RunningEngine, limit: Du
     })
     .await;
 }
+
+/// The engine's `GET /v1/handoff/info`.
+pub async fn info(c: &reqwest::Client, e: &RunningEngine) -> Value {
+    c.get(format!("{}/v1/handoff/info", e.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// POSTs a completion in a task of its own, after `delay` (bounded: no hang); its status and
+/// JSON body.
+pub fn post_later(
+    c: &reqwest::Client,
+    url: String,
+    body: Value,
+    delay: Duration,
+) -> tokio::task::JoinHandle<(u16, Value)> {
+    let c = c.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        let r = c
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<Value>().await.unwrap_or(Value::Null),
+        )
+    })
+}
+
+/// Both legs at once, as the proxy sends them in push mode or for a layer-wise pull; `d_first`
+/// delays P's leg by 50 ms, else D's. P's answer, then D's.
+pub async fn both_legs(
+    c: &reqwest::Client,
+    (p, p_body): (&RunningEngine, Value),
+    (d, d_body): (&RunningEngine, Value),
+    d_first: bool,
+) -> ((u16, Value), (u16, Value)) {
+    let (late, now) = (Duration::from_millis(50), Duration::ZERO);
+    let (p_delay, d_delay) = if d_first { (late, now) } else { (now, late) };
+    let p_leg = post_later(c, p.url(), p_body, p_delay);
+    let d_leg = post_later(c, d.url(), d_body, d_delay);
+    (p_leg.await.unwrap(), d_leg.await.unwrap())
+}
