@@ -165,6 +165,7 @@ impl Connector {
                 consumer: cfg.consumer.clone(),
                 opaque_blocks: cfg.opaque_blocks,
                 kv_digest: cfg.kv_digest,
+                peer_hosts: cfg.peer_hosts.clone(),
             },
             hellos,
         );

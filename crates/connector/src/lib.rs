@@ -75,6 +75,8 @@ pub struct ConnectorConfig {
     /// such a request only after [`ConnectorEvent::RemoteStarted`]. Said in its info
     /// (`layerwise_pull`), which is what makes the proxy choose one. vLLM: false.
     pub layerwise_pull: bool,
+    /// See [`CoreConfig::peer_hosts`].
+    pub peer_hosts: Vec<String>,
     /// The cluster key every side-channel connection proves in both directions (the
     /// transports take theirs in their own settings). `None`: loopback only, unless
     /// `insecure`.
@@ -152,6 +154,8 @@ pub enum ConnectorError {
     WrongRole(&'static str),
     #[error("request {0} is not tracked")]
     UnknownRequest(u64),
+    #[error("remote_host {0:?} is not one of the prefill hosts this engine may dial (peer_hosts)")]
+    PeerHostNotAllowed(String),
     #[error(transparent)]
     Create(#[from] handoff_ledger::CreateError),
     #[error(transparent)]

@@ -48,6 +48,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         opaque_blocks: false,
         kv_digest: false,
         layerwise_pull: false,
+        peer_hosts: Vec::new(),
         key: None,
         insecure: false,
         max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,

@@ -108,6 +108,10 @@ pub struct EngineConfig {
     pub cluster_key: String,
     /// Allows binding a non-loopback address without a cluster key.
     pub insecure: bool,
+    /// D: the prefill hosts this engine may dial, comma-separated (`remote_host` as a P
+    /// advertises it: host names or IP addresses, compared exactly); empty: any. A request
+    /// naming another host is refused (400) before anything is dialled.
+    pub peer_hosts: String,
     /// Most side-channel connections open at once.
     pub max_side_connections: usize,
     /// Most inbound side-channel handshakes open at once from one source address.
@@ -172,6 +176,7 @@ impl Default for EngineConfig {
             cluster_key_file: String::new(),
             cluster_key: String::new(),
             insecure: false,
+            peer_hosts: String::new(),
             max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
             max_side_handshakes_per_source:
                 handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
@@ -310,6 +315,16 @@ impl EngineConfig {
                 format!("{other:?} is not blocks-outermost or heads-outermost"),
             )),
         }
+    }
+
+    /// [`EngineConfig::peer_hosts`] as a list.
+    pub fn peer_hosts(&self) -> Vec<String> {
+        self.peer_hosts
+            .split(',')
+            .map(str::trim)
+            .filter(|h| !h.is_empty())
+            .map(str::to_string)
+            .collect()
     }
 
     /// The cluster key, from `cluster_key` or else `cluster_key_file`.

@@ -150,6 +150,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             opaque_blocks: false,
             kv_digest: cfg.kv_digest,
             layerwise_pull: true,
+            peer_hosts: cfg.peer_hosts(),
             key: key.clone(),
             insecure: cfg.insecure,
             max_side_connections: cfg.max_side_connections,

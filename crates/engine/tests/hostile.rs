@@ -182,6 +182,7 @@ fn hello_as(
             consumer: Default::default(),
             opaque_blocks: false,
             kv_digest: false,
+            peer_hosts: Vec::new(),
         },
         vec![WorkerHello {
             rank: 0,

@@ -98,6 +98,9 @@ pub struct SchedulerConfig {
     /// Allows a non-loopback side channel without a key.
     #[serde(default)]
     pub insecure: bool,
+    /// D dials a P only at these hosts (see `CoreConfig::peer_hosts`); empty: any.
+    #[serde(default)]
+    pub peer_hosts: Vec<String>,
     /// Check each handoff's KV digest (see `handoff_connector::digest`).
     #[serde(default)]
     pub kv_digest: bool,
@@ -242,6 +245,7 @@ impl SchedulerSide {
                 kv_digest: cfg.kv_digest,
                 // vLLM's P hands its KV over once vLLM finished the request.
                 layerwise_pull: false,
+                peer_hosts: cfg.peer_hosts.clone(),
                 key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
                 insecure: cfg.insecure,
                 max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,

@@ -158,6 +158,7 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             consumer,
             opaque_blocks: false,
             kv_digest: false,
+            peer_hosts: Vec::new(),
         },
         vec![WorkerHello {
             rank: 0,

@@ -64,6 +64,11 @@ pub struct CoreConfig {
     /// answering the reader's block query and send it along; as D, compare it with the digest
     /// of what landed, failing the transfer on a mismatch.
     pub kv_digest: bool,
+    /// D dials a P only at these hosts (`remote_host` as `kv_transfer_params` name it: host
+    /// names or IP addresses, compared exactly); empty: any. A request naming another host is
+    /// refused before anything is dialled, so a client that reaches D directly cannot make it
+    /// dial elsewhere (and use up its connection slots).
+    pub peer_hosts: Vec<String>,
 }
 
 /// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
@@ -653,6 +658,7 @@ impl ConnectorCore {
         ) else {
             return Err(ConnectorError::BadParams("cannot name the P to release"));
         };
+        self.check_peer_host(host)?;
         let peer = self.peer_named(engine);
         self.dial_if_needed(peer, dial_addr(host, port), now);
         let inc = IncomingHandoff {
@@ -699,6 +705,7 @@ impl ConnectorCore {
                 engine: self.cfg.mode,
             });
         }
+        self.check_peer_host(host)?;
         let peer = self.peer_named(engine);
         self.dial_if_needed(peer, dial_addr(host, port), now);
         Ok(IncomingHandoff {
@@ -710,6 +717,18 @@ impl ConnectorCore {
             p_blocks: params.block_ids().map(<[u32]>::to_vec).unwrap_or_default(),
             num_tokens: params.remote_num_tokens.unwrap_or(0),
         })
+    }
+
+    /// `host` is one D may dial ([`CoreConfig::peer_hosts`]).
+    fn check_peer_host(&self, host: &str) -> Result<(), ConnectorError> {
+        let hosts = &self.cfg.peer_hosts;
+        if hosts.is_empty() || hosts.iter().any(|h| h == host) {
+            Ok(())
+        } else {
+            Err(ConnectorError::PeerHostNotAllowed(
+                host.chars().take(256).collect(),
+            ))
+        }
     }
 
     // ----- workers -----

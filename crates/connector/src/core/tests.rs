@@ -48,6 +48,7 @@ fn core_in(engine: &str, role: Role, mode: TransferMode, kv_digest: bool) -> Con
             consumer: Default::default(),
             opaque_blocks: false,
             kv_digest,
+            peer_hosts: Vec::new(),
         },
         vec![WorkerHello {
             rank: 0,
@@ -773,4 +774,44 @@ fn a_registration_queued_for_a_request_that_ended_opens_no_grant() {
         .messages
         .iter()
         .any(|(_, m)| matches!(m, Message::PushRegister(_))));
+}
+
+/// D with `peer_hosts` dials a P only at those hosts: a request (or a reject) naming another
+/// host is refused with a clear error and nothing is dialled; one naming a listed host is
+/// tracked and dialled as always.
+#[test]
+fn d_dials_only_the_prefill_hosts_it_may() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 9);
+    let mut d = core("d", Role::Decode);
+    d.cfg.peer_hosts = vec!["10.0.0.7".into()];
+    for host in ["127.0.0.1", "10.0.0.70", "evil.example"] {
+        let named = KvTransferParams {
+            remote_host: Some(host.into()),
+            ..prm.clone()
+        };
+        let e = d.on_request_arrived(1, &named, 32, t(1)).unwrap_err();
+        assert!(
+            matches!(e, ConnectorError::PeerHostNotAllowed(ref h) if h == host),
+            "{e}"
+        );
+        assert!(e.to_string().contains("peer_hosts"), "{e}");
+        assert!(d.reject(&named, t(1)).is_err());
+    }
+    let r = d.ready();
+    assert!(r.connects.is_empty(), "dialled {:?}", r.connects);
+    assert_eq!(d.held_blocks(), (0, 0));
+    d.advance(r);
+    let allowed = KvTransferParams {
+        remote_host: Some("10.0.0.7".into()),
+        ..prm
+    };
+    d.on_request_arrived(2, &allowed, 32, t(2)).unwrap();
+    let r = d.ready();
+    assert_eq!(r.connects.len(), 1);
+    assert!(
+        r.connects[0].addr.starts_with("10.0.0.7:"),
+        "{}",
+        r.connects[0].addr
+    );
 }

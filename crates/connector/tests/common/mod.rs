@@ -313,6 +313,7 @@ impl Sim {
                     consumer: dcfg.clone(),
                     opaque_blocks: false,
                     kv_digest: false,
+                    peer_hosts: Vec::new(),
                 },
                 vec![WorkerHello {
                     rank: 0,

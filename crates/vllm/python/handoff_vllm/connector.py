@@ -297,6 +297,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "advertise_host": self._extra.get("advertise_host"),
             "cluster_key_file": self._extra.get("cluster_key_file"),
             "insecure": bool(self._extra.get("insecure", False)),
+            "peer_hosts": [str(h) for h in self._extra.get("peer_hosts") or []],
             "initial_lease_ms": self._extra.get("initial_lease_ms"),
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "opaque_blocks": self._opaque,
