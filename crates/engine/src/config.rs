@@ -108,6 +108,10 @@ pub struct EngineConfig {
     pub cluster_key: String,
     /// Allows binding a non-loopback address without a cluster key.
     pub insecure: bool,
+    /// Pull mode: take part in a layer-wise pull (say so in `/v1/handoff/info`, so that the
+    /// proxy sends both legs at once and D reads while P prefills). False: every pull is a
+    /// classic one.
+    pub layerwise_pull: bool,
     /// D: the prefill hosts this engine may dial, comma-separated (`remote_host` as a P
     /// advertises it: host names or IP addresses, compared exactly); empty: any. A request
     /// naming another host is refused (400) before anything is dialled.
@@ -176,6 +180,7 @@ impl Default for EngineConfig {
             cluster_key_file: String::new(),
             cluster_key: String::new(),
             insecure: false,
+            layerwise_pull: true,
             peer_hosts: String::new(),
             max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
             max_side_handshakes_per_source:

@@ -149,7 +149,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             consumer: cfg.consumer(),
             opaque_blocks: false,
             kv_digest: cfg.kv_digest,
-            layerwise_pull: true,
+            layerwise_pull: cfg.layerwise_pull,
             peer_hosts: cfg.peer_hosts(),
             key: key.clone(),
             insecure: cfg.insecure,

@@ -229,3 +229,18 @@ async fn opposite_orders_at_p_and_d_with_full_pools_do_not_deadlock() {
     d.stop().await;
     mono.stop().await;
 }
+
+/// An engine set with `layerwise_pull = false` does not say it takes one: a proxy pulls it the
+/// classic way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layerwise_pull_can_be_turned_off() {
+    let c = reqwest::Client::new();
+    let p = start(EngineConfig {
+        layerwise_pull: false,
+        ..cfg("prefill", 1)
+    })
+    .await
+    .unwrap();
+    assert_eq!(info(&c, &p).await["layerwise_pull"], false);
+    p.stop().await;
+}
