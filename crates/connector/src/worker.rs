@@ -34,8 +34,9 @@ pub struct RankMemory {
 
 struct Job {
     xfers: Vec<XferId>,
-    /// Transfers that failed and were released, but the backend has not stopped yet (see
-    /// `Transport::still_running`): the job ends once none is left.
+    /// Transfers released (failed, or the job aborted) that the backend has not stopped yet
+    /// (see `Transport::still_running`): the job ends once none is left, so the ledgers never
+    /// free its blocks under a transfer still landing (rules 2 and 3).
     stopping: Vec<XferId>,
     failed: bool,
     zero_tail: Option<(Vec<u32>, u32)>,
@@ -46,9 +47,6 @@ pub struct WorkerSide {
     rank: u16,
     mem: RankMemory,
     jobs: HashMap<JobId, Job>,
-    /// Aborted jobs whose transfers the backend has not stopped yet: reported ended only once
-    /// it has (see `Transport::still_running`).
-    aborting: HashMap<JobId, Vec<XferId>>,
     report: WorkerReport,
     /// The transport's refused-connection and refused-transfer totals at the last report.
     refused_seen: (u64, u64),
@@ -77,7 +75,6 @@ impl WorkerSide {
             rank,
             mem,
             jobs: HashMap::new(),
-            aborting: HashMap::new(),
             refused_seen: (0, 0),
             gate: ForwardGate::default(),
             report: WorkerReport {
@@ -183,24 +180,17 @@ impl WorkerSide {
                 }
                 WorkerOp::ForgetRemote { agent } => self.mem.transport.forget_remote(&agent),
                 WorkerOp::Post(job) => self.post(job),
+                // Ended (failed) at the next poll, once nothing it posted still runs.
                 WorkerOp::Abort { job } => {
-                    if let Some(j) = self.jobs.remove(&job) {
+                    if let Some(j) = self.jobs.get_mut(&job) {
                         let transport = &self.mem.transport;
-                        let running: Vec<XferId> = j
-                            .xfers
-                            .into_iter()
-                            .filter(|id| {
-                                let _ = transport.release(*id);
-                                transport.still_running(*id)
-                            })
-                            .collect();
-                        // The ledgers free the job's blocks once it is reported ended: not while
-                        // the backend may still land bytes in them or read them.
-                        if running.is_empty() {
-                            self.report.ended.push((job, false));
-                        } else {
-                            self.aborting.insert(job, running);
+                        for id in j.xfers.drain(..) {
+                            let _ = transport.release(id);
+                            if transport.still_running(id) {
+                                j.stopping.push(id);
+                            }
                         }
+                        j.failed = true;
                     }
                 }
                 WorkerOp::Grant {
@@ -271,14 +261,6 @@ impl WorkerSide {
     /// Progress: jobs that ended, notifications, dead peers. `None` when there is nothing new.
     pub fn poll(&mut self) -> Option<WorkerReport> {
         let transport = &self.mem.transport;
-        let report = &mut self.report;
-        self.aborting.retain(|job, xfers| {
-            xfers.retain(|x| transport.still_running(*x));
-            if xfers.is_empty() {
-                report.ended.push((*job, false));
-            }
-            !xfers.is_empty()
-        });
         let mut ended = Vec::new();
         for (id, job) in self.jobs.iter_mut() {
             job.xfers.retain(|x| match transport.status(*x) {

@@ -409,6 +409,15 @@ impl Handoff {
     }
 }
 
+/// When a read (or a layer-wise read's stage) posted at `posted` has failed if it has not ended
+/// (rules 2 and 4): after the read timeout, after its grant + the read grace, and at the latest
+/// at the request's own deadline (rule 6).
+fn read_deadline(cfg: &ConsumerConfig, posted: Time, grant_until: Time, request: Time) -> Time {
+    (posted + cfg.read_timeout)
+        .min(grant_until + cfg.read_grace)
+        .min(request)
+}
+
 /// The D-side ledger. See the module docs.
 #[derive(Debug)]
 pub struct ConsumerLedger {
@@ -723,11 +732,6 @@ impl ConsumerLedger {
     /// grant, the next grant brings the `ReadMore` again.
     pub fn permit_read_more(&mut self, handoff: HandoffId, now: Time) -> bool {
         self.last_now = self.last_now.max(now);
-        let (margin, timeout, grace) = (
-            self.cfg.read_margin,
-            self.cfg.read_timeout,
-            self.cfg.read_grace,
-        );
         let Some(h) = self.handoffs.get_mut(&handoff) else {
             return false;
         };
@@ -743,12 +747,12 @@ impl ConsumerLedger {
         if now >= h.deadline {
             return false;
         }
-        let Some(grant_until) = h.grant_until.filter(|g| *g > now + margin) else {
+        let Some(grant_until) = h.grant_until.filter(|g| *g > now + self.cfg.read_margin) else {
             h.more_waiting = true;
             return false;
         };
         *posted = now;
-        *deadline = (now + timeout).min(grant_until + grace).min(h.deadline);
+        *deadline = read_deadline(&self.cfg, now, grant_until, h.deadline);
         let d = *deadline;
         h.timer.arm(&mut self.timers, handoff, d);
         true
@@ -1006,10 +1010,8 @@ impl ConsumerLedger {
                     posted,
                     ..
                 } if h.layerwise => {
-                    *deadline = (*posted + self.cfg.read_timeout)
-                        .min(grant_until + self.cfg.read_grace)
-                        .min(h.deadline)
-                        .max(*deadline);
+                    *deadline =
+                        read_deadline(&self.cfg, *posted, grant_until, h.deadline).max(*deadline);
                     let d = *deadline;
                     h.timer.arm(&mut self.timers, grant.handoff, d);
                     if std::mem::take(&mut h.more_waiting) {
@@ -1280,9 +1282,7 @@ impl ConsumerLedger {
         if now >= h.deadline {
             return; // the deadline timer ends it
         }
-        let deadline = (now + self.cfg.read_timeout)
-            .min(grant_until + self.cfg.read_grace)
-            .min(h.deadline);
+        let deadline = read_deadline(&self.cfg, now, grant_until, h.deadline);
         let p_tp = h.info.p_tp;
         let done = rank_pairs(p_tp, tp)
             .into_iter()

@@ -255,6 +255,13 @@ struct Filling {
 }
 
 impl Handoff {
+    /// The block list alone in a message, for the reader.
+    fn block_list_message(&self, id: HandoffId) -> Message {
+        Message::PullBlocks(PullBlocks {
+            lists: vec![self.block_list(id)],
+        })
+    }
+
     /// The block list as the reader is told it: every layer saved, or so far.
     fn block_list(&self, id: HandoffId) -> BlockList {
         BlockList {
@@ -479,9 +486,7 @@ impl ProducerLedger {
         };
         f.layers = layers;
         if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
-            let lists = vec![h.block_list(id)];
-            self.messages
-                .push_back((reader, Message::PullBlocks(PullBlocks { lists })));
+            self.messages.push_back((reader, h.block_list_message(id)));
         }
     }
 
@@ -512,9 +517,7 @@ impl ProducerLedger {
         } else if !ok {
             self.begin_end(id, EndReason::Failed, now);
         } else if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
-            let lists = vec![h.block_list(id)];
-            self.messages
-                .push_back((reader, Message::PullBlocks(PullBlocks { lists })));
+            self.messages.push_back((reader, h.block_list_message(id)));
         }
     }
 
@@ -765,9 +768,8 @@ impl ProducerLedger {
                 if h.epoch != e.epoch && h.adopt_epoch(from, e.epoch) && h.asked {
                     // The retry reads under the new epoch: a list it ignored as stale (a
                     // layer-wise pull's last, sent before the move) is sent again under it.
-                    let lists = vec![h.block_list(e.handoff)];
                     self.messages
-                        .push_back((from, Message::PullBlocks(PullBlocks { lists })));
+                        .push_back((from, h.block_list_message(e.handoff)));
                 } else if h.epoch != e.epoch {
                     // The reader moved on to an epoch we cannot follow (fencing, or out of
                     // moves): tell it at once rather than let it wait out its deadline.

@@ -1,6 +1,6 @@
 //! Periodic health checks: GET `{url}/health` of every instance, and `{url}/v1/handoff/info`
 //! of every P as well (push mode: P must answer it; pull mode: it says whether P takes a
-//! layer-wise pull).
+//! layer-wise pull), and in pull mode of every D (whether it takes one too).
 
 use std::sync::Arc;
 

@@ -413,23 +413,14 @@ impl ConnectorCore {
             .producer
             .as_mut()
             .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
-        if !p.contains(handoff) {
+        let mut out = if p.contains(handoff) {
+            p.prefill_ended(handoff, true, now);
+            self.pump(now);
+            self.params_under_proxy_id(handoff, TransferMode::Pull, request_id, blocks, num_tokens)
+        } else {
             // Created only now (`kv_digest`), like a classic pull's.
-            let mut out = self.on_prefill_finished(request_id, handoff, blocks, num_tokens, now)?;
-            out.layerwise = Some(true);
-            return Ok(out);
-        }
-        p.prefill_ended(handoff, true, now);
-        self.pump(now);
-        let mut out = self.params_for(
-            handoff,
-            Epoch::FIRST,
-            request_id,
-            blocks,
-            num_tokens,
-            self.cfg.producer.initial_lease.as_millis() as u32,
-            TransferMode::Pull,
-        );
+            self.on_prefill_finished(request_id, handoff, blocks, num_tokens, now)?
+        };
         out.layerwise = Some(true);
         Ok(out)
     }
@@ -486,15 +477,28 @@ impl ConnectorCore {
         num_tokens: u32,
     ) -> Result<KvTransferParams, ConnectorError> {
         let handoff = push_handoff(params)?;
-        Ok(self.params_for(
+        Ok(self.params_under_proxy_id(handoff, TransferMode::Push, request_id, blocks, num_tokens))
+    }
+
+    /// The response's parameters for a handoff under the proxy's id, created at the prefill's
+    /// start (push, layer-wise pull): its first epoch, the lease it started with.
+    fn params_under_proxy_id(
+        &self,
+        handoff: HandoffId,
+        mode: TransferMode,
+        request_id: &str,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    ) -> KvTransferParams {
+        self.params_for(
             handoff,
             Epoch::FIRST,
             request_id,
             blocks,
             num_tokens,
             self.cfg.producer.initial_lease.as_millis() as u32,
-            TransferMode::Push,
-        ))
+            mode,
+        )
     }
 
     /// The proxy says D never got the request: P releases unless a D already claimed the
@@ -1150,7 +1154,6 @@ pub struct CoreMemory {
     pub prompt_tokens: usize,
 }
 
-/// The handoff a push request names: its proxy picked the id for both legs.
 /// The proxy's handoff id of a layer-wise pull's P leg.
 fn layerwise_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
     if !params.is_layerwise_pull() {
@@ -1161,6 +1164,7 @@ fn layerwise_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorEr
     ))
 }
 
+/// The handoff a push request names: its proxy picked the id for both legs.
 fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
     params
         .handoff_id

@@ -208,7 +208,7 @@ impl ConnectorCore {
     pub(super) fn start_read(&mut self, r: StartRead, now: Time) {
         let num_layers = self.spec.shape.num_layers;
         let handoff = r.handoff;
-        let saved = r.layers.map_or(num_layers, |n| n.min(num_layers));
+        let saved = layers_saved(r.layers, num_layers);
         self.transfers.reads.insert(
             handoff,
             ReadInFlight {
@@ -239,9 +239,7 @@ impl ConnectorCore {
         let Some(read) = self.transfers.reads.get_mut(&handoff) else {
             return;
         };
-        read.saved = read
-            .saved
-            .max(layers.map_or(num_layers, |n| n.min(num_layers)));
+        read.saved = read.saved.max(layers_saved(layers, num_layers));
         read.read.p_digest = p_digest;
         self.advance_read(handoff, false, now);
     }
@@ -697,6 +695,12 @@ impl ConnectorCore {
             }
         }
     }
+}
+
+/// The layers P's block list says are saved (`None`: every one), at most the model's: a larger
+/// count from P is not believed.
+fn layers_saved(layers: Option<u32>, num_layers: u32) -> u32 {
+    layers.map_or(num_layers, |n| n.min(num_layers))
 }
 
 /// How many tokens to move so that whole blocks go where both sides have them (the planner
