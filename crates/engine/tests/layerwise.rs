@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{both_legs, info, metric, metrics_text, post_later, released_within, texts};
+use common::{both_legs, info, metric, metrics_text, post, post_later, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -83,15 +83,12 @@ async fn layerwise_pull_output_equals_monolithic_and_reads_during_the_prefill() 
                     id += 1;
                     handoffs += 1;
                     let text = prompt(i * 10 + ptp as usize, words);
-                    let m: Value = c
-                        .post(format!("{}/v1/completions", mono.url()))
-                        .json(&json!({"prompt": text, "max_tokens": 8, "n": n}))
-                        .send()
-                        .await
-                        .unwrap()
-                        .json()
-                        .await
-                        .unwrap();
+                    let (_, m) = post(
+                        &c,
+                        &mono.url(),
+                        json!({"prompt": text, "max_tokens": 8, "n": n}),
+                    )
+                    .await;
                     let (s, v) = layerwise(&c, &p, &d, &text, n, id, d_first).await;
                     assert_eq!(s, 200, "{v}");
                     assert_eq!(
@@ -167,15 +164,8 @@ async fn opposite_orders_at_p_and_d_with_full_pools_do_not_deadlock() {
     let texts_mono = {
         let mut out = Vec::new();
         for i in 0..4 {
-            let m: Value = c
-                .post(format!("{}/v1/completions", mono.url()))
-                .json(&json!({"prompt": prompt(40 + i, 300), "max_tokens": 4}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let body = json!({"prompt": prompt(40 + i, 300), "max_tokens": 4});
+            let (_, m) = post(&c, &mono.url(), body).await;
             out.push(texts(&m));
         }
         out

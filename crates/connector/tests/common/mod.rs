@@ -513,6 +513,14 @@ impl Sim {
         }
     }
 
+    /// P's blocks for request `i`'s prompt, owned by `handoff` in P's pool (none when full).
+    fn p_blocks_for(&mut self, i: usize, handoff: HandoffId) -> Option<Vec<u32>> {
+        let n = usize::from(self.reqs[i].blocks);
+        self.eng(Node::P)
+            .pool
+            .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
+    }
+
     fn tokens(&self, i: usize) -> u32 {
         u32::from(self.reqs[i].blocks) * 16 - 3
     }
@@ -543,12 +551,7 @@ impl Sim {
                     self.at(d_at, Ev::Arrive(i));
                     return;
                 }
-                let n = usize::from(self.reqs[i].blocks);
-                let Some(blocks) = self
-                    .eng(Node::P)
-                    .pool
-                    .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
-                else {
+                let Some(blocks) = self.p_blocks_for(i, handoff) else {
                     return;
                 };
                 let tokens = self.tokens(i);
@@ -594,12 +597,7 @@ impl Sim {
                 if !self.alive(Node::P) {
                     return;
                 }
-                let n = usize::from(self.reqs[i].blocks);
-                let Some(blocks) = self
-                    .eng(Node::P)
-                    .pool
-                    .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
-                else {
+                let Some(blocks) = self.p_blocks_for(i, handoff) else {
                     return;
                 };
                 let (p_params, _) = self.layerwise_legs(i, handoff);
