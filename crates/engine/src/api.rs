@@ -183,12 +183,8 @@ fn parse(
                     "a decode engine cannot prefill for a remote decode",
                 ));
             }
-            if n != 1 {
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    "n>1 fans out on the decode engine: send n=1 to prefill",
-                ));
-            }
+            // n>1 (vllm-router and vLLM's toy proxy pass the client's n to P unchanged): one
+            // prefill, one handoff; the answer has n choices, and D fans out after one pull.
             Kind::RemoteDecode(Some(Box::new(p)))
         }
         _ => Kind::Local,

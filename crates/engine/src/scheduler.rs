@@ -22,8 +22,8 @@ use crate::pool::BlockPool;
 pub enum Kind {
     /// Prefill and decode here.
     Local,
-    /// P: prefill, answer one token and `kv_transfer_params`, keep the blocks for D. With
-    /// push-mode params, write the KV into D's registered blocks layer by layer meanwhile.
+    /// P: prefill, answer one token per choice and `kv_transfer_params`, keep the blocks for D.
+    /// With push-mode params, write the KV into D's registered blocks layer by layer meanwhile.
     RemoteDecode(Option<Box<KvTransferParams>>),
     /// D: the KV comes from P.
     RemotePrefill(Box<KvTransferParams>),
@@ -635,7 +635,6 @@ impl Scheduler {
                     Ok(d) => d,
                     Err(e) => return self.fail_local(r, e),
                 };
-                let token = model::sample(digest, 0);
                 let Some(c) = self.connector.clone() else {
                     return self.fail_local(r, "no connector".into());
                 };
@@ -663,10 +662,14 @@ impl Scheduler {
                         self.metrics.ttft.observe(r.arrived.elapsed().as_secs_f64());
                         self.metrics.outcome("prefilled_for_remote");
                         let ev = &r.sub.events;
-                        let _ = ev.send(SeqEvent::Token {
-                            choice: 0,
-                            text: model::detokenize(token),
-                        });
+                        // n>1: one prefill and one handoff for every choice (D fans out after
+                        // one pull); each choice gets its own first token, as on D.
+                        for choice in 0..r.sub.n {
+                            let _ = ev.send(SeqEvent::Token {
+                                choice,
+                                text: model::detokenize(model::sample(digest, choice)),
+                            });
+                        }
                         let release =
                             (push.is_none() && layerwise.is_none()).then(|| params.clone());
                         if ev.send(SeqEvent::KvParams(Box::new(params))).is_err() {
@@ -684,13 +687,15 @@ impl Scheduler {
                                 }
                             }
                         }
-                        let _ = ev.send(SeqEvent::Finished {
-                            choice: 0,
-                            reason: "length",
-                        });
+                        for choice in 0..r.sub.n {
+                            let _ = ev.send(SeqEvent::Finished {
+                                choice,
+                                reason: "length",
+                            });
+                        }
                         let _ = ev.send(SeqEvent::Done {
                             prompt_tokens: prompt.len() as u32,
-                            completion_tokens: 1,
+                            completion_tokens: r.sub.n,
                         });
                     }
                     Err(e) => self.fail_local(r, e.to_string()),

@@ -103,6 +103,69 @@ async fn disaggregated_output_equals_monolithic() {
     }
 }
 
+/// vllm-router and vLLM's toy proxy pass the client's `n` to P unchanged. P prefills once and
+/// holds one handoff (its answer has n choices); D, given the same n and P's params, reads once
+/// and fans out: the output equals the monolithic engine's, and P's blocks go back when D's
+/// READ ends, not at lease end. (P used to answer 400 to n>1.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_p_leg_with_n_2_prefills_once_and_d_fans_out() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let d = start(cfg("decode")).await.unwrap();
+    let mono = start(cfg("both")).await.unwrap();
+    let client = reqwest::Client::new();
+    let text = prompt(41, 300);
+    let body = |n: u32| {
+        json!({"prompt": text, "max_tokens": 1, "n": n, "stream": false,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+                 "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}})
+    };
+    // What one handoff of this prompt holds on P.
+    let (s, one) = post(&client, &p.url(), body(1)).await;
+    assert_eq!(s, 200, "{one}");
+    let held_by_one = p.connector.as_ref().unwrap().held_blocks().0;
+    assert!(held_by_one > 0);
+    p.connector
+        .as_ref()
+        .unwrap()
+        .release_from_proxy(
+            &handoff_proto::KvTransferParams::from_json(&one["kv_transfer_params"]).unwrap(),
+        )
+        .unwrap();
+    released_within(&p, Duration::from_secs(5)).await;
+
+    let (s, pr) = post(&client, &p.url(), body(2)).await;
+    assert_eq!(s, 200, "{pr}");
+    assert_eq!(pr["choices"].as_array().map(Vec::len), Some(2), "{pr}");
+    assert_eq!(pr["usage"]["completion_tokens"], 2, "{pr}");
+    assert_eq!(
+        p.connector.as_ref().unwrap().held_blocks().0,
+        held_by_one,
+        "P holds more than one handoff's blocks for one n=2 request"
+    );
+    let (s, dr) = post(
+        &client,
+        &d.url(),
+        json!({"prompt": text, "max_tokens": 12, "n": 2, "kv_transfer_params": pr["kv_transfer_params"]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{dr}");
+    let (_, m) = post(
+        &client,
+        &mono.url(),
+        json!({"prompt": text, "max_tokens": 12, "n": 2}),
+    )
+    .await;
+    assert_eq!(texts(&dr), texts(&m));
+    released_within(&p, Duration::from_secs(2)).await;
+    released_within(&d, Duration::from_secs(2)).await;
+    let (live, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    assert_eq!(live, 0);
+    assert_eq!(ended.get("done"), Some(&1), "{ended:?}");
+    for e in [p, d, mono] {
+        e.stop().await;
+    }
+}
+
 async fn p_leg(client: &reqwest::Client, p: &RunningEngine, text: &str) -> Value {
     let (s, pr) = post(
         client,
