@@ -31,7 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +53,10 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("handoff_vllm")
+
+# vLLM fans a request with n>1 out into children named "{index}_{parent id}"
+# (vllm/v1/engine/parallel_sampling.py), each with its own blocks and the parent's params.
+_CHILD_ID = re.compile(r"^(\d+)_(.+)$")
 
 
 class _AllCpus:
@@ -144,6 +150,9 @@ class HandoffConnector(KVConnectorBase_V1):
         # P, push: requests whose writes started with their last prefill step and that vLLM has
         # not yet named finished (their blocks must not be preempted away).
         self._forwarded: set[str] = set()
+        # P, n>1: per parent request, the handoff its first finished child keeps (see
+        # request_finished), oldest first.
+        self._siblings: OrderedDict[tuple, tuple[float, dict[str, Any] | None]] = OrderedDict()
         # Worker side.
         self._worker = None
         self._pending_sending: set[str] = set()
@@ -383,9 +392,12 @@ class HandoffConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False
 
     def _streams_push(self, request, params: dict[str, Any]) -> bool:
-        """Whether a P request's push starts with its last prefill step (see the module doc)."""
+        """Whether a P request's push starts with its last prefill step (see the module doc).
+        n>1: only the first child pushes; its siblings give their blocks back."""
+        child = _CHILD_ID.match(request.request_id)
         return (
-            params.get("transfer_mode") == "push"
+            (child is None or child.group(1) == "0")
+            and params.get("transfer_mode") == "push"
             and bool(params.get("handoff_id"))
             and getattr(request, "max_tokens", None) == 1
         )
@@ -445,13 +457,53 @@ class HandoffConnector(KVConnectorBase_V1):
         remote_decode = bool(params and params.get("do_remote_decode"))
         if remote_decode and not self._finished_normally(request):
             remote_decode = False
+        family = self._family(request, params) if remote_decode else None
+        if family is not None and not self._first_of_family(request, params, family):
+            # A sibling: one handoff per client request, so its blocks go back now (D reads
+            # once and fans out); the response carries the kept handoff's params, whichever
+            # child vLLM answers with.
+            self._sched.request_finished(
+                request.request_id, None, [int(b) for b in block_ids],
+                int(request.num_computed_tokens))
+            kept = self._siblings.get(family, (0.0, None))[1]
+            return False, (dict(kept) if kept else None)
         keep, out = self._sched.request_finished(
             request.request_id,
             json.dumps(params) if remote_decode else None,
             [int(b) for b in block_ids],
             int(request.num_computed_tokens),
         )
-        return bool(keep), (json.loads(out) if out else None)
+        answer = json.loads(out) if out else None
+        if family is not None:
+            self._siblings[family] = (time.monotonic(), answer)
+        return bool(keep), answer
+
+    # How long P remembers the handoff an n>1 request's first child kept, for its siblings: they
+    # finish in the same step or a few later (max_tokens 1).
+    SIBLING_TTL_S = 60.0
+
+    def _family(self, request, params: dict[str, Any]) -> tuple | None:
+        """The key P's children of one n>1 request share: the parent's id, the prompt and the
+        params (a request whose own id merely looks like a child's, "0_x", is in a family
+        only with one of the same prompt and params, whose KV is the same)."""
+        child = _CHILD_ID.match(request.request_id)
+        if child is None:
+            return None
+        now = time.monotonic()
+        while self._siblings:
+            key, (at, _) = next(iter(self._siblings.items()))
+            if now - at < self.SIBLING_TTL_S:
+                break
+            del self._siblings[key]
+        return (child.group(2), tuple(request.prompt_token_ids),
+                json.dumps(params, sort_keys=True))
+
+    def _first_of_family(self, request, params: dict[str, Any], family: tuple) -> bool:
+        """Whether this child keeps the family's handoff: in pull, the first to finish; in a
+        push, child 0 (the only one that streams)."""
+        if params.get("transfer_mode") == "push":
+            return _CHILD_ID.match(request.request_id).group(1) == "0"
+        return family not in self._siblings
 
     @staticmethod
     def _finished_normally(request) -> bool:

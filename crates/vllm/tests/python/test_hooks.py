@@ -553,3 +553,37 @@ def test_async_scheduling_never_preempts_a_streamed_push_while_its_writes_read_i
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_n2_keeps_one_handoff_on_p_and_d_reads_it_once_for_both_children(pd):
+    """A client asks for n=2 and the router passes n to P unchanged (vllm-router and vLLM's toy
+    proxy do): vLLM fans the request out into two children, each prefilled with blocks of its
+    own. P keeps one handoff for the client request and gives the sibling's blocks back at
+    once, never at lease end; both children answer the kept handoff's params. D, given n=2
+    and those params, fans out too: one child reads P's KV, the other computes from vLLM's
+    prefix cache once it landed, and P frees when D's READ ended."""
+    p, d = pd
+    prompt = list(range(17, 17 + 3 * BLOCK + 5))  # 4 blocks
+    p_idle = p.free_blocks()
+    for child in ("0_p-parent", "1_p-parent"):
+        p.add(child, prompt, 1, {"do_remote_decode": True})
+    p.step()
+    assert {"0_p-parent", "1_p-parent"} <= set(p.finished), p.finished
+    a = p.finished["0_p-parent"].kv_transfer_params
+    b = p.finished["1_p-parent"].kv_transfer_params
+    # vLLM adds what its own prefix cache served each child; the rest is the connector's.
+    same = {k: v for k, v in a.items() if k != "remote_prefill_cached_tokens"}
+    assert a["handoff_id"] and same.items() <= b.items(), (a, b)
+    kept = [r for r in ("0_p-parent", "1_p-parent") if r in p.sched.requests]
+    assert len(kept) == 1, f"P keeps {kept}: one handoff per client request"
+    assert p.free_blocks() == p_idle - 4, (p.free_blocks(), p_idle)
+
+    d_idle = d.free_blocks()
+    reqs = [d.add(child, prompt, 3, dict(a)) for child in ("0_d-parent", "1_d-parent")]
+    run_until([p, d], lambda: all(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                                  for r in reqs), "D's children never got their KV")
+    run_until([p, d], lambda: p.free_blocks() == p_idle and not kept[0] in p.sched.requests,
+              "P never freed the kept handoff")
+    run_until([p, d], lambda: {"0_d-parent", "1_d-parent"} <= set(d.finished),
+              "D never finished both children")
+    assert d.free_blocks() == d_idle
