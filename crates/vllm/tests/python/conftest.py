@@ -174,6 +174,19 @@ def settled_usage(server: Server, quiet_s: float = 0.5, limit_s: float = 5.0) ->
     return last
 
 
+# A prompt no test uses (token ids above the tests' range): fresh_usage's local request.
+STEP_PROMPT = [4001, 4002, 4003]
+
+
+def fresh_usage(server: Server) -> float:
+    """The server's KV cache usage as of now. vLLM publishes it with a step's outputs only, and
+    an engine whose requests all wait for remote KV steps without publishing: a gauge read then
+    can be seconds old (a test once read 0.0 while blocks waited for P). One short local request
+    makes a step whose stats are current; its own block is free again when they are taken."""
+    server.complete(STEP_PROMPT, 1)
+    return settled_usage(server, quiet_s=0.2, limit_s=2.0)
+
+
 def usage_back_to(server: Server, idle: float, since: float, limit_s: float) -> float | None:
     """Seconds from `since` until the server's KV cache usage, on vLLM's own /metrics, is back
     to `idle`; None if not within `limit_s`."""

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from conftest import (BLOCK_SIZE, HOLD_WRITES_FILE, MAX_MODEL_LEN, REPORT, STARTUP_S, Server,
-                      check_proxy_decodes_like_single, connector, free_port, settled_usage,
+                      check_proxy_decodes_like_single, connector, free_port, fresh_usage,
                       usage_back_to)
 
 # handoff's defaults: a grant D gives P on its registration lasts REGISTRATION_LEASE_S, renewed
@@ -110,16 +110,15 @@ def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
     save_kv_layer, during the forward pass (the last layer follows once the earlier ones landed
     and the digest is known). D's output and digest still match."""
     ids = [(5 * j) % 3990 + 5 for j in range(3 * BLOCK_SIZE + 5)]
-    idle = settled_usage(push["d"])
+    idle = fresh_usage(push["d"])
     streamed = _log_count(push["p"], "push write leaves as its layer is saved")
     matched = digest_lines(push, "matched")
     p_params, d_params = legs(push)
     with ThreadPoolExecutor(1) as ex:
         d = ex.submit(push["d"].complete, ids, 8, kv_transfer_params=d_params)
         deadline = time.monotonic() + 10
-        while push["d"].metric("vllm:kv_cache_usage_perc") <= idle:
+        while fresh_usage(push["d"]) <= idle:
             assert time.monotonic() < deadline, "D never reserved blocks for the request"
-            time.sleep(0.05)
         time.sleep(0.3)  # D's registration crosses the side channel
         push["p"].complete(ids, 1, kv_transfer_params=p_params)
         got = d.result()["choices"][0]["token_ids"]
@@ -153,7 +152,7 @@ def test_p_dead_mid_write_frees_d_s_blocks_after_grant_and_grace_never_earlier(p
     D's blocks go back to vLLM (its KV cache usage on /metrics back to idle) only once the last
     grant it gave P and the write grace are over — not earlier, not much later. Runs last: it
     kills P."""
-    idle = settled_usage(push["d"])
+    idle = fresh_usage(push["d"])
     ids = [(11 * j) % 3990 + 5 for j in range(2 * BLOCK_SIZE + 9)]
     p_params, d_params = legs(push)
     HOLD_WRITES_FILE.touch()
@@ -165,7 +164,7 @@ def test_p_dead_mid_write_frees_d_s_blocks_after_grant_and_grace_never_earlier(p
         push["p"].complete(ids, 1, kv_transfer_params=p_params)
         # D reserved and registered its blocks; P's prefill ended and its WRITEs are held.
         time.sleep(0.7)
-        held = push["d"].metric("vllm:kv_cache_usage_perc")
+        held = fresh_usage(push["d"])
         assert held > idle, f"D's KV usage {held} while its blocks wait for P, idle {idle}"
         killed = time.time()
         push["p"].kill()
