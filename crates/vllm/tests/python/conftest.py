@@ -1,8 +1,14 @@
-"""Real vLLM servers (CPU build, dummy weights, the tiny local model) for the connector tests.
+"""Real vLLM servers (CPU build) for the connector tests.
 
-Three servers per test session, started in parallel: a single reference engine without a
-connector, and a P and a D engine with ``HandoffConnector``. Every server binds 127.0.0.1 and is
-stopped (its whole process group) at the end, also when a test fails.
+Every output comparison runs on a real model: SmolLM2-135M-Instruct (30 layers, real weights,
+its tokenizer and chat template), converted by ``scripts/fetch-model`` into ``.model-smollm2/``.
+The tiny 2-layer model with dummy weights (``model/``) stays where a test compares no output
+and wants speed (the TTFT benchmark, the hook-level tests).
+
+One single reference engine (no connector) for the whole session; each module starts the P and
+D it needs and stops them at its end, so that no more than three real-model servers (~3.7 GB
+each) run at once. Every server binds 127.0.0.1 (or an address inside a network namespace the
+test made) and is stopped (its whole process group) at the end, also when a test fails.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 # handoff's own binary (its proxy drives vLLM P/D in both modes); scripts/test-vllm builds it.
 HANDOFF_BIN = Path(os.environ.get("HANDOFF_BIN", HERE.parents[3] / "target" / "debug" / "handoff"))
 MODEL = HERE / "model"
+# The real model (scripts/fetch-model, run by scripts/test-vllm).
+REAL_MODEL = Path(os.environ.get("HANDOFF_VLLM_REAL_MODEL", HERE.parents[3] / ".model-smollm2"))
+REAL_MODEL_NAME = "smollm2"
 LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
 STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
 MAX_MODEL_LEN = 2048
@@ -57,19 +66,28 @@ class Server:
 
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
                  env_extra: dict | None = None, log_stats: bool = False,
-                 host: str = "127.0.0.1", netns: str | None = None):
-        """`netns`: run the server inside that network namespace, listening on `host`."""
+                 host: str = "127.0.0.1", netns: str | None = None, real: bool = True):
+        """`netns`: run the server inside that network namespace, listening on `host`.
+        `real`: the real model (its tokenizer too); otherwise the tiny dummy-weight model,
+        which has no tokenizer (token-id prompts only)."""
         Server.started.append(self)
         self.name = name
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
         LOGS.mkdir(parents=True, exist_ok=True)
         self.log_path = LOGS / f"{name}.log"
+        if real:
+            assert (REAL_MODEL / "config.json").exists(), \
+                f"no real model at {REAL_MODEL}: run scripts/fetch-model"
+            self.model = REAL_MODEL_NAME
+            model_args = ["--model", str(REAL_MODEL), "--served-model-name", self.model]
+        else:
+            self.model = "tiny"
+            model_args = ["--model", str(MODEL), "--served-model-name", self.model,
+                          "--load-format", "dummy", "--skip-tokenizer-init"]
         args = ([] if netns is None else ["ip", "netns", "exec", netns]) + [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(MODEL), "--served-model-name", "tiny",
-            "--host", host, "--port", str(self.port),
-            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
+            "--host", host, "--port", str(self.port), "--enforce-eager",
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         ] + ([] if log_stats else ["--disable-log-stats"]) + (extra_args or [])
         if connector is not None:
@@ -135,7 +153,7 @@ class Server:
 
     def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
         body = {
-            "model": "tiny",
+            "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -143,6 +161,14 @@ class Server:
         }
         body.update(extra)
         r = requests.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text[:500]}"
+        return r.json()
+
+    def chat(self, messages: list[dict], max_tokens: int, **extra) -> dict:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True}
+        body.update(extra)
+        r = requests.post(self.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text[:500]}"
         return r.json()
 
@@ -190,8 +216,14 @@ def fresh_usage(server: Server) -> float:
 def usage_back_to(server: Server, idle: float, since: float, limit_s: float) -> float | None:
     """Seconds from `since` until the server's KV cache usage, on vLLM's own /metrics, is back
     to `idle`; None if not within `limit_s`."""
+    return back_to(lambda: server.metric(KV_USAGE), idle, since, limit_s)
+
+
+def back_to(usage, idle: float, since: float, limit_s: float) -> float | None:
+    """Seconds from `since` (unix time) until `usage()` is back to `idle`; None if not within
+    `limit_s`."""
     while time.time() < since + limit_s:
-        if server.metric(KV_USAGE) <= idle + 1e-9:
+        if usage() <= idle + 1e-9:
             return time.time() - since
         time.sleep(0.05)
     return None
@@ -288,7 +320,7 @@ def handoff_proxy(mode: str, prefill: Server, decode: Server):
 
 def completion_via(url: str, prompt: list[int], max_tokens: int) -> list[int]:
     """A client's greedy completion through a proxy at `url`: the generated token ids."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": REAL_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True}
     r = requests.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, f"proxy: {r.status_code} {r.text[:500]}"
@@ -324,9 +356,22 @@ def connector(engine_id: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def single():
+    """The single reference engine (no connector) every output is compared with."""
+    s = Server("single", None)
+    try:
+        s.wait_healthy(time.monotonic() + STARTUP_S)
+        # The first request that asks for logprobs is slow once (seconds): not in a test.
+        s.complete(STEP_PROMPT, 1, logprobs=1)
+        yield s
+    finally:
+        s.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def cluster(single):
+    """A pull P and D with HandoffConnector, for one module (with the session's single)."""
     servers = {
-        "single": Server("single", None),
         # P logs when it gives blocks back (the dead-D test reads the time from it).
         # P publishes its KV cache usage on /metrics (the reclaim tests read it); a handoff no D
         # ever claims expires after INITIAL_LEASE_S.
@@ -347,7 +392,9 @@ def cluster():
         deadline = time.monotonic() + STARTUP_S
         for s in servers.values():
             s.wait_healthy(deadline)
-        yield servers
+        for s in servers.values():
+            s.complete(STEP_PROMPT, 1, logprobs=1)
+        yield dict(servers, single=single)
     finally:
         for s in servers.values():
             s.kill(signal.SIGTERM)

@@ -9,9 +9,11 @@ import time
 from datetime import datetime, timezone
 
 import requests
+from test_router import check_vllm_behind_router
 
 from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, KV_USAGE,
-                      MAX_MODEL_LEN, REPORT, check_proxy_decodes_like_single, disaggregated,
+                      MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, check_proxy_decodes_like_single,
+                      disaggregated,
                       ignore_errors, prompt, settled_usage, usage_back_to)
 
 
@@ -23,6 +25,35 @@ def digest_lines(cluster, what: str) -> int:
 
 def token_logprobs(resp: dict) -> list[float]:
     return resp["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_the_real_model_answers_a_chat_question_with_its_known_answer(single):
+    """The converted model (scripts/fetch-model) is the real SmolLM2-135M-Instruct: its greedy
+    answer to a fixed chat question is the one its own weights give (a conversion that got the
+    rotary permutation or the tokenizer wrong answers garbage in chat)."""
+    r = single.chat([{"role": "user", "content": "What is the capital of France?"}], 20)
+    c = r["choices"][0]
+    assert c["message"]["content"] == "The capital of France is Paris.", c
+    assert c["finish_reason"] == "stop", c
+
+
+def test_chat_through_p_and_d_equals_a_single_engine(cluster):
+    """A chat request, P then D as a router sends them: D's text and token ids equal the single
+    engine's, and D checked the KV digest (the KV came from P)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Write two sentences about the sea."}]
+    want = cluster["single"].chat(messages, 24)["choices"][0]
+    matched = digest_lines(cluster, "matched")
+    p = cluster["p"].chat(messages, 1, kv_transfer_params={"do_remote_decode": True})
+    params = p.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill"), p
+    got = cluster["d"].chat(messages, 24, kv_transfer_params=params)["choices"][0]
+    if (got["message"]["content"], got.get("token_ids")) != \
+            (want["message"]["content"], want.get("token_ids")):
+        REPORT["output_mismatches"] = REPORT.get("output_mismatches", 0) + 1
+    assert got["message"]["content"] == want["message"]["content"], (got, want)
+    assert got.get("token_ids") == want.get("token_ids"), (got, want)
+    assert digest_lines(cluster, "matched") == matched + 1, "D computed the prompt itself"
 
 
 def test_decode_from_pulled_kv_equals_a_single_engine(cluster):
@@ -51,7 +82,7 @@ def test_decode_from_pulled_kv_equals_a_single_engine(cluster):
                 max(abs(a - b) for a, b in zip(token_logprobs(d), token_logprobs(single))))
     REPORT["prompts_compared"] = len(lengths)
     REPORT["largest_logprob_diff"] = largest_logprob_diff
-    REPORT["output_mismatches"] = len(mismatches)
+    REPORT["output_mismatches"] = REPORT.get("output_mismatches", 0) + len(mismatches)
     REPORT["digest_mismatches"] = digest_lines(cluster, "mismatch")
     assert not mismatches, mismatches
     assert not unchecked, f"no matching KV digest on D for prompts of {unchecked} tokens"
@@ -65,6 +96,12 @@ def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_pull_mode(cluster):
     check_proxy_decodes_like_single("pull", cluster, prompt(2 * BLOCK_SIZE + 21, seed=47))
 
 
+def test_vllm_p_and_d_behind_vllm_router_answer_like_a_single_engine(cluster):
+    """vllm-router (P/D mode, pull) in front of P and D: completions and chat, streamed and
+    not, n=2 and a client that leaves mid-stream (see test_router.py)."""
+    check_vllm_behind_router(cluster)
+
+
 def test_negative_control_damaged_kv_fails_the_digest_and_is_never_decoded(cluster):
     """The digest check has power: with one byte of the landed KV changed on D (test-only
     switch), D's digest differs from P's and the request fails (policy "fail") instead of being
@@ -75,7 +112,7 @@ def test_negative_control_damaged_kv_fails_the_digest_and_is_never_decoded(clust
     CORRUPT_FILE.touch()
     try:
         p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
-        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+        body = {"model": REAL_MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0,
                 "return_token_ids": True, "kv_transfer_params": p["kv_transfer_params"]}
         r = requests.post(cluster["d"].url + "/v1/completions", json=body, timeout=120)
     finally:
@@ -170,7 +207,7 @@ def test_a_request_d_refuses_before_admission_frees_p_at_once(cluster):
     ids = prompt(MAX_MODEL_LEN + 100, seed=51)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     params = p["kv_transfer_params"]
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0,
+    body = {"model": REAL_MODEL_NAME, "prompt": ids, "max_tokens": 4, "temperature": 0,
             "kv_transfer_params": params}
     sent = time.time()
     r = requests.post(cluster["d"].url + "/v1/completions", json=body, timeout=30)
@@ -200,7 +237,7 @@ def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
     try:
         p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
         params = p["kv_transfer_params"]
-        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+        body = {"model": REAL_MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0,
                 "stream": True, "kv_transfer_params": params}
         stream = requests.post(cluster["d"].url + "/v1/completions", json=body, stream=True,
                                timeout=30)

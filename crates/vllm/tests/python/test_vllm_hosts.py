@@ -43,7 +43,7 @@ def _can_run() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def hosts(cluster, tmp_path_factory):
+def hosts(single, tmp_path_factory):
     why = _can_run()
     if why:
         if os.environ.get("HANDOFF_REQUIRE_NETNS") == "1":
@@ -78,7 +78,7 @@ def hosts(cluster, tmp_path_factory):
         deadline = time.monotonic() + STARTUP_S
         for s in servers.values():
             s.wait_healthy(deadline)
-        yield dict(servers, single=cluster["single"])
+        yield dict(servers, single=single)
     finally:
         for s in servers.values():
             s.kill()

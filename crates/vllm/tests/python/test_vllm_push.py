@@ -26,7 +26,7 @@ WRITE_GRACE_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def push(cluster):
+def push(single):
     side_port = free_port()
     servers = {
         # P's side channel on a known port: the proxy tells D where to register.
@@ -51,7 +51,7 @@ def push(cluster):
         # silence limit (1.5 s) in the first push.
         for s in servers.values():
             s.complete([5, 6, 7], 1)
-        yield dict(servers, single=cluster["single"], side_port=side_port)
+        yield dict(servers, single=single, side_port=side_port)
     finally:
         for s in servers.values():
             s.kill()
@@ -184,7 +184,7 @@ def test_p_dead_mid_write_frees_d_s_blocks_after_grant_and_grace_never_earlier(p
 
 
 def _status(server: Server, ids: list[int], max_tokens: int, params: dict) -> int:
-    body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "kv_transfer_params": params}
     try:
         r = requests.post(server.url + "/v1/completions", json=body, timeout=60)

@@ -211,7 +211,7 @@ def start(specs: list[tuple[str, dict | None, dict]]) -> list[Server]:
     try:
         for name, conn, env in specs:
             servers.append(Server(name, conn, ["--max-model-len", str(BENCH_MAX_MODEL_LEN)],
-                                  env_extra=env))
+                                  env_extra=env, real=False))
         deadline = time.monotonic() + STARTUP_S
         for s in servers:
             s.wait_healthy(deadline)

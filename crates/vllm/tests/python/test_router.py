@@ -1,0 +1,231 @@
+"""handoff behind vLLM's own production router, vllm-router (PyPI, pinned in
+scripts/install-router), run as a process on loopback in its P/D mode
+(``--vllm-pd-disaggregation``): it sends P the client's body with ``max_tokens`` 1 and
+null-valued ``kv_transfer_params`` (``n`` unchanged), then D the client's body with P's
+``kv_transfer_params`` copied verbatim.
+
+Two backends behind it, the same checks for each:
+- vLLM P and D with ``HandoffConnector`` (pull) on the real model, against the session's single
+  vLLM engine; P's KV usage is vLLM's own ``vllm:kv_cache_usage_perc`` read after a step that
+  publishes it (``test_vllm.py`` runs these checks on its cluster);
+- handoff's reference engines (prefill, decode), against a reference engine in role ``both``;
+  P's KV usage is the blocks its connector holds (``/health``).
+
+Completions (streamed and not), chat (streamed and not), ``n=2``, and a client that leaves
+mid-stream: outputs equal the single engine's (text, and token ids where vLLM gives them), and
+P's KV usage is back to idle within 2 s after each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import HANDOFF_BIN, HERE, LOGS, REPORT, back_to, free_port, fresh_usage
+
+ROUTER = Path(os.environ.get("HANDOFF_VLLM_ROUTER",
+                             HERE.parents[3] / ".venv-router" / "bin" / "vllm-router"))
+IDLE_LIMIT_S = 2.0
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
+          "Gutenberg combined movable metal type with an oil-based ink and a wooden press. ")
+
+
+def count_mismatch() -> None:
+    REPORT["router_output_mismatches"] = REPORT.get("router_output_mismatches", 0) + 1
+
+
+@contextlib.contextmanager
+def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] = ()):
+    """vllm-router in P/D mode in front of one P and one D (or more: `more_decode`); yields its
+    URL once it answers."""
+    assert ROUTER.exists(), f"no vllm-router at {ROUTER}: run scripts/install-router"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS / f"router-{name}.log"
+    args = [str(ROUTER), "--vllm-pd-disaggregation", "--prefill", prefill_url,
+            "--decode", decode_url, *[a for d in more_decode for a in ("--decode", d)],
+            "--policy", "round_robin", "--host", "127.0.0.1",
+            "--port", str(port), "--intra-node-data-parallel-size", "1",
+            # Its metrics listener defaults to a fixed port: one of its own.
+            "--prometheus-port", str(free_port())]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, f"vllm-router exited: see {log_path}"
+                try:
+                    if requests.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, f"vllm-router never ready: see {log_path}"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+class Backend:
+    """What a check needs of one P/D pair behind the router."""
+
+    def __init__(self, name: str, model: str, p_url: str, single_url: str, usage, token_ids: bool):
+        self.name, self.model, self.p_url, self.single_url = name, model, p_url, single_url
+        self.usage = usage  # () -> P's KV usage now
+        self.token_ids = token_ids  # whether answers carry token ids
+
+    def body(self, chat: bool, **extra) -> dict:
+        b = {"model": self.model, "max_tokens": 12, "temperature": 0}
+        if chat:
+            b["messages"] = CHAT
+        else:
+            b["prompt"] = PROMPT
+        if self.token_ids:
+            b["return_token_ids"] = True
+        b.update(extra)
+        return b
+
+
+def answer(url: str, chat: bool, body: dict) -> list[tuple[str, list | None]]:
+    """(text, token ids) per choice of a request to `url`, streamed or not as `body` says."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not body.get("stream"):
+        r = requests.post(url + path, json=body, timeout=180)
+        assert r.status_code == 200, f"{url}: {r.status_code} {r.text[:400]}"
+        out = []
+        for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
+            text = c["message"]["content"] if chat else c["text"]
+            out.append((text, c.get("token_ids")))
+        return out
+    texts: dict[int, str] = {}
+    ids: dict[int, list] = {}
+    with requests.post(url + path, json=body, stream=True, timeout=180) as r:
+        assert r.status_code == 200, f"{url}: {r.status_code} {r.text[:400]}"
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                i = c.get("index", 0)
+                piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                texts[i] = texts.get(i, "") + (piece or "")
+                if c.get("token_ids"):
+                    ids.setdefault(i, []).extend(c["token_ids"])
+    return [(texts[i], ids.get(i)) for i in sorted(texts)]
+
+
+
+def check_like_single(b: Backend, url: str, chat: bool, stream: bool, **extra) -> float:
+    """One request through the router equals the single engine's; returns how long after its
+    answer P's KV usage was back to idle (asserted under IDLE_LIMIT_S)."""
+    idle = b.usage()
+    body = b.body(chat, stream=stream, **extra)
+    want = answer(b.single_url, chat, body)
+    got = answer(url, chat, body)
+    done = time.time()
+    if [t for t, _ in got] != [t for t, _ in want] or \
+            (b.token_ids and [i for _, i in got] != [i for _, i in want]):
+        count_mismatch()
+    assert got == want, f"{b.name}, chat={chat}, stream={stream}, {extra}: {got} vs {want}"
+    back = back_to(b.usage, idle, done, IDLE_LIMIT_S + 3)
+    assert back is not None and back < IDLE_LIMIT_S, \
+        f"{b.name}: P's KV usage back {back} s after the answer (chat={chat}, {extra})"
+    return back
+
+
+def check_client_leaves_mid_stream(b: Backend, url: str) -> None:
+    idle = b.usage()
+    body = b.body(False, stream=True, max_tokens=200)
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=180) as r:
+        assert r.status_code == 200, r.text[:400]
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and b'"text"' in line:
+                break
+    left = time.time()
+    back = back_to(b.usage, idle, left, IDLE_LIMIT_S + 3)
+    assert back is not None and back < IDLE_LIMIT_S, \
+        f"{b.name}: P's KV usage back {back} s after the client left"
+
+
+def run_all_checks(b: Backend, url: str) -> dict:
+    REPORT.setdefault("router_output_mismatches", 0)
+    out = {}
+    for chat in (False, True):
+        for stream in (False, True):
+            check_like_single(b, url, chat, stream)
+    # vLLM refuses n>1 with greedy sampling; top_k 1 samples the greedy token all the same.
+    n2 = {"n": 2, "temperature": 1.0, "top_k": 1} if b.token_ids else {"n": 2}
+    out["n2_p_idle_after_s"] = round(check_like_single(b, url, False, False, **n2), 3)
+    check_client_leaves_mid_stream(b, url)
+    return out
+
+
+# ------------------------------------------------------------------ vLLM behind vllm-router
+
+def check_vllm_behind_router(cluster) -> None:
+    """The checks with vLLM's P and D (test_vllm.py calls it, to share its cluster: the real
+    model's servers are slow to start and only three fit in memory at once)."""
+    p = cluster["p"]
+    b = Backend("vllm", p.model, p.url, cluster["single"].url,
+                usage=lambda: fresh_usage(p), token_ids=True)
+    with router(p.url, cluster["d"].url, "vllm") as url:
+        out = run_all_checks(b, url)
+    REPORT["n2_p_idle_after_s"] = out["n2_p_idle_after_s"]
+    REPORT["router"] = "vllm-router 0.1.17"
+
+
+# ------------------------------------------------------------------ reference engines
+
+@pytest.fixture(scope="module")
+def reference():
+    """handoff's reference engines on loopback: P, D and a monolithic one to compare with."""
+    procs, urls = [], {}
+    try:
+        for role in ("prefill", "decode", "both"):
+            port = free_port()
+            LOGS.mkdir(parents=True, exist_ok=True)
+            log = open(LOGS / f"router-ref-{role}.log", "w")
+            procs.append(subprocess.Popen(
+                [str(HANDOFF_BIN), "engine", "--role", role, "--host", "127.0.0.1",
+                 "--port", str(port), "--engine-id", f"router-ref-{role}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=dict(os.environ, RUST_LOG="info")))
+            urls[role] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        for role, url in urls.items():
+            while True:
+                try:
+                    if requests.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, f"reference {role} never healthy"
+                time.sleep(0.1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def held_by_p(url: str) -> float:
+    return float(requests.get(url + "/health", timeout=5).json()["held_blocks"]["prefill"])
+
+
+def test_reference_engines_behind_vllm_router_answer_like_a_monolithic_one(reference):
+    b = Backend("reference", "handoff", reference["prefill"], reference["both"],
+                usage=lambda: held_by_p(reference["prefill"]), token_ids=False)
+    with router(reference["prefill"], reference["decode"], "reference") as url:
+        out = run_all_checks(b, url)
+    REPORT["reference_n2_p_idle_after_s"] = out["n2_p_idle_after_s"]

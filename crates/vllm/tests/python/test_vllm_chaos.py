@@ -1,0 +1,180 @@
+"""Faults under load, as a P/D cluster meets them: one vLLM P and two vLLM D (HandoffConnector,
+pull, the real model) behind vllm-router, a few clients sending requests for a bounded time.
+Mid-load one D is SIGKILLed (its READs held by the test switch, so that P holds blocks for it
+at that moment), later the other is SIGSTOPped past the dead-peer timeout and resumed.
+
+What a user relies on, asserted: P gives back the blocks it held for the killed D within 2 s of
+the kill (P's log names each handoff's end, reason ``peer_dead``); every request that succeeds
+equals the single engine's output; no request hangs past its deadline; P's KV usage is back to
+idle within 2 s once the load is over. The count of failed requests, and why, goes in the
+report (``chaos`` in the last line of ``scripts/test-vllm``): a request routed to a dead or
+stopped D fails (``kv_load_failure_policy`` ``fail``) or is refused; that is not asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+import requests
+
+from conftest import (INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT, Server, back_to,
+                      connector, fresh_usage, prompt)
+from test_router import router
+
+CLIENTS = 3
+LOAD_S = 36.0  # bounded: the clients stop sending after this
+KILL_AT_S = 8.0  # D1 SIGKILLed
+STOP_AT_S = 16.0  # D2 SIGSTOPped ...
+STOP_FOR_S = 8.0  # ... for longer than P's dead-peer timeout (heartbeat extension 3 s + fence)
+DEADLINE_S = 60.0  # a client gives up on a request after this: "hung" if it had to
+MAX_TOKENS = 6
+HOLD_D1 = f"/tmp/handoff-vllm-chaos-hold-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def chaos(single):
+    servers = {
+        "p": Server("chaos-p", connector("vllm-chaos-p",
+                                         initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
+                    env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
+        "d1": Server("chaos-d1", connector("vllm-chaos-d1"),
+                     env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D1}),
+        "d2": Server("chaos-d2", connector("vllm-chaos-d2")),
+    }
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        for s in servers.values():
+            s.wait_healthy(deadline)
+        for s in servers.values():
+            s.complete(STEP_PROMPT, 1)
+        yield dict(servers, single=single)
+    finally:
+        if os.path.exists(HOLD_D1):
+            os.unlink(HOLD_D1)
+        for s in servers.values():
+            try:
+                os.killpg(s.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            s.kill()
+
+
+class Load:
+    """CLIENTS threads, each sending distinct prompts through the router until told to stop."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.results: list[dict] = []
+        self.threads = [threading.Thread(target=self.client, args=(c,), daemon=True)
+                        for c in range(CLIENTS)]
+
+    def client(self, c: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            ids = prompt(160 + 40 * (i % 5), seed=50_000 + 1000 * c + i)
+            i += 1
+            body = {"model": self.model, "prompt": ids, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "return_token_ids": True}
+            t0 = time.monotonic()
+            r = {"ids": ids, "t0": t0}
+            try:
+                resp = requests.post(self.url + "/v1/completions", json=body,
+                                     timeout=DEADLINE_S)
+                r["status"] = resp.status_code
+                if resp.status_code == 200:
+                    choice = resp.json()["choices"][0]
+                    if choice.get("finish_reason") == "error":
+                        r["why"] = "finish_reason error"
+                    else:
+                        r["tokens"] = choice["token_ids"]
+                else:
+                    r["why"] = f"http {resp.status_code}: {resp.text[:120]}"
+            except requests.Timeout:
+                r["why"] = "hung past its deadline"
+                r["hung"] = True
+            except requests.RequestException as e:
+                r["why"] = f"{type(e).__name__}"
+            r["s"] = time.monotonic() - t0
+            with self.lock:
+                self.results.append(r)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(DEADLINE_S + 5)
+        return False
+
+
+def ends_for_peer_dead(p: Server) -> list[float]:
+    """When P's log says it gave blocks back because their reader died (unix seconds)."""
+    out = []
+    for line in p.log_path.read_text(errors="replace").splitlines():
+        if "blocks back" in line and "reason=peer_dead" in line:
+            stamp = line.split()[0].rstrip("Z")
+            out.append(datetime.fromisoformat(stamp[:26]).replace(
+                tzinfo=timezone.utc).timestamp())
+    return out
+
+
+def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
+    p, d1, d2 = chaos["p"], chaos["d1"], chaos["d2"]
+    idle = fresh_usage(p)
+    report: dict = {}
+    with router(p.url, d1.url, "chaos", more_decode=[d2.url]) as url, \
+            Load(url, p.model) as load:
+        start = time.monotonic()
+        time.sleep(KILL_AT_S - 2)
+        open(HOLD_D1, "w").close()  # D1's next READs wait: P holds blocks for D1 at the kill
+        time.sleep(2)
+        before = len(ends_for_peer_dead(p))
+        killed = time.time()
+        d1.kill()
+        os.unlink(HOLD_D1)
+        # P's ends for D1's handoffs, each because D1 died.
+        deadline = time.time() + 10
+        while time.time() < deadline and len(ends_for_peer_dead(p)) == before:
+            time.sleep(0.05)
+        ends = ends_for_peer_dead(p)[before:]
+        report["reclaim_after_kill_s"] = round(max(ends) - killed, 3) if ends else None
+        time.sleep(max(0.0, STOP_AT_S - (time.monotonic() - start)))
+        os.killpg(d2.proc.pid, signal.SIGSTOP)
+        time.sleep(STOP_FOR_S)
+        os.killpg(d2.proc.pid, signal.SIGCONT)
+        time.sleep(max(0.0, LOAD_S - (time.monotonic() - start)))
+    done = time.time()
+    results = load.results
+    ok = [r for r in results if "tokens" in r]
+    failed: dict[str, int] = {}
+    for r in results:
+        if "tokens" not in r:
+            failed[r["why"]] = failed.get(r["why"], 0) + 1
+    mismatches = 0
+    for r in ok:
+        want = chaos["single"].complete(r["ids"], MAX_TOKENS)["choices"][0]["token_ids"]
+        mismatches += r["tokens"] != want
+    back = back_to(lambda: fresh_usage(p), idle, done, 10)
+    report.update(requests=len(results), ok=len(ok), failed=failed,
+                  output_mismatches=mismatches, hung=sum(bool(r.get("hung")) for r in results),
+                  p_idle_after_load_s=round(back, 3) if back is not None else None,
+                  longest_request_s=round(max((r["s"] for r in results), default=0), 2))
+    REPORT["chaos"] = report
+    REPORT["chaos_reclaim_after_kill_s"] = report["reclaim_after_kill_s"]
+    assert ends, "P never gave back the blocks it held for the killed D (peer_dead)"
+    assert report["reclaim_after_kill_s"] < 2.0, report
+    assert ok, f"no request succeeded under the faults: {report}"
+    assert mismatches == 0, report
+    assert report["hung"] == 0, report
+    assert back is not None and back < 2.0, f"P's KV usage not idle 2 s after the load: {report}"
+
