@@ -42,6 +42,9 @@ P_MAX_MODEL_LEN = 4096  # the model's max_position_embeddings
 # P's lease on a handoff before its D first heartbeats (handoff's default is longer).
 INITIAL_LEASE_S = 4.0
 BLOCK_SIZE = 128  # vLLM's default on CPU
+# handoff's default: after a lease ends, P waits this long before it frees (a READ granted
+# just before the end may still be landing).
+FENCE_GRACE_S = 1.5
 
 
 def free_port() -> int:

@@ -43,9 +43,10 @@ def count_mismatch() -> None:
 
 
 @contextlib.contextmanager
-def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] = ()):
-    """vllm-router in P/D mode in front of one P and one D (or more: `more_decode`); yields its
-    URL once it answers."""
+def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] = (),
+           extra: list[str] = ()):
+    """vllm-router in P/D mode in front of one P and one D (or more: `more_decode`; `extra`
+    flags); yields its URL once it answers."""
     assert ROUTER.exists(), f"no vllm-router at {ROUTER}: run scripts/install-router"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -56,7 +57,7 @@ def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] 
             "--policy", "round_robin", "--host", "127.0.0.1",
             "--port", str(port), "--intra-node-data-parallel-size", "1",
             # Its metrics listener defaults to a fixed port: one of its own.
-            "--prometheus-port", str(free_port())]
+            "--prometheus-port", str(free_port()), *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -11,10 +11,10 @@ from datetime import datetime, timezone
 import requests
 from test_router import check_vllm_behind_router
 
-from conftest import (BLOCK_SIZE, CORRUPT_FILE, HOLD_FILE, INITIAL_LEASE_S, KV_USAGE,
-                      MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, check_proxy_decodes_like_single,
-                      disaggregated,
-                      ignore_errors, prompt, settled_usage, usage_back_to)
+from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HOLD_FILE, INITIAL_LEASE_S,
+                      KV_USAGE, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT,
+                      check_proxy_decodes_like_single, disaggregated, ignore_errors, prompt,
+                      settled_usage, usage_back_to)
 
 
 def digest_lines(cluster, what: str) -> int:
@@ -150,9 +150,6 @@ def wait_blocks_back(cluster, request_id: str, limit_s: float) -> tuple[float, s
     return None
 
 
-# handoff's default: after a lease ends, P waits this long before it frees (a READ granted
-# just before the end may still be landing).
-FENCE_GRACE_S = 1.5
 
 
 def test_n2_on_d_is_one_transfer_both_choices_decoded_p_freed_once(cluster):

@@ -5,8 +5,11 @@ at that moment), later the other is SIGSTOPped past the dead-peer timeout and re
 
 What a user relies on, asserted: P gives back the blocks it held for the killed D within 2 s of
 the kill (P's log names each handoff's end, reason ``peer_dead``); every request that succeeds
-equals the single engine's output; no request hangs past its deadline; P's KV usage is back to
-idle within 2 s once the load is over. The count of failed requests, and why, goes in the
+equals the single engine's output; no request hangs past its deadline; once the load is over
+P's KV usage is back to idle within the initial lease and its fence (and 2 s). The router
+checks its workers' health every second here; until it notices the dead D, it still sends P
+legs whose D leg then fails: nobody claims those handoffs, and P frees them when the initial
+lease ends (vllm-router tells P nothing). The count of failed requests, and why, goes in the
 report (``chaos`` in the last line of ``scripts/test-vllm``): a request routed to a dead or
 stopped D fails (``kv_load_failure_policy`` ``fail``) or is refused; that is not asserted.
 """
@@ -22,11 +25,11 @@ from datetime import datetime, timezone
 import pytest
 import requests
 
-from conftest import (INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT, Server, back_to,
+from conftest import (FENCE_GRACE_S, INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT, Server, back_to,
                       connector, fresh_usage, prompt)
 from test_router import router
 
-CLIENTS = 3
+CLIENTS = 2
 LOAD_S = 36.0  # bounded: the clients stop sending after this
 KILL_AT_S = 8.0  # D1 SIGKILLed
 STOP_AT_S = 16.0  # D2 SIGSTOPped ...
@@ -64,6 +67,17 @@ def chaos(single):
             s.kill()
 
 
+def why_failed(resp: requests.Response) -> str:
+    text = resp.text
+    if "Decode request failed" in text:
+        return f"http {resp.status_code}: the router's decode leg failed (D gone)"
+    if "Prefill" in text and "failed" in text:
+        return f"http {resp.status_code}: the router's prefill leg failed"
+    if "Internal server error" in text:
+        return f"http {resp.status_code}: D failed the request (its KV did not come)"
+    return f"http {resp.status_code}: {text[:60]}"
+
+
 class Load:
     """CLIENTS threads, each sending distinct prompts through the router until told to stop."""
 
@@ -78,7 +92,7 @@ class Load:
     def client(self, c: int) -> None:
         i = 0
         while not self.stop.is_set():
-            ids = prompt(160 + 40 * (i % 5), seed=50_000 + 1000 * c + i)
+            ids = prompt(96 + 24 * (i % 5), seed=50_000 + 1000 * c + i)
             i += 1
             body = {"model": self.model, "prompt": ids, "max_tokens": MAX_TOKENS,
                     "temperature": 0, "return_token_ids": True}
@@ -95,7 +109,7 @@ class Load:
                     else:
                         r["tokens"] = choice["token_ids"]
                 else:
-                    r["why"] = f"http {resp.status_code}: {resp.text[:120]}"
+                    r["why"] = why_failed(resp)
             except requests.Timeout:
                 r["why"] = "hung past its deadline"
                 r["hung"] = True
@@ -132,7 +146,8 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
     p, d1, d2 = chaos["p"], chaos["d1"], chaos["d2"]
     idle = fresh_usage(p)
     report: dict = {}
-    with router(p.url, d1.url, "chaos", more_decode=[d2.url]) as url, \
+    with router(p.url, d1.url, "chaos", more_decode=[d2.url],
+                extra=["--health-check-interval-secs", "1"]) as url, \
             Load(url, p.model) as load:
         start = time.monotonic()
         time.sleep(KILL_AT_S - 2)
@@ -154,6 +169,8 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
         os.killpg(d2.proc.pid, signal.SIGCONT)
         time.sleep(max(0.0, LOAD_S - (time.monotonic() - start)))
     done = time.time()
+    idle_limit = INITIAL_LEASE_S + FENCE_GRACE_S + 2.0
+    back = back_to(lambda: fresh_usage(p), idle, done, idle_limit + 5)
     results = load.results
     ok = [r for r in results if "tokens" in r]
     failed: dict[str, int] = {}
@@ -164,7 +181,6 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
     for r in ok:
         want = chaos["single"].complete(r["ids"], MAX_TOKENS)["choices"][0]["token_ids"]
         mismatches += r["tokens"] != want
-    back = back_to(lambda: fresh_usage(p), idle, done, 10)
     report.update(requests=len(results), ok=len(ok), failed=failed,
                   output_mismatches=mismatches, hung=sum(bool(r.get("hung")) for r in results),
                   p_idle_after_load_s=round(back, 3) if back is not None else None,
@@ -176,5 +192,6 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
     assert ok, f"no request succeeded under the faults: {report}"
     assert mismatches == 0, report
     assert report["hung"] == 0, report
-    assert back is not None and back < 2.0, f"P's KV usage not idle 2 s after the load: {report}"
+    assert back is not None and back < idle_limit, \
+        f"P's KV usage not idle {idle_limit} s after the load: {report}"
 
