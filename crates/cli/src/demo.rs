@@ -48,8 +48,9 @@ pub struct DemoArgs {
     pub prefill_block_size: u32,
     #[arg(long, default_value_t = 16)]
     pub decode_block_size: u32,
-    /// KV pool layout of P and D: blocks-outermost, heads-outermost, or auto (heads-outermost
-    /// when P and D differ in TP or block size, so descriptors do not grow with the prompt).
+    /// KV pool layout of P and D: layers-outermost, blocks-outermost, heads-outermost, or auto
+    /// (heads-outermost when P and D differ in TP or block size, so descriptors do not grow with
+    /// the prompt; otherwise layers-outermost, a descriptor per layer for a layer-wise pull).
     #[arg(long, default_value = "auto")]
     pub kv_pool_layout: String,
     /// Skip killing a decode engine.
@@ -490,11 +491,12 @@ fn pool_layout(args: &DemoArgs) -> anyhow::Result<String> {
         {
             "heads-outermost".into()
         }
-        "auto" => "blocks-outermost".into(),
-        other @ ("blocks-outermost" | "heads-outermost") => other.into(),
-        other => {
-            bail!("--kv-pool-layout {other:?}: expected auto, blocks-outermost or heads-outermost")
-        }
+        "auto" => "layers-outermost".into(),
+        other @ ("layers-outermost" | "blocks-outermost" | "heads-outermost") => other.into(),
+        other => bail!(
+            "--kv-pool-layout {other:?}: expected auto, layers-outermost, blocks-outermost or \
+             heads-outermost"
+        ),
     })
 }
 

@@ -30,8 +30,9 @@ pub struct EngineArgs {
     pub block_size: Option<u32>,
     #[arg(long)]
     pub tp: Option<u32>,
-    /// blocks-outermost (default) or heads-outermost (for P/D pairs of different TP or block
-    /// size: descriptors then do not grow with the prompt).
+    /// layers-outermost (default: a descriptor per layer for a contiguous run), blocks-outermost
+    /// or heads-outermost (for P/D pairs of different TP or block size: descriptors then do not
+    /// grow with the prompt).
     #[arg(long)]
     pub kv_pool_layout: Option<String>,
     /// tcp or nixl.

@@ -38,10 +38,12 @@ pub struct EngineConfig {
     pub block_size: u32,
     /// `head-major` (default) or `token-major`.
     pub block_layout: String,
-    /// How the KV pool is arranged in memory: `blocks-outermost` (default: a run of blocks is
-    /// one descriptor for the whole model when P and D have equal TP and block size) or
-    /// `heads-outermost` (one descriptor per layer, plane and head for a run of blocks, whatever
-    /// the two engines' TP and block sizes: the choice for heterogeneous P/D pairs).
+    /// How the KV pool is arranged in memory: `layers-outermost` (default: a run of blocks is
+    /// one descriptor per layer when P and D have equal TP and block size, for the whole model
+    /// and for the layer ranges a layer-wise pull or a push moves), `blocks-outermost` (a run of
+    /// blocks is one descriptor for the whole model, but a layer range is cut at every block)
+    /// or `heads-outermost` (one descriptor per layer, plane and head for a run of blocks,
+    /// whatever the two engines' TP and block sizes: the choice for heterogeneous P/D pairs).
     pub kv_pool_layout: String,
     pub num_blocks: u32,
     pub tp: u32,
@@ -143,7 +145,7 @@ impl Default for EngineConfig {
             dtype: "bf16".into(),
             block_size: 16,
             block_layout: "head-major".into(),
-            kv_pool_layout: "blocks-outermost".into(),
+            kv_pool_layout: "layers-outermost".into(),
             num_blocks: 2048,
             tp: 1,
             max_model_len: 8192,
@@ -308,6 +310,7 @@ impl EngineConfig {
 
     pub fn pool_layout(&self) -> Result<PoolLayout, ConfigError> {
         match self.kv_pool_layout.as_str() {
+            "layers-outermost" => Ok(PoolLayout::LayersOutermost),
             "blocks-outermost" => Ok(PoolLayout::BlocksOutermost),
             "heads-outermost" if self.block_layout == "token-major" => Err(bad(
                 "kv_pool_layout",
@@ -317,7 +320,7 @@ impl EngineConfig {
             "heads-outermost" => Ok(PoolLayout::HeadsOutermost),
             other => Err(bad(
                 "kv_pool_layout",
-                format!("{other:?} is not blocks-outermost or heads-outermost"),
+                format!("{other:?} is not layers-outermost, blocks-outermost or heads-outermost"),
             )),
         }
     }

@@ -288,7 +288,11 @@ pub(crate) mod tests {
     /// of what it sends), the forward pass writes layer 1 of the same block without waiting.
     #[test]
     fn the_forward_writes_the_next_layer_of_a_block_a_transfer_still_reads() {
-        for pool in [PoolLayout::BlocksOutermost, PoolLayout::HeadsOutermost] {
+        for pool in [
+            PoolLayout::BlocksOutermost,
+            PoolLayout::HeadsOutermost,
+            PoolLayout::LayersOutermost,
+        ] {
             let kv = Arc::new(memory(pool));
             let layer0 = kv.row_offset(0, 3, 0, 0, 0, 0).unwrap();
             let v_end = kv.row_offset(0, 3, 0, 1, 1, 15).unwrap() + kv.row_bytes();

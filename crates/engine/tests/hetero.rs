@@ -77,6 +77,8 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
         ("heads-outermost", "heads-outermost"),
         ("heads-outermost", "blocks-outermost"),
         ("blocks-outermost", "heads-outermost"),
+        ("layers-outermost", "heads-outermost"),
+        ("blocks-outermost", "layers-outermost"),
     ];
     for (case, ((ptp, pbs), (dtp, dbs))) in cases.into_iter().enumerate() {
         let (p_pool, d_pool) = pools[case % pools.len()];
@@ -130,20 +132,23 @@ async fn descriptors_for(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contiguous_blocks_cost_a_constant_number_of_descriptors() {
     let c = reqwest::Client::new();
-    // Blocks outermost, equal TP and block size: a contiguous run is one descriptor for the whole
-    // model, however long the prompt.
-    for (ptp, dtp) in [(1, 1), (2, 2)] {
-        let mut per_prompt = Vec::new();
-        for words in [64usize, 1024, 4096] {
-            per_prompt.push(
-                descriptors_for(&c, cfg("prefill", ptp, 16), cfg("decode", dtp, 16), words).await,
+    let layers = f64::from(EngineConfig::default().num_layers);
+    // Equal TP and block size, however long the prompt: blocks outermost moves a contiguous run
+    // in one descriptor for the whole model, layers outermost (the default) in one per layer.
+    for (pool, per_pair) in [("blocks-outermost", 1.0), ("layers-outermost", layers)] {
+        for (ptp, dtp) in [(1, 1), (2, 2)] {
+            let mut per_prompt = Vec::new();
+            for words in [64usize, 1024, 4096] {
+                let (p, d) = (cfg("prefill", ptp, 16), cfg("decode", dtp, 16));
+                per_prompt
+                    .push(descriptors_for(&c, with_pool(p, pool), with_pool(d, pool), words).await);
+            }
+            // Per (D rank, P rank) pair, for 4 blocks as for 256.
+            assert!(
+                per_prompt.iter().all(|d| *d == ptp as f64 * per_pair),
+                "{pool} tp {ptp}->{dtp}: {per_prompt:?}"
             );
         }
-        // One descriptor per (D rank, P rank) pair, for 4 blocks as for 256.
-        assert!(
-            per_prompt.iter().all(|d| *d == ptp as f64),
-            "tp {ptp}->{dtp}: {per_prompt:?}"
-        );
     }
     // Heads outermost, any TP and block-size pairing: one descriptor per (layer, K|V, head) moved,
     // for 4 blocks as for 256.

@@ -279,6 +279,12 @@ pub enum PoolLayout {
     /// One descriptor per (layer, plane, head) moved for a contiguous run, whatever the TP sizes
     /// and block sizes of the two engines.
     HeadsOutermost,
+    /// [`RankLayout::layers_outermost`]: each layer holds its blocks back to back (vLLM's one
+    /// tensor per layer, in one region). Between engines of equal TP and block size a
+    /// contiguous run of blocks is one descriptor per layer, for the whole model and for a
+    /// layer range alike: the layout for layer-wise pulls and pushes, whose READs and WRITEs
+    /// move one layer range at a time (blocks-outermost cuts such a range at every block).
+    LayersOutermost,
 }
 
 impl PoolLayout {
@@ -296,6 +302,9 @@ impl PoolLayout {
             }
             PoolLayout::HeadsOutermost => {
                 RankLayout::heads_outermost(spec, rank, num_blocks, region_id)
+            }
+            PoolLayout::LayersOutermost => {
+                RankLayout::layers_outermost(spec, rank, num_blocks, region_id)
             }
         }
     }
@@ -630,6 +639,46 @@ impl RankLayout {
             .ok_or(too_large(spec))?;
         let len = region_len_for(num_blocks, stride, spec)?;
         let layers = one_region_layers(spec, region_id, plane, stride, 0);
+        Self::checked(Self {
+            spec,
+            rank,
+            num_blocks,
+            regions: vec![Region { id: region_id, len }],
+            layers,
+        })
+    }
+
+    /// One region (`region_id`) for all layers, layer-outermost: layer `l` holds every block's
+    /// `[K plane][V plane]` back to back, from `l × num_blocks × 2 × plane` (the layout of
+    /// [`RankLayout::per_layer`] with its regions laid end to end). A run of contiguous blocks
+    /// is one contiguous range per layer.
+    pub fn layers_outermost(
+        spec: KvSpec,
+        rank: u32,
+        num_blocks: u32,
+        region_id: u32,
+    ) -> Result<Self, LayoutError> {
+        spec.validate()?;
+        let plane = spec.plane_bytes();
+        let block_stride = plane.checked_mul(2).ok_or(too_large(spec))?;
+        let layer_bytes = region_len_for(num_blocks, block_stride, spec)?;
+        let len = layer_bytes
+            .checked_mul(u64::from(spec.shape.num_layers))
+            .ok_or(too_large(spec))?;
+        let layers = (0..u64::from(spec.shape.num_layers))
+            .map(|l| LayerPlacement {
+                k: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes,
+                },
+                v: PlaneLoc {
+                    region: region_id,
+                    offset: l * layer_bytes + plane,
+                },
+                block_stride,
+                head_stride: 0,
+            })
+            .collect();
         Self::checked(Self {
             spec,
             rank,

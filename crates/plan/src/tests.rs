@@ -833,3 +833,55 @@ fn block_spans_cover_exactly_the_listed_blocks() {
         Err(PlanError::BlockOutOfPool { block: 6, .. })
     ));
 }
+
+/// Layers outside the blocks, equal TP and block size: a layer range of a contiguous run of
+/// blocks (what a layer-wise pull READs, and a push WRITEs, per stage) is one descriptor per
+/// layer moved, whatever the prompt's length; the whole model is one per layer. Blocks-outermost
+/// (a block holds every layer) cuts the same layer range at every block.
+#[test]
+fn layers_outermost_moves_a_layer_range_in_one_descriptor_per_layer() {
+    for layout in [HeadMajor, TokenMajor] {
+        let s = layers(spec(8, 1, 16, layout), 6);
+        let lo = RankLayout::layers_outermost(s, 0, 600, 0).unwrap();
+        let bo = RankLayout::cross_layer(s, 0, 600, 0).unwrap();
+        for blocks in [1u32, 2, 64, 256] {
+            let pb: Vec<u32> = (5..5 + blocks).collect();
+            let db: Vec<u32> = (300..300 + blocks).collect();
+            let tokens = blocks * 16;
+            for range in [0..1, 2..5, 0..6] {
+                let moved = range.end - range.start;
+                let n = |l: &RankLayout| {
+                    plan_pair_layers(l, l, &pb, &db, tokens, range.clone())
+                        .unwrap()
+                        .descriptors
+                        .len() as u32
+                };
+                assert_eq!(
+                    n(&lo),
+                    moved,
+                    "{layout:?} {blocks} blocks, layers {range:?}"
+                );
+                if moved < 6 && blocks > 1 {
+                    assert_eq!(n(&bo), blocks, "blocks-outermost: one per block");
+                }
+            }
+        }
+    }
+    // Its addresses: layer l's blocks back to back, from l × num_blocks × block.
+    let s = layers(spec(4, 2, 16, HeadMajor), 3);
+    let l = RankLayout::layers_outermost(s, 1, 10, 7).unwrap();
+    let block = 2 * s.plane_bytes();
+    assert_eq!(
+        l.regions,
+        vec![Region {
+            id: 7,
+            len: 3 * 10 * block
+        }]
+    );
+    assert_eq!(l.row_offset(0, 0, 0, 0, 0), Some(0));
+    assert_eq!(
+        l.row_offset(2, 1, 4, 1, 3),
+        Some(2 * 10 * block + 4 * block + s.plane_bytes() + (16 + 3) * ROW)
+    );
+    assert_eq!(l.row_offset(3, 0, 0, 0, 0), None, "no such layer");
+}
