@@ -106,6 +106,11 @@ class Server:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             OMP_NUM_THREADS="1",
             OMP_WAIT_POLICY="PASSIVE",
+            # Three or four real-model servers on two cores starve each other's transport
+            # threads: a healthy peer was once silent 1.6 s (the default limit is 1.5 s) while
+            # its engine prefilled, and a READ failed with peer_dead. A dead peer is still found
+            # at once (its sockets close); a stopped one after this long.
+            HANDOFF_TCP_DEAD_AFTER_MS=env.get("HANDOFF_TCP_DEAD_AFTER_MS", "4000"),
         )
         env.update(env_extra or {})
         self.log = open(self.log_path, "w")
@@ -290,6 +295,21 @@ def ignore_errors(f, *a, **kw) -> None:
         pass
 
 
+def wait_http_ok(url: str, limit_s: float, what: str, proc=None) -> None:
+    """Polls GET `url` until it answers 200; fails naming `what` when `proc` (if given) exits
+    first or `limit_s` passes."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert proc is None or proc.poll() is None, f"{what}: exited"
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"{what}: not ready within {limit_s} s"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def handoff_proxy(mode: str, prefill: Server, decode: Server):
     """handoff's own proxy (`handoff proxy --mode MODE`) in front of one P and one D; yields its
@@ -304,17 +324,8 @@ def handoff_proxy(mode: str, prefill: Server, decode: Server):
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, RUST_LOG="info"), start_new_session=True)
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                assert proc.poll() is None, f"handoff proxy exited: see {log_path}"
-                try:
-                    if requests.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                assert time.monotonic() < deadline, \
-                    f"handoff proxy never saw P and D healthy: see {log_path}"
-                time.sleep(0.2)
+            wait_http_ok(url + "/health", 30, f"handoff proxy (P and D healthy; {log_path})",
+                         proc)
             yield url
         finally:
             proc.kill()

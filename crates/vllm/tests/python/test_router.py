@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import HANDOFF_BIN, HERE, LOGS, REPORT, back_to, free_port, fresh_usage
+from conftest import (HANDOFF_BIN, HERE, LOGS, REPORT, back_to, free_port, fresh_usage,
+                      wait_http_ok)
 
 ROUTER = Path(os.environ.get("HANDOFF_VLLM_ROUTER",
                              HERE.parents[3] / ".venv-router" / "bin" / "vllm-router"))
@@ -62,16 +63,7 @@ def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] 
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, f"vllm-router exited: see {log_path}"
-                try:
-                    if requests.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                assert time.monotonic() < deadline, f"vllm-router never ready: see {log_path}"
-                time.sleep(0.2)
+            wait_http_ok(url + "/health", 60, f"vllm-router (see {log_path})", proc)
             yield url
         finally:
             proc.kill()
@@ -203,16 +195,8 @@ def reference():
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env=dict(os.environ, RUST_LOG="info")))
             urls[role] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        for role, url in urls.items():
-            while True:
-                try:
-                    if requests.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                assert time.monotonic() < deadline, f"reference {role} never healthy"
-                time.sleep(0.1)
+        for (role, url), proc in zip(urls.items(), procs):
+            wait_http_ok(url + "/health", 30, f"reference engine {role}", proc)
         yield urls
     finally:
         for proc in procs:

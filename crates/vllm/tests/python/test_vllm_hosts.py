@@ -25,9 +25,9 @@ from conftest import (BLOCK_SIZE, KV_USAGE, REPORT, STARTUP_S, Server, connector
 NS = f"hv-vllm-{os.getpid()}"
 P_HOST, D_HOST = "10.231.7.1", "10.231.7.2"
 P_LINK, D_LINK = f"hvp{os.getpid() % 100000}", f"hvd{os.getpid() % 100000}"
-LINK_RATE = "8mbit"  # ~1 MB/s: a 2 MiB READ takes about two seconds
-# KV bytes per token of the tiny model (2 layers × K and V × 2 kv heads × 64 × 4 bytes).
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
+LINK_RATE = "200mbit"  # 25 MB/s: a 1,000-token prompt's KV (~47 MB) takes about two seconds
+# KV bytes per token of the real model (30 layers × K and V × 3 kv heads × 64 × 4 bytes).
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 
 def _ip(*args: str) -> None:
@@ -65,7 +65,7 @@ def hosts(single, tmp_path_factory):
         # P → D, where a READ's bytes flow: a slow link with a short queue (a long one would
         # hold the side channel's messages behind the KV for seconds).
         subprocess.run(["tc", "qdisc", "add", "dev", P_LINK, "root", "tbf", "rate", LINK_RATE,
-                        "burst", "16kb", "latency", "100ms"], check=True, capture_output=True)
+                        "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
         side = {"cluster_key_file": str(key), "kv_digest": True}
         servers["p"] = Server(
             "hosts-p", connector("vllm-hosts-p", side_channel_host=P_HOST,
@@ -96,8 +96,8 @@ def link_bytes() -> int:
 
 
 def test_a_pull_across_hosts_over_a_slow_link_decodes_like_a_single_engine(hosts):
-    """A prompt of two blocks and a bit crosses the slow link in well under a second; one of
-    1,000 tokens (2 MiB of KV, ~2 s at 8 Mbit/s, several heartbeats) too. D's tokens equal the
+    """A prompt of two blocks and a bit crosses the slow link in under a second; one of 1,000
+    tokens (~47 MB of KV, ~2 s at 200 Mbit/s, several heartbeats) too. D's tokens equal the
     single engine's (P and D proved the cluster key to each other: off loopback it is
     required)."""
     for n in (2 * BLOCK_SIZE + 3, 1000):
