@@ -83,6 +83,8 @@ pub struct Connector {
     layerwise_pull: bool,
     advertise_host: String,
     spec: KvSpec,
+    /// See [`ConnectorCore::compat_key`].
+    compat_key: String,
     side_addr: SocketAddr,
     inbox: Sender<Input>,
     events: Mutex<Receiver<ConnectorEvent>>,
@@ -177,6 +179,7 @@ impl Connector {
             }
         };
         let spec = *core.spec();
+        let compat_key = core.compat_key();
         let sink = ReportSink(inbox.clone());
         let workers = match links(&sink) {
             Ok(l) => l,
@@ -188,6 +191,7 @@ impl Connector {
         let (events_tx, events) = channel();
         let waker = Waker::default();
         let metrics = Metrics::new(registry);
+        crate::metrics::register_compat_key(registry, &compat_key);
         let exec = Executor {
             core,
             start: Instant::now(),
@@ -215,6 +219,7 @@ impl Connector {
                 layerwise_pull: cfg.layerwise_pull,
                 advertise_host: cfg.advertise_host,
                 spec,
+                compat_key,
                 side_addr,
                 inbox,
                 events: Mutex::new(events),
@@ -298,7 +303,14 @@ impl Connector {
             // D both say so.
             "layerwise_pull": self.layerwise_pull
                 && self.mode == handoff_proto::TransferMode::Pull,
+            // A router pairs a P and a D only when their keys are equal.
+            "compat_key": self.compat_key,
         })
+    }
+
+    /// This engine's compatibility key (see [`ConnectorCore::compat_key`]).
+    pub fn compat_key(&self) -> &str {
+        &self.compat_key
     }
 
     // ----- P -----

@@ -9,6 +9,26 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CompatLabels {
+    pub key: String,
+}
+
+/// Registers `handoff_compat_info{key="…"} 1`: the engine's compatibility key, for routers and
+/// dashboards (a P and a D with different keys cannot exchange KV).
+pub fn register_compat_key(registry: &mut Registry, key: &str) {
+    let info = Family::<CompatLabels, Gauge>::default();
+    info.get_or_create(&CompatLabels {
+        key: key.to_string(),
+    })
+    .set(1);
+    registry.sub_registry_with_prefix("handoff").register(
+        "compat_info",
+        "The engine's compatibility key (label key): a P and a D pair only when their keys are equal",
+        info,
+    );
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HeldLabels {
     /// `prefill` (P's handoffs) or `decode` (D's destination blocks).
     pub side: &'static str,

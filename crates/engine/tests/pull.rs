@@ -535,3 +535,42 @@ async fn metrics_parse_and_held_gauge_returns_to_zero() {
         e.stop().await;
     }
 }
+
+/// Every engine publishes a compatibility key (in `/v1/handoff/info` and as
+/// `handoff_compat_info` on `/metrics`) that a router pairs P and D by: the same for engines
+/// that can exchange KV whatever their role or block size, different when a setting both must
+/// share differs (here the KV digest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_publish_a_compatibility_key_that_differs_when_they_cannot_pair() {
+    let a = start(cfg("prefill")).await.unwrap();
+    let b = start(EngineConfig {
+        block_size: 32,
+        ..cfg("decode")
+    })
+    .await
+    .unwrap();
+    let c = start(EngineConfig {
+        kv_digest: true,
+        ..cfg("decode")
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let mut keys = Vec::new();
+    for e in [&a, &b, &c] {
+        let i = common::info(&client, e).await;
+        keys.push(i["compat_key"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(keys[0].len(), 12, "{keys:?}");
+    assert_eq!(keys[0], keys[1], "role and block size may differ");
+    assert_ne!(
+        keys[0], keys[2],
+        "a P and a D that disagree on the digest cannot pair"
+    );
+    let m = metrics_text(&client, &a).await;
+    let line = format!("handoff_compat_info{{key=\"{}\"}} 1", keys[0]);
+    assert!(m.contains(&line), "no {line} in /metrics");
+    for e in [a, b, c] {
+        e.stop().await;
+    }
+}

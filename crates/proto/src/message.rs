@@ -138,6 +138,33 @@ impl Fingerprint {
             Some(format!("incompatible peer: {}", diffs.join("; ")))
         }
     }
+
+    /// The compatibility key a router reads (`/v1/handoff/info`, `handoff_compat_info` on
+    /// `/metrics`): 12 hex digits over everything a P and a D must agree on to exchange KV —
+    /// this fingerprint, the block layout inside a block (`head-major` or `token-major`) and
+    /// whether the KV digest is checked. Equal keys pair; TP size, block size and pool layout
+    /// are left out, since the planner handles any of them. A stable hash (FNV-1a), not a
+    /// secret: the same settings give the same key on every host and every build.
+    pub fn compat_key(&self, block_layout: &str, kv_digest: bool) -> String {
+        let canonical = format!(
+            "handoff-compat|v{}|{}|{}|{}|{}|{}|{}|{}|digest={}",
+            self.protocol_version,
+            self.model,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.mode.as_str(),
+            block_layout,
+            u8::from(kv_digest),
+        );
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in canonical.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        format!("{:012x}", h >> 16)
+    }
 }
 
 /// First message on a side channel: who I am and what my KV looks like.

@@ -74,6 +74,19 @@ impl ProxyError {
         e
     }
 
+    /// Healthy P and D exist, but no P has a D it can exchange KV with: their compatibility
+    /// keys differ (`why` names them). Answered before anything is sent to either.
+    pub(crate) fn incompatible(why: String) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Outcome::NoDecode,
+            "no_compatible_pair",
+            format!("no prefill and decode instance can exchange KV: {why}"),
+        );
+        e.detail.role = Some(Role::Decode);
+        e
+    }
+
     /// An upstream call failed; `reason` completes "{role} instance {url} ..." ("is unreachable: ...").
     pub(crate) fn upstream(
         role: Role,

@@ -1,6 +1,6 @@
 //! Periodic health checks: GET `{url}/health` of every instance, and `{url}/v1/handoff/info`
-//! of every P as well (push mode: P must answer it; pull mode: it says whether P takes a
-//! layer-wise pull), and in pull mode of every D (whether it takes one too).
+//! of every P and D as well (its compatibility key; push mode: P must answer it; pull mode:
+//! whether the engine takes a layer-wise pull).
 
 use std::sync::Arc;
 
@@ -59,9 +59,9 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
             }
         }
         verdict
-    } else if inst.role == Role::Decode && verdict.is_ok() && shared.cfg.mode == TransferMode::Pull
-    {
-        // A pull D: whether it takes a layer-wise pull (see `EngineInfo::takes_layerwise_pull`).
+    } else if inst.role == Role::Decode && verdict.is_ok() {
+        // A D: its compatibility key, and in pull mode whether it takes a layer-wise pull (see
+        // `EngineInfo::takes_layerwise_pull`).
         inst.set_handoff_info(decode_info(shared, inst).await.map(Arc::new));
         verdict
     } else {

@@ -2,6 +2,7 @@
 //! prefill engine (P) and a decode engine (D) — one after the other in pull mode, both at once in
 //! push mode and in a layer-wise pull — carrying the KV handoff between them in
 //! `kv_transfer_params`.
+//! In the book (`docs/` in the repository): `docs/src/reference/http.md`.
 //!
 //! # The pull flow
 //!

@@ -322,6 +322,14 @@ impl Pool {
         self.read().clone()
     }
 
+    pub(crate) fn healthy(&self) -> Vec<Arc<Instance>> {
+        self.read()
+            .iter()
+            .filter(|i| i.is_healthy())
+            .cloned()
+            .collect()
+    }
+
     pub(crate) fn healthy_count(&self) -> usize {
         self.read().iter().filter(|i| i.is_healthy()).count()
     }
@@ -329,8 +337,18 @@ impl Pool {
     /// Picks a healthy instance by `policy` and counts the request in flight to it at once, so
     /// that the next least-loaded pick already sees it.
     pub(crate) fn pick(&self, policy: Policy) -> Option<InFlight> {
+        self.pick_where(policy, |_| true)
+    }
+
+    /// [`Pool::pick`] among the healthy instances `ok` accepts.
+    pub(crate) fn pick_where(
+        &self,
+        policy: Policy,
+        ok: impl Fn(&Instance) -> bool,
+    ) -> Option<InFlight> {
         let list = self.read();
-        let healthy: Vec<&Arc<Instance>> = list.iter().filter(|i| i.is_healthy()).collect();
+        let healthy: Vec<&Arc<Instance>> =
+            list.iter().filter(|i| i.is_healthy() && ok(i)).collect();
         if healthy.is_empty() {
             return None;
         }
@@ -351,6 +369,20 @@ impl Pool {
             }
         };
         Some(InFlight::new(chosen.clone()))
+    }
+}
+
+/// Whether a P and a D can exchange KV, by the compatibility keys their `/v1/handoff/info`
+/// gave (`handoff_compat_info`). An instance that has not said (no info yet, or an engine
+/// without a key, such as vLLM) pairs with any: its handshake still refuses a mismatch.
+pub(crate) fn compatible(p: &Instance, d: &Instance) -> Result<(), String> {
+    let key = |i: &Instance| i.handoff_info().and_then(|info| info.compat_key.clone());
+    match (key(p), key(d)) {
+        (Some(a), Some(b)) if a != b => Err(format!(
+            "prefill {} has compatibility key {a}, decode {} has {b}",
+            p.url, d.url
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -45,6 +45,9 @@ pub(crate) struct EngineInfo {
     /// A pull-mode P that takes a layer-wise pull (both legs at once).
     #[serde(default)]
     pub(crate) layerwise_pull: Option<bool>,
+    /// What a P and a D must share to exchange KV (see `pool::compatible`).
+    #[serde(default)]
+    pub(crate) compat_key: Option<String>,
 }
 
 impl EngineInfo {
@@ -426,13 +429,7 @@ pub(crate) async fn push(
     client: Map<String, Value>,
     received: Instant,
 ) -> Result<Response, ProxyError> {
-    if s.decode.healthy_count() == 0 {
-        return Err(ProxyError::no_instance(Role::Decode));
-    }
-    let p_guard = s
-        .prefill
-        .pick(s.cfg.policy)
-        .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
+    let p_guard = crate::routes::pick_prefill(s)?;
     let legs = BothLegs {
         path,
         rid,
@@ -440,10 +437,7 @@ pub(crate) async fn push(
         received,
         mode: TransferMode::Push,
     };
-    let d_guard = s
-        .decode
-        .pick(s.cfg.policy)
-        .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
+    let d_guard = crate::routes::pick_decode_for(s, p_guard.instance())?;
     // Nothing is sent before P's side channel is known: D could not register without it.
     let info = prefill_info(s, p_guard.instance()).await?;
     both_legs(s, legs, client, (p_guard, info), d_guard).await

@@ -18,7 +18,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 
 use crate::error::{chain, ProxyError};
 use crate::metrics::{AdminOutcome, Outcome};
-use crate::pool::{Instance, Role};
+use crate::pool::{InFlight, Instance, Role};
 use crate::relay::{relay, Marks};
 use crate::{push, Shared, TransferMode};
 
@@ -216,6 +216,43 @@ pub(crate) fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
     }
 }
 
+/// Picks a healthy P that some healthy D can exchange KV with (`pool::compatible`); says why
+/// when there is none. Nothing has been sent to either yet.
+pub(crate) fn pick_prefill(s: &Shared) -> Result<InFlight, ProxyError> {
+    let decodes = s.decode.healthy();
+    if decodes.is_empty() {
+        return Err(ProxyError::no_instance(Role::Decode));
+    }
+    if let Some(p) = s.prefill.pick_where(s.cfg.policy, |p| {
+        decodes
+            .iter()
+            .any(|d| crate::pool::compatible(p, d).is_ok())
+    }) {
+        return Ok(p);
+    }
+    let prefills = s.prefill.healthy();
+    if prefills.is_empty() {
+        return Err(ProxyError::no_instance(Role::Prefill));
+    }
+    let why: Vec<String> = prefills
+        .iter()
+        .flat_map(|p| {
+            decodes
+                .iter()
+                .filter_map(|d| crate::pool::compatible(p, d).err())
+        })
+        .collect();
+    tracing::warn!(reasons = %why.join("; "), "no compatible prefill and decode instance");
+    Err(ProxyError::incompatible(why.join("; ")))
+}
+
+/// Picks a healthy D that can exchange KV with P (`pool::compatible`).
+pub(crate) fn pick_decode_for(s: &Shared, p: &Instance) -> Result<InFlight, ProxyError> {
+    s.decode
+        .pick_where(s.cfg.policy, |d| crate::pool::compatible(p, d).is_ok())
+        .ok_or_else(|| ProxyError::no_instance(Role::Decode))
+}
+
 async fn pull(
     s: &Arc<Shared>,
     path: &'static str,
@@ -224,23 +261,13 @@ async fn pull(
     client: Map<String, Value>,
     received: Instant,
 ) -> Result<Response, ProxyError> {
-    let policy = s.cfg.policy;
-    // Check D before calling P: a prefill that no D can decode only pins P's blocks.
-    if s.decode.healthy_count() == 0 {
-        return Err(ProxyError::no_instance(Role::Decode));
-    }
-    let p_guard = s
-        .prefill
-        .pick(policy)
-        .ok_or_else(|| ProxyError::no_instance(Role::Prefill))?;
+    // D is checked before P is called: a prefill that no D can decode only pins P's blocks.
+    let p_guard = pick_prefill(s)?;
     let p = p_guard.instance().clone();
     // A P and a D that both take a layer-wise pull (their health checks read their info) get
     // both legs at once, as in push mode: D reads each layer while P's prefill runs.
     if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
-        let d_guard = s
-            .decode
-            .pick(policy)
-            .ok_or_else(|| ProxyError::no_instance(Role::Decode))?;
+        let d_guard = pick_decode_for(s, &p)?;
         let d_takes = d_guard
             .instance()
             .handoff_info()
@@ -271,7 +298,7 @@ async fn pull(
 
     // From here P holds blocks for this request: every way out until D accepts it releases them.
     let mut release = ReleaseGuard::new(s.clone(), p.clone(), params.clone(), rid);
-    let Some(d_guard) = s.decode.pick(policy) else {
+    let Ok(d_guard) = pick_decode_for(s, &p) else {
         let mut e = ProxyError::no_instance(Role::Decode);
         e.detail.prefill_released = Some(release.release_now("no healthy decode instance").await);
         return Err(e);

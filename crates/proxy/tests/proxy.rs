@@ -857,3 +857,57 @@ async fn a_stalled_decode_stream_is_cut_loudly() {
     })
     .await
 }
+
+fn info_with_key(name: &str, role: &str, key: &str) -> Value {
+    json!({
+        "engine_id": format!("engine-{name}"), "remote_host": "10.1.2.3", "remote_port": 7100,
+        "tp_size": 1, "block_size": 16, "transfer_mode": "pull", "role": role,
+        "compat_key": key
+    })
+}
+
+/// The proxy pairs a P and a D only when their compatibility keys (`/v1/handoff/info`) are
+/// equal: a P whose key no D shares gets no request, and when no pair is compatible the client
+/// gets a 503 naming the keys before anything is sent to either engine.
+#[tokio::test]
+async fn p_and_d_with_different_compatibility_keys_are_never_paired() {
+    bounded(async {
+        let log = Log::default();
+        let p1 = Fake::prefill("P1", &log).await;
+        let p2 = Fake::prefill("P2", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        p1.set_info(info_with_key("P1", "prefill", "aaaaaaaaaaaa"));
+        p2.set_info(info_with_key("P2", "prefill", "bbbbbbbbbbbb"));
+        d.set_info(info_with_key("D1", "decode", "bbbbbbbbbbbb"));
+        let paired = proxy(&[&p1, &p2], &[&d]).await;
+        for _ in 0..4 {
+            let (s, body) = post(&paired, "/v1/completions", &completion()).await;
+            assert_eq!(s, 200, "{body}");
+        }
+        assert!(
+            p1.received().is_empty(),
+            "P1 (another key) was sent a request"
+        );
+        assert_eq!(p2.received().len(), 4);
+        paired.shutdown().await.unwrap();
+
+        // No compatible pair at all: refused before any leg is sent.
+        let log = Log::default();
+        let p = Fake::prefill("P3", &log).await;
+        let d = Fake::decode("D3", &log).await;
+        p.set_info(info_with_key("P3", "prefill", "aaaaaaaaaaaa"));
+        d.set_info(info_with_key("D3", "decode", "cccccccccccc"));
+        let refusing = proxy(&[&p], &[&d]).await;
+        let (s, body) = post(&refusing, "/v1/completions", &completion()).await;
+        assert_eq!(s, 503, "{body}");
+        assert_eq!(body["error"]["type"], "no_compatible_pair", "{body}");
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("aaaaaaaaaaaa") && msg.contains("cccccccccccc"),
+            "{msg}"
+        );
+        assert!(p.received().is_empty() && d.received().is_empty());
+        refusing.shutdown().await.unwrap();
+    })
+    .await
+}

@@ -254,6 +254,17 @@ impl ConnectorCore {
         &self.spec
     }
 
+    /// The key a router pairs engines by (`Fingerprint::compat_key`): equal on a P and a D that
+    /// can exchange KV.
+    pub fn compat_key(&self) -> String {
+        let block_layout = match self.spec.block_layout {
+            handoff_plan::BlockLayout::HeadMajor => "head-major",
+            handoff_plan::BlockLayout::TokenMajor => "token-major",
+        };
+        self.fingerprint
+            .compat_key(block_layout, self.cfg.kv_digest)
+    }
+
     // ----- outputs -----
 
     /// Everything to do now. Give it back with [`Self::advance`] once done.
