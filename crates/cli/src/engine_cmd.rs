@@ -11,7 +11,7 @@ pub struct EngineArgs {
     /// prefill, decode or both.
     #[arg(long)]
     pub role: Option<String>,
-    /// TOML file with any engine field (see README).
+    /// TOML file with any engine field (docs/src/reference/engine-settings.md).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address every listener binds (HTTP, side channel, tcp transport).

@@ -1,4 +1,5 @@
-//! `handoff`: the one binary. It only parses flags and wires the crates together.
+//! `handoff`: the one binary. It only parses flags and wires the crates together. In the book
+//! (`docs/` in the repository): `docs/src/reference/cli.md`.
 
 #![forbid(unsafe_code)]
 

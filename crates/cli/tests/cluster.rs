@@ -1,56 +1,14 @@
 //! Engines as separate processes on loopback (the `handoff` binary, tcp transport): crashes of
 //! either side, and the demo itself. Every test is bounded in time.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{engine, Engine};
+
 use serde_json::{json, Value};
-
-struct Engine {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn engine(id: &str, role: &str, extra: &[&str]) -> Engine {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args([
-            "engine",
-            "--role",
-            role,
-            "--port",
-            "0",
-            "--engine-id",
-            id,
-            "--transport",
-            "tcp",
-        ])
-        .args([
-            "--set",
-            "prefill_us_per_token=2",
-            "--set",
-            "decode_step_ms=1",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn engine");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .expect("engine banner");
-    let url = line.trim().rsplit(' ').next().unwrap().to_string();
-    assert!(url.starts_with("http://"), "engine said {line:?}");
-    Engine { child, url }
-}
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()

@@ -1,7 +1,8 @@
 //! The connector: drives the ledgers, the planner and the transports for one engine.
+//! In the book (`docs/` in the repository): `docs/src/design/connector.md`.
 //!
-//! It plugs into an engine at the points of vLLM's `KVConnectorBase_V1` (DESIGN.md, "Engine
-//! integration points") and is split the way vLLM's processes are:
+//! It plugs into an engine at the points of vLLM's `KVConnectorBase_V1` (the book:
+//! `docs/src/design/vllm-hooks.md`) and is split the way vLLM's processes are:
 //!
 //! - [`ConnectorCore`] (module `core`): the scheduler side's logic, sans-IO. Both ledgers, the
 //!   peer table, the transfers in flight and the push write gate; `handle_*(…, now)` in, one

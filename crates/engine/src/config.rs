@@ -29,12 +29,18 @@ pub struct EngineConfig {
     pub data_port: u16,
     /// Unique in the cluster (default: role + random suffix).
     pub engine_id: String,
+    /// Model name (in `/v1/models` and answers; P and D must agree, it is in the handshake's
+    /// fingerprint).
     pub model: String,
+    /// KV shape: layers of the (synthetic) model.
     pub num_layers: u32,
+    /// KV shape: KV heads, split over the `tp` ranks.
     pub num_kv_heads: u32,
+    /// KV shape: elements per head.
     pub head_dim: u32,
     /// `bf16`, `fp16` (2 bytes) or `fp32` (4), `fp8` (1).
     pub dtype: String,
+    /// Tokens per KV block (P and D may differ).
     pub block_size: u32,
     /// `head-major` (default) or `token-major`.
     pub block_layout: String,
@@ -45,7 +51,9 @@ pub struct EngineConfig {
     /// or `heads-outermost` (one descriptor per layer, plane and head for a run of blocks,
     /// whatever the two engines' TP and block sizes: the choice for heterogeneous P/D pairs).
     pub kv_pool_layout: String,
+    /// Blocks in the KV pool (per rank).
     pub num_blocks: u32,
+    /// Tensor-parallel size: worker ranks, each holding a slice of the KV heads.
     pub tp: u32,
     /// Longest prompt + generation, in tokens.
     pub max_model_len: u32,
@@ -69,23 +77,35 @@ pub struct EngineConfig {
     pub mode: String,
     /// `recompute` or `fail`: what D does when a transfer fails.
     pub failure_policy: String,
+    /// P: a handoff's initial lease, until its D first heartbeats (a handoff no D ever claims
+    /// ends after it and the fence).
     pub lease_ms: u64,
+    /// D: how often it heartbeats the P engines of the requests it tracks (off the forward loop).
     pub heartbeat_interval_ms: u64,
+    /// P: how far each heartbeat extends a handoff's lease.
     pub heartbeat_extension_ms: u64,
+    /// P: after a lease ends, how long it still waits before the blocks are free (a READ granted
+    /// just before the end may still be landing; longer than D's read grace).
     pub fence_grace_ms: u64,
+    /// P: the longest a handoff lives, heartbeats or not.
     pub hard_cap_ms: u64,
+    /// D: a READ not finished in this long fails.
     pub read_timeout_ms: u64,
+    /// D: a READ that finishes this long past its grant counts as failed.
     pub read_grace_ms: u64,
+    /// D: the longest a request waits for its KV before it is recomputed or failed.
     pub wait_deadline_ms: u64,
     /// P: messages kept for handoffs not created yet (early registrations and releases), in all
-    /// and per sending peer (a peer over its quota has its new ones dropped and counted).
+    /// (a peer over its quota, `staging_per_peer`, has its new ones dropped and counted).
     pub staging_capacity: usize,
+    /// P: of `staging_capacity`, the most one sending peer may hold.
     pub staging_per_peer: usize,
     /// P: how long such a message is kept waiting for its handoff.
     pub staging_ttl_ms: u64,
     /// Ended handoffs each ledger remembers (so a late message is known as late), at most this
-    /// many and for at most `tombstone_ttl_ms`: the bound on the memory ended requests leave.
+    /// many: the bound on the memory ended requests leave.
     pub tombstone_capacity: usize,
+    /// How long an ended handoff is remembered (see `tombstone_capacity`).
     pub tombstone_ttl_ms: u64,
     /// HTTP API: from a request's first byte to the end of its headers (slowloris bound); 408.
     pub http_header_read_timeout_ms: u64,

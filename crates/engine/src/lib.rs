@@ -2,6 +2,7 @@
 //! batching, a deterministic synthetic model whose output depends on every KV byte, a cost model
 //! anchored to real hardware, and an OpenAI-compatible API with vLLM's `kv_transfer_params`.
 //! It exists so that the whole system runs, and is tested, without GPUs or model weights.
+//! In the book (`docs/` in the repository): `docs/src/reference/engine-settings.md`.
 
 #![forbid(unsafe_code)]
 

@@ -1,5 +1,6 @@
 //! Bounded HTTP/1 serving, shared by handoff's engine and proxy: an axum [`Router`] served so
 //! that no client can hold the server's resources for long or without limit.
+//! In the book (`docs/` in the repository): `docs/src/reference/proxy-admin-and-http-limits.md`.
 //!
 //! [`serve`] replaces `axum::serve` and enforces [`Limits`]:
 //!

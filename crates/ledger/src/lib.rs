@@ -1,10 +1,11 @@
 //! The lifecycle ledgers of handoff: [`ProducerLedger`] on P and [`ConsumerLedger`] on D.
+//! In the book (`docs/` in the repository): `docs/src/design/overview.md`.
 //!
 //! Both are sans-IO state machines in the style of quinn-proto: no sockets, no threads, no clock
 //! reads. Every input is a method that takes `now`; every output is pulled by the caller
 //! (`poll_message`, `poll_release`, `poll_action`/`poll_outcome`, `poll_timeout`). That is what
 //! lets the tests drive them with generated event schedules and a simulated clock and check the
-//! seven rules of shared/DESIGN.md on thousands of schedules per second.
+//! seven rules (`docs/src/design/overview.md`) on thousands of schedules per second.
 //!
 //! Where each rule is enforced:
 //! - rule 1 (every block back exactly once): a handoff's blocks leave the ledger only through

@@ -1,6 +1,6 @@
 //! Property tests: random schedules of requests, aborts, rejections, crashes and message faults
 //! (drop, duplicate, delay, reorder) against the real ledgers on a simulated clock. Every rule of
-//! DESIGN.md that a ledger enforces is checked on every schedule; a failure prints the shrunk
+//! the book (docs/src/design/overview.md) that a ledger enforces is checked on every schedule; a failure prints the shrunk
 //! schedule and the rules it broke.
 
 mod common;

@@ -638,7 +638,7 @@ impl RankLayout {
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
         let len = region_len_for(num_blocks, stride, spec)?;
-        let layers = one_region_layers(spec, region_id, plane, stride, 0);
+        let layers = one_region_layers(spec, region_id, plane, layer_bytes, stride, 0);
         Self::checked(Self {
             spec,
             rank,
@@ -665,20 +665,7 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let layers = (0..u64::from(spec.shape.num_layers))
-            .map(|l| LayerPlacement {
-                k: PlaneLoc {
-                    region: region_id,
-                    offset: l * layer_bytes,
-                },
-                v: PlaneLoc {
-                    region: region_id,
-                    offset: l * layer_bytes + plane,
-                },
-                block_stride,
-                head_stride: 0,
-            })
-            .collect();
+        let layers = one_region_layers(spec, region_id, plane, layer_bytes, block_stride, 0);
         Self::checked(Self {
             spec,
             rank,
@@ -712,7 +699,8 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let layers = one_region_layers(spec, region_id, plane, head_block, head_stride);
+        let layers =
+            one_region_layers(spec, region_id, plane, layer_bytes, head_block, head_stride);
         Self::checked(Self {
             spec,
             rank,
@@ -729,12 +717,13 @@ impl RankLayout {
 }
 
 /// The placements of a layout with every layer in region `region_id`, layer after layer: layer
-/// `l`'s K plane at `l × 2 × plane`, its V plane right after it. (The caller checked that the
-/// region's length fits in a u64, so no offset overflows.)
+/// `l`'s K plane at `l × layer_stride`, its V plane `plane` bytes after it. (The caller checked
+/// that the region's length fits in a u64, so no offset overflows.)
 fn one_region_layers(
     spec: KvSpec,
     region_id: u32,
     plane: u64,
+    layer_stride: u64,
     block_stride: u64,
     head_stride: u64,
 ) -> Vec<LayerPlacement> {
@@ -742,11 +731,11 @@ fn one_region_layers(
         .map(|l| LayerPlacement {
             k: PlaneLoc {
                 region: region_id,
-                offset: l * 2 * plane,
+                offset: l * layer_stride,
             },
             v: PlaneLoc {
                 region: region_id,
-                offset: l * 2 * plane + plane,
+                offset: l * layer_stride + plane,
             },
             block_stride,
             head_stride,

@@ -1,6 +1,7 @@
 //! The transfer planner of handoff: from the KV layouts of a prefill engine (P) and a decode engine
 //! (D) and a request's block lists to coalesced, bounds-checked descriptor lists. Sans-IO: no
 //! memory is touched, no clock read; a descriptor list is plain data that a transport executes.
+//! In the book (`docs/` in the repository): `docs/src/guides/modes-and-transports.md`.
 //!
 //! # Byte layout
 //!

@@ -1,7 +1,8 @@
 //! Wire protocol of handoff: every message P and D exchange, their binary encoding, and the
 //! vLLM-compatible `kv_transfer_params` JSON.
+//! In the book (`docs/` in the repository): `docs/src/design/wire-and-trust.md`.
 //!
-//! Design choices (see shared/DESIGN.md, "Wire compatibility"):
+//! Design choices (the book: `docs/src/design/wire-and-trust.md`):
 //! - Every encoded message starts with a version byte ([`PROTOCOL_VERSION`]) and is at most
 //!   [`MAX_MESSAGE_BYTES`] long, and its lists and texts are bounded (checked on both encode and
 //!   decode). A decoder never panics: bad bytes from a peer are an error and nothing else.

@@ -1,4 +1,5 @@
 //! The transport layer of handoff: one trait shaped after a NIXL agent, and its backends.
+//! In the book (`docs/` in the repository): `docs/src/guides/nixl.md`.
 //!
 //! - [`tcp`]: pure Rust, the embedded default; across processes and hosts.
 //! - [`nixl`]: NIXL's C API (`libnixl_capi.so` from the `nixl-cu12` wheel), loaded at run time so
@@ -259,7 +260,7 @@ pub fn open_backend(kind: &str, name: &str) -> Result<Arc<dyn Transport>, Transp
 }
 
 /// Opens a backend by name, listening at `at` (tcp). NIXL's UCX chooses its own interfaces and
-/// transports (`UCX_NET_DEVICES`, `UCX_TLS`): see the README.
+/// transports (`UCX_NET_DEVICES`, `UCX_TLS`): see the book, `docs/src/guides/nixl.md`.
 pub fn open_backend_at(
     kind: &str,
     name: &str,

@@ -1,4 +1,5 @@
 //! handoff as vLLM's KV connector (`KVConnectorBase_V1`).
+//! In the book (`docs/` in the repository): `docs/src/guides/vllm.md`.
 //!
 //! vLLM builds the connector twice: once in EngineCore with the scheduler role and once in each
 //! worker process with the worker role; the two talk only through the metadata vLLM pickles

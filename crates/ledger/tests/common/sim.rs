@@ -1,6 +1,6 @@
 //! A deterministic discrete-event simulation of one P engine and two D engines around the real
 //! ledgers: block pools, a lossy network (drop, duplicate, delay and so reorder), transfers of
-//! random duration, crashes, aborts and rejections. It checks the rules of DESIGN.md as it goes
+//! random duration, crashes, aborts and rejections. It checks the seven rules (docs/src/design/overview.md) as it goes
 //! and at the end, and returns every violation in words.
 
 use std::cmp::Reverse;

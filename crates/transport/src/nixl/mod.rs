@@ -112,7 +112,7 @@ pub struct NixlConfig {
 ///
 /// Why: between processes of one host UCX copies with CMA (`process_vm_readv`) on the thread
 /// that posts, so one transfer moves at one core's copy speed, about half of a memcpy
-/// (research/nixl-from-rust.md). NIXL's UCX thread pool (`num_threads`) posts the halves of a
+/// (NIXL's C API header, `nixl_capi.h`). NIXL's UCX thread pool (`num_threads`) posts the halves of a
 /// transfer from its own threads at once: on 2 cores a 256 MiB transfer of 64 KiB blocks went
 /// from about 4 to about 6.5 GB/s, and 1 MiB blocks from about 5 to about 7.8 GB/s. NIXL's own
 /// split threshold (`split_batch_size`, 1024 descriptors) would leave a typical handoff (tens to

@@ -822,7 +822,7 @@ fn connect(
     if let Some(key) = &inner.cfg.key {
         // Both ends prove the cluster key before a byte of the protocol: the target serves no
         // one else, and we land nothing from an impostor.
-        // Bulk bytes are not tagged (see the README): the session key is not used here.
+        // Bulk bytes are not tagged (see SECURITY.md): the session key is not used here.
         crate::auth::dial(&stream, key, "tcp", &inner.name, peer, inner.cfg.dead_after)
             .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))?;
     }
