@@ -498,6 +498,12 @@ impl Connector {
         let _ = self.call(|_, _| ());
     }
 
+    /// Whether the connector takes work: not shut down, and its executor answers a call (the
+    /// thread that owns the core, the side channel and the timers is alive).
+    pub fn is_running(&self) -> bool {
+        !self.stop.load(Ordering::Relaxed) && self.call(|_, _| ()).is_ok()
+    }
+
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
         // Wakes the executor, which closes every connection and lets the workers go.

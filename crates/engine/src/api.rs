@@ -41,6 +41,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/v1/handoff/release", post(release))
         .route("/v1/handoff/info", get(info))
@@ -60,6 +61,22 @@ async fn models(State(s): State<Arc<ApiState>>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": s.model, "object": "model", "owned_by": "handoff"}]}),
     )
+}
+
+/// Readiness, as Kubernetes and routers mean it: this engine takes work now. Its scheduler
+/// thread takes commands and its connector (if it has one) runs; `/health` only says the HTTP
+/// server answers.
+async fn ready(State(s): State<Arc<ApiState>>) -> Response {
+    let scheduler = s.scheduler.lock().send(Command::Wake).is_ok();
+    let connector = s.connector.as_ref().map_or(true, |c| c.is_running());
+    let body =
+        json!({"ready": scheduler && connector, "scheduler": scheduler, "connector": connector});
+    let status = if scheduler && connector {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
 }
 
 async fn health(State(s): State<Arc<ApiState>>) -> Json<Value> {

@@ -574,3 +574,21 @@ async fn engines_publish_a_compatibility_key_that_differs_when_they_cannot_pair(
         e.stop().await;
     }
 }
+
+/// `/ready` says the engine takes work (its scheduler and connector run); `/health` that it
+/// answers at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_engine_is_ready() {
+    let p = start(cfg("prefill")).await.unwrap();
+    let client = reqwest::Client::new();
+    let r = client
+        .get(format!("{}/ready", p.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["ready"], true, "{body}");
+    assert_eq!(body["connector"], true, "{body}");
+    p.stop().await;
+}

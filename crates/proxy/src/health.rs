@@ -30,6 +30,12 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
         Ok(Err(e)) => Err(chain(&e)),
         Err(_) => Err(format!("no answer within {:?}", shared.cfg.health_timeout)),
     };
+    // Alive is not enough: an engine that says it is not ready (`/ready` 503) gets no new work.
+    // One without a readiness endpoint (vLLM: 404) is judged by `/health` alone.
+    let verdict = match verdict {
+        Ok(()) => not_ready(shared, inst).await.map_or(Ok(()), Err),
+        e => e,
+    };
     // A push P is of use only with its side channel known and in push mode: one that cannot
     // say where it is, or says it pulls, gets no traffic (each request would only fail).
     let verdict = if shared.cfg.mode == TransferMode::Push && inst.role == Role::Prefill {
@@ -78,6 +84,18 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
         }
         _ => {}
     }
+}
+
+/// Why the instance is not ready, when its `GET /ready` answers 503; `None` for any other
+/// answer or none (an engine without the endpoint).
+async fn not_ready(shared: &Shared, inst: &Instance) -> Option<String> {
+    let t = shared.cfg.health_timeout;
+    let url = format!("{}/ready", inst.url);
+    let resp = tokio::time::timeout(t, shared.http.get(&url).timeout(t).send())
+        .await
+        .ok()?
+        .ok()?;
+    (resp.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE).then(|| "not ready".to_string())
 }
 
 /// D's `GET /v1/handoff/info`, if it answers one that parses; nothing else is asked of it.

@@ -34,6 +34,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .with_state(shared)
 }
@@ -694,6 +695,22 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, Json(body)).into_response()
+}
+
+/// Readiness: the proxy can route a request now (a healthy, ready P with a healthy, ready D it
+/// can exchange KV with). 503 says why not.
+async fn ready(State(s): State<Arc<Shared>>) -> Response {
+    match pick_prefill(&s) {
+        Ok(guard) => {
+            drop(guard);
+            (StatusCode::OK, Json(json!({"ready": true}))).into_response()
+        }
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"ready": false, "reason": e.message})),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {

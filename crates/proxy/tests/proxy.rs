@@ -911,3 +911,52 @@ async fn p_and_d_with_different_compatibility_keys_are_never_paired() {
     })
     .await
 }
+
+/// Readiness: an instance that answers `/health` but says it is not ready (`/ready` 503) gets
+/// no new request, and the proxy's own `/ready` is 503 (with the reason) when no P can be
+/// paired with a D, 200 when one can.
+#[tokio::test]
+async fn an_engine_that_is_not_ready_gets_no_request() {
+    bounded(async {
+        let log = Log::default();
+        let p1 = Fake::prefill("P1", &log).await;
+        let p2 = Fake::prefill("P2", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        p1.set_ready(503);
+        let paired = proxy(&[&p1, &p2], &[&d]).await;
+        for _ in 0..4 {
+            let (s, body) = post(&paired, "/v1/completions", &completion()).await;
+            assert_eq!(s, 200, "{body}");
+        }
+        assert!(
+            p1.received().is_empty(),
+            "a P that is not ready was sent a request"
+        );
+        let ready = client()
+            .get(format!("{}/ready", paired.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ready.status(), 200);
+        paired.shutdown().await.unwrap();
+
+        d.set_ready(503);
+        let alone = proxy(&[&p2], &[&d]).await;
+        let r = client()
+            .get(format!("{}/ready", alone.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503);
+        let body: Value = r.json().await.unwrap();
+        assert!(
+            body["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("decode"),
+            "{body}"
+        );
+        alone.shutdown().await.unwrap();
+    })
+    .await
+}

@@ -77,6 +77,8 @@ pub struct FakeState {
     pub release_delay_ms: AtomicU64,
     /// Status of GET /health.
     pub health: AtomicU16,
+    /// Status of GET /ready.
+    pub ready: AtomicU16,
     /// Status of completion answers (200 = normal).
     pub status: AtomicU16,
     /// Delay before the response head of a completion.
@@ -126,6 +128,7 @@ impl Fake {
             issued: Mutex::new(Vec::new()),
             releases: Mutex::new(Vec::new()),
             health: AtomicU16::new(200),
+            ready: AtomicU16::new(200),
             status: AtomicU16::new(200),
             head_delay_ms: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
@@ -157,6 +160,7 @@ impl Fake {
             .route("/v1/handoff/info", get(info))
             .route("/v1/models", get(models))
             .route("/health", get(health))
+            .route("/ready", get(ready))
             // No keep-alive: once the server task is aborted nothing of it is left, so `kill`
             // makes the fake truly unreachable (connection refused).
             .layer(axum::middleware::map_response(
@@ -222,6 +226,10 @@ impl Fake {
         self.state.health.store(status, Ordering::SeqCst);
     }
 
+    pub fn set_ready(&self, status: u16) {
+        self.state.ready.store(status, Ordering::SeqCst);
+    }
+
     pub fn set_status(&self, status: u16) {
         self.state.status.store(status, Ordering::SeqCst);
     }
@@ -271,6 +279,12 @@ fn redirect(to: &str, path: &str) -> Response {
         .header(header::LOCATION, format!("{to}{path}"))
         .body(Body::empty())
         .unwrap()
+}
+
+async fn ready(State(s): State<Arc<FakeState>>) -> Response {
+    StatusCode::from_u16(s.ready.load(Ordering::SeqCst))
+        .unwrap()
+        .into_response()
 }
 
 async fn health(State(s): State<Arc<FakeState>>) -> Response {
