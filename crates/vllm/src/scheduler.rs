@@ -89,6 +89,13 @@ pub struct SchedulerConfig {
     pub initial_lease_ms: Option<u64>,
     #[serde(default)]
     pub wait_deadline_ms: Option<u64>,
+    /// D, push: how long each grant D gives P on a registration lasts (renewed by P's
+    /// heartbeats). P posts a layer's writes only inside the grant it planned them on, and a
+    /// forward pass gets no new one: it must outlast P's longest forward pass (default 2 s; a
+    /// real model prefilling on CPU needs more). D frees a dead P's registered blocks this
+    /// long (plus the write grace) after its last grant.
+    #[serde(default)]
+    pub registration_lease_ms: Option<u64>,
     /// Workers' KV blocks are opaque pages (set from the layout the workers found).
     #[serde(default)]
     pub opaque_blocks: bool,
@@ -214,6 +221,9 @@ impl SchedulerSide {
         };
         if let Some(ms) = cfg.wait_deadline_ms {
             consumer.wait_deadline = std::time::Duration::from_millis(ms);
+        }
+        if let Some(ms) = cfg.registration_lease_ms {
+            consumer.registration_lease = std::time::Duration::from_millis(ms);
         }
         consumer.failure_policy = match cfg.failure_policy.as_deref() {
             None | Some("recompute") => FailurePolicy::Recompute,

@@ -327,6 +327,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "peer_hosts": [str(h) for h in self._extra.get("peer_hosts") or []],
             "initial_lease_ms": self._extra.get("initial_lease_ms"),
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
+            "registration_lease_ms": self._extra.get("registration_lease_ms"),
             "opaque_blocks": self._opaque,
             "kv_digest": bool(self._extra.get("kv_digest", False)),
             "failure_policy": getattr(

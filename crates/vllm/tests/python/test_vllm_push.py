@@ -17,10 +17,10 @@ from conftest import (BLOCK_SIZE, HOLD_WRITES_FILE, MAX_MODEL_LEN, REPORT, START
                       check_proxy_decodes_like_single, connector, free_port, fresh_usage,
                       usage_back_to)
 
-# handoff's defaults: a grant D gives P on its registration lasts REGISTRATION_LEASE_S, renewed
+# A grant D gives P on its registration lasts REGISTRATION_LEASE_S (set on D below), renewed
 # by P's heartbeats every HEARTBEAT_S; D frees its blocks WRITE_GRACE_S after the last grant
 # ended when P cannot confirm that no WRITE is in flight.
-REGISTRATION_LEASE_S = 2.0
+REGISTRATION_LEASE_S = 6.0
 HEARTBEAT_S = 0.5
 WRITE_GRACE_S = 1.5
 
@@ -38,7 +38,11 @@ def push(single):
                     env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_WRITES_FILE),
                                "RUST_LOG": "info,handoff_connector::forward_gate=debug"}),
         # D logs each KV digest it checked; its KV usage on /metrics shows its reserved blocks.
-        "d": Server("push-d", connector("vllm-push-d", mode="push", kv_digest=True),
+        # A grant on D's registration must outlast P's forward pass: the real model prefilling
+        # 2,000 tokens here takes seconds, past the 2 s default (the writes of the late layers
+        # then failed unposted and D recomputed).
+        "d": Server("push-d", connector("vllm-push-d", mode="push", kv_digest=True,
+                                        registration_lease_ms=int(REGISTRATION_LEASE_S * 1000)),
                     env_extra={"RUST_LOG": "info,handoff_connector::core::push_digest=debug"},
                     log_stats=True),
     }
