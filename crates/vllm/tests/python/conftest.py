@@ -40,7 +40,8 @@ STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
 MAX_MODEL_LEN = 2048
 P_MAX_MODEL_LEN = 4096  # the model's max_position_embeddings
 # P's lease on a handoff before its D first heartbeats (handoff's default is longer).
-INITIAL_LEASE_S = 4.0
+# (8 s: with real-model servers on two cores, a D's first heartbeat once came later than 4 s.)
+INITIAL_LEASE_S = 8.0
 BLOCK_SIZE = 128  # vLLM's default on CPU
 # handoff's default: after a lease ends, P waits this long before it frees (a READ granted
 # just before the end may still be landing).
