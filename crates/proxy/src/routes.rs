@@ -217,23 +217,21 @@ pub(crate) fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
     }
 }
 
-/// Picks a healthy P that some healthy D can exchange KV with (`pool::compatible`); says why
-/// when there is none. Nothing has been sent to either yet.
-pub(crate) fn pick_prefill(s: &Shared) -> Result<InFlight, ProxyError> {
-    let decodes = s.decode.healthy();
+/// Whether P can exchange KV with one of `decodes` (`pool::compatible`).
+fn has_partner(p: &Instance, decodes: &[Arc<Instance>]) -> bool {
+    decodes
+        .iter()
+        .any(|d| crate::pool::compatible(p, d).is_ok())
+}
+
+/// Why no healthy P has a healthy D to pair with (`decodes` are the healthy ones).
+fn no_pair(s: &Shared, decodes: &[Arc<Instance>]) -> ProxyError {
     if decodes.is_empty() {
-        return Err(ProxyError::no_instance(Role::Decode));
-    }
-    if let Some(p) = s.prefill.pick_where(s.cfg.policy, |p| {
-        decodes
-            .iter()
-            .any(|d| crate::pool::compatible(p, d).is_ok())
-    }) {
-        return Ok(p);
+        return ProxyError::no_instance(Role::Decode);
     }
     let prefills = s.prefill.healthy();
     if prefills.is_empty() {
-        return Err(ProxyError::no_instance(Role::Prefill));
+        return ProxyError::no_instance(Role::Prefill);
     }
     let why: Vec<String> = prefills
         .iter()
@@ -243,8 +241,20 @@ pub(crate) fn pick_prefill(s: &Shared) -> Result<InFlight, ProxyError> {
                 .filter_map(|d| crate::pool::compatible(p, d).err())
         })
         .collect();
-    tracing::warn!(reasons = %why.join("; "), "no compatible prefill and decode instance");
-    Err(ProxyError::incompatible(why.join("; ")))
+    ProxyError::incompatible(why.join("; "))
+}
+
+/// Picks a healthy P that some healthy D can exchange KV with (`pool::compatible`); says why
+/// when there is none. Nothing has been sent to either yet.
+pub(crate) fn pick_prefill(s: &Shared) -> Result<InFlight, ProxyError> {
+    let decodes = s.decode.healthy();
+    s.prefill
+        .pick_where(s.cfg.policy, |p| has_partner(p, &decodes))
+        .ok_or_else(|| {
+            let e = no_pair(s, &decodes);
+            tracing::warn!(reason = %e.message, "no prefill instance to send the request to");
+            e
+        })
 }
 
 /// Picks a healthy D that can exchange KV with P (`pool::compatible`).
@@ -700,17 +710,17 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 /// Readiness: the proxy can route a request now (a healthy, ready P with a healthy, ready D it
 /// can exchange KV with). 503 says why not.
 async fn ready(State(s): State<Arc<Shared>>) -> Response {
-    match pick_prefill(&s) {
-        Ok(guard) => {
-            drop(guard);
-            (StatusCode::OK, Json(json!({"ready": true}))).into_response()
-        }
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"ready": false, "reason": e.message})),
-        )
-            .into_response(),
+    // Asked, not picked: a probe must not move the round-robin or count a request in flight.
+    let decodes = s.decode.healthy();
+    if s.prefill.healthy().iter().any(|p| has_partner(p, &decodes)) {
+        return (StatusCode::OK, Json(json!({"ready": true}))).into_response();
     }
+    let e = no_pair(&s, &decodes);
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"ready": false, "reason": e.message})),
+    )
+        .into_response()
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
