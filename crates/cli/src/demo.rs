@@ -68,6 +68,11 @@ pub struct DemoArgs {
     /// instead of killed, and healed once P took its blocks back.
     #[arg(long)]
     pub netns: bool,
+    /// Two prefill engines; one is drained mid-load (SIGTERM: it stops taking prefills and
+    /// serves the reads of every handoff it holds, then exits) instead of a decode engine
+    /// killed. The report gives the drain time and what the drain recomputed (0).
+    #[arg(long, conflicts_with = "netns")]
+    pub drain: bool,
     /// Set by `--netns` when it runs the demo inside the namespaces it made: `PREFIX:SUBNET`.
     #[arg(long, hide = true)]
     pub netns_inside: Option<String>,
@@ -81,6 +86,9 @@ pub(crate) struct Engine {
     pub(crate) child: Child,
     pub(crate) url: String,
     pub(crate) id: String,
+    /// Kept open: the engine prints again when it is drained (`drained {report}`), and a closed
+    /// pipe would fail that write.
+    stdout: BufReader<std::process::ChildStdout>,
 }
 
 impl Drop for Engine {
@@ -138,9 +146,9 @@ fn spawn_engine_on(
         .stderr(Stdio::inherit())
         .spawn()
         .context("cannot start an engine")?;
-    let stdout = child.stdout.take().context("no stdout")?;
+    let mut stdout = BufReader::new(child.stdout.take().context("no stdout")?);
     let mut line = String::new();
-    BufReader::new(stdout)
+    stdout
         .read_line(&mut line)
         .context("engine did not start")?;
     let url = line
@@ -154,7 +162,35 @@ fn spawn_engine_on(
         child,
         url,
         id: id.to_string(),
+        stdout,
     })
+}
+
+impl Engine {
+    /// Sends SIGTERM and waits (on a blocking thread) for the engine to drain and exit: its
+    /// drain report, and the seconds from the signal to the exit.
+    async fn drain(mut self) -> anyhow::Result<(Value, f64)> {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)
+            .context("engine without a process id")?;
+        let t0 = Instant::now();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+            .context("cannot send SIGTERM")?;
+        tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            // The engine prints `drained {json}` once drained, then exits.
+            let mut report = Value::Null;
+            while self.stdout.read_line(&mut line).unwrap_or(0) > 0 {
+                if let Some(json) = line.trim().strip_prefix("drained ") {
+                    report = serde_json::from_str(json).unwrap_or(Value::Null);
+                }
+                line.clear();
+            }
+            let status = self.child.wait().context("engine lost")?;
+            anyhow::ensure!(status.success(), "drained engine exited with {status}");
+            Ok((report, t0.elapsed().as_secs_f64()))
+        })
+        .await?
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -217,6 +253,12 @@ struct Report {
     /// the cut to P holding none of its blocks.
     partitioned_engine: Option<String>,
     reclaim_after_partition_s: Option<f64>,
+    /// `--drain`: the prefill engine drained mid-load, the seconds from SIGTERM to its exit,
+    /// and its own report (time, and blocks left when it stopped: 0 for a clean drain).
+    drained_engine: Option<String>,
+    blocks_held_by_drained_engine_at_drain: usize,
+    drain_s: Option<f64>,
+    drain_report: Option<Value>,
     netns: bool,
     leaked_blocks: usize,
     outputs_compared: usize,
@@ -538,6 +580,14 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         "prefill",
         &common(args.prefill_tp, args.prefill_block_size),
     )?;
+    // --drain: a second P, drained mid-load while this one takes over.
+    let mut p_args = common(args.prefill_tp, args.prefill_block_size);
+    // Readiness false for a second before it refuses: the proxy checks every 200 ms.
+    p_args.extend(["--set".to_string(), "drain_grace_ms=1000".to_string()]);
+    let mut draining_p = match args.drain {
+        true => Some(spawn_engine("prefill-1", "prefill", &p_args)?),
+        false => None,
+    };
     let d1 = spawn_engine(
         "decode-1",
         "decode",
@@ -562,7 +612,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     };
     let proxy = handoff_proxy::start(handoff_proxy::ProxyConfig {
         bind: bind.parse()?,
-        prefill: vec![p.url.clone()],
+        prefill: std::iter::once(p.url.clone())
+            .chain(draining_p.as_ref().map(|e| e.url.clone()))
+            .collect(),
         decode: vec![d1.url.clone(), d2.url.clone()],
         mode: match args.mode.as_str() {
             "push" => handoff_proxy::TransferMode::Push,
@@ -609,7 +661,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     );
     let sem = Arc::new(Semaphore::new(args.concurrency.max(1)));
     let results: Arc<Mutex<Vec<(Job, Outcome)>>> = Arc::new(Mutex::new(Vec::new()));
-    let kill_at = if args.no_kill {
+    let kill_at = if args.no_kill || args.drain {
         usize::MAX
     } else {
         jobs.len() * 2 / 5
@@ -620,7 +672,31 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let mut d2_metrics = String::new();
     let mut kill_check = None;
     let mut partitioned: Option<Engine> = None;
+    let mut drain_check = None;
+    let drain_at = jobs.len() * 2 / 5;
     for job in jobs {
+        if job.idx == drain_at {
+            if let Some(e) = draining_p.take() {
+                // Drain it while it holds blocks that a D has not read yet (up to 10 s).
+                let wait = Instant::now();
+                let mut at_drain = 0;
+                while wait.elapsed() < Duration::from_secs(10) {
+                    let v: Value = match client.get(format!("{}/health", e.url)).send().await {
+                        Ok(r) => r.json().await.unwrap_or_default(),
+                        Err(_) => Value::Null,
+                    };
+                    at_drain = v["held_blocks"]["prefill"].as_u64().unwrap_or(0);
+                    if at_drain > 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                report.blocks_held_by_drained_engine_at_drain = at_drain as usize;
+                bar.set_message(format!("draining {} (SIGTERM)", e.id));
+                report.drained_engine = Some(e.id.clone());
+                drain_check = Some(tokio::spawn(e.drain()));
+            }
+        }
         if job.idx == kill_at {
             if let Some(mut e) = d2.take() {
                 // Kill it while P holds blocks for it (wait up to 5 s for that moment).
@@ -713,10 +789,20 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         }
     }
 
+    if let Some(d) = drain_check {
+        let (engine_report, secs) = d.await??;
+        // What the drained engine still held when it stopped counts as leaked.
+        report.drain_s = Some(secs);
+        report.drain_report = Some(engine_report);
+    }
+
     // Let in-flight releases land, then look for blocks still out of the pools.
     let settle = Instant::now();
     // A partitioned engine is back (healed) and must be whole too.
     let mut engines = vec![&p, &d1];
+    if args.drain {
+        engines.extend(d2.as_ref());
+    }
     engines.extend(partitioned.as_ref());
     loop {
         let mut held = 0usize;
@@ -725,7 +811,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             held += metric(&m, "handoff_kv_blocks_held") as usize
                 + metric(&m, "engine_kv_blocks_used") as usize;
         }
-        report.leaked_blocks = held;
+        let drained_left = report.drain_report.as_ref().map_or(0, |r| {
+            r["handoff_blocks_left"].as_u64().unwrap_or(0)
+                + r["pool_blocks_left"].as_u64().unwrap_or(0)
+        });
+        report.leaked_blocks = held + drained_left as usize;
         if held == 0 || settle.elapsed() > Duration::from_secs(5) {
             break;
         }
@@ -783,7 +873,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     report.handoffs_ended = metric_by_label(&pm, "handoff_handoffs_ended_total", "reason");
     let dm = get_text(&client, &format!("{}/metrics", d1.url)).await;
     // A partitioned decode engine lived on: its counters are read at the end, like the others'.
-    if let Some(e) = &partitioned {
+    // So did one never killed (--no-kill, --drain).
+    if let Some(e) = partitioned.as_ref().or(d2.as_ref()) {
         d2_metrics = get_text(&client, &format!("{}/metrics", e.url)).await;
     }
     // Pull: D posts the READs; push: P posts the WRITEs. Each side counts what it posted.
@@ -905,9 +996,25 @@ fn report_text(r: &Report) -> String {
             r.blocks_held_by_killed_engine_at_kill, s
         ),
         (Some(e), None) => writeln!(o, "  killed {e}: its blocks were NOT all reclaimed"),
-        _ if r.partitioned_engine.is_some() => Ok(()),
+        _ if r.partitioned_engine.is_some() || r.drained_engine.is_some() => Ok(()),
         _ => writeln!(o, "  no engine killed"),
     };
+    if let (Some(e), Some(s)) = (&r.drained_engine, r.drain_s) {
+        let rep = r.drain_report.clone().unwrap_or_default();
+        let _ = writeln!(
+            o,
+            "  drained {e} mid-load (SIGTERM) holding {} blocks of handoffs: exited {s:.3} s \
+             later, {}; blocks left at its exit: {} of handoffs, {} of its pool",
+            r.blocks_held_by_drained_engine_at_drain,
+            if rep["timed_out"] == json!(false) {
+                "nothing in flight left"
+            } else {
+                "at its deadline"
+            },
+            rep["handoff_blocks_left"],
+            rep["pool_blocks_left"]
+        );
+    }
     let _ = writeln!(o, "  blocks still held at the end: {}", r.leaked_blocks);
     let _ = writeln!(
         o,

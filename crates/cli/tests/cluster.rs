@@ -243,6 +243,43 @@ fn demo_reclaims_leaks_nothing_and_matches_monolithic() {
     assert!(reclaim < 2.0, "{stdout}");
 }
 
+/// `demo --drain`: one of two prefill engines gets SIGTERM mid-load while it holds handoffs a
+/// busy D has not read; it serves them, exits by itself, and nothing is recomputed or leaked.
+#[test]
+fn demo_drains_a_prefill_engine_mid_load_without_a_recompute() {
+    let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args([
+            "demo",
+            "--json",
+            "--drain",
+            "--requests",
+            "48",
+            "--seed",
+            "3",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .expect("demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().expect("report");
+    let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(r["drained_engine"], "prefill-1", "{stdout}");
+    assert!(
+        r["blocks_held_by_drained_engine_at_drain"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{stdout}"
+    );
+    assert_eq!(r["drain_report"]["timed_out"], false, "{stdout}");
+    assert!(r["drain_s"].as_f64().is_some(), "{stdout}");
+    assert_eq!(r["requests_recomputed"], 0.0, "{stdout}");
+    assert_eq!(r["leaked_blocks"], 0, "{stdout}");
+    assert_eq!(r["output_mismatches"], 0, "{stdout}");
+    assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
+}
+
 fn info(c: &reqwest::blocking::Client, e: &Engine) -> Value {
     c.get(format!("{}/v1/handoff/info", e.url))
         .send()

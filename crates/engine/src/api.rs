@@ -29,8 +29,9 @@ use crate::scheduler::{Command, Kind, SeqEvent, Submission};
 pub struct ApiState {
     pub model: String,
     pub role: handoff_connector::Role,
-    pub scheduler: Mutex<Sender<Command>>,
+    pub scheduler: Arc<Mutex<Sender<Command>>>,
     pub connector: Option<Arc<Connector>>,
+    pub(crate) drain: Arc<crate::drain::Drain>,
     pub registry: Arc<Mutex<Registry>>,
     pub next_id: AtomicU64,
 }
@@ -57,21 +58,35 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
+/// 503 for a request that arrives while the engine drains: another instance takes it.
+fn draining() -> Response {
+    let body = json!({"error": {"message": "this engine is draining: send the request to another instance",
+        "type": "draining", "code": 503}});
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [("retry-after", "1")],
+        Json(body),
+    )
+        .into_response()
+}
+
 async fn models(State(s): State<Arc<ApiState>>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": s.model, "object": "model", "owned_by": "handoff"}]}),
     )
 }
 
-/// Readiness, as Kubernetes and routers mean it: this engine takes work now. Its scheduler
-/// thread takes commands and its connector (if it has one) runs; `/health` only says the HTTP
-/// server answers.
+/// Readiness, as Kubernetes and routers mean it: this engine takes work now. It is not
+/// draining, its scheduler thread takes commands and its connector (if it has one) runs;
+/// `/health` only says the HTTP server answers.
 async fn ready(State(s): State<Arc<ApiState>>) -> Response {
+    let draining = s.drain.begun();
     let scheduler = s.scheduler.lock().send(Command::Wake).is_ok();
     let connector = s.connector.as_ref().map_or(true, |c| c.is_running());
-    let body =
-        json!({"ready": scheduler && connector, "scheduler": scheduler, "connector": connector});
-    let status = if scheduler && connector {
+    let ready = scheduler && connector && !draining;
+    let body = json!({"ready": ready, "draining": draining, "scheduler": scheduler,
+        "connector": connector});
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -314,6 +329,10 @@ async fn serve(
     let (tx, rx) = unbounded_channel();
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (n, stream_out, request_id) = (p.n, p.stream, p.request_id.clone());
+    let remote_prefill = match &p.kind {
+        Kind::RemotePrefill(params) => Some(params.clone()),
+        _ => None,
+    };
     let sub = Submission {
         id,
         external_id: p.request_id,
@@ -323,8 +342,23 @@ async fn serve(
         kind: p.kind,
         events: tx,
     };
-    if s.scheduler.lock().send(Command::Submit(sub)).is_err() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "engine is shutting down");
+    {
+        // Under the queue's lock: a drain that has looked at the queue sees every request that
+        // got past this check (`drain::run`).
+        let queue = s.scheduler.lock();
+        if s.drain.refusing() {
+            drop(queue);
+            if let (Some(c), Some(params)) = (&s.connector, remote_prefill) {
+                // D refuses before admission: P must not wait out a lease for it.
+                if let Err(e) = c.reject(&params) {
+                    tracing::warn!(error = %e, "could not tell P of a refused remote prefill");
+                }
+            }
+            return draining();
+        }
+        if queue.send(Command::Submit(sub)).is_err() {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "engine is shutting down");
+        }
     }
     let model = s.model.clone();
     if stream_out {

@@ -145,6 +145,22 @@ pub struct EngineConfig {
     /// Pull: check each handoff's KV digest (P computes it over its blocks, D over what landed;
     /// a mismatch fails the transfer). Costs one pass over the KV on each side.
     pub kv_digest: bool,
+    /// Drain (SIGTERM, or `POST /drain` on the admin listener): how long readiness is false
+    /// while new requests are still taken, so that routers stop sending before this engine
+    /// refuses (longer than their health-check period).
+    pub drain_grace_ms: u64,
+    /// Drain: the longest it waits, from its start, for the handoffs it holds and the requests
+    /// it serves to end; then it exits anyway, and the peers of what was left recompute or fail
+    /// per their policy.
+    pub drain_timeout_ms: u64,
+    /// Bearer token every admin call must present (`Authorization: Bearer …`), at least 16
+    /// characters. Set, the engine opens its admin listener (`POST /drain` for a Kubernetes
+    /// preStop hook); empty: no admin listener. Best given as `HANDOFF_ADMIN_TOKEN`.
+    pub admin_token: String,
+    /// Admin listener port (0: any free port).
+    pub admin_port: u16,
+    /// Address the admin listener binds (loopback: a preStop hook runs in the engine's pod).
+    pub admin_host: String,
 }
 
 impl Default for EngineConfig {
@@ -208,6 +224,11 @@ impl Default for EngineConfig {
             max_side_handshakes_per_source:
                 handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
             kv_digest: false,
+            drain_grace_ms: 5_000,
+            drain_timeout_ms: 20_000,
+            admin_token: String::new(),
+            admin_port: 0,
+            admin_host: "127.0.0.1".into(),
         }
     }
 }
@@ -558,6 +579,22 @@ impl EngineConfig {
             return Err(bad("http_max_header_bytes", "must be 8192..=16777216"));
         }
         self.http_limits().validate().map_err(|e| bad("http", e))?;
+        if self.drain_grace_ms >= self.drain_timeout_ms {
+            return Err(bad(
+                "drain_grace_ms",
+                "must be shorter than drain_timeout_ms (the grace is part of the drain)",
+            ));
+        }
+        if !self.admin_token.is_empty() && self.admin_token.chars().count() < 16 {
+            return Err(bad(
+                "admin_token",
+                "must be at least 16 characters: the admin listener drains the engine, and \
+                 only its operator may",
+            ));
+        }
+        if !self.admin_token.is_empty() && self.admin_host.is_empty() {
+            return Err(bad("admin_host", "must name an address to bind"));
+        }
         if self.tombstone_ttl_ms < self.hard_cap_ms {
             return Err(bad(
                 "tombstone_ttl_ms",

@@ -8,6 +8,7 @@
 
 mod api;
 pub mod config;
+mod drain;
 mod kv;
 mod metrics;
 pub mod model;
@@ -17,6 +18,7 @@ mod scheduler;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use anyhow::Context;
 use handoff_connector::{Connector, ConnectorConfig, RankMemory, Role};
@@ -27,6 +29,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
 
 pub use config::{ConfigError, EngineConfig};
+pub use drain::DrainReport;
 
 /// The fabric every `mem`-transport engine of this process shares (tests run clusters
 /// in-process with it).
@@ -40,9 +43,12 @@ pub struct RunningEngine {
     pub addr: SocketAddr,
     pub engine_id: String,
     pub connector: Option<Arc<Connector>>,
-    shutdown: Option<oneshot::Sender<()>>,
+    /// The admin listener's address, when `admin_token` is set.
+    pub admin_addr: Option<SocketAddr>,
+    shutdown: Vec<oneshot::Sender<()>>,
     scheduler: std::sync::mpsc::Sender<scheduler::Command>,
-    server: tokio::task::JoinHandle<()>,
+    servers: Vec<tokio::task::JoinHandle<()>>,
+    drain: Arc<drain::Drain>,
 }
 
 impl RunningEngine {
@@ -51,14 +57,29 @@ impl RunningEngine {
     }
 
     pub async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
+        for tx in self.shutdown.drain(..) {
             let _ = tx.send(());
         }
         let _ = self.scheduler.send(scheduler::Command::Shutdown);
         if let Some(c) = &self.connector {
             c.shutdown();
         }
-        let _ = (&mut self.server).await;
+        for server in self.servers.drain(..) {
+            let _ = server.await;
+        }
+    }
+
+    /// Drains the engine (see `drain.rs`: readiness false, then new requests refused, until
+    /// nothing is in flight or `drain_timeout_ms`) and says how it went. The engine still runs
+    /// afterwards: `stop` it.
+    pub async fn drain(&self) -> DrainReport {
+        self.drain.begin("asked by the embedding program");
+        self.drain.finished().await
+    }
+
+    /// Resolves when a drain has been asked for (an admin call).
+    async fn drain_requested(&self) {
+        self.drain.requested().await
     }
 }
 
@@ -89,9 +110,9 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     );
     let mut registry = Registry::default();
     let metrics = metrics::EngineMetrics::new(&mut registry);
-    let http_metrics =
-        handoff_http::HttpMetrics::register(registry.sub_registry_with_prefix("engine"))
-            .listener("api");
+    let http_admin_metrics =
+        handoff_http::HttpMetrics::register(registry.sub_registry_with_prefix("engine"));
+    let http_metrics = http_admin_metrics.listener("api");
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
@@ -174,25 +195,62 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
         .name(format!("engine-{}", cfg.engine_id))
         .spawn(move || sched.run(sched_rx))?;
 
+    let queue = Arc::new(Mutex::new(sched_tx.clone()));
+    let drain = drain::Drain::new();
+    tokio::spawn(drain::run(
+        drain.clone(),
+        drain::Engine {
+            scheduler: queue.clone(),
+            connector: connector.clone(),
+            grace: Duration::from_millis(cfg.drain_grace_ms),
+            timeout: Duration::from_millis(cfg.drain_timeout_ms),
+        },
+    ));
+    let admin = match cfg.admin_token.is_empty() {
+        true => None,
+        false => Some(
+            tokio::net::TcpListener::bind((cfg.admin_host.as_str(), cfg.admin_port))
+                .await
+                .with_context(|| {
+                    format!(
+                        "cannot listen on {}:{} (admin)",
+                        cfg.admin_host, cfg.admin_port
+                    )
+                })?,
+        ),
+    };
+    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let state = Arc::new(api::ApiState {
         model: cfg.model.clone(),
         role,
-        scheduler: Mutex::new(sched_tx.clone()),
+        scheduler: queue,
         connector: connector.clone(),
+        drain: drain.clone(),
         registry: Arc::new(Mutex::new(registry)),
         next_id: AtomicU64::new(1),
     });
-    let (shutdown, rx) = oneshot::channel::<()>();
-    let app = api::router(state);
     let limits = cfg.http_limits();
-    let server = tokio::spawn(async move {
-        let stopped = async {
-            let _ = rx.await;
-        };
-        if let Err(e) = handoff_http::serve(listener, app, limits, http_metrics, stopped).await {
-            tracing::error!(error = %e, "the HTTP API stopped");
-        }
-    });
+    let mut shutdown = Vec::new();
+    let mut servers = Vec::new();
+    let mut listeners = vec![(listener, api::router(state), http_metrics, "HTTP API")];
+    if let Some(l) = admin {
+        let m = http_admin_metrics.listener("admin");
+        let app = drain::admin_router(drain.clone(), cfg.admin_token.clone());
+        listeners.push((l, app, m, "admin listener"));
+    }
+    for (listener, app, m, what) in listeners {
+        let (tx, rx) = oneshot::channel::<()>();
+        let limits = limits.clone();
+        servers.push(tokio::spawn(async move {
+            let stopped = async {
+                let _ = rx.await;
+            };
+            if let Err(e) = handoff_http::serve(listener, app, limits, m, stopped).await {
+                tracing::error!(error = %e, "the {what} stopped");
+            }
+        }));
+        shutdown.push(tx);
+    }
     tracing::info!(
         engine = %cfg.engine_id,
         role = %cfg.role,
@@ -203,23 +261,35 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     );
     Ok(RunningEngine {
         addr,
+        admin_addr,
         engine_id: cfg.engine_id,
         connector,
-        shutdown: Some(shutdown),
+        shutdown,
         scheduler: sched_tx,
-        server,
+        servers,
+        drain,
     })
 }
 
-/// Runs an engine until the process is stopped.
+/// Runs an engine until it is drained: by SIGTERM, or by `POST /drain` on the admin listener.
+/// A drained engine stops and returns (the process exits 0).
 pub async fn run(cfg: EngineConfig) -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot handle SIGTERM")?;
     let engine = start(cfg).await?;
     println!(
         "handoff engine {} listening on {}",
         engine.engine_id,
         engine.url()
     );
-    std::future::pending::<()>().await;
+    tokio::select! {
+        _ = term.recv() => engine.drain.begin("SIGTERM"),
+        _ = engine.drain_requested() => {}
+    }
+    let report = engine.drain.finished().await;
+    // The line a supervisor (or `handoff demo --drain`) reads.
+    println!("drained {}", serde_json::to_string(&report)?);
+    engine.stop().await;
     Ok(())
 }
 

@@ -68,6 +68,9 @@ pub enum Command {
     /// The connector queued events (a KV landed, a transfer failed): handle them now rather
     /// than at the idle loop's next tick.
     Wake,
+    /// Drain: whether nothing is queued, awaited or decoded here and every block is back in
+    /// the pool (the second value: blocks out of it).
+    Idle(tokio::sync::oneshot::Sender<(bool, usize)>),
     Shutdown,
 }
 
@@ -167,6 +170,7 @@ impl Scheduler {
             match inbox.recv_timeout(wait) {
                 Ok(Command::Submit(s)) => self.submit(s),
                 Ok(Command::Wake) => {}
+                Ok(Command::Idle(tx)) => self.answer_idle(tx),
                 Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
                 Err(RecvTimeoutError::Timeout) => {}
             }
@@ -174,6 +178,7 @@ impl Scheduler {
                 match cmd {
                     Command::Submit(s) => self.submit(s),
                     Command::Wake => {}
+                    Command::Idle(tx) => self.answer_idle(tx),
                     Command::Shutdown => return,
                 }
             }
@@ -183,6 +188,17 @@ impl Scheduler {
             self.decode_step();
             self.update_gauges();
         }
+    }
+
+    fn answer_idle(&self, tx: tokio::sync::oneshot::Sender<(bool, usize)>) {
+        let used = self.pool.used_count();
+        let idle = self.waiting.is_empty()
+            && self.awaiting_kv.is_empty()
+            && self.running.is_empty()
+            && self.shared.is_empty()
+            && used == 0;
+        // The drain that asked may have given up meanwhile.
+        let _ = tx.send((idle, used));
     }
 
     fn update_gauges(&self) {

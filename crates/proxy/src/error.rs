@@ -151,6 +151,19 @@ impl ProxyError {
 
     /// The upstream answered with an error status. 503 (overloaded, pool full) stays 503 so that
     /// a client may retry; other 5xx become 502; a 4xx is the client's fault and keeps its status.
+    /// The instance answered 503 `draining` (it is leaving the fleet, and took nothing of the
+    /// request): another instance may take the request.
+    pub(crate) fn is_drain_refusal(&self) -> bool {
+        self.detail.upstream_status == Some(503)
+            && self
+                .detail
+                .upstream_body
+                .as_ref()
+                .and_then(|b| b.pointer("/error/type"))
+                .and_then(Value::as_str)
+                == Some("draining")
+    }
+
     pub(crate) fn upstream_status(
         role: Role,
         instance: &str,

@@ -272,40 +272,54 @@ async fn pull(
     client: Map<String, Value>,
     received: Instant,
 ) -> Result<Response, ProxyError> {
-    // D is checked before P is called: a prefill that no D can decode only pins P's blocks.
-    let p_guard = pick_prefill(s)?;
-    let p = p_guard.instance().clone();
-    // A P and a D that both take a layer-wise pull (their health checks read their info) get
-    // both legs at once, as in push mode: D reads each layer while P's prefill runs.
-    if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
-        let d_guard = pick_decode_for(s, &p)?;
-        let d_takes = d_guard
-            .instance()
-            .handoff_info()
-            .is_some_and(|i| i.takes_layerwise_pull());
-        if d_takes {
-            let legs = push::BothLegs {
-                path,
-                rid,
-                headers,
-                received,
-                mode: TransferMode::Pull,
-            };
-            return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
+    // A P that answers 503 `draining` took nothing: the request goes to another P, once (the
+    // drained one is marked unhealthy until its health check says otherwise).
+    let mut refused_by_draining = false;
+    let (p, params) = loop {
+        // D is checked before P is called: a prefill that no D can decode only pins P's blocks.
+        let p_guard = pick_prefill(s)?;
+        let p = p_guard.instance().clone();
+        // A P and a D that both take a layer-wise pull (their health checks read their info) get
+        // both legs at once, as in push mode: D reads each layer while P's prefill runs.
+        if let Some(info) = p.handoff_info().filter(|i| i.takes_layerwise_pull()) {
+            let d_guard = pick_decode_for(s, &p)?;
+            let d_takes = d_guard
+                .instance()
+                .handoff_info()
+                .is_some_and(|i| i.takes_layerwise_pull());
+            if d_takes {
+                let legs = push::BothLegs {
+                    path,
+                    rid,
+                    headers,
+                    received,
+                    mode: TransferMode::Pull,
+                };
+                return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
+            }
+            // Picked again once P answered, as for any classic pull: holding this one through the
+            // prefill would count it busy meanwhile and miss it going down.
+            drop(d_guard);
         }
-        // Picked again once P answered, as for any classic pull: holding this one through the
-        // prefill would count it busy meanwhile and miss it going down.
-        drop(d_guard);
-    }
-    let params = prefill_leg(
-        s,
-        &p,
-        path,
-        forward_headers(headers, rid),
-        &prefill_leg_body(&client),
-    )
-    .await?;
-    drop(p_guard);
+        let answer = prefill_leg(
+            s,
+            &p,
+            path,
+            forward_headers(headers, rid),
+            &prefill_leg_body(&client),
+        )
+        .await;
+        match answer {
+            Ok(params) => break (p, params),
+            Err(e) if e.is_drain_refusal() && !refused_by_draining => {
+                tracing::info!(request_id = %rid, prefill = %p.url,
+                    "prefill instance is draining: sending the request to another");
+                p.set_healthy(false);
+                refused_by_draining = true;
+            }
+            Err(e) => return Err(e),
+        }
+    };
 
     // From here P holds blocks for this request: every way out until D accepts it releases them.
     let mut release = ReleaseGuard::new(s.clone(), p.clone(), params.clone(), rid);

@@ -916,6 +916,27 @@ async fn p_and_d_with_different_compatibility_keys_are_never_paired() {
 /// no new request, and the proxy's own `/ready` is 503 (with the reason) when no P can be
 /// paired with a D, 200 when one can.
 #[tokio::test]
+async fn a_request_refused_by_a_draining_prefill_goes_to_another() {
+    bounded(async {
+        let log = Log::default();
+        let p1 = Fake::prefill("P1", &log).await;
+        let p2 = Fake::prefill("P2", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        // Draining, and the proxy has not seen its readiness change yet.
+        p1.set_draining();
+        let px = proxy(&[&p1, &p2], &[&d]).await;
+        for _ in 0..4 {
+            let (s, body) = post(&px, "/v1/completions", &completion()).await;
+            assert_eq!(s, 200, "{body}");
+        }
+        assert!(!p1.received().is_empty(), "P1 was tried");
+        assert_eq!(p2.received().len(), 4, "P2 served every request");
+        px.shutdown().await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test]
 async fn an_engine_that_is_not_ready_gets_no_request() {
     bounded(async {
         let log = Log::default();

@@ -81,6 +81,8 @@ pub struct FakeState {
     pub ready: AtomicU16,
     /// Status of completion answers (200 = normal).
     pub status: AtomicU16,
+    /// Completions are answered 503 `draining` (a P leaving the fleet, refusing new work).
+    pub draining: AtomicBool,
     /// Delay before the response head of a completion.
     pub head_delay_ms: AtomicU64,
     /// Delay between SSE chunks.
@@ -130,6 +132,7 @@ impl Fake {
             health: AtomicU16::new(200),
             ready: AtomicU16::new(200),
             status: AtomicU16::new(200),
+            draining: AtomicBool::new(false),
             head_delay_ms: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
             chunk_delay_ms: AtomicU64::new(20),
@@ -228,6 +231,10 @@ impl Fake {
 
     pub fn set_ready(&self, status: u16) {
         self.state.ready.store(status, Ordering::SeqCst);
+    }
+
+    pub fn set_draining(&self) {
+        self.state.draining.store(true, Ordering::SeqCst);
     }
 
     pub fn set_status(&self, status: u16) {
@@ -391,6 +398,10 @@ async fn completion(
     }
     pending.answered = true;
     s.log.push(&format!("{}:answer", s.name));
+    if s.draining.load(Ordering::SeqCst) {
+        let body = json!({"error": {"message": "draining", "type": "draining", "code": 503}});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     let status = StatusCode::from_u16(s.status.load(Ordering::SeqCst)).unwrap();
     if status != StatusCode::OK {
         let msg = if status == StatusCode::SERVICE_UNAVAILABLE {
