@@ -146,6 +146,7 @@ fn the_cli_page_is_clap_s_help() {
         &["bench"],
         &["bench", "ttft"],
         &["bench", "transfer"],
+        &["bench", "descriptors"],
         &["bench", "connector"],
         &["bench", "ledger"],
         &["bench", "soak"],

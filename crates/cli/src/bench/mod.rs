@@ -2,6 +2,7 @@
 //! JSON object on the last line.
 
 mod connector;
+mod descriptors;
 mod ledger;
 pub(crate) mod report;
 mod soak;
@@ -41,6 +42,9 @@ pub enum BenchCommand {
     /// tcp and nixl throughput (READ and WRITE, scattered 4 KiB / 64 KiB / 1 MiB blocks and a
     /// real model's blocks, two processes) against raw TCP, raw NIXL and memcpy.
     Transfer(transfer::TransferArgs),
+    /// What a pool layout costs NIXL: one handoff's bytes READ as a descriptor per block and
+    /// layer against a descriptor per layer, raw NIXL, host or GPU memory (`--memory vram`).
+    Descriptors(descriptors::DescriptorsArgs),
     /// Time to first token through pull, through push and on one monolithic engine (by default
     /// prompts of 512, 2048 and 8192 tokens, concurrency 1 and 8), with the ratios between them
     /// and each case's timeline broken down into phases.
@@ -59,6 +63,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         } => ledger::run(&sizes, json, report.as_deref()),
         BenchCommand::Connector { json, sizes } => connector::run(&sizes, json),
         BenchCommand::Soak(args) => soak::run(args),
+        BenchCommand::Descriptors(args) => descriptors::run(args),
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::TransferPeer(args) => transfer::peer(args),
         BenchCommand::Ttft(args) => ttft::run(args),

@@ -1027,6 +1027,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
             iters: 1,
             notify: false,
             poll: Duration::ZERO,
+            memory: raw::RawMemory::Dram,
         },
     ) {
         Ok(_) => Ok(handoff_transport::nixl::locate(&cfg)?),
@@ -1213,6 +1214,7 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                         poll: Duration::from_micros(
                             POLL_US.load(std::sync::atomic::Ordering::Relaxed),
                         ),
+                        memory: raw::RawMemory::Dram,
                     },
                 )?;
                 theirs.once()?;

@@ -64,6 +64,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod agent;
+mod cuda;
 mod find;
 pub mod raw;
 mod sys;

@@ -32,6 +32,55 @@ pub struct RawSpec {
     /// the cores to NIXL's own threads (its progress thread, and the UCX backend's worker threads
     /// when `num_threads` is set), so a comparison polls both sides the same way.
     pub poll: Duration,
+    /// Where both agents' buffers live.
+    pub memory: RawMemory,
+}
+
+/// Host memory, or GPU 0's memory (allocated through the CUDA driver, loaded at run time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RawMemory {
+    #[default]
+    Dram,
+    Vram,
+}
+
+impl RawMemory {
+    fn nixl(self) -> sys::MemType {
+        match self {
+            RawMemory::Dram => sys::MEM_DRAM,
+            RawMemory::Vram => sys::MEM_VRAM,
+        }
+    }
+}
+
+/// An agent's buffer: host bytes, or a device allocation filled from them.
+enum Buffer {
+    Host(Vec<u8>),
+    Device(super::cuda::DeviceBuffer),
+}
+
+impl Buffer {
+    fn addr(&self) -> usize {
+        match self {
+            Buffer::Host(v) => v.as_ptr() as usize,
+            Buffer::Device(d) => d.addr(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buffer::Host(v) => v.len(),
+            Buffer::Device(d) => d.len(),
+        }
+    }
+
+    /// The bytes, as the host sees them now (a device buffer is copied out).
+    fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>, TransportError> {
+        match self {
+            Buffer::Host(v) => Ok(std::borrow::Cow::Borrowed(v)),
+            Buffer::Device(d) => Ok(std::borrow::Cow::Owned(d.to_host()?)),
+        }
+    }
 }
 
 /// What was measured: each transfer timed from request creation to release.
@@ -97,7 +146,9 @@ struct RawAgent {
     registered: bool,
     notifs: sys::NotifMap,
     name: CString,
-    buf: Vec<u8>,
+    memory: RawMemory,
+    // Declared last: freed after the registration (Drop deregisters first).
+    buf: Buffer,
 }
 
 impl RawAgent {
@@ -107,6 +158,7 @@ impl RawAgent {
         cfg: &NixlConfig,
         len: usize,
         fill: Option<fn(&mut [u8])>,
+        memory: RawMemory,
     ) -> Result<Self, TransportError> {
         let name = CString::new(name).map_err(|e| TransportError::Io(e.to_string()))?;
         let backend_name =
@@ -131,13 +183,20 @@ impl RawAgent {
             name,
             // Every page is written (faulted in) before it is registered, as the transport's
             // regions are when the engine fills them.
-            buf: match fill {
-                Some(f) => {
-                    let mut v = vec![0u8; len];
-                    f(&mut v);
-                    v
+            memory,
+            buf: {
+                let host = match fill {
+                    Some(f) => {
+                        let mut v = vec![0u8; len];
+                        f(&mut v);
+                        v
+                    }
+                    None => vec![0x5a; len],
+                };
+                match memory {
+                    RawMemory::Dram => Buffer::Host(host),
+                    RawMemory::Vram => Buffer::Device(super::cuda::DeviceBuffer::new(&host)?),
                 }
-                None => vec![0x5a; len],
             },
         };
         // SAFETY: C string name, valid config and out pointer.
@@ -177,14 +236,15 @@ impl RawAgent {
             ok("create_notif_map", (api.create_notif_map)(&mut a.notifs))?;
             ok(
                 "create_reg_dlist",
-                (api.create_reg_dlist)(sys::MEM_DRAM, &mut a.reg),
+                (api.create_reg_dlist)(a.memory.nixl(), &mut a.reg),
             )?;
             ok(
                 "reg_dlist_add_desc",
                 (api.reg_dlist_add_desc)(
                     a.reg,
-                    a.buf.as_ptr() as usize,
+                    a.buf.addr(),
                     a.buf.len(),
+                    // The device id (GPU 0; ignored for host memory).
                     0,
                     ptr::null(),
                     0,
@@ -307,7 +367,7 @@ fn prep(
     unsafe {
         ok(
             "create_xfer_dlist",
-            (api.create_xfer_dlist)(sys::MEM_DRAM, &mut list),
+            (api.create_xfer_dlist)(owner.memory.nixl(), &mut list),
         )?;
         for &(addr, len) in descs {
             let st = (api.xfer_dlist_add_desc)(list, addr, len, 0);
@@ -377,6 +437,7 @@ impl RawSession {
             cfg,
             len,
             src_is_a.then_some(pattern),
+            spec.memory,
         )?;
         let b = RawAgent::new(
             api,
@@ -384,12 +445,13 @@ impl RawSession {
             cfg,
             len,
             (!src_is_a).then_some(pattern),
+            spec.memory,
         )?;
         a.load(&b.local_md()?)?;
         b.load(&a.local_md()?)?;
         let pairs = scattered_pairs(spec.blocks, spec.block_size);
-        let abase = a.buf.as_ptr() as usize;
-        let bbase = b.buf.as_ptr() as usize;
+        let abase = a.buf.addr();
+        let bbase = b.buf.addr();
         let local: Vec<(usize, usize)> = pairs
             .iter()
             .map(|&(l, _)| (abase + l as usize, spec.block_size))
@@ -477,9 +539,9 @@ impl RawSession {
     pub fn check(&self) -> Result<(), TransportError> {
         let src_is_a = self.spec.op == XferOp::Write;
         let (src, dst) = if src_is_a {
-            (&self.a.buf, &self.b.buf)
+            (self.a.buf.bytes()?, self.b.buf.bytes()?)
         } else {
-            (&self.b.buf, &self.a.buf)
+            (self.b.buf.bytes()?, self.a.buf.bytes()?)
         };
         let bs = self.spec.block_size;
         for &(l, r) in &self.pairs {
