@@ -12,6 +12,11 @@ legs whose D leg then fails: nobody claims those handoffs, and P frees them when
 lease ends (vllm-router tells P nothing). The count of failed requests, and why, goes in the
 report (``chaos`` in the last line of ``scripts/test-vllm``): a request routed to a dead or
 stopped D fails (``kv_load_failure_policy`` ``fail``) or is refused; that is not asserted.
+
+Then P is drained as Kubernetes stops a pod (SIGTERM to its main process, vLLM started with
+``--shutdown-timeout``) while the surviving D waits for the KV of several of P's handoffs (its
+READs held by the test switch): P stays up until D has read them, every one decodes like the
+single engine, and P exits by itself within the timeout.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from datetime import datetime, timezone
 import pytest
 import requests
 
-from conftest import (FENCE_GRACE_S, INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT, Server, back_to,
-                      connector, fresh_usage, prompt)
+from conftest import (BLOCK_SIZE, FENCE_GRACE_S, INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT,
+                      Server, back_to, connector, fresh_usage, prompt)
 from test_router import router
 
 CLIENTS = 2
@@ -37,6 +42,10 @@ STOP_FOR_S = 8.0  # ... for longer than P's dead-peer timeout (heartbeat extensi
 DEADLINE_S = 60.0  # a client gives up on a request after this: "hung" if it had to
 MAX_TOKENS = 6
 HOLD_D1 = f"/tmp/handoff-vllm-chaos-hold-{os.getpid()}"
+HOLD_D2 = f"/tmp/handoff-vllm-chaos-hold2-{os.getpid()}"
+# vLLM's own drain on SIGTERM (0, its default, aborts what is in flight). The drain test's power
+# check: HANDOFF_VLLM_TEST_SHUTDOWN_TIMEOUT=0 must make it fail.
+SHUTDOWN_TIMEOUT_S = int(os.environ.get("HANDOFF_VLLM_TEST_SHUTDOWN_TIMEOUT", "30"))
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +53,12 @@ def chaos(single):
     servers = {
         "p": Server("chaos-p", connector("vllm-chaos-p",
                                          initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
+                    extra_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
                     env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
         "d1": Server("chaos-d1", connector("vllm-chaos-d1"),
                      env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D1}),
-        "d2": Server("chaos-d2", connector("vllm-chaos-d2")),
+        "d2": Server("chaos-d2", connector("vllm-chaos-d2"),
+                     env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D2}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -57,8 +68,9 @@ def chaos(single):
             s.complete(STEP_PROMPT, 1)
         yield dict(servers, single=single)
     finally:
-        if os.path.exists(HOLD_D1):
-            os.unlink(HOLD_D1)
+        for hold in (HOLD_D1, HOLD_D2):
+            if os.path.exists(hold):
+                os.unlink(hold)
         for s in servers.values():
             try:
                 os.killpg(s.proc.pid, signal.SIGCONT)
@@ -195,3 +207,52 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
     assert back is not None and back < idle_limit, \
         f"P's KV usage not idle {idle_limit} s after the load: {report}"
 
+
+
+def test_sigterm_drains_p_while_d_waits_for_the_kv_of_its_handoffs(chaos):
+    """Runs last: it stops P. D2 takes three requests whose KV P holds, its READs held back;
+    SIGTERM reaches P's main process (as Kubernetes sends it). vLLM drains: its engine keeps
+    stepping while the connector holds blocks for a remote decode, so P is still up when D's
+    READs go, each request decodes like the single engine (policy ``fail``: a READ from a P that
+    had gone would fail the request), and P exits by itself once they are read, well inside
+    ``--shutdown-timeout``. ``vllm_drain_s`` in the report: from SIGTERM to P's exit."""
+    p, d, single = chaos["p"], chaos["d2"], chaos["single"]
+    ids = [prompt(2 * BLOCK_SIZE + 7 + i, seed=70_000 + i) for i in range(3)]
+    want = [single.complete(x, 6)["choices"][0]["token_ids"] for x in ids]
+    results: list = [None] * len(ids)
+
+    def d_leg(i: int, params: dict) -> None:
+        try:
+            results[i] = d.complete(ids[i], 6, kv_transfer_params=params)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    open(HOLD_D2, "w").close()
+    try:
+        legs = []
+        for i, x in enumerate(ids):
+            params = p.complete(x, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"]
+            legs.append(threading.Thread(target=d_leg, args=(i, params), daemon=True))
+        for t in legs:
+            t.start()
+        # D has them: tracked, heartbeating, READs held back (a held READ gives up ~4.5 s after
+        # it started: the hold ends well before).
+        time.sleep(0.7)
+        sent = time.monotonic()
+        p.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)
+        alive = p.proc.poll() is None
+    finally:
+        os.unlink(HOLD_D2)
+    for t in legs:
+        t.join(60)
+    code = p.proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 20)
+    drained = time.monotonic() - sent
+    REPORT["vllm_drain_s"] = round(drained, 2)
+    assert alive, "P exited while D had not read its handoffs: it did not drain"
+    for i, r in enumerate(results):
+        assert isinstance(r, dict), f"request {i} failed: {r}\n{p.connector_lines()}"
+        assert r["choices"][0]["token_ids"] == want[i], f"request {i} differs from single"
+    assert drained < SHUTDOWN_TIMEOUT_S, f"P left at its timeout ({drained:.1f} s), not drained"
+    REPORT["vllm_drain_exit_code"] = code
