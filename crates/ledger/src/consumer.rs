@@ -37,7 +37,7 @@
 //! | `Cancelling` | ack, or grant + grace over     | blocks back                                    |
 //! | any waiting  | reject / abort before transfer | `Release` to P at once                         |
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
@@ -424,13 +424,15 @@ pub struct ConsumerLedger {
     cfg: ConsumerConfig,
     handoffs: HashMap<HandoffId, Handoff>,
     by_request: HashMap<RequestId, HandoffId>,
-    by_peer: HashMap<PeerId, HashSet<HandoffId>>,
+    // Ordered (as every collection this ledger iterates to emit): the same inputs give the
+    // same messages in the same order, which a recorded trace's replay relies on.
+    by_peer: BTreeMap<PeerId, BTreeSet<HandoffId>>,
     timers: TimerQueue<HandoffId>,
     /// Ended handoffs: `true` when the KV arrived in full (push: every `PushDone`).
     tombstones: Tombstones<bool>,
     heartbeats: HeartbeatSender,
     next_heartbeat: Option<Time>,
-    urgent: HashMap<PeerId, HashSet<HandoffId>>,
+    urgent: BTreeMap<PeerId, BTreeSet<HandoffId>>,
     messages: VecDeque<(PeerId, Message)>,
     releases: VecDeque<BlockRelease>,
     outcomes: VecDeque<Outcome>,
@@ -450,11 +452,11 @@ impl ConsumerLedger {
             cfg,
             handoffs: HashMap::new(),
             by_request: HashMap::new(),
-            by_peer: HashMap::new(),
+            by_peer: BTreeMap::new(),
             timers: TimerQueue::default(),
             heartbeats: HeartbeatSender::default(),
             next_heartbeat: None,
-            urgent: HashMap::new(),
+            urgent: BTreeMap::new(),
             messages: VecDeque::new(),
             releases: VecDeque::new(),
             outcomes: VecDeque::new(),

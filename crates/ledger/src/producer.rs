@@ -23,7 +23,7 @@
 //! while the prefill runs only takes effect when the prefill ends — P's forward pass still writes
 //! those blocks ([`ProducerLedger::prefill_ended`]).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use handoff_proto::{
@@ -324,7 +324,9 @@ pub struct ProducerLedger {
     cfg: ProducerConfig,
     handoffs: HashMap<HandoffId, Handoff>,
     timers: TimerQueue<HandoffId>,
-    by_peer: HashMap<PeerId, HashSet<HandoffId>>,
+    // Ordered (as every collection this ledger iterates to emit): the same inputs give the
+    // same messages and releases in the same order, which a recorded trace's replay relies on.
+    by_peer: BTreeMap<PeerId, BTreeSet<HandoffId>>,
     staging: Staging<Message>,
     tombstones: Tombstones<EndReason>,
     messages: VecDeque<(PeerId, Message)>,
@@ -332,13 +334,13 @@ pub struct ProducerLedger {
     actions: VecDeque<ProducerAction>,
     // Push: P heartbeats D's registrations so that its write grants are anchored on its own clock.
     heartbeats: HeartbeatSender,
-    push_waiting: HashMap<PeerId, HashSet<HandoffId>>,
-    urgent: HashMap<PeerId, HashSet<HandoffId>>,
+    push_waiting: BTreeMap<PeerId, BTreeSet<HandoffId>>,
+    urgent: BTreeMap<PeerId, BTreeSet<HandoffId>>,
     /// Push: registrations staged before their handoff exists, to ask D's grant for at once,
     /// so that the grant is in hand when the handoff is created (an engine that plans the
     /// writes as it schedules the forward pass that produces the KV needs it then). Emptied at
     /// every flush.
-    early_asks: HashMap<PeerId, Vec<HeartbeatEntry>>,
+    early_asks: BTreeMap<PeerId, Vec<HeartbeatEntry>>,
     next_push_heartbeat: Option<Time>,
     last_now: Time,
     held_blocks: usize,
@@ -358,14 +360,14 @@ impl ProducerLedger {
             cfg,
             handoffs: HashMap::new(),
             timers: TimerQueue::default(),
-            by_peer: HashMap::new(),
+            by_peer: BTreeMap::new(),
             messages: VecDeque::new(),
             releases: VecDeque::new(),
             actions: VecDeque::new(),
             heartbeats: HeartbeatSender::default(),
-            push_waiting: HashMap::new(),
-            urgent: HashMap::new(),
-            early_asks: HashMap::new(),
+            push_waiting: BTreeMap::new(),
+            urgent: BTreeMap::new(),
+            early_asks: BTreeMap::new(),
             next_push_heartbeat: None,
             last_now: Time::ZERO,
             held_blocks: 0,

@@ -1,7 +1,7 @@
 //! Bounded memory for messages that name a handoff the ledger does not know (yet or any more)
 //! — rule 7: memory for early, unknown or duplicate messages is bounded by a cap and an expiry.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use handoff_proto::HandoffId;
 
@@ -17,9 +17,9 @@ pub(crate) struct Staging<M> {
     by_id: HashMap<HandoffId, Vec<(Option<PeerId>, M, Time)>>,
     /// Per sender, when each of its messages was staged, oldest first. Entries whose message was
     /// taken stay until they reach the front (or a compaction).
-    queues: HashMap<Option<PeerId>, VecDeque<(Time, HandoffId)>>,
+    queues: BTreeMap<Option<PeerId>, VecDeque<(Time, HandoffId)>>,
     /// Per sender, its messages still staged.
-    counts: HashMap<Option<PeerId>, usize>,
+    counts: BTreeMap<Option<PeerId>, usize>,
     count: usize,
     capacity: usize,
     per_handoff: usize,
@@ -35,8 +35,8 @@ impl<M> Staging<M> {
     pub fn new(capacity: usize, per_handoff: usize, per_peer: usize, ttl: Time) -> Self {
         Staging {
             by_id: HashMap::new(),
-            queues: HashMap::new(),
-            counts: HashMap::new(),
+            queues: BTreeMap::new(),
+            counts: BTreeMap::new(),
             count: 0,
             capacity,
             per_handoff,

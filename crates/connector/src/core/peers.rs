@@ -1,7 +1,7 @@
 //! The peer table: every other engine this one talks to, by engine id, side-channel connection
 //! and transport agent. Numbered with the ledgers' [`PeerId`]s.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use handoff_ledger::PeerId;
 use handoff_plan::RankLayout;
@@ -49,12 +49,13 @@ impl Peer {
 
 #[derive(Default, Debug)]
 pub(crate) struct PeerTable {
-    by_id: HashMap<PeerId, Peer>,
+    // Ordered where iterated (forgetting peers, closing connections): deterministic output.
+    by_id: BTreeMap<PeerId, Peer>,
     by_engine: HashMap<String, PeerId>,
-    by_conn: HashMap<ConnId, PeerId>,
+    by_conn: BTreeMap<ConnId, PeerId>,
     by_agent: HashMap<String, PeerId>,
     /// Connections that sent no handshake (a proxy's release).
-    anonymous: HashSet<ConnId>,
+    anonymous: BTreeSet<ConnId>,
     next: u32,
     attempts: u64,
 }

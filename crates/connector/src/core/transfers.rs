@@ -8,7 +8,7 @@
 //! Only the stage of the last layers carries the `PullDone`s, zeroes the tail and digests what
 //! landed, and the ledger hears of the read once, when it is over.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use handoff_ledger::{PeerId, PushWrite, StartRead, Time};
 use handoff_plan::RankLayout;
@@ -35,7 +35,7 @@ struct ReadInFlight {
     bytes: u64,
     descs: usize,
     /// Per D rank, its job of the stage in flight still running.
-    jobs: HashMap<u16, JobId>,
+    jobs: BTreeMap<u16, JobId>,
     /// Layers posted so far, and saved on P (as P's latest list says; all of them in a classic
     /// pull).
     posted: u32,
@@ -61,7 +61,7 @@ pub(super) struct PushState {
     pub(super) blocks: Vec<u32>,
     pub(super) num_tokens: u32,
     pub(super) layers_saved: u32,
-    writes: HashMap<u16, ActiveWrite>,
+    writes: BTreeMap<u16, ActiveWrite>,
     /// The KV digest the `PushDone`s carry (see `push_digest`).
     pub(super) digest: PushDigest,
 }
@@ -114,7 +114,7 @@ impl Transfers {
                 blocks,
                 num_tokens,
                 layers_saved: 0,
-                writes: HashMap::new(),
+                writes: BTreeMap::new(),
                 digest: if digest {
                     PushDigest::Wanted
                 } else {
@@ -216,7 +216,7 @@ impl ConnectorCore {
                 started: now,
                 bytes: 0,
                 descs: 0,
-                jobs: HashMap::new(),
+                jobs: BTreeMap::new(),
                 posted: 0,
                 saved,
                 failed: false,
@@ -344,7 +344,8 @@ impl ConnectorCore {
             layers,
         )
         .map_err(|e| e.to_string())?;
-        let mut parts: HashMap<u16, (Vec<TransferPart>, u64, usize)> = HashMap::new();
+        // Ordered by rank: the jobs go out in the same order for the same inputs.
+        let mut parts: BTreeMap<u16, (Vec<TransferPart>, u64, usize)> = BTreeMap::new();
         for pair in &plan.pairs {
             let d_rank = pair.d_rank as u16;
             let p_rank = pair.p_rank as u16;

@@ -256,6 +256,9 @@ struct Req {
 /// What a run found.
 #[derive(Debug, Default)]
 pub struct Report {
+    /// Every output of every core, in order, with its time and engine: two runs of one schedule
+    /// must give the same transcript, byte for byte.
+    pub transcript: String,
     pub violations: Vec<String>,
     pub ready: usize,
     pub recomputed: usize,
@@ -878,6 +881,8 @@ impl Sim {
                     0 => Node::P,
                     d => Node::D(d - 1),
                 };
+                use std::fmt::Write as _;
+                let _ = writeln!(self.report.transcript, "{:?} {node:?} {r:?}", self.now);
                 self.carry_out(node, &r);
                 self.engines[i].core.advance(r);
             }
