@@ -249,12 +249,17 @@ impl Connector {
     }
 
     /// Runs `f` on the core without waiting.
-    fn tell(&self, f: impl FnOnce(&mut ConnectorCore, Time) + Send + 'static) {
+    /// Hands the core an input without waiting for it. Once the executor has stopped (the
+    /// connector shut down) nothing takes it: said at debug level, naming `what`, since every
+    /// handoff ended with the executor anyway (its connections closed, its peers told by that).
+    fn tell(&self, what: &'static str, f: impl FnOnce(&mut ConnectorCore, Time) + Send + 'static) {
         let call: Call = Box::new(move |core, now| {
             f(core, now);
             Box::new(|| {})
         });
-        let _ = self.inbox.send(Input::Call(call));
+        if self.inbox.send(Input::Call(call)).is_err() {
+            tracing::debug!(input = what, "connector stopped: input dropped");
+        }
     }
 
     pub fn engine_id(&self) -> &str {
@@ -369,13 +374,17 @@ impl Connector {
 
     /// See [`ConnectorCore::on_pull_prefill_failed`].
     pub fn on_pull_prefill_failed(&self, handoff: HandoffId) {
-        self.tell(move |core, now| core.on_pull_prefill_failed(handoff, now));
+        self.tell("on_pull_prefill_failed", move |core, now| {
+            core.on_pull_prefill_failed(handoff, now)
+        });
     }
 
     /// Worker point "layer saved": the layer leaves for D as soon as its grant allows (push), or
     /// D may read it (layer-wise pull).
     pub fn on_layer_saved(&self, handoff: HandoffId, layer: u32) {
-        self.tell(move |core, now| core.on_layer_saved(handoff, layer, now));
+        self.tell("on_layer_saved", move |core, now| {
+            core.on_layer_saved(handoff, layer, now)
+        });
     }
 
     /// See [`ConnectorCore::on_push_prefilled`].
@@ -455,7 +464,9 @@ impl Connector {
     }
 
     pub fn on_request_ended(&self, request: u64, reason: ReleaseReason) {
-        self.tell(move |core, now| core.on_request_ended(request, reason, now));
+        self.tell("on_request_ended", move |core, now| {
+            core.on_request_ended(request, reason, now)
+        });
     }
 
     /// D refuses a request it never tracked: its P is told to release, unless this engine
@@ -507,7 +518,7 @@ impl Connector {
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
         // Wakes the executor, which closes every connection and lets the workers go.
-        self.tell(|core, _| core.close_all());
+        self.tell("close_all", |core, _| core.close_all());
     }
 }
 

@@ -185,7 +185,7 @@ impl WorkerSide {
                     if let Some(j) = self.jobs.get_mut(&job) {
                         let transport = &self.mem.transport;
                         for id in j.xfers.drain(..) {
-                            let _ = transport.release(id);
+                            release(transport.as_ref(), id, "abort");
                             if transport.still_running(id) {
                                 j.stopping.push(id);
                             }
@@ -266,12 +266,12 @@ impl WorkerSide {
             job.xfers.retain(|x| match transport.status(*x) {
                 Ok(XferStatus::InProgress) => true,
                 Ok(XferStatus::Done) => {
-                    let _ = transport.release(*x);
+                    release(transport.as_ref(), *x, "done");
                     false
                 }
                 Ok(XferStatus::Failed(e)) => {
                     tracing::warn!(job = id.0, error = %e, "transfer failed");
-                    let _ = transport.release(*x);
+                    release(transport.as_ref(), *x, "failed");
                     if transport.still_running(*x) {
                         job.stopping.push(*x);
                     }
@@ -385,7 +385,7 @@ impl WorkerSide {
         self.gate = ForwardGate::default();
         for (_, job) in self.jobs.drain() {
             for id in job.xfers {
-                let _ = self.mem.transport.release(id);
+                release(self.mem.transport.as_ref(), id, "shutdown");
             }
         }
     }
@@ -421,6 +421,14 @@ pub fn spawn(
             }
             worker.abort_all();
         })
+}
+
+/// Releases a transfer's request. A refusal leaves nothing to undo here (the job's state says
+/// whether the transfer may still run: `still_running`), so it is said, not returned.
+fn release(transport: &dyn Transport, id: XferId, when: &'static str) {
+    if let Err(e) = transport.release(id) {
+        tracing::warn!(xfer = id.0, %when, error = %e, "the transport refused to release a transfer");
+    }
 }
 
 #[cfg(test)]
@@ -618,3 +626,4 @@ mod tests {
         drop(p2);
     }
 }
+

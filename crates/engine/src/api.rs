@@ -319,7 +319,9 @@ async fn serve(
             if let (Some(c), Some(v)) = (&s.connector, body.get("kv_transfer_params")) {
                 if v.get("do_remote_prefill").and_then(Value::as_bool) == Some(true) {
                     if let Some(target) = KvTransferParams::release_target(v) {
-                        let _ = c.reject(&target);
+                        if let Err(e) = c.reject(&target) {
+                            tracing::warn!(error = %e, "could not tell P of a refused remote prefill");
+                        }
                     }
                 }
             }
