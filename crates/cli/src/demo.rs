@@ -7,8 +7,6 @@
 //! every block against the pools. Exit status 1 when a block leaked or an output differs.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +19,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::{Mutex, Semaphore};
 
+use crate::cluster::{get_text, metric, metric_by_label, spawn_engine_on, Engine};
 use crate::netns::Net;
 
 #[derive(Args, Debug, Clone)]
@@ -80,118 +79,6 @@ pub struct DemoArgs {
 
 /// The hosts of `demo --netns`; the demo itself (load and proxy) runs on `client`.
 const NETNS_NODES: [&str; 5] = ["prefill-0", "decode-1", "decode-2", "mono", "client"];
-
-/// A child engine, killed when dropped.
-pub(crate) struct Engine {
-    pub(crate) child: Child,
-    pub(crate) url: String,
-    pub(crate) id: String,
-    /// Kept open: the engine prints again when it is drained (`drained {report}`), and a closed
-    /// pipe would fail that write.
-    stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub(crate) fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
-    spawn_engine_on(None, id, role, extra)
-}
-
-/// The cluster key of this run's engines, made on first use.
-fn cluster_key() -> anyhow::Result<&'static str> {
-    static KEY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    if let Some(k) = KEY.get() {
-        return Ok(k);
-    }
-    let k = handoff_connector::ClusterKey::generate()?.to_hex();
-    Ok(KEY.get_or_init(|| k))
-}
-
-/// Starts an engine on loopback, or on node `id` of `net` at that node's address.
-fn spawn_engine_on(
-    net: Option<&Net>,
-    id: &str,
-    role: &str,
-    extra: &[String],
-) -> anyhow::Result<Engine> {
-    let exe = std::env::current_exe().context("cannot find the handoff binary")?;
-    let mut cmd = match net {
-        Some(net) => {
-            let mut c = net.exec(id);
-            c.arg(exe).args(["engine", "--host", &net.addr(id)]);
-            c
-        }
-        None => {
-            let mut c = Command::new(exe);
-            c.arg("engine");
-            c
-        }
-    };
-    let mut child = cmd
-        .args(["--role", role, "--port", "0", "--engine-id", id])
-        .args(extra)
-        // The demo's engines prove one key made for this run (in the environment, not argv).
-        .env("HANDOFF_CLUSTER_KEY", cluster_key()?)
-        .env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("cannot start an engine")?;
-    let mut stdout = BufReader::new(child.stdout.take().context("no stdout")?);
-    let mut line = String::new();
-    stdout
-        .read_line(&mut line)
-        .context("engine did not start")?;
-    let url = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .filter(|u| u.starts_with("http://"))
-        .with_context(|| format!("engine {id} said {line:?}"))?
-        .to_string();
-    Ok(Engine {
-        child,
-        url,
-        id: id.to_string(),
-        stdout,
-    })
-}
-
-impl Engine {
-    /// Sends SIGTERM and waits (on a blocking thread) for the engine to drain and exit: its
-    /// drain report, and the seconds from the signal to the exit.
-    async fn drain(mut self) -> anyhow::Result<(Value, f64)> {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)
-            .context("engine without a process id")?;
-        let t0 = Instant::now();
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM)
-            .context("cannot send SIGTERM")?;
-        tokio::task::spawn_blocking(move || {
-            let mut line = String::new();
-            // The engine prints `drained {json}` once drained, then exits.
-            let mut report = Value::Null;
-            while self.stdout.read_line(&mut line).unwrap_or(0) > 0 {
-                if let Some(json) = line.trim().strip_prefix("drained ") {
-                    report = serde_json::from_str(json).unwrap_or(Value::Null);
-                }
-                line.clear();
-            }
-            let status = self.child.wait().context("engine lost")?;
-            anyhow::ensure!(status.success(), "drained engine exited with {status}");
-            Ok((report, t0.elapsed().as_secs_f64()))
-        })
-        .await?
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Job {
@@ -288,46 +175,6 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let i = ((v.len() as f64 - 1.0) * p).round() as usize;
     v[i.min(v.len() - 1)]
-}
-
-/// Sum of a metric's samples (all label sets) in Prometheus text, per label value of `label`.
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-pub(crate) fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for l in text.lines().filter(|l| !l.starts_with('#')) {
-        if l.split(['{', ' ']).next() != Some(name) {
-            continue;
-        }
-        let Some(value) = label_value(l, label) else {
-            continue;
-        };
-        if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
-            *out.entry(value.to_string()).or_default() += v;
-        }
-    }
-    out
-}
-
-/// The value of label `key` in an OpenMetrics sample line (or its label set).
-pub(crate) fn label_value<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    let k = format!("{key}=\"");
-    let start = line.find(&k)? + k.len();
-    let rest = &line[start..];
-    Some(&rest[..rest.find('"')?])
-}
-
-pub(crate) async fn get_text(client: &reqwest::Client, url: &str) -> String {
-    match client.get(url).timeout(Duration::from_secs(3)).send().await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    }
 }
 
 async fn run_job(client: reqwest::Client, proxy: String, job: Job) -> Outcome {
@@ -476,14 +323,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
 
 /// `--report DIR`: the latency CDFs of the successful requests, the text report below them.
 fn write_report(dir: &std::path::Path, r: &Report, text: &str) -> anyhow::Result<()> {
-    let chart = crate::bench::report::cdf(
+    let chart = crate::report::cdf(
         "Latency of the successful requests",
         &[
             ("TTFT".to_string(), r.ttft_samples_ms.clone()),
             ("end to end".to_string(), r.e2e_samples_ms.clone()),
         ],
     )?;
-    crate::bench::report::write(
+    crate::report::write(
         dir,
         "demo",
         "handoff demo",

@@ -4,9 +4,11 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod cluster;
 mod demo;
 mod engine_cmd;
 mod netns;
+mod report;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -12,11 +12,50 @@ use serde_json::{json, Value};
 use crate::metrics::Outcome;
 use crate::pool::Role;
 
+/// What went wrong, as the `type` of the error body a client gets (stable strings: clients and
+/// dashboards match on them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ErrorKind {
+    BadPrefillInfo,
+    BadPrefillResponse,
+    InternalError,
+    InvalidRequestError,
+    NoCompatiblePair,
+    NoHealthyInstance,
+    UpstreamBodyTooLarge,
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    Unauthorized,
+    NotFound,
+}
+
+impl ErrorKind {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::BadPrefillInfo => "bad_prefill_info",
+            ErrorKind::BadPrefillResponse => "bad_prefill_response",
+            ErrorKind::InternalError => "internal_error",
+            ErrorKind::InvalidRequestError => "invalid_request_error",
+            ErrorKind::NoCompatiblePair => "no_compatible_pair",
+            ErrorKind::NoHealthyInstance => "no_healthy_instance",
+            ErrorKind::UpstreamBodyTooLarge => "upstream_body_too_large",
+            ErrorKind::UpstreamError => "upstream_error",
+            ErrorKind::UpstreamStatus => "upstream_status",
+            ErrorKind::UpstreamTimeout => "upstream_timeout",
+            ErrorKind::UpstreamUnreachable => "upstream_unreachable",
+            ErrorKind::Unauthorized => "unauthorized",
+            ErrorKind::NotFound => "not_found",
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct ProxyError {
     pub(crate) status: StatusCode,
     pub(crate) outcome: Outcome,
-    pub(crate) kind: &'static str,
+    pub(crate) kind: ErrorKind,
     pub(crate) message: String,
     // Boxed: most errors carry few details, and a small error keeps every Result small.
     pub(crate) detail: Box<Detail>,
@@ -35,12 +74,7 @@ pub(crate) struct Detail {
 }
 
 impl ProxyError {
-    pub(crate) fn new(
-        status: StatusCode,
-        outcome: Outcome,
-        kind: &'static str,
-        msg: String,
-    ) -> Self {
+    pub(crate) fn new(status: StatusCode, outcome: Outcome, kind: ErrorKind, msg: String) -> Self {
         ProxyError {
             status,
             outcome,
@@ -54,7 +88,7 @@ impl ProxyError {
         Self::new(
             StatusCode::BAD_REQUEST,
             Outcome::BadRequest,
-            "invalid_request_error",
+            ErrorKind::InvalidRequestError,
             msg.into(),
         )
     }
@@ -67,7 +101,7 @@ impl ProxyError {
         let mut e = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             outcome,
-            "no_healthy_instance",
+            ErrorKind::NoHealthyInstance,
             format!("no healthy {role} instance"),
         );
         e.detail.role = Some(role);
@@ -80,7 +114,7 @@ impl ProxyError {
         let mut e = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             Outcome::NoDecode,
-            "no_compatible_pair",
+            ErrorKind::NoCompatiblePair,
             format!("no prefill and decode instance can exchange KV: {why}"),
         );
         e.detail.role = Some(Role::Decode);
@@ -92,7 +126,7 @@ impl ProxyError {
         role: Role,
         instance: &str,
         status: StatusCode,
-        kind: &'static str,
+        kind: ErrorKind,
         reason: String,
     ) -> Self {
         let outcome = match role {
@@ -117,7 +151,7 @@ impl ProxyError {
                 role,
                 instance,
                 StatusCode::GATEWAY_TIMEOUT,
-                "upstream_timeout",
+                ErrorKind::UpstreamTimeout,
                 format!("timed out: {}", chain(err)),
             )
         } else if err.is_connect() {
@@ -125,7 +159,7 @@ impl ProxyError {
                 role,
                 instance,
                 StatusCode::BAD_GATEWAY,
-                "upstream_unreachable",
+                ErrorKind::UpstreamUnreachable,
                 format!("is unreachable: {}", chain(err)),
             )
         } else {
@@ -133,7 +167,7 @@ impl ProxyError {
                 role,
                 instance,
                 StatusCode::BAD_GATEWAY,
-                "upstream_error",
+                ErrorKind::UpstreamError,
                 format!("failed: {}", chain(err)),
             )
         }
@@ -144,7 +178,7 @@ impl ProxyError {
             role,
             instance,
             StatusCode::GATEWAY_TIMEOUT,
-            "upstream_timeout",
+            ErrorKind::UpstreamTimeout,
             format!("timed out: {what} within {after:?}"),
         )
     }
@@ -188,7 +222,7 @@ impl ProxyError {
             role,
             instance,
             ours,
-            "upstream_status",
+            ErrorKind::UpstreamStatus,
             format!("{verb}: HTTP {status}: {}", snippet(body)),
         );
         e.detail.upstream_status = Some(status.as_u16());
@@ -204,7 +238,7 @@ impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
         let mut err = json!({
             "message": self.message,
-            "type": self.kind,
+            "type": self.kind.as_str(),
             "code": self.status.as_u16(),
         });
         let obj = err.as_object_mut().expect("object literal");

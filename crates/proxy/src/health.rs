@@ -10,7 +10,7 @@ use tokio::time::MissedTickBehavior;
 
 use crate::error::chain;
 use crate::pool::{Instance, Role};
-use crate::{push, Shared, TransferMode};
+use crate::{Shared, TransferMode};
 
 /// Checks one instance and records the verdict (logging changes).
 pub(crate) async fn check(shared: &Shared, inst: &Instance) {
@@ -40,14 +40,14 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
     // say where it is, or says it pulls, gets no traffic (each request would only fail).
     let verdict = if shared.cfg.mode == TransferMode::Push && inst.role == Role::Prefill {
         let fetched = match verdict {
-            Ok(()) => push::fetch_info(shared, inst, shared.cfg.health_timeout)
+            Ok(()) => crate::upstream::fetch_info(shared, inst, shared.cfg.health_timeout)
                 .await
                 .map_err(|e| e.message),
             Err(reason) => Err(reason),
         };
         match fetched {
             Ok(info) => {
-                push::store_info(inst, info);
+                crate::upstream::store_info(inst, info);
                 Ok(())
             }
             Err(reason) => {
@@ -58,8 +58,8 @@ pub(crate) async fn check(shared: &Shared, inst: &Instance) {
     } else if inst.role == Role::Prefill && verdict.is_ok() {
         // A pull P: its info only says whether it takes a layer-wise pull. One without it (a
         // vLLM P) is as healthy, and pulled the classic way.
-        match push::fetch_info(shared, inst, shared.cfg.health_timeout).await {
-            Ok(info) => push::store_info(inst, info),
+        match crate::upstream::fetch_info(shared, inst, shared.cfg.health_timeout).await {
+            Ok(info) => crate::upstream::store_info(inst, info),
             Err(_) => {
                 inst.set_handoff_info(None);
             }
@@ -99,7 +99,7 @@ async fn not_ready(shared: &Shared, inst: &Instance) -> Option<String> {
 }
 
 /// D's `GET /v1/handoff/info`, if it answers one that parses; nothing else is asked of it.
-async fn decode_info(shared: &Shared, inst: &Instance) -> Option<push::EngineInfo> {
+async fn decode_info(shared: &Shared, inst: &Instance) -> Option<crate::info::EngineInfo> {
     let t = shared.cfg.health_timeout;
     let url = format!("{}/v1/handoff/info", inst.url);
     let call = async {
@@ -107,7 +107,7 @@ async fn decode_info(shared: &Shared, inst: &Instance) -> Option<push::EngineInf
         if !resp.status().is_success() {
             return None;
         }
-        let body = crate::routes::read_body(resp, 64 << 10).await.ok()?;
+        let body = crate::upstream::read_body(resp, 64 << 10).await.ok()?;
         serde_json::from_slice(&body).ok()
     };
     tokio::time::timeout(t, call).await.ok().flatten()

@@ -178,11 +178,14 @@
 
 mod error;
 mod health;
+mod info;
 mod metrics;
 mod pool;
+mod prefill_leg;
 mod push;
 mod relay;
 mod routes;
+mod upstream;
 
 use std::future::Future;
 use std::net::SocketAddr;

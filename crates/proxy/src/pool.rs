@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use prometheus_client::metrics::gauge::Gauge;
 use serde::{Deserialize, Serialize};
 
+use crate::info::EngineInfo;
 use crate::metrics::{InstanceLabels, Metrics};
-use crate::push::EngineInfo;
 
 /// Which leg an instance serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

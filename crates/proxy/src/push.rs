@@ -4,123 +4,27 @@
 //! the mode in both legs' params differs, and D reads where P would have written.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use handoff_proto::HandoffId;
-use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::task::JoinHandle;
 use tokio::time::{timeout, timeout_at, Instant};
 
-use crate::error::{snippet, ProxyError};
+use crate::error::ProxyError;
+use crate::info::EngineInfo;
 use crate::pool::{InFlight, Instance, Role};
+use crate::prefill_leg::{prefill_params, release_params, PrefillFailure, PrefillLeg};
 use crate::relay::{relay, Marks};
-use crate::routes::{
-    forward_headers, internal, mark_down_if_unreachable, prefill_leg, prefill_leg_body, read_body,
-    read_capped, release, release_detached, ReleaseGuard,
+use crate::upstream::{
+    answer_head, fetch_info, forward_headers, internal, mark_down_if_unreachable, pick_decode_for,
+    pick_prefill, prefill_leg_body, read_body, read_capped, release_detached, send_decode,
+    store_info, ReleaseGuard,
 };
 use crate::{Shared, TransferMode};
-
-/// What an engine says about itself on `GET /v1/handoff/info`. The proxy needs P's to tell D
-/// where to register its blocks: in push mode P's `kv_transfer_params` come too late for D.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub(crate) struct EngineInfo {
-    pub(crate) engine_id: String,
-    pub(crate) remote_host: String,
-    pub(crate) remote_port: u16,
-    pub(crate) tp_size: u16,
-    #[serde(default)]
-    pub(crate) block_size: Option<u32>,
-    #[serde(default)]
-    pub(crate) transfer_mode: Option<TransferMode>,
-    #[serde(default)]
-    pub(crate) role: Option<String>,
-    /// A pull-mode P that takes a layer-wise pull (both legs at once).
-    #[serde(default)]
-    pub(crate) layerwise_pull: Option<bool>,
-    /// What a P and a D must share to exchange KV (see `pool::compatible`).
-    #[serde(default)]
-    pub(crate) compat_key: Option<String>,
-}
-
-impl EngineInfo {
-    /// Whether this engine takes part in a layer-wise pull: as P, it prefills one; as D, it
-    /// admits one only once P's prefill started (D holding blocks for requests P cannot start
-    /// while P's pool waits on D's reads would deadlock the two).
-    pub(crate) fn takes_layerwise_pull(&self) -> bool {
-        self.layerwise_pull == Some(true) && self.transfer_mode != Some(TransferMode::Push)
-    }
-}
-
-/// GETs `{P}/v1/handoff/info` within `t` and checks that P can serve this proxy's mode.
-pub(crate) async fn fetch_info(
-    s: &Shared,
-    p: &Instance,
-    t: Duration,
-) -> Result<EngineInfo, ProxyError> {
-    let mode = s.cfg.mode;
-    let req = s.http.get(format!("{}/v1/handoff/info", p.url)).timeout(t);
-    let (status, body) =
-        crate::routes::call_prefill(s, p, req, t, "no answer to GET /v1/handoff/info").await?;
-    let bad = |reason: String| {
-        ProxyError::upstream(
-            Role::Prefill,
-            &p.url,
-            StatusCode::BAD_GATEWAY,
-            "bad_prefill_info",
-            reason,
-        )
-    };
-    if !status.is_success() {
-        return Err(bad(format!(
-            "answered GET /v1/handoff/info with HTTP {status}: {}",
-            snippet(&body)
-        )));
-    }
-    let info: EngineInfo = serde_json::from_slice(&body).map_err(|e| {
-        bad(format!(
-            "answered GET /v1/handoff/info with unusable JSON: {e}"
-        ))
-    })?;
-    // Push and pull peers cannot pair (vLLM hashes the mode into its compatibility check too):
-    // better to refuse here than to leave D waiting for writes that never come.
-    if info.transfer_mode.is_some_and(|m| m != mode) {
-        return Err(bad(format!(
-            "is in {} mode and this proxy runs {}: push and pull engines cannot pair",
-            info.transfer_mode.unwrap_or_default().as_str(),
-            mode.as_str()
-        )));
-    }
-    if info.role.as_deref() == Some("decode") {
-        return Err(bad("is a decode-only engine: it cannot prefill".into()));
-    }
-    Ok(info)
-}
-
-/// Caches P's info, logging it when it is new or changed (a restarted P has a new engine id).
-pub(crate) fn store_info(p: &Instance, info: EngineInfo) {
-    let info = Arc::new(info);
-    let old = p.set_handoff_info(Some(info.clone()));
-    if old.as_deref() != Some(&*info) {
-        tracing::info!(
-            prefill = %p.url,
-            engine_id = %info.engine_id,
-            side_channel = %format!("{}:{}", info.remote_host, info.remote_port),
-            tp_size = info.tp_size,
-            block_size = ?info.block_size,
-            role = ?info.role,
-            layerwise_pull = info.takes_layerwise_pull(),
-            "prefill handoff info"
-        );
-    }
-}
 
 /// P's info: cached, or fetched now (within `request_timeout`).
 async fn prefill_info(s: &Shared, p: &Instance) -> Result<Arc<EngineInfo>, ProxyError> {
@@ -131,22 +35,6 @@ async fn prefill_info(s: &Shared, p: &Instance) -> Result<Arc<EngineInfo>, Proxy
     store_info(p, info);
     p.handoff_info()
         .ok_or_else(|| internal(format!("prefill instance {} info vanished", p.url)))
-}
-
-/// `kv_transfer_params` of the P leg. Push: prefill, then write the KV into the blocks D
-/// registers under this handoff id. Layer-wise pull: hold the KV under this handoff id from the
-/// prefill's start, and let D read each layer once saved.
-pub(crate) fn prefill_params(handoff: HandoffId, mode: TransferMode) -> Value {
-    let mut v = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "transfer_mode": mode.as_str(),
-        "handoff_id": handoff.to_string(),
-    });
-    if mode == TransferMode::Pull {
-        v["layerwise"] = json!(true);
-    }
-    v
 }
 
 /// `kv_transfer_params` of the D leg. Push: reserve blocks now, register them with P (found by
@@ -168,200 +56,6 @@ pub(crate) fn decode_params(handoff: HandoffId, p: &EngineInfo, mode: TransferMo
         v["layerwise"] = json!(true);
     }
     v
-}
-
-/// What a release names when P has not answered (yet): the handoff and its first epoch.
-fn release_params(handoff: HandoffId, mode: TransferMode) -> Value {
-    let mut v = prefill_params(handoff, mode);
-    v["epoch"] = json!(1);
-    v
-}
-
-/// Why P's leg failed, with P's params when it answered (so that a release names what P holds).
-pub(crate) struct PrefillFailure {
-    pub(crate) error: ProxyError,
-    params: Option<Value>,
-}
-
-/// P's leg, running in a task of its own from the moment it is sent, so that it progresses
-/// whatever the client-facing side waits on. Resolves to P's `kv_transfer_params`. Dropping it
-/// aborts the task, which closes the connection to P (P aborts the prefill).
-pub(crate) struct PrefillLeg {
-    task: Option<JoinHandle<Result<Value, PrefillFailure>>>,
-    shared: Arc<Shared>,
-    p: Arc<Instance>,
-    rid: String,
-    handoff: HandoffId,
-    mode: TransferMode,
-}
-
-impl PrefillLeg {
-    #[allow(clippy::too_many_arguments)]
-    fn spawn(
-        s: &Arc<Shared>,
-        guard: InFlight,
-        path: &'static str,
-        headers: HeaderMap,
-        body: Value,
-        rid: &str,
-        handoff: HandoffId,
-        mode: TransferMode,
-    ) -> Self {
-        let p = guard.instance().clone();
-        let shared = s.clone();
-        let task = tokio::spawn(async move {
-            // The guard counts the request in flight to P until P's leg ends.
-            let p = guard.instance();
-            let params = prefill_leg(&shared, p, path, headers, &body)
-                .await
-                .map_err(|error| PrefillFailure {
-                    error,
-                    params: None,
-                })?;
-            match check_answer(p, &params, handoff, mode) {
-                Ok(()) => Ok(params),
-                Err(error) => Err(PrefillFailure {
-                    error,
-                    params: Some(params),
-                }),
-            }
-        });
-        PrefillLeg {
-            task: Some(task),
-            shared: s.clone(),
-            p,
-            rid: rid.to_string(),
-            handoff,
-            mode,
-        }
-    }
-
-    /// Whether P's answer is still to come.
-    pub(crate) fn pending(&self) -> bool {
-        self.task.is_some()
-    }
-
-    pub(crate) fn url(&self) -> &str {
-        &self.p.url
-    }
-
-    /// After a failure of this leg: forgets P's info unless P only rejected the request (4xx: P
-    /// may have restarted with another engine id), and returns the release to send unless P
-    /// never got the request (unreachable). P may have prefilled, be still at it, or hold blocks
-    /// for a handoff no D will take: releasing is idempotent and an early release is staged by
-    /// P, so it is always safe.
-    pub(crate) fn after_failure(
-        &self,
-        f: &PrefillFailure,
-    ) -> Option<impl Future<Output = bool> + Send + 'static> {
-        if !f.error.status.is_client_error() {
-            self.p.set_handoff_info(None);
-        }
-        if f.error.kind == "upstream_unreachable" {
-            return None;
-        }
-        let params = f
-            .params
-            .clone()
-            .filter(|v| v.get("handoff_id").is_some_and(Value::is_string))
-            .unwrap_or_else(|| release_params(self.handoff, self.mode));
-        Some(release(
-            self.shared.clone(),
-            self.p.clone(),
-            params,
-            self.rid.clone(),
-            f.error.message.clone(),
-        ))
-    }
-
-    /// D's answer is complete: P's answer, if still to come, changes nothing. It is awaited in
-    /// the background (closing P's connection now could abort a request that did its job), and a
-    /// failure is logged.
-    pub(crate) fn detach(mut self) {
-        let Some(task) = self.task.take() else {
-            return;
-        };
-        let (p, rid) = (self.p.clone(), self.rid.clone());
-        tokio::spawn(async move {
-            if let Ok(Err(f)) = task.await {
-                if !f.error.status.is_client_error() {
-                    p.set_handoff_info(None);
-                }
-                tracing::warn!(
-                    request_id = %rid,
-                    "prefill leg failed after decode answered: {}",
-                    f.error.message
-                );
-            }
-        });
-    }
-}
-
-impl Future for PrefillLeg {
-    type Output = Result<Value, PrefillFailure>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(task) = self.task.as_mut() else {
-            return Poll::Ready(Err(PrefillFailure {
-                error: internal("prefill leg polled after it ended".into()),
-                params: None,
-            }));
-        };
-        let out = ready!(Pin::new(task).poll(cx));
-        self.task = None;
-        Poll::Ready(match out {
-            Ok(r) => r,
-            Err(e) => Err(PrefillFailure {
-                error: internal(format!("prefill leg task failed: {e}")),
-                params: None,
-            }),
-        })
-    }
-}
-
-impl Drop for PrefillLeg {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
-/// P answered 200 with params: they must be for this handoff and mode (an engine that ignored
-/// a push would keep its KV for a pull no D will make, and D would wait for writes that never
-/// come; one that ignored a layer-wise pull holds its KV under an id no D knows).
-fn check_answer(
-    p: &Instance,
-    params: &Value,
-    handoff: HandoffId,
-    mode: TransferMode,
-) -> Result<(), ProxyError> {
-    let bad = |reason: String| {
-        ProxyError::upstream(
-            Role::Prefill,
-            &p.url,
-            StatusCode::BAD_GATEWAY,
-            "bad_prefill_response",
-            reason,
-        )
-    };
-    match params.get("transfer_mode") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(m)) if m == mode.as_str() => {}
-        Some(other) => {
-            return Err(bad(format!(
-                "answered a {} with transfer_mode {other}",
-                mode.as_str()
-            )))
-        }
-    }
-    match params.get("handoff_id") {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(h)) if h.parse::<HandoffId>().ok() == Some(handoff) => Ok(()),
-        Some(other) => Err(bad(format!(
-            "answered for handoff {other} instead of {handoff}"
-        ))),
-    }
 }
 
 /// Awaits `fut` (a step of the D leg) while watching P's leg: P's params, when they come, go to
@@ -429,7 +123,7 @@ pub(crate) async fn push(
     client: Map<String, Value>,
     received: Instant,
 ) -> Result<Response, ProxyError> {
-    let p_guard = crate::routes::pick_prefill(s)?;
+    let p_guard = pick_prefill(s)?;
     let legs = BothLegs {
         path,
         rid,
@@ -437,7 +131,7 @@ pub(crate) async fn push(
         received,
         mode: TransferMode::Push,
     };
-    let d_guard = crate::routes::pick_decode_for(s, p_guard.instance())?;
+    let d_guard = pick_decode_for(s, p_guard.instance())?;
     // Nothing is sent before P's side channel is known: D could not register without it.
     let info = prefill_info(s, p_guard.instance()).await?;
     both_legs(s, legs, client, (p_guard, info), d_guard).await
@@ -502,12 +196,7 @@ pub(crate) async fn both_legs(
     let decode_sent = Instant::now();
     s.metrics.phase("to_decode", decode_sent - received);
     let deadline = decode_sent + t;
-    let send = s
-        .http
-        .post(format!("{}{}", d.url, path))
-        .headers(forward_headers(headers, rid))
-        .json(&Value::Object(d_body))
-        .send();
+    let send = send_decode(s, &d, path, forward_headers(headers, rid), d_body);
     let head = match watch_prefill(timeout_at(deadline, send), &mut leg, &mut release).await {
         Ok(head) => head,
         Err(f) => return Err(prefill_failed(f, &leg, &mut release, &d).await),
@@ -549,19 +238,8 @@ pub(crate) async fn both_legs(
         decode_sent,
     };
 
-    let content_type = resp.headers().get(CONTENT_TYPE).cloned();
-    let mut builder = Response::builder().status(status);
-    if let Some(ct) = &content_type {
-        builder = builder.header(CONTENT_TYPE, ct.clone());
-    }
+    let (builder, sse) = answer_head(&resp, stream);
     if stream {
-        if let Some(cc) = resp.headers().get(CACHE_CONTROL) {
-            builder = builder.header(CACHE_CONTROL, cc.clone());
-        }
-        let sse = content_type
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
         let leg = leg.pending().then_some(leg);
         let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid, sse, leg, marks));
         return builder.body(body).map_err(|e| internal(e.to_string()));
@@ -590,6 +268,8 @@ pub(crate) async fn both_legs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ErrorKind;
+    use crate::prefill_leg::check_answer;
 
     #[test]
     fn leg_params() {
@@ -658,7 +338,7 @@ mod tests {
         assert!(check_answer(&p, &json!({"epoch": 1}), h, push).is_ok());
         let other = json!({"handoff_id": HandoffId::from_bytes(u128::to_le_bytes(7)).to_string(), "transfer_mode": "push"});
         let e = check_answer(&p, &other, h, push).unwrap_err();
-        assert_eq!(e.kind, "bad_prefill_response");
+        assert_eq!(e.kind, ErrorKind::BadPrefillResponse);
         assert!(e.message.contains("http://p:1"), "{}", e.message);
         let pulled = json!({"handoff_id": h.to_string(), "transfer_mode": "pull"});
         assert!(check_answer(&p, &pulled, h, push).is_err());

@@ -13,7 +13,7 @@ use serde_json::json;
 use crate::error::chain;
 use crate::metrics::StreamEnd;
 use crate::pool::InFlight;
-use crate::push::{PrefillFailure, PrefillLeg};
+use crate::prefill_leg::{PrefillFailure, PrefillLeg};
 use crate::Shared;
 
 /// When a request reached the proxy and when it was sent to D: the first chunk relayed closes
@@ -93,7 +93,7 @@ impl Relay {
         if self.sse {
             let event = json!({"error": {
                 "message": message,
-                "type": f.error.kind,
+                "type": f.error.kind.as_str(),
                 "role": "prefill",
                 "instance": leg.url(),
                 "request_id": self.request_id,

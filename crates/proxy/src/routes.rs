@@ -1,30 +1,29 @@
 //! HTTP endpoints and the pull flow (the push flow is in `push.rs`).
 
-use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::time::{timeout, timeout_at, Instant};
+use tokio::time::{timeout_at, Instant};
 
-use crate::error::{chain, ProxyError};
+use crate::error::{ErrorKind, ProxyError};
 use crate::metrics::{AdminOutcome, Outcome};
-use crate::pool::{InFlight, Instance, Role};
+use crate::pool::Role;
 use crate::relay::{relay, Marks};
+use crate::upstream::{
+    answer_head, forward_headers, has_partner, internal, mark_down_if_unreachable, no_pair,
+    pick_decode_for, pick_prefill, prefill_leg, prefill_leg_body, read_body, read_capped,
+    send_decode, BodyError, ReleaseGuard, X_REQUEST_ID,
+};
 use crate::{push, Shared, TransferMode};
-
-pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-/// How much of an upstream error body is read to quote it to the client.
-const ERROR_BODY_CAP: usize = 16 << 10;
 
 /// The public listener's routes. Body limits and timeouts are the listener's
 /// ([`handoff_http::serve`]).
@@ -158,112 +157,6 @@ fn request_id(headers: &HeaderMap) -> String {
     )
 }
 
-/// Headers sent to both legs: the shared request id and the client's credentials (engines may
-/// check an API key, as vLLM's `--api-key` does).
-pub(crate) fn forward_headers(client: &HeaderMap, rid: &str) -> HeaderMap {
-    let mut h = HeaderMap::new();
-    if let Ok(v) = HeaderValue::from_str(rid) {
-        h.insert(X_REQUEST_ID, v);
-    }
-    if let Some(auth) = client.get(AUTHORIZATION) {
-        h.insert(AUTHORIZATION, auth.clone());
-    }
-    h
-}
-
-/// The `kv_transfer_params` of the P leg, exactly as vLLM's toy proxy sends them.
-pub(crate) fn prefill_leg_params() -> Value {
-    json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": null,
-        "remote_block_ids": null,
-        "remote_host": null,
-        "remote_port": null,
-    })
-}
-
-/// The P leg's body: prefill only, one sequence, one token, no stream.
-pub(crate) fn prefill_leg_body(client: &Map<String, Value>) -> Value {
-    let mut b = client.clone();
-    b.insert("stream".into(), Value::Bool(false));
-    b.insert("max_tokens".into(), json!(1));
-    if b.contains_key("max_completion_tokens") {
-        b.insert("max_completion_tokens".into(), json!(1));
-    }
-    // Only meaningful for a stream, which the P leg is not.
-    b.remove("stream_options");
-    // min_tokens > 1 would contradict max_tokens 1.
-    b.remove("min_tokens");
-    // n>1 (and best_of, which generates several sequences to keep the best) fans out on D after
-    // one pull: P must produce exactly one handoff per prompt.
-    b.remove("best_of");
-    b.insert("n".into(), json!(1));
-    b.insert("kv_transfer_params".into(), prefill_leg_params());
-    Value::Object(b)
-}
-
-/// A connection refused means the instance is down: stop sending it requests now rather than at
-/// its next health check (which will bring it back once it answers). A timeout does not: a busy
-/// instance is not a dead one.
-pub(crate) fn mark_down_if_unreachable(inst: &Instance, err: &reqwest::Error) {
-    if err.is_connect() && inst.set_healthy(false) {
-        tracing::warn!(
-            role = %inst.role,
-            url = %inst.url,
-            reason = %chain(err),
-            "instance unreachable; unhealthy until its next passing health check"
-        );
-    }
-}
-
-/// Whether P can exchange KV with one of `decodes` (`pool::compatible`).
-fn has_partner(p: &Instance, decodes: &[Arc<Instance>]) -> bool {
-    decodes
-        .iter()
-        .any(|d| crate::pool::compatible(p, d).is_ok())
-}
-
-/// Why no healthy P has a healthy D to pair with (`decodes` are the healthy ones).
-fn no_pair(s: &Shared, decodes: &[Arc<Instance>]) -> ProxyError {
-    if decodes.is_empty() {
-        return ProxyError::no_instance(Role::Decode);
-    }
-    let prefills = s.prefill.healthy();
-    if prefills.is_empty() {
-        return ProxyError::no_instance(Role::Prefill);
-    }
-    let why: Vec<String> = prefills
-        .iter()
-        .flat_map(|p| {
-            decodes
-                .iter()
-                .filter_map(|d| crate::pool::compatible(p, d).err())
-        })
-        .collect();
-    ProxyError::incompatible(why.join("; "))
-}
-
-/// Picks a healthy P that some healthy D can exchange KV with (`pool::compatible`); says why
-/// when there is none. Nothing has been sent to either yet.
-pub(crate) fn pick_prefill(s: &Shared) -> Result<InFlight, ProxyError> {
-    let decodes = s.decode.healthy();
-    s.prefill
-        .pick_where(s.cfg.policy, |p| has_partner(p, &decodes))
-        .ok_or_else(|| {
-            let e = no_pair(s, &decodes);
-            tracing::warn!(reason = %e.message, "no prefill instance to send the request to");
-            e
-        })
-}
-
-/// Picks a healthy D that can exchange KV with P (`pool::compatible`).
-pub(crate) fn pick_decode_for(s: &Shared, p: &Instance) -> Result<InFlight, ProxyError> {
-    s.decode
-        .pick_where(s.cfg.policy, |d| crate::pool::compatible(p, d).is_ok())
-        .ok_or_else(|| ProxyError::no_instance(Role::Decode))
-}
-
 async fn pull(
     s: &Arc<Shared>,
     path: &'static str,
@@ -337,12 +230,7 @@ async fn pull(
     let decode_sent = Instant::now();
     s.metrics.phase("to_decode", decode_sent - received);
     let deadline = decode_sent + t;
-    let send = s
-        .http
-        .post(format!("{}{}", d.url, path))
-        .headers(forward_headers(headers, rid))
-        .json(&Value::Object(d_body))
-        .send();
+    let send = send_decode(s, &d, path, forward_headers(headers, rid), d_body);
     let resp = match timeout_at(deadline, send).await {
         Ok(Ok(resp)) => resp,
         Ok(Err(err)) => {
@@ -373,19 +261,8 @@ async fn pull(
         decode_sent,
     };
 
-    let content_type = resp.headers().get(CONTENT_TYPE).cloned();
-    let mut builder = Response::builder().status(status);
-    if let Some(ct) = &content_type {
-        builder = builder.header(CONTENT_TYPE, ct.clone());
-    }
+    let (builder, sse) = answer_head(&resp, stream);
     if stream {
-        if let Some(cc) = resp.headers().get(CACHE_CONTROL) {
-            builder = builder.header(CACHE_CONTROL, cc.clone());
-        }
-        let sse = content_type
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
         let body = Body::from_stream(relay(resp, s.clone(), d_guard, rid, sse, None, marks));
         return builder.body(body).map_err(|e| internal(e.to_string()));
     }
@@ -405,264 +282,6 @@ async fn pull(
     builder
         .body(Body::from(bytes))
         .map_err(|e| internal(e.to_string()))
-}
-
-pub(crate) fn internal(msg: String) -> ProxyError {
-    ProxyError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        Outcome::DecodeFailed,
-        "internal_error",
-        msg,
-    )
-}
-
-/// Sends `req` to prefill instance `p` and reads its whole answer within `t`. An unreachable
-/// instance is marked down at once; `missing` says what a timeout lacked.
-pub(crate) async fn call_prefill(
-    s: &Shared,
-    p: &Instance,
-    req: reqwest::RequestBuilder,
-    t: Duration,
-    missing: &str,
-) -> Result<(reqwest::StatusCode, Bytes), ProxyError> {
-    let call = async {
-        let resp = req.send().await.map_err(BodyError::Http)?;
-        let status = resp.status();
-        let body = read_body(resp, s.cfg.max_upstream_body_bytes).await?;
-        Ok::<_, BodyError>((status, body))
-    };
-    match timeout(t, call).await {
-        Ok(Ok(r)) => Ok(r),
-        Ok(Err(err)) => {
-            if let BodyError::Http(e) = &err {
-                mark_down_if_unreachable(p, e);
-            }
-            Err(err.into_error(s, Role::Prefill, &p.url))
-        }
-        Err(_) => Err(ProxyError::timeout(Role::Prefill, &p.url, missing, t)),
-    }
-}
-
-/// Why an upstream answer's body could not be had.
-pub(crate) enum BodyError {
-    Http(reqwest::Error),
-    /// Longer than `max_upstream_body_bytes` (the cap).
-    TooLarge(usize),
-}
-
-impl BodyError {
-    /// The client's error (502 for a body over the cap, counted), naming the instance.
-    pub(crate) fn into_error(self, s: &Shared, role: Role, url: &str) -> ProxyError {
-        match self {
-            BodyError::Http(e) => ProxyError::transport(role, url, &e),
-            BodyError::TooLarge(cap) => {
-                s.metrics.upstream_too_large(role.as_str());
-                ProxyError::upstream(
-                    role,
-                    url,
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_body_too_large",
-                    format!(
-                        "answered with a body over {cap} bytes (max_upstream_body_bytes); \
-                         it was not read further"
-                    ),
-                )
-            }
-        }
-    }
-}
-
-/// Reads an upstream answer's whole body, but never more than `cap` bytes: one that says (or
-/// turns out) to be longer is dropped, closing the connection.
-pub(crate) async fn read_body(mut resp: reqwest::Response, cap: usize) -> Result<Bytes, BodyError> {
-    if resp.content_length().is_some_and(|n| n > cap as u64) {
-        return Err(BodyError::TooLarge(cap));
-    }
-    let mut out = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(BodyError::Http)? {
-        if out.len() + chunk.len() > cap {
-            return Err(BodyError::TooLarge(cap));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Ok(Bytes::from(out))
-}
-
-/// The P leg (pull's leg 1, push's concurrent leg): POSTs `body` to P within `request_timeout`
-/// and returns P's `kv_transfer_params`.
-pub(crate) async fn prefill_leg(
-    s: &Shared,
-    p: &Instance,
-    path: &str,
-    headers: HeaderMap,
-    body: &Value,
-) -> Result<Value, ProxyError> {
-    let t = s.cfg.request_timeout;
-    let started = Instant::now();
-    let req = s
-        .http
-        .post(format!("{}{}", p.url, path))
-        .headers(headers)
-        .json(body);
-    let (status, body) = call_prefill(s, p, req, t, "no complete response").await?;
-    s.metrics.phase("prefill_leg", started.elapsed());
-    if !status.is_success() {
-        return Err(ProxyError::upstream_status(
-            Role::Prefill,
-            &p.url,
-            status,
-            &body,
-        ));
-    }
-    let bad = |reason: String| {
-        ProxyError::upstream(
-            Role::Prefill,
-            &p.url,
-            StatusCode::BAD_GATEWAY,
-            "bad_prefill_response",
-            reason,
-        )
-    };
-    let json: Value = serde_json::from_slice(&body)
-        .map_err(|e| bad(format!("answered with invalid JSON: {e}")))?;
-    match json.get("kv_transfer_params") {
-        Some(params @ Value::Object(_)) => Ok(params.clone()),
-        Some(Value::Null) | None => Err(bad(
-            "answered without kv_transfer_params (it kept no KV for a remote decode)".into(),
-        )),
-        Some(other) => Err(bad(format!(
-            "answered with kv_transfer_params that are not an object: {other}"
-        ))),
-    }
-}
-
-/// Reads at most [`ERROR_BODY_CAP`] bytes of an error answer, before `deadline`; best effort.
-pub(crate) async fn read_capped(mut resp: reqwest::Response, deadline: Instant) -> Vec<u8> {
-    let mut out = Vec::new();
-    while out.len() < ERROR_BODY_CAP {
-        match timeout_at(deadline, resp.chunk()).await {
-            Ok(Ok(Some(c))) => out.extend_from_slice(&c),
-            _ => break,
-        }
-    }
-    out.truncate(ERROR_BODY_CAP);
-    out
-}
-
-/// Tells P to release a handoff that D never got. Armed from the moment P answered (pull) or the
-/// legs were sent (push); disarmed once D accepted. On an error path the flow calls
-/// [`ReleaseGuard::release_now`] and awaits it; the release runs in a task of its own, so a
-/// client that goes away meanwhile (the handler future is dropped) does not cancel it. Dropped
-/// while armed (the client left before D answered), it sends the release from a task.
-pub(crate) struct ReleaseGuard {
-    shared: Arc<Shared>,
-    p: Arc<Instance>,
-    params: Value,
-    rid: String,
-    armed: bool,
-}
-
-impl ReleaseGuard {
-    pub(crate) fn new(shared: Arc<Shared>, p: Arc<Instance>, params: Value, rid: &str) -> Self {
-        ReleaseGuard {
-            shared,
-            p,
-            params,
-            rid: rid.to_string(),
-            armed: true,
-        }
-    }
-
-    /// The params the release will carry (push: P's own, once it answered).
-    pub(crate) fn set_params(&mut self, params: Value) {
-        self.params = params;
-    }
-
-    pub(crate) fn disarm(&mut self) {
-        self.armed = false;
-    }
-
-    pub(crate) async fn release_now(&mut self, reason: &str) -> bool {
-        self.armed = false;
-        release_detached(release(
-            self.shared.clone(),
-            self.p.clone(),
-            self.params.clone(),
-            self.rid.clone(),
-            reason.to_string(),
-        ))
-        .await
-    }
-}
-
-impl Drop for ReleaseGuard {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(release(
-                self.shared.clone(),
-                self.p.clone(),
-                std::mem::take(&mut self.params),
-                std::mem::take(&mut self.rid),
-                "client went away before decode answered".into(),
-            ));
-        }
-    }
-}
-
-/// Runs a release in a task of its own and waits for its answer. Once the flow has decided to
-/// release, the client going away (the handler future dropped mid-call) must not cancel the
-/// call: P would keep the blocks until its lease ran out.
-pub(crate) async fn release_detached(call: impl Future<Output = bool> + Send + 'static) -> bool {
-    tokio::spawn(call).await.unwrap_or(false)
-}
-
-/// POST `{P}/v1/handoff/release` with `{"kv_transfer_params": params}`, within `release_timeout`.
-/// Returns whether P acknowledged it; a failure is logged and counted, nothing more can be done
-/// (P's lease will reclaim the blocks).
-pub(crate) async fn release(
-    s: Arc<Shared>,
-    p: Arc<Instance>,
-    params: Value,
-    rid: String,
-    reason: String,
-) -> bool {
-    let handoff_id = params
-        .get("handoff_id")
-        .and_then(Value::as_str)
-        .unwrap_or("?")
-        .to_string();
-    let t = s.cfg.release_timeout;
-    let url = format!("{}/v1/handoff/release", p.url);
-    let call = s
-        .http
-        .post(&url)
-        .header(X_REQUEST_ID, rid.as_str())
-        .json(&json!({ "kv_transfer_params": params }))
-        .timeout(t)
-        .send();
-    let failure = match timeout(t, call).await {
-        Ok(Ok(resp)) if resp.status().is_success() => None,
-        Ok(Ok(resp)) => Some(format!("HTTP {}", resp.status())),
-        Ok(Err(e)) => Some(chain(&e)),
-        Err(_) => Some(format!("no answer within {t:?}")),
-    };
-    s.metrics.release(failure.is_none());
-    match failure {
-        None => {
-            tracing::info!(request_id = %rid, prefill = %p.url, %handoff_id, %reason, "released prefill blocks");
-            true
-        }
-        Some(why) => {
-            tracing::error!(
-                request_id = %rid, prefill = %p.url, %handoff_id, %reason, error = %why,
-                "could not release prefill blocks; P's lease will reclaim them"
-            );
-            false
-        }
-    }
 }
 
 async fn models(State(s): State<Arc<Shared>>) -> Response {
@@ -778,7 +397,7 @@ async fn admin_auth(State(s): State<Arc<Shared>>, req: Request, next: Next) -> R
             tracing::warn!(method = %req.method(), path = %req.uri().path(), "admin request refused: {why}");
             let mut e = ProxyError::bad_request(format!("admin request refused: {why}"));
             e.status = StatusCode::UNAUTHORIZED;
-            e.kind = "unauthorized";
+            e.kind = ErrorKind::Unauthorized;
             let mut resp = e.into_response();
             resp.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,
@@ -849,7 +468,7 @@ async fn admin_remove(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             req.url.trim()
         ));
         e.status = StatusCode::NOT_FOUND;
-        e.kind = "not_found";
+        e.kind = ErrorKind::NotFound;
         e.into_response()
     }
 }

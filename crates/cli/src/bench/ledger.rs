@@ -266,7 +266,7 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
         )
     };
-    let chart = super::report::lines(
+    let chart = crate::report::lines(
         "Ledger cost by handoffs in flight (median ns)",
         ("handoffs in flight", "ns per event / per idle tick"),
         true,
@@ -283,7 +283,7 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
          the largest size over the cost at the smallest, same process.",
         r.event_scaling_ratio, r.event_scaling_limit, r.tick_scaling_ratio, r.tick_scaling_limit
     );
-    super::report::write(
+    crate::report::write(
         dir,
         "ledger",
         "handoff bench ledger",

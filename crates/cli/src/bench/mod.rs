@@ -4,7 +4,6 @@
 mod connector;
 mod descriptors;
 mod ledger;
-pub(crate) mod report;
 mod soak;
 mod timeline;
 mod transfer;

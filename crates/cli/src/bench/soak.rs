@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::demo::spawn_engine;
+use crate::cluster::spawn_engine;
 
 #[derive(Args, Debug, Clone)]
 pub struct SoakArgs {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::demo::label_value as label;
+use crate::cluster::label_value as label;
 
 /// One phase histogram: cumulative counts per upper bound, sum and count.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -1403,7 +1403,7 @@ fn write_report(
         ("read", "READ bandwidth by block size"),
         ("write", "WRITE bandwidth by block size"),
     ] {
-        charts.push(super::report::lines(
+        charts.push(crate::report::lines(
             title,
             ("block size (bytes)", "GB/s"),
             false,
@@ -1418,7 +1418,7 @@ fn write_report(
         "ratios at 64 KiB blocks: {}",
         serde_json::to_string_pretty(&report["ratios"])?
     ));
-    super::report::write(
+    crate::report::write(
         dir,
         "transfer",
         "handoff bench transfer",

@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::timeline::{phases_between, PhaseStats};
-use crate::demo::spawn_engine;
+use crate::cluster::spawn_engine;
 
 /// What to run: `handoff bench ttft --prompts 2048 --concurrency 8 --mode push`.
 #[derive(clap::Args, Clone, Debug)]
@@ -189,7 +189,7 @@ async fn scrape(
     for (name, url) in components {
         out.insert(
             *name,
-            crate::demo::get_text(client, &format!("{url}/metrics")).await,
+            crate::cluster::get_text(client, &format!("{url}/metrics")).await,
         );
     }
     out
@@ -348,8 +348,8 @@ async fn cluster(
         ("d", d.url.clone()),
     ];
     let cases = run_cases(args, mode, &proxy.url(), &components, 1).await;
-    let m = crate::demo::get_text(&reqwest::Client::new(), &format!("{}/metrics", d.url)).await;
-    let recomputed = crate::demo::metric_by_label(&m, "handoff_requests_failed_total", "reason");
+    let m = crate::cluster::get_text(&reqwest::Client::new(), &format!("{}/metrics", d.url)).await;
+    let recomputed = crate::cluster::metric_by_label(&m, "handoff_requests_failed_total", "reason");
     proxy.shutdown().await.ok();
     drop((p, d));
     Ok((cases, recomputed))
@@ -523,7 +523,7 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
             .filter(|c| c.prompt_tokens == len)
             .map(|c| (format!("{} c={}", c.path, c.concurrency), c.samples.clone()))
             .collect();
-        charts.push(super::report::cdf(
+        charts.push(crate::report::cdf(
             &format!("TTFT, {len}-token prompts"),
             &series,
         )?);
@@ -548,7 +548,7 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
         .enumerate()
         .map(|(i, n)| (n.to_string(), per_case.iter().map(|p| p[i]).collect()))
         .collect();
-    charts.push(super::report::stacked(
+    charts.push(crate::report::stacked(
         "Where the TTFT goes (means)",
         &categories,
         &layers,
@@ -573,7 +573,7 @@ fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
         r.pull_vs_single_ttft_p99_c8,
         r.push_vs_single_ttft_p99_c8
     ));
-    super::report::write(
+    crate::report::write(
         dir,
         "ttft",
         "handoff bench ttft",
