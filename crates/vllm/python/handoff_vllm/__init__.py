@@ -7,13 +7,15 @@
 On D, ``--middleware handoff_vllm.RefusalRelease`` lets P release at once the blocks of a
 request vLLM's API server refuses before the connector sees it; on a push P,
 ``--middleware handoff_vllm.HandoffInfo`` answers ``GET /v1/handoff/info`` for handoff's proxy
-(:mod:`handoff_vllm.api_server`).
+(:mod:`handoff_vllm.api_server`); on any of a fleet's servers, ``--middleware
+handoff_vllm.HandoffOps`` answers ``GET /ready``, ``POST /handoff/drain`` (a Kubernetes
+``preStop`` hook) and adds the compatibility key to ``/metrics``.
 
 The connector class lives in :mod:`handoff_vllm.connector`; the Rust core in
 ``handoff_vllm._native``.
 """
 
 from handoff_vllm.connector import HandoffConnector
-from handoff_vllm.api_server import HandoffInfo, RefusalRelease
+from handoff_vllm.api_server import HandoffInfo, HandoffOps, RefusalRelease
 
-__all__ = ["HandoffConnector", "HandoffInfo", "RefusalRelease"]
+__all__ = ["HandoffConnector", "HandoffInfo", "HandoffOps", "RefusalRelease"]

@@ -14,13 +14,26 @@ unwatched) and replays it to vLLM unchanged.
 ``HandoffInfo``, for P's API server in push mode (``--middleware handoff_vllm.HandoffInfo``):
 answers ``GET /v1/handoff/info`` with what a push proxy (handoff's own, ``--mode push``) needs to
 tell D where to register its blocks: P's engine id, side channel, tp size, block size and mode.
+
+``HandoffOps``, for any API server of a fleet (``--middleware handoff_vllm.HandoffOps``):
+``GET /ready`` (200 while the connector answers and no drain was asked for, else 503 naming
+why: what Kubernetes' readiness probe and a router's health check should read; vLLM's own
+``/health`` stays the liveness probe); ``POST /handoff/drain``, the ``preStop`` route: with
+``Authorization: Bearer $HANDOFF_ADMIN_TOKEN`` it turns ``/ready`` false, waits
+``HANDOFF_DRAIN_GRACE_S`` (5) so routers stop sending, then sends this API server SIGTERM,
+which starts vLLM's own drain (it serves the reads of every handoff the connector holds when
+vLLM runs with ``--shutdown-timeout``), and answers; and ``/metrics`` with
+``handoff_compat_info{key="..."} 1`` appended, the compatibility key routers pair P and D by.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
+import signal
 
 from handoff_vllm import _native
 
@@ -127,3 +140,94 @@ async def _answer(send, status: int, body) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _connector_info(scope) -> dict:
+    """This engine's connector info (``GET /v1/handoff/info``'s body); raises when the
+    connector does not answer."""
+    config = scope["app"].state.vllm_config
+    info = _native.engine_info(engine_id(config))
+    if info.startswith("error: "):
+        raise RuntimeError(info[len("error: "):])
+    return json.loads(info)
+
+
+class HandoffOps:
+    READY = "/ready"
+    DRAIN = "/handoff/drain"
+    METRICS = "/metrics"
+    # Set once a drain was asked for: the API server is one process, so is the flag.
+    draining = False
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path")
+        if scope.get("type") != "http" or path not in (self.READY, self.DRAIN, self.METRICS):
+            return await self.app(scope, receive, send)
+        if path == self.READY:
+            return await self._ready(scope, send)
+        if path == self.DRAIN:
+            return await self._drain(scope, send)
+        return await self._metrics(scope, receive, send)
+
+    async def _ready(self, scope, send):
+        if HandoffOps.draining:
+            return await _answer(send, 503, {"ready": False, "draining": True})
+        try:
+            await asyncio.to_thread(_connector_info, scope)
+        except Exception as e:
+            return await _answer(send, 503, {"ready": False, "draining": False,
+                                             "connector": f"unreachable: {e}"})
+        await _answer(send, 200, {"ready": True, "draining": False, "connector": "ok"})
+
+    async def _drain(self, scope, send):
+        if scope.get("method") != "POST":
+            return await _answer(send, 405, {"error": f"{self.DRAIN} answers POST only"})
+        token = os.environ.get("HANDOFF_ADMIN_TOKEN", "")
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if len(token) < 16 or not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            # Nothing changes: a drain stops the engine, only its operator may ask for one.
+            return await _answer(send, 401, {"error": "a drain needs Authorization: Bearer "
+                                                      "<HANDOFF_ADMIN_TOKEN> (at least 16 "
+                                                      "characters, set in the server's environment)"})
+        grace = float(os.environ.get("HANDOFF_DRAIN_GRACE_S", "5"))
+        first = not HandoffOps.draining
+        HandoffOps.draining = True
+        if first:
+            logger.warning("handoff: drain asked for: /ready is 503; SIGTERM in %.1f s", grace)
+            await asyncio.sleep(grace)
+            os.kill(os.getpid(), signal.SIGTERM)
+        await _answer(send, 202, {"draining": True, "sigterm_after_s": grace if first else 0})
+
+    async def _metrics(self, scope, receive, send):
+        try:
+            key = (await asyncio.to_thread(_connector_info, scope)).get("compat_key")
+        except Exception:
+            key = None
+        if not key or scope.get("method") != "GET":
+            return await self.app(scope, receive, send)
+        line = f'# HELP handoff_compat_info What a P and a D must share to exchange KV\n' \
+               f'# TYPE handoff_compat_info gauge\nhandoff_compat_info{{key="{key}"}} 1.0\n'
+        start, chunks = None, []
+
+        async def collect(m):
+            nonlocal start
+            if m.get("type") == "http.response.start":
+                start = m
+            elif m.get("type") == "http.response.body":
+                chunks.append(m.get("body", b""))
+                if not m.get("more_body"):
+                    body = b"".join(chunks)
+                    if start is not None and start.get("status") == 200:
+                        body += line.encode()
+                    headers = [(k, v) for k, v in start.get("headers", [])
+                               if k.lower() != b"content-length"]
+                    headers.append((b"content-length", str(len(body)).encode()))
+                    await send(dict(start, headers=headers))
+                    await send({"type": "http.response.body", "body": body})
+            else:
+                await send(m)
+
+        await self.app(scope, receive, collect)

@@ -13,10 +13,11 @@ lease ends (vllm-router tells P nothing). The count of failed requests, and why,
 report (``chaos`` in the last line of ``scripts/test-vllm``): a request routed to a dead or
 stopped D fails (``kv_load_failure_policy`` ``fail``) or is refused; that is not asserted.
 
-Then P is drained as Kubernetes stops a pod (SIGTERM to its main process, vLLM started with
-``--shutdown-timeout``) while the surviving D waits for the KV of several of P's handoffs (its
-READs held by the test switch): P stays up until D has read them, every one decodes like the
-single engine, and P exits by itself within the timeout.
+Then P is drained as Kubernetes stops a pod, through its preStop route (``POST /handoff/drain``
+of ``handoff_vllm.HandoffOps``: ``/ready`` turns 503, then SIGTERM to its main process; vLLM
+started with ``--shutdown-timeout``) while the surviving D waits for the KV of several of P's
+handoffs (its READs held by the test switch): P stays up until D has read them, every one
+decodes like the single engine, and P exits by itself within the timeout.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ HOLD_D2 = f"/tmp/handoff-vllm-chaos-hold2-{os.getpid()}"
 # vLLM's own drain on SIGTERM (0, its default, aborts what is in flight). The drain test's power
 # check: HANDOFF_VLLM_TEST_SHUTDOWN_TIMEOUT=0 must make it fail.
 SHUTDOWN_TIMEOUT_S = int(os.environ.get("HANDOFF_VLLM_TEST_SHUTDOWN_TIMEOUT", "30"))
+ADMIN_TOKEN = "chaos-admin-token-0123456789abcdef"
+DRAIN_GRACE_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +56,11 @@ def chaos(single):
     servers = {
         "p": Server("chaos-p", connector("vllm-chaos-p",
                                          initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
-                    extra_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
-                    env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
+                    extra_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                                "--middleware", "handoff_vllm.HandoffOps"],
+                    env_extra={"RUST_LOG": "info,handoff_vllm=debug",
+                               "HANDOFF_ADMIN_TOKEN": ADMIN_TOKEN,
+                               "HANDOFF_DRAIN_GRACE_S": str(DRAIN_GRACE_S)}, log_stats=True),
         "d1": Server("chaos-d1", connector("vllm-chaos-d1"),
                      env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D1}),
         "d2": Server("chaos-d2", connector("vllm-chaos-d2"),
@@ -209,14 +215,25 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
 
 
 
-def test_sigterm_drains_p_while_d_waits_for_the_kv_of_its_handoffs(chaos):
+def test_prestop_drain_serves_every_handoff_p_holds_then_p_exits(chaos):
     """Runs last: it stops P. D2 takes three requests whose KV P holds, its READs held back;
-    SIGTERM reaches P's main process (as Kubernetes sends it). vLLM drains: its engine keeps
-    stepping while the connector holds blocks for a remote decode, so P is still up when D's
-    READs go, each request decodes like the single engine (policy ``fail``: a READ from a P that
-    had gone would fail the request), and P exits by itself once they are read, well inside
-    ``--shutdown-timeout``. ``vllm_drain_s`` in the report: from SIGTERM to P's exit."""
+    the preStop route is called (``POST /handoff/drain`` with the admin token): ``/ready`` turns
+    503 at once (a wrong token changed nothing), then SIGTERM reaches P's main process, as
+    Kubernetes sends it. vLLM drains: its engine keeps stepping while the connector holds
+    blocks for a remote decode, so P is still up when D's READs go, each request decodes like
+    the single engine (policy ``fail``: a READ from a P that had gone would fail the request),
+    and P exits by itself once they are read, well inside ``--shutdown-timeout``.
+    ``vllm_drain_s`` in the report: from the drain call to P's exit."""
     p, d, single = chaos["p"], chaos["d2"], chaos["single"]
+    ready = requests.get(p.url + "/ready", timeout=5)
+    assert ready.status_code == 200, ready.text
+    key = [ln for ln in requests.get(p.url + "/metrics", timeout=5).text.splitlines()
+           if ln.startswith("handoff_compat_info{")]
+    assert len(key) == 1, "P's /metrics carries its compatibility key"
+    refused = requests.post(p.url + "/handoff/drain", timeout=5,
+                            headers={"authorization": "Bearer not-the-admin-token-000000"})
+    assert refused.status_code == 401
+    assert requests.get(p.url + "/ready", timeout=5).status_code == 200
     ids = [prompt(2 * BLOCK_SIZE + 7 + i, seed=70_000 + i) for i in range(3)]
     want = [single.complete(x, 6)["choices"][0]["token_ids"] for x in ids]
     results: list = [None] * len(ids)
@@ -226,6 +243,13 @@ def test_sigterm_drains_p_while_d_waits_for_the_kv_of_its_handoffs(chaos):
             results[i] = d.complete(ids[i], 6, kv_transfer_params=params)
         except Exception as e:  # noqa: BLE001 - reported below
             results[i] = e
+
+    drain: dict = {}
+
+    def prestop() -> None:
+        r = requests.post(p.url + "/handoff/drain", timeout=30,
+                          headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+        drain["status"] = r.status_code
 
     open(HOLD_D2, "w").close()
     try:
@@ -240,7 +264,11 @@ def test_sigterm_drains_p_while_d_waits_for_the_kv_of_its_handoffs(chaos):
         # it started: the hold ends well before).
         time.sleep(0.7)
         sent = time.monotonic()
-        p.proc.send_signal(signal.SIGTERM)
+        hook = threading.Thread(target=prestop, daemon=True)
+        hook.start()
+        time.sleep(DRAIN_GRACE_S / 2)
+        not_ready = requests.get(p.url + "/ready", timeout=5).status_code
+        hook.join(10)
         time.sleep(1.5)
         alive = p.proc.poll() is None
     finally:
@@ -250,9 +278,11 @@ def test_sigterm_drains_p_while_d_waits_for_the_kv_of_its_handoffs(chaos):
     code = p.proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 20)
     drained = time.monotonic() - sent
     REPORT["vllm_drain_s"] = round(drained, 2)
+    REPORT["vllm_drain_exit_code"] = code
+    assert not_ready == 503, "P's /ready during the drain's grace"
+    assert drain.get("status") == 202, drain
     assert alive, "P exited while D had not read its handoffs: it did not drain"
     for i, r in enumerate(results):
         assert isinstance(r, dict), f"request {i} failed: {r}\n{p.connector_lines()}"
         assert r["choices"][0]["token_ids"] == want[i], f"request {i} differs from single"
     assert drained < SHUTDOWN_TIMEOUT_S, f"P left at its timeout ({drained:.1f} s), not drained"
-    REPORT["vllm_drain_exit_code"] = code
