@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_text, pool_whole_within, post, post_later, released_within, texts};
+use common::{
+    info, metric, metrics_text, pool_whole_within, post, post_later, released_within, texts,
+};
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
 
@@ -154,6 +156,78 @@ async fn a_draining_prefill_serves_every_handoff_it_holds_then_stops() {
             want[i],
             "request {i} decodes P's KV as a single engine would"
         );
+    }
+    let dm = metrics_text(&c, &d).await;
+    assert_eq!(
+        metric(&dm, "handoff_requests_failed_total"),
+        0.0,
+        "none recomputed:\n{dm}"
+    );
+    released_within(&d, Duration::from_secs(5)).await;
+    pool_whole_within(&c, &d, Duration::from_secs(5)).await;
+    d.stop().await;
+    mono.stop().await;
+}
+
+/// Push: a draining P finishes the prefills it took and the writes D granted it. P prefills
+/// slowly (0.6 s per prompt, one after another), so when the drain starts most prefills, and
+/// all their writes, are still ahead; every request decodes the single engine's text, none
+/// recomputed, and P's drain ends clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_push_prefill_finishes_the_writes_it_was_granted() {
+    let c = reqwest::Client::new();
+    let p = start(EngineConfig {
+        mode: "push".into(),
+        prefill_us_per_token: 2_000.0,
+        ..cfg("prefill")
+    })
+    .await
+    .unwrap();
+    let d = start(EngineConfig {
+        mode: "push".into(),
+        ..cfg("decode")
+    })
+    .await
+    .unwrap();
+    let mono = start(cfg("both")).await.unwrap();
+    let want = single_engine_texts(&c, &mono, N).await;
+    let pi = info(&c, &p).await;
+    let mut legs = Vec::new();
+    for i in 0..N {
+        let hid = format!("{:032x}", 0xd0a1_0000u128 + i as u128);
+        let p_body = json!({"prompt": prompt(i), "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": true, "transfer_mode": "push", "handoff_id": hid}});
+        let d_body = json!({"prompt": prompt(i), "max_tokens": MAX_TOKENS, "kv_transfer_params": {
+            "do_remote_prefill": true, "transfer_mode": "push", "handoff_id": hid,
+            "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"],
+            "remote_port": pi["remote_port"], "tp_size": pi["tp_size"]}});
+        legs.push((
+            post_later(&c, p.url(), p_body, Duration::ZERO),
+            post_later(&c, d.url(), d_body, Duration::ZERO),
+        ));
+    }
+    // D has registered every request's blocks with P (they wait for P's writes).
+    common::metrics_until(
+        &c,
+        &d,
+        Duration::from_secs(5),
+        "D waits for P's writes",
+        |m| metric(m, "engine_requests_awaiting_kv") >= N as f64,
+    )
+    .await;
+    let report = p.drain().await;
+    assert!(!report.timed_out, "{report:?}");
+    assert_eq!(
+        (report.handoff_blocks_left, report.pool_blocks_left),
+        (0, 0)
+    );
+    p.stop().await;
+    for (i, (pl, dl)) in legs.into_iter().enumerate() {
+        let (ps, pv) = pl.await.unwrap();
+        assert_eq!(ps, 200, "{pv}");
+        let (s, v) = dl.await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(texts(&v), want[i], "request {i} decodes the KV P wrote");
     }
     let dm = metrics_text(&c, &d).await;
     assert_eq!(
