@@ -225,8 +225,8 @@ pub fn stacked(
     Ok(svg)
 }
 
-/// Writes `DIR/<name>.html` (the charts inline, then `notes` as preformatted text) and
-/// `DIR/<name>.json`.
+/// Writes `DIR/<name>.html` (the charts inline, then `notes` as preformatted text),
+/// `DIR/<name>.json`, and each chart as `DIR/<name>-<n>.svg` (n from 1: what the book embeds).
 pub fn write(
     dir: &Path,
     name: &str,
@@ -247,7 +247,9 @@ pub fn write(
          pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>\n<h1>{t}</h1>\n",
         t = esc(title)
     );
-    for c in charts {
+    for (i, c) in charts.iter().enumerate() {
+        let file = dir.join(format!("{name}-{}.svg", i + 1));
+        std::fs::write(&file, c).with_context(|| format!("writing {}", file.display()))?;
         html.push_str("<figure>");
         // The SVG's own XML declaration does not belong inside HTML.
         let svg = match c.trim_start().strip_prefix("<?xml") {
@@ -312,6 +314,10 @@ mod tests {
         assert!(!page.contains("<?xml"));
         assert!(page.contains("a &lt;test&gt;") && page.contains("notes &amp; more"));
         assert_eq!(std::fs::read_to_string(dir.join("x.json")).unwrap(), "{}");
+        for n in [1, 2] {
+            let svg = std::fs::read_to_string(dir.join(format!("x-{n}.svg"))).unwrap();
+            assert!(svg.contains("<svg"), "chart {n} on its own");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
