@@ -626,4 +626,3 @@ mod tests {
         drop(p2);
     }
 }
-
