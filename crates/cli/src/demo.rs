@@ -524,24 +524,28 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     for job in jobs {
         if job.idx == drain_at {
             if let Some(e) = draining_p.take() {
-                // Drain it while it holds blocks that a D has not read yet (up to 10 s).
-                let wait = Instant::now();
-                let mut at_drain = 0;
-                while wait.elapsed() < Duration::from_secs(10) {
-                    let v: Value = match client.get(format!("{}/health", e.url)).send().await {
-                        Ok(r) => r.json().await.unwrap_or_default(),
-                        Err(_) => Value::Null,
-                    };
-                    at_drain = v["held_blocks"]["prefill"].as_u64().unwrap_or(0);
-                    if at_drain > 0 {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                report.blocks_held_by_drained_engine_at_drain = at_drain as usize;
-                bar.set_message(format!("draining {} (SIGTERM)", e.id));
+                // Drained the moment it holds blocks that a D has not read yet: watched while
+                // the load goes on (up to 20 s), so the drain has handoffs to serve.
                 report.drained_engine = Some(e.id.clone());
-                drain_check = Some(tokio::spawn(e.drain()));
+                let (client, bar) = (client.clone(), bar.clone());
+                drain_check = Some(tokio::spawn(async move {
+                    let wait = Instant::now();
+                    let mut at_drain = 0;
+                    while wait.elapsed() < Duration::from_secs(20) {
+                        let v: Value = match client.get(format!("{}/health", e.url)).send().await {
+                            Ok(r) => r.json().await.unwrap_or_default(),
+                            Err(_) => Value::Null,
+                        };
+                        at_drain = v["held_blocks"]["prefill"].as_u64().unwrap_or(0);
+                        if at_drain > 0 {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    bar.set_message(format!("draining {} (SIGTERM)", e.id));
+                    let (report, secs) = e.drain().await?;
+                    anyhow::Ok((report, secs, at_drain as usize))
+                }));
             }
         }
         if job.idx == kill_at {
@@ -637,7 +641,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     }
 
     if let Some(d) = drain_check {
-        let (engine_report, secs) = d.await??;
+        let (engine_report, secs, held) = d.await??;
+        report.blocks_held_by_drained_engine_at_drain = held;
         // What the drained engine still held when it stopped counts as leaked.
         report.drain_s = Some(secs);
         report.drain_report = Some(engine_report);
