@@ -113,6 +113,9 @@ struct Report {
     /// Per path: requests D served from a local prefill because their transfer failed, per
     /// reason (a fallback is its own outcome, never hidden in the TTFT).
     requests_recomputed: BTreeMap<&'static str, BTreeMap<String, f64>>,
+    /// Per path: transfer descriptors posted per handoff (pull: D's READs; push: P's WRITEs),
+    /// over every case of the path.
+    descriptors_per_handoff: BTreeMap<&'static str, f64>,
     targets: BTreeMap<&'static str, f64>,
 }
 
@@ -314,7 +317,7 @@ fn print_breakdown(c: &Case) {
 async fn cluster(
     args: &TtftArgs,
     mode: &'static str,
-) -> anyhow::Result<(Vec<Case>, BTreeMap<String, f64>)> {
+) -> anyhow::Result<(Vec<Case>, BTreeMap<String, f64>, f64)> {
     let p = spawn_engine(
         &format!("bench-p-{mode}"),
         "prefill",
@@ -348,11 +351,22 @@ async fn cluster(
         ("d", d.url.clone()),
     ];
     let cases = run_cases(args, mode, &proxy.url(), &components, 1).await;
-    let m = crate::cluster::get_text(&reqwest::Client::new(), &format!("{}/metrics", d.url)).await;
+    let client = reqwest::Client::new();
+    let m = crate::cluster::get_text(&client, &format!("{}/metrics", d.url)).await;
     let recomputed = crate::cluster::metric_by_label(&m, "handoff_requests_failed_total", "reason");
+    // Pull: D posts the READs; push: P posts the WRITEs (one D rank: a transfer is a handoff).
+    let poster = if mode == "push" { &p.url } else { &d.url };
+    let pm = crate::cluster::get_text(&client, &format!("{poster}/metrics")).await;
+    let transfers = crate::cluster::metric(&pm, "handoff_transfer_duration_seconds_count");
+    let descriptors = crate::cluster::metric(&pm, "handoff_transfer_descriptors_sum");
+    let per_handoff = if transfers > 0.0 {
+        descriptors / transfers
+    } else {
+        f64::NAN
+    };
     proxy.shutdown().await.ok();
     drop((p, d));
-    Ok((cases, recomputed))
+    Ok((cases, recomputed, per_handoff))
 }
 
 pub fn run(args: TtftArgs) -> anyhow::Result<()> {
@@ -373,6 +387,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let mut requests_recomputed = BTreeMap::new();
+    let mut descriptors_per_handoff = BTreeMap::new();
     let runs = |m: &str| args.mode.iter().any(|x| x == m);
     let cases = rt.block_on(async {
         let mut all = Vec::new();
@@ -390,7 +405,9 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
             if !runs(mode) {
                 continue;
             }
-            let (cases, recomputed) = cluster(&args, mode).await?;
+            let (cases, recomputed, descriptors) = cluster(&args, mode).await?;
+            println!("  {mode}: {descriptors:.1} descriptors per handoff");
+            descriptors_per_handoff.insert(mode, descriptors);
             all.extend(cases);
             // Summed from zero up (an empty `sum` of floats is -0.0, printed "-0").
             let n = recomputed.values().fold(0.0, |a, b| a + b);
@@ -448,6 +465,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         pull_vs_single_ttft_p99_c8: p99_c8("pull"),
         push_vs_single_ttft_p99_c8: p99_c8("push"),
         requests_recomputed,
+        descriptors_per_handoff,
         targets: BTreeMap::from([
             ("push_vs_pull_ttft_p50_max", 0.75),
             ("push_vs_single_ttft_p50_max", 1.05),
@@ -623,6 +641,7 @@ mod tests {
             pull_vs_single_ttft_p99_c8: f64::NAN,
             push_vs_single_ttft_p99_c8: f64::NAN,
             requests_recomputed: BTreeMap::new(),
+            descriptors_per_handoff: BTreeMap::new(),
             targets: BTreeMap::new(),
         };
         let dir = std::env::temp_dir().join(format!("handoff-ttft-report-{}", std::process::id()));
