@@ -71,9 +71,21 @@ pub enum WorkerOp {
         blocks: Vec<u32>,
         of: DigestOf,
     },
-    /// Zero the bytes of `blocks` past the first `num_tokens` tokens (push: the part of the last
-    /// block that P does not write).
+    /// Zero the bytes of `blocks` past the first `num_tokens` tokens.
     ZeroTail { blocks: Vec<u32>, num_tokens: u32 },
+    /// Push, D: P writes whole blocks (a layer of a contiguous run is then one descriptor; cut
+    /// at the prompt's last token it would be one per head and plane), so the last block's tail
+    /// holds P's stale bytes until zeroed. On every `PushDone` of `handoff` this rank's
+    /// transport delivers, zero the bytes of `blocks` past `num_tokens` before reporting it:
+    /// a `PushDone` comes after its writes landed, so once the last one is reported the tail is
+    /// zero, before anyone digests or decodes the blocks. Dropped by `ForgetPushTail`.
+    ZeroTailOnPushDone {
+        handoff: HandoffId,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+    },
+    /// The push of `handoff` ended on D: no `PushDone` of it matters any more.
+    ForgetPushTail { handoff: HandoffId },
 }
 
 /// Transfers to post together; the job ends when every part ended.

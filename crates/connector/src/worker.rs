@@ -6,7 +6,7 @@
 //! A `WorkerSide` is a plain object; [`spawn`] runs one on a thread of its own (the reference
 //! engine), and [`crate::remote`] runs one in another process (vLLM's worker processes).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use crate::digest::{rank_digest, DigestOf};
 use crate::forward_gate::{ForwardGate, Released};
 use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::ConnectorError;
-use handoff_proto::HandoffId;
+use handoff_proto::{HandoffId, Message};
 
 /// How often a worker polls its transport for progress, notifications and dead peers.
 pub const POLL: Duration = Duration::from_millis(1);
@@ -52,7 +52,15 @@ pub struct WorkerSide {
     refused_seen: (u64, u64),
     /// Push writes planned before the forward pass that produces their KV.
     gate: ForwardGate,
+    /// D, push: the tail to zero on each `PushDone` of a handoff (`WorkerOp::ZeroTailOnPushDone`),
+    /// oldest first; at most `MAX_PUSH_TAILS` (the core forgets each when its push ends).
+    push_tails: HashMap<HandoffId, (Vec<u32>, u32)>,
+    push_tail_order: VecDeque<HandoffId>,
 }
+
+/// Push tails a worker remembers at once: far more than pushes in flight (each holds D blocks);
+/// a bound all the same, should the core never say a push ended.
+const MAX_PUSH_TAILS: usize = 1 << 16;
 
 impl WorkerSide {
     /// Registers the rank's regions with its transport.
@@ -76,6 +84,8 @@ impl WorkerSide {
             mem,
             jobs: HashMap::new(),
             refused_seen: (0, 0),
+            push_tails: HashMap::new(),
+            push_tail_order: VecDeque::new(),
             gate: ForwardGate::default(),
             report: WorkerReport {
                 rank,
@@ -229,6 +239,29 @@ impl WorkerSide {
                         tracing::warn!(rank = self.rank, error = %e, "cannot zero a block tail");
                     }
                 }
+                WorkerOp::ZeroTailOnPushDone {
+                    handoff,
+                    blocks,
+                    num_tokens,
+                } => {
+                    if self.push_tails.len() >= MAX_PUSH_TAILS {
+                        if let Some(old) = self.push_tail_order.pop_front() {
+                            self.push_tails.remove(&old);
+                        }
+                    }
+                    if self
+                        .push_tails
+                        .insert(handoff, (blocks, num_tokens))
+                        .is_none()
+                    {
+                        self.push_tail_order.push_back(handoff);
+                    }
+                }
+                WorkerOp::ForgetPushTail { handoff } => {
+                    if self.push_tails.remove(&handoff).is_some() {
+                        self.push_tail_order.retain(|h| *h != handoff);
+                    }
+                }
             }
         }
     }
@@ -306,6 +339,7 @@ impl WorkerSide {
             }
         }
         for n in self.mem.transport.drain_notifications() {
+            self.zero_push_tail(&n.msg);
             self.report.notifications.push((n.from, n.msg));
         }
         self.report
@@ -363,6 +397,19 @@ impl WorkerSide {
 
     /// Zeroes the bytes of `blocks` past the prompt's last token, so no stale byte (P's or a
     /// previous request's) stays in a partially filled block.
+    /// A `PushDone` for a push whose tail this rank zeroes: zeroed now, before the core hears
+    /// of it (see `WorkerOp::ZeroTailOnPushDone`). Any other notification: nothing.
+    fn zero_push_tail(&self, msg: &[u8]) {
+        let Ok(Message::PushDone(done)) = handoff_proto::decode(msg) else {
+            return;
+        };
+        if let Some((blocks, num_tokens)) = self.push_tails.get(&done.handoff) {
+            if let Err(e) = self.zero_tail(blocks, *num_tokens) {
+                tracing::warn!(rank = self.rank, error = %e, "cannot zero a pushed block's tail");
+            }
+        }
+    }
+
     fn zero_tail(&self, blocks: &[u32], num_tokens: u32) -> Result<(), ConnectorError> {
         let spans = handoff_plan::uncovered_dst(&self.mem.layout, blocks, num_tokens)
             .map_err(ConnectorError::Plan)?;
@@ -518,6 +565,88 @@ mod tests {
             digest: None,
             push_layer: None,
         })
+    }
+
+    /// Push, D: P writes whole blocks, so the tail of the last one is D's to zero, on every
+    /// PushDone of that handoff, before the core hears of it (only then may anything digest or
+    /// decode the blocks). Another handoff's PushDone, other notifications and a forgotten push
+    /// change nothing.
+    #[test]
+    fn a_push_done_zeroes_the_tail_of_its_blocks_before_it_is_reported() {
+        use handoff_proto::{encode, Epoch, PushDone};
+        let l = layout();
+        let len = l.region_len(0).unwrap() as usize;
+        let region = Arc::new(KvRegion::new(len, 256));
+        region.write(0, &vec![0xaa; len]).unwrap();
+        let mut d = WorkerSide::new(RankMemory {
+            layout: l,
+            regions: vec![(0, region.clone())],
+            transport: tcp("d-tail"),
+        })
+        .unwrap();
+        let h: HandoffId = "0123456789abcdef0123456789abcdef".parse().unwrap();
+        let other: HandoffId = "fedcba9876543210fedcba9876543210".parse().unwrap();
+        // Blocks 1 and 2 hold the prompt's 20 tokens: block 2 keeps 4, the rest of it is tail.
+        d.apply(WorkerStep {
+            ops: vec![WorkerOp::ZeroTailOnPushDone {
+                handoff: h,
+                blocks: vec![1, 2],
+                num_tokens: 20,
+            }],
+        });
+        let done = |handoff| {
+            encode(&Message::PushDone(PushDone {
+                handoff,
+                epoch: Epoch(1),
+                p_rank: 0,
+                d_rank: 0,
+                digest: None,
+            }))
+            .unwrap()
+        };
+        let snapshot = || {
+            let mut b = vec![0u8; len];
+            region.read(0, &mut b).unwrap();
+            b
+        };
+        d.zero_push_tail(&done(other));
+        d.zero_push_tail(b"not a message");
+        assert!(snapshot().iter().all(|b| *b == 0xaa), "nothing of ours");
+        d.zero_push_tail(&done(h));
+        // One layer, one head, 16 tokens × 8 × 2 bytes per plane: a row is 16 bytes.
+        let block = l_block_bytes();
+        let after = snapshot();
+        let row = 16;
+        let tail_start = 2 * block + 4 * row;
+        let mut zeroed = 0;
+        for (i, b) in after.iter().enumerate() {
+            let in_block_2 = (2 * block..3 * block).contains(&i);
+            if *b == 0 {
+                assert!(
+                    in_block_2 && i >= 2 * block,
+                    "byte {i} zeroed outside block 2"
+                );
+                zeroed += 1;
+            }
+        }
+        assert!(zeroed > 0 && after[tail_start..3 * block].contains(&0));
+        assert!(
+            after[..2 * block + 4 * row].iter().all(|b| *b == 0xaa),
+            "the prompt kept"
+        );
+        region.write(0, &vec![0xaa; len]).unwrap();
+        d.apply(WorkerStep {
+            ops: vec![WorkerOp::ForgetPushTail { handoff: h }],
+        });
+        d.zero_push_tail(&done(h));
+        assert!(
+            snapshot().iter().all(|b| *b == 0xaa),
+            "a forgotten push zeroes nothing"
+        );
+    }
+
+    fn l_block_bytes() -> usize {
+        layout().spec.block_bytes() as usize
     }
 
     /// An aborted job's end is what lets the ledgers free its blocks: while the backend still

@@ -20,7 +20,7 @@ mod side;
 mod tests;
 mod transfers;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use handoff_ledger::{
     BlockRelease, ConsumerAction, ConsumerConfig, ConsumerLedger, ConsumerStats, IncomingHandoff,
@@ -183,6 +183,8 @@ pub struct ConnectorCore {
     /// D, push, with `kv_digest`: handoffs whose writes all landed, held until D's ranks
     /// digested what landed (one entry per handoff, gone once every rank reported).
     push_checks: HashMap<HandoffId, push_digest::Check>,
+    /// D: pushes whose tail the workers zero on each `PushDone` (forgotten when they end).
+    push_tails: BTreeSet<HandoffId>,
     /// P, pull, with `kv_digest`: each live handoff's prompt length (its digest covers those
     /// tokens). Emptied when the handoff's blocks are released.
     prompt_tokens: HashMap<HandoffId, u32>,
@@ -238,6 +240,7 @@ impl ConnectorCore {
             peers: PeerTable::default(),
             transfers: Transfers::default(),
             push_checks: HashMap::new(),
+            push_tails: BTreeSet::new(),
             grants: Grants::default(),
             prompt_tokens: HashMap::new(),
             prune_at: MIN_PRUNE_AT,
@@ -629,13 +632,15 @@ impl ConnectorCore {
         c.on_blocks_allocated_after_cached(handoff, cached, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
             if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
-                // P writes exactly the prompt's tokens: the rest of the last block is cleared
-                // now, before any write can land (the two never touch the same bytes).
+                // P writes whole blocks: each worker zeroes the last block's tail as the
+                // PushDones arrive, before the core hears of them (see the op).
                 let num_tokens = inc.num_tokens.saturating_sub(cached_tokens);
+                self.push_tails.insert(handoff);
                 for rank in 0..self.spec.tp as u16 {
                     self.out.worker_ops.push((
                         rank,
-                        WorkerOp::ZeroTail {
+                        WorkerOp::ZeroTailOnPushDone {
+                            handoff,
                             blocks: blocks.clone(),
                             num_tokens,
                         },
@@ -906,6 +911,13 @@ impl ConnectorCore {
                 | Outcome::Failed { handoff, .. } => *handoff,
             };
             self.revoke(Opens::Writes, handoff);
+            if self.push_tails.remove(&handoff) {
+                for rank in 0..self.spec.tp as u16 {
+                    self.out
+                        .worker_ops
+                        .push((rank, WorkerOp::ForgetPushTail { handoff }));
+                }
+            }
             match o {
                 Outcome::Ready {
                     requests,

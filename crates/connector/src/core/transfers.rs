@@ -534,7 +534,7 @@ impl ConnectorCore {
         let mut new_jobs: Vec<(JobId, u16)> = Vec::new();
         let mut observations = Vec::new();
         let my_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
-        let (opaque, my_block_size) = (self.cfg.opaque_blocks, self.spec.block_size);
+        let my_block_size = self.spec.block_size;
         let next_job = &mut self.transfers.next_job;
         for (d_rank, w) in st.writes.iter_mut() {
             if w.aborted || w.failed {
@@ -607,17 +607,14 @@ impl ConnectorCore {
                     layer,
                     post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
                 };
-                // Opaque pages go whole (no one knows where a token's bytes are in them);
-                // otherwise only the prompt's tokens, D zeroed the rest when it registered.
-                let tokens = if opaque {
-                    whole_blocks(
-                        (src_blocks, my_block_size),
-                        (&w.d_blocks, d_block_size),
-                        prompt_left,
-                    )
-                } else {
-                    prompt_left
-                };
+                // Whole blocks where both sides have them (a layer of a contiguous run is one
+                // descriptor, not one per head and plane for the last, partial block); D's
+                // workers zero the tail as the PushDones arrive. Opaque pages go whole anyway.
+                let tokens = whole_blocks(
+                    (src_blocks, my_block_size),
+                    (&w.d_blocks, d_block_size),
+                    prompt_left,
+                );
                 let plan = match handoff_plan::plan_layers(
                     &my_layouts,
                     &peer.layouts,
