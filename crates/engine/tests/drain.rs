@@ -98,6 +98,21 @@ async fn ready_status(c: &reqwest::Client, e: &RunningEngine) -> (u16, Value) {
 
 const N: usize = 4;
 
+/// D recomputed nothing (every request decoded the KV that came from P), gives every block
+/// back, and stops with the single engine.
+async fn none_recomputed_then_stop(c: &reqwest::Client, d: RunningEngine, mono: RunningEngine) {
+    let dm = metrics_text(c, &d).await;
+    assert_eq!(
+        metric(&dm, "handoff_requests_failed_total"),
+        0.0,
+        "none recomputed:\n{dm}"
+    );
+    released_within(&d, Duration::from_secs(5)).await;
+    pool_whole_within(c, &d, Duration::from_secs(5)).await;
+    d.stop().await;
+    mono.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_prefill_serves_every_handoff_it_holds_then_stops() {
     let c = reqwest::Client::new();
@@ -157,16 +172,7 @@ async fn a_draining_prefill_serves_every_handoff_it_holds_then_stops() {
             "request {i} decodes P's KV as a single engine would"
         );
     }
-    let dm = metrics_text(&c, &d).await;
-    assert_eq!(
-        metric(&dm, "handoff_requests_failed_total"),
-        0.0,
-        "none recomputed:\n{dm}"
-    );
-    released_within(&d, Duration::from_secs(5)).await;
-    pool_whole_within(&c, &d, Duration::from_secs(5)).await;
-    d.stop().await;
-    mono.stop().await;
+    none_recomputed_then_stop(&c, d, mono).await;
 }
 
 /// Push: a draining P finishes the prefills it took and the writes D granted it. P prefills
@@ -229,16 +235,7 @@ async fn a_draining_push_prefill_finishes_the_writes_it_was_granted() {
         assert_eq!(s, 200, "{v}");
         assert_eq!(texts(&v), want[i], "request {i} decodes the KV P wrote");
     }
-    let dm = metrics_text(&c, &d).await;
-    assert_eq!(
-        metric(&dm, "handoff_requests_failed_total"),
-        0.0,
-        "none recomputed:\n{dm}"
-    );
-    released_within(&d, Duration::from_secs(5)).await;
-    pool_whole_within(&c, &d, Duration::from_secs(5)).await;
-    d.stop().await;
-    mono.stop().await;
+    none_recomputed_then_stop(&c, d, mono).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -185,6 +185,17 @@ impl ProxyError {
 
     /// The upstream answered with an error status. 503 (overloaded, pool full) stays 503 so that
     /// a client may retry; other 5xx become 502; a 4xx is the client's fault and keeps its status.
+    /// P answered 200 with something the proxy cannot use (`reason` says what).
+    pub(crate) fn bad_prefill_response(instance: &str, reason: String) -> Self {
+        Self::upstream(
+            Role::Prefill,
+            instance,
+            StatusCode::BAD_GATEWAY,
+            ErrorKind::BadPrefillResponse,
+            reason,
+        )
+    }
+
     /// The instance answered 503 `draining` (it is leaving the fleet, and took nothing of the
     /// request): another instance may take the request.
     pub(crate) fn is_drain_refusal(&self) -> bool {

@@ -7,13 +7,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use handoff_proto::HandoffId;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 use crate::error::{ErrorKind, ProxyError};
-use crate::pool::{InFlight, Instance, Role};
+use crate::pool::{InFlight, Instance};
 use crate::upstream::{internal, prefill_leg, release};
 use crate::{Shared, TransferMode};
 
@@ -199,15 +199,7 @@ pub(crate) fn check_answer(
     handoff: HandoffId,
     mode: TransferMode,
 ) -> Result<(), ProxyError> {
-    let bad = |reason: String| {
-        ProxyError::upstream(
-            Role::Prefill,
-            &p.url,
-            StatusCode::BAD_GATEWAY,
-            ErrorKind::BadPrefillResponse,
-            reason,
-        )
-    };
+    let bad = |reason: String| ProxyError::bad_prefill_response(&p.url, reason);
     match params.get("transfer_mode") {
         None | Some(Value::Null) => {}
         Some(Value::String(m)) if m == mode.as_str() => {}

@@ -237,15 +237,7 @@ pub(crate) async fn prefill_leg(
             &body,
         ));
     }
-    let bad = |reason: String| {
-        ProxyError::upstream(
-            Role::Prefill,
-            &p.url,
-            StatusCode::BAD_GATEWAY,
-            ErrorKind::BadPrefillResponse,
-            reason,
-        )
-    };
+    let bad = |reason: String| ProxyError::bad_prefill_response(&p.url, reason);
     let json: Value = serde_json::from_slice(&body)
         .map_err(|e| bad(format!("answered with invalid JSON: {e}")))?;
     match json.get("kv_transfer_params") {
