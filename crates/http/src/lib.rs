@@ -24,6 +24,8 @@
 #![forbid(unsafe_code)]
 
 mod metrics;
+/// Hostile-client probes for the limit tests (feature `testing`; not API).
+#[cfg(any(test, feature = "testing"))]
 pub mod probe;
 mod timeline;
 

@@ -17,6 +17,8 @@
 #![deny(unsafe_code)]
 
 pub mod auth;
+/// The conformance suite's shared pieces (feature `testing`; not API).
+#[cfg(any(test, feature = "testing"))]
 pub mod conformance;
 pub mod faulty;
 mod foreign;

@@ -66,6 +66,8 @@
 mod agent;
 mod cuda;
 mod find;
+/// The bare-C-API baseline the benchmarks compare with (feature `testing`; not API).
+#[cfg(any(test, feature = "testing"))]
 pub mod raw;
 mod sys;
 #[cfg(test)]
