@@ -64,6 +64,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod agent;
+// GPU memory for the raw baseline only.
+#[cfg(any(test, feature = "testing"))]
 mod cuda;
 mod find;
 /// The bare-C-API baseline the benchmarks compare with (feature `testing`; not API).
