@@ -331,10 +331,6 @@ async fn serve(
     let (tx, rx) = unbounded_channel();
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (n, stream_out, request_id) = (p.n, p.stream, p.request_id.clone());
-    let remote_prefill = match &p.kind {
-        Kind::RemotePrefill(params) => Some(params.clone()),
-        _ => None,
-    };
     let sub = Submission {
         id,
         external_id: p.request_id,
@@ -350,9 +346,9 @@ async fn serve(
         let queue = s.scheduler.lock();
         if s.drain.refusing() {
             drop(queue);
-            if let (Some(c), Some(params)) = (&s.connector, remote_prefill) {
+            if let (Some(c), Kind::RemotePrefill(params)) = (&s.connector, &sub.kind) {
                 // D refuses before admission: P must not wait out a lease for it.
-                if let Err(e) = c.reject(&params) {
+                if let Err(e) = c.reject(params) {
                     tracing::warn!(error = %e, "could not tell P of a refused remote prefill");
                 }
             }
