@@ -98,6 +98,19 @@ async fn ready_status(c: &reqwest::Client, e: &RunningEngine) -> (u16, Value) {
 
 const N: usize = 4;
 
+/// Every D leg answered 200 with the single engine's text for its prompt.
+async fn each_answers_like_the_single_engine(
+    legs: Vec<tokio::task::JoinHandle<(u16, Value)>>,
+    want: &[Vec<String>],
+    what: &str,
+) {
+    for (i, leg) in legs.into_iter().enumerate() {
+        let (s, v) = leg.await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(texts(&v), want[i], "request {i}: {what}");
+    }
+}
+
 /// D recomputed nothing (every request decoded the KV that came from P), gives every block
 /// back, and stops with the single engine.
 async fn none_recomputed_then_stop(c: &reqwest::Client, d: RunningEngine, mono: RunningEngine) {
@@ -163,15 +176,8 @@ async fn a_draining_prefill_serves_every_handoff_it_holds_then_stops() {
     // As `handoff engine` does once drained: P is gone before D's answers are read.
     p.stop().await;
 
-    for (i, leg) in legs.into_iter().enumerate() {
-        let (s, v) = leg.await.unwrap();
-        assert_eq!(s, 200, "{v}");
-        assert_eq!(
-            texts(&v),
-            want[i],
-            "request {i} decodes P's KV as a single engine would"
-        );
-    }
+    each_answers_like_the_single_engine(legs, &want, "decodes P's KV as a single engine would")
+        .await;
     none_recomputed_then_stop(&c, d, mono).await;
 }
 
@@ -259,15 +265,7 @@ async fn a_drain_deadline_shorter_than_the_reads_recomputes_the_rest_and_leaks_n
     assert!(report.handoff_blocks_left > 0, "{report:?}");
     p.stop().await;
 
-    for (i, leg) in legs.into_iter().enumerate() {
-        let (s, v) = leg.await.unwrap();
-        assert_eq!(s, 200, "{v}");
-        assert_eq!(
-            texts(&v),
-            want[i],
-            "request {i}: read or recomputed, the same text"
-        );
-    }
+    each_answers_like_the_single_engine(legs, &want, "read or recomputed, the same text").await;
     let dm = metrics_text(&c, &d).await;
     assert!(
         metric(&dm, "handoff_requests_failed_total") > 0.0,
