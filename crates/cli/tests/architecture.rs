@@ -1,8 +1,8 @@
 //! The shape of the code, checked: no import circle between the modules of any crate (a module
 //! is a top-level `src/<name>.rs` or `src/<name>/`; the crate root, which assembles them, is left
-//! out), and the sans-IO parts (`ledger`, `plan`, `proto` and the connector's `core`) name no
-//! thread, lock, atomic, clock, runtime, socket or random source. Comments are not code: a doc
-//! line may point at any module.
+//! out), and the sans-IO parts (`ledger`, `plan`, `proto` and the connector core, crate `core`)
+//! name no thread, lock, atomic, clock, runtime, socket or random source, and depend on no crate
+//! that does. Comments are not code: a doc line may point at any module.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -251,7 +251,7 @@ fn the_sans_io_parts_name_no_thread_lock_clock_socket_or_random_source() {
         w.join("ledger/src"),
         w.join("plan/src"),
         w.join("proto/src"),
-        w.join("connector/src/core"),
+        w.join("core/src"),
     ] {
         assert!(dir.is_dir(), "{}", dir.display());
         found.extend(io_names_in(&dir));
@@ -263,4 +263,61 @@ fn the_sans_io_parts_name_no_thread_lock_clock_socket_or_random_source() {
     );
     // Power: the executor, which does the I/O, is caught by the same check.
     assert!(!io_names_in(&w.join("connector/src")).is_empty());
+}
+
+/// What the sans-IO crates may depend on: each other, and crates of plain data, errors and log
+/// macros (`tracing` is a facade: the subscriber that writes is the binary's).
+const SANS_IO_DEPENDENCIES: &[&str] = &[
+    "handoff-proto",
+    "handoff-ledger",
+    "handoff-plan",
+    "serde",
+    "serde_json",
+    "postcard",
+    "thiserror",
+    "tracing",
+];
+
+/// The names in a manifest's `[dependencies]` table.
+fn dependencies(manifest: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(manifest).expect("readable");
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            inside = line == "[dependencies]";
+            continue;
+        }
+        if inside && !line.is_empty() && !line.starts_with('#') {
+            if let Some(name) = line.split(['=', '.']).next() {
+                out.push(name.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_sans_io_crates_depend_only_on_data_crates() {
+    let w = workspace();
+    let mut found = Vec::new();
+    for krate in ["core", "ledger", "plan", "proto"] {
+        let deps = dependencies(&w.join(krate).join("Cargo.toml"));
+        assert!(
+            !deps.is_empty() || krate == "proto",
+            "{krate}: no dependency read"
+        );
+        for d in deps {
+            if !SANS_IO_DEPENDENCIES.contains(&d.as_str()) {
+                found.push(format!("{krate} depends on {d}"));
+            }
+        }
+    }
+    assert!(found.is_empty(), "{}", found.join("\n"));
+    // Power: the connector, which does the I/O, depends on more.
+    let connector = dependencies(&w.join("connector/Cargo.toml"));
+    assert!(connector
+        .iter()
+        .any(|d| !SANS_IO_DEPENDENCIES.contains(&d.as_str())));
 }

@@ -23,14 +23,15 @@ use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 
-use crate::core::{
-    ConnId, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
-};
 use crate::metrics::{DirLabels, HeldLabels, Metrics, ReasonLabels};
 use crate::side_channel::{self, ConnWriter, SendError, SideChannel, SideConfig, SideEvent, Sink};
 use crate::step::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::worker::{self, RankMemory, WorkerSide};
 use crate::{ConnectorConfig, ConnectorError, ConnectorEvent, Role};
+use handoff_core::{
+    Answer, ConnId, ConnectorCore, CoreConfig, CoreMemory, Input, LedgerCounters, Observation,
+    Ready,
+};
 
 /// The longest the executor sleeps without a timer due (it wakes on every input anyway).
 const IDLE: Duration = Duration::from_millis(100);
@@ -42,12 +43,16 @@ const BATCH: usize = 256;
 const GAUGES_EVERY: Duration = Duration::from_millis(100);
 
 type Reply = Box<dyn FnOnce() + Send>;
-type Call = Box<dyn FnOnce(&mut ConnectorCore, Time) -> Reply + Send>;
+type Query = Box<dyn FnOnce(&ConnectorCore) -> Reply + Send>;
+type Answered = Result<Answer, handoff_core::CoreError>;
 
-enum Input {
-    Call(Call),
+/// What reaches the executor thread.
+enum Msg {
+    /// An input for the core, and where its answer goes (`None`: nobody waits).
+    Core(Input, Option<std::sync::mpsc::SyncSender<Answered>>),
+    /// A read-only look at the core (snapshots for metrics and tests): no input, so not recorded.
+    Query(Query),
     Side(SideEvent),
-    Report(WorkerReport),
 }
 
 /// Where the executor sends one worker its steps.
@@ -65,12 +70,12 @@ impl WorkerLink for Sender<WorkerStep> {
 /// Feeds worker reports to a running connector (from a worker thread or a remote worker's
 /// connection).
 #[derive(Clone)]
-pub struct ReportSink(Sender<Input>);
+pub struct ReportSink(Sender<Msg>);
 
 impl ReportSink {
     /// False once the connector stopped.
     pub fn report(&self, r: WorkerReport) -> bool {
-        self.0.send(Input::Report(r)).is_ok()
+        self.0.send(Msg::Core(Input::WorkerReport(r), None)).is_ok()
     }
 }
 
@@ -86,7 +91,7 @@ pub struct Connector {
     /// See [`ConnectorCore::compat_key`].
     compat_key: String,
     side_addr: SocketAddr,
-    inbox: Sender<Input>,
+    inbox: Sender<Msg>,
     events: Mutex<Receiver<ConnectorEvent>>,
     waker: Waker,
     stop: Arc<AtomicBool>,
@@ -135,11 +140,11 @@ impl Connector {
         registry: &mut Registry,
         links: impl FnOnce(&ReportSink) -> Result<Vec<Box<dyn WorkerLink>>, ConnectorError>,
     ) -> Result<(Arc<Connector>, ReportSink), ConnectorError> {
-        let (inbox, inputs) = channel::<Input>();
+        let (inbox, inputs) = channel::<Msg>();
         let stop = Arc::new(AtomicBool::new(false));
         let side_sink: Sink = {
             let inbox = inbox.clone();
-            Arc::new(move |ev| inbox.send(Input::Side(ev)).is_ok())
+            Arc::new(move |ev| inbox.send(Msg::Side(ev)).is_ok())
         };
         crate::check_exposure(cfg.side_channel_bind.ip(), cfg.key.as_ref(), cfg.insecure)?;
         let side = SideChannel::new(
@@ -175,7 +180,7 @@ impl Connector {
             Ok(c) => c,
             Err(e) => {
                 stop.store(true, Ordering::Relaxed);
-                return Err(e);
+                return Err(e.into());
             }
         };
         let spec = *core.spec();
@@ -230,36 +235,42 @@ impl Connector {
         ))
     }
 
-    /// Runs `f` on the core and waits for its answer (given once the batch it caused went out).
-    fn call<R: Send + 'static>(
+    /// Gives the core `input` and waits for its answer (sent once the batch it caused went
+    /// out, so an event it produced is already queued).
+    fn call(&self, input: Input) -> Result<Answer, ConnectorError> {
+        let (tx, rx) = sync_channel::<Answered>(1);
+        self.inbox
+            .send(Msg::Core(input, Some(tx)))
+            .map_err(|_| ConnectorError::Stopped)?;
+        Ok(rx.recv().map_err(|_| ConnectorError::Stopped)??)
+    }
+
+    /// Gives the core `input` without waiting. Once the executor has stopped (the connector
+    /// shut down) nothing takes it: said at debug level, since every handoff ended with the
+    /// executor anyway (its connections closed, its peers told by that).
+    fn tell(&self, input: Input) {
+        let name = input.name();
+        if self.inbox.send(Msg::Core(input, None)).is_err() {
+            tracing::debug!(input = name, "connector stopped: input dropped");
+        }
+    }
+
+    /// Runs `f` on the core, read-only, and waits for its answer.
+    fn query<R: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut ConnectorCore, Time) -> R + Send + 'static,
+        f: impl FnOnce(&ConnectorCore) -> R + Send + 'static,
     ) -> Result<R, ConnectorError> {
         let (tx, rx) = sync_channel::<R>(1);
-        let call: Call = Box::new(move |core, now| {
-            let r = f(core, now);
+        let query: Query = Box::new(move |core| {
+            let r = f(core);
             Box::new(move || {
                 let _ = tx.send(r);
             })
         });
         self.inbox
-            .send(Input::Call(call))
+            .send(Msg::Query(query))
             .map_err(|_| ConnectorError::Stopped)?;
         rx.recv().map_err(|_| ConnectorError::Stopped)
-    }
-
-    /// Runs `f` on the core without waiting.
-    /// Hands the core an input without waiting for it. Once the executor has stopped (the
-    /// connector shut down) nothing takes it: said at debug level, naming `what`, since every
-    /// handoff ended with the executor anyway (its connections closed, its peers told by that).
-    fn tell(&self, what: &'static str, f: impl FnOnce(&mut ConnectorCore, Time) + Send + 'static) {
-        let call: Call = Box::new(move |core, now| {
-            f(core, now);
-            Box::new(|| {})
-        });
-        if self.inbox.send(Input::Call(call)).is_err() {
-            tracing::debug!(input = what, "connector stopped: input dropped");
-        }
     }
 
     pub fn engine_id(&self) -> &str {
@@ -330,11 +341,12 @@ impl Connector {
     ) -> Result<KvTransferParams, ConnectorError> {
         let mut id = [0u8; 16];
         getrandom::getrandom(&mut id).map_err(|e| ConnectorError::Random(e.to_string()))?;
-        let handoff = HandoffId::from_bytes(id);
-        let request_id = request_id.to_string();
-        self.call(move |core, now| {
-            core.on_prefill_finished(&request_id, handoff, blocks, num_tokens, now)
-        })?
+        self::params(self.call(Input::PrefillFinished {
+            request_id: request_id.to_string(),
+            handoff: HandoffId::from_bytes(id),
+            blocks,
+            num_tokens,
+        })?)
     }
 
     pub fn on_push_prefill_start(
@@ -343,21 +355,29 @@ impl Connector {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<HandoffId, ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.on_push_prefill_start(&params, blocks, num_tokens, now))?
+        handoff(self.call(Input::PushPrefillStart {
+            params: params.clone(),
+            blocks,
+            num_tokens,
+        })?)
     }
 
-    /// See [`ConnectorCore::on_pull_prefill_start`].
+    /// See [`Input::PullPrefillStart`].
     pub fn on_pull_prefill_start(
         &self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
     ) -> Result<Option<HandoffId>, ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.on_pull_prefill_start(&params, blocks, now))?
+        match self.call(Input::PullPrefillStart {
+            params: params.clone(),
+            blocks,
+        })? {
+            Answer::MaybeHandoff(h) => Ok(h),
+            other => Err(unexpected(other)),
+        }
     }
 
-    /// See [`ConnectorCore::on_pull_prefill_finished`].
+    /// See [`Input::PullPrefillFinished`].
     pub fn on_pull_prefill_finished(
         &self,
         params: &KvTransferParams,
@@ -365,29 +385,26 @@ impl Connector {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<KvTransferParams, ConnectorError> {
-        let params = params.clone();
-        let request_id = request_id.to_string();
-        self.call(move |core, now| {
-            core.on_pull_prefill_finished(&params, &request_id, blocks, num_tokens, now)
-        })?
+        self::params(self.call(Input::PullPrefillFinished {
+            params: params.clone(),
+            request_id: request_id.to_string(),
+            blocks,
+            num_tokens,
+        })?)
     }
 
-    /// See [`ConnectorCore::on_pull_prefill_failed`].
+    /// See [`Input::PullPrefillFailed`].
     pub fn on_pull_prefill_failed(&self, handoff: HandoffId) {
-        self.tell("on_pull_prefill_failed", move |core, now| {
-            core.on_pull_prefill_failed(handoff, now)
-        });
+        self.tell(Input::PullPrefillFailed { handoff });
     }
 
     /// Worker point "layer saved": the layer leaves for D as soon as its grant allows (push), or
     /// D may read it (layer-wise pull).
     pub fn on_layer_saved(&self, handoff: HandoffId, layer: u32) {
-        self.tell("on_layer_saved", move |core, now| {
-            core.on_layer_saved(handoff, layer, now)
-        });
+        self.tell(Input::LayerSaved { handoff, layer });
     }
 
-    /// See [`ConnectorCore::on_push_prefilled`].
+    /// See [`Input::PushPrefilled`].
     pub fn on_push_prefilled(
         &self,
         params: &KvTransferParams,
@@ -395,22 +412,26 @@ impl Connector {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<KvTransferParams, ConnectorError> {
-        let params = params.clone();
-        let request_id = request_id.to_string();
-        self.call(move |core, now| {
-            core.on_push_prefilled(&params, &request_id, blocks, num_tokens, now)
-        })?
+        self::params(self.call(Input::PushPrefilled {
+            params: params.clone(),
+            request_id: request_id.to_string(),
+            blocks,
+            num_tokens,
+        })?)
     }
 
-    /// See [`ConnectorCore::on_push_forward`].
+    /// See [`Input::PushForward`].
     pub fn on_push_forward(
         &self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<HandoffId, ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.on_push_forward(&params, blocks, num_tokens, now))?
+        handoff(self.call(Input::PushForward {
+            params: params.clone(),
+            blocks,
+            num_tokens,
+        })?)
     }
 
     pub fn on_push_prefill_finished(
@@ -420,15 +441,20 @@ impl Connector {
         blocks: Vec<u32>,
         num_tokens: u32,
     ) -> Result<KvTransferParams, ConnectorError> {
-        let params = params.clone();
-        let request_id = request_id.to_string();
-        self.call(move |core, _| core.push_params(&params, &request_id, blocks, num_tokens))?
+        self::params(self.call(Input::PushParams {
+            params: params.clone(),
+            request_id: request_id.to_string(),
+            blocks,
+            num_tokens,
+        })?)
     }
 
     /// The proxy says D never got the request: release at once unless a D claimed it.
     pub fn release_from_proxy(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.release_from_proxy(&params, now))?
+        self.call(Input::ReleaseFromProxy {
+            params: params.clone(),
+        })
+        .map(drop)
     }
 
     // ----- D -----
@@ -439,8 +465,12 @@ impl Connector {
         params: &KvTransferParams,
         prompt_tokens: u32,
     ) -> Result<(), ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.on_request_arrived(request, &params, prompt_tokens, now))?
+        self.call(Input::RequestArrived {
+            request,
+            params: params.clone(),
+            prompt_tokens,
+        })
+        .map(drop)
     }
 
     pub fn on_blocks_allocated(
@@ -451,75 +481,98 @@ impl Connector {
         self.on_blocks_allocated_after_cached(request, Vec::new(), blocks)
     }
 
-    /// [`ConnectorCore::on_blocks_allocated_after_cached`].
+    /// See [`Input::BlocksAllocated`].
     pub fn on_blocks_allocated_after_cached(
         &self,
         request: u64,
         cached: Vec<u32>,
         blocks: Vec<u32>,
     ) -> Result<(), ConnectorError> {
-        self.call(move |core, now| {
-            core.on_blocks_allocated_after_cached(request, cached, blocks, now)
-        })?
+        self.call(Input::BlocksAllocated {
+            request,
+            cached,
+            blocks,
+        })
+        .map(drop)
     }
 
     pub fn on_request_ended(&self, request: u64, reason: ReleaseReason) {
-        self.tell("on_request_ended", move |core, now| {
-            core.on_request_ended(request, reason, now)
-        });
+        self.tell(Input::RequestEnded { request, reason });
     }
 
     /// D refuses a request it never tracked: its P is told to release, unless this engine
     /// still tracks the handoff for another request.
     pub fn reject(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
-        let params = params.clone();
-        self.call(move |core, now| core.reject(&params, now))?
+        self.call(Input::Reject {
+            params: params.clone(),
+        })
+        .map(drop)
     }
 
     // ----- snapshots -----
 
     pub fn held_blocks(&self) -> (usize, usize) {
-        self.call(|core, _| core.held_blocks()).unwrap_or_default()
+        self.query(|core| core.held_blocks()).unwrap_or_default()
     }
 
     pub fn staged_messages(&self) -> usize {
-        self.call(|core, _| core.staged_messages())
+        self.query(|core| core.staged_messages())
             .unwrap_or_default()
     }
 
     pub fn held_blocks_by_engine(&self) -> Vec<(String, usize)> {
-        self.call(|core, _| core.held_blocks_by_engine())
+        self.query(|core| core.held_blocks_by_engine())
             .unwrap_or_default()
     }
 
     /// Handoffs P holds now, and how many ended per reason so far.
     pub fn producer_stats(&self) -> Option<(usize, HashMap<&'static str, u64>)> {
-        self.call(|core, _| core.producer_stats().map(|(n, s)| (n, s.ended.clone())))
+        self.query(|core| core.producer_stats().map(|(n, s)| (n, s.ended.clone())))
             .ok()
             .flatten()
     }
 
     pub fn memory(&self) -> Option<CoreMemory> {
-        self.call(|core, _| core.memory()).ok()
+        self.query(|core| core.memory()).ok()
     }
 
     /// Brings the held-blocks gauges up to the ledgers' present state (before a scrape).
     pub fn refresh_metrics(&self) {
-        // Any call does: the executor updates the gauges before it answers.
-        let _ = self.call(|_, _| ());
+        // Any query does: the executor updates the gauges before it answers.
+        let _ = self.query(|_| ());
     }
 
-    /// Whether the connector takes work: not shut down, and its executor answers a call (the
+    /// Whether the connector takes work: not shut down, and its executor answers a query (the
     /// thread that owns the core, the side channel and the timers is alive).
     pub fn is_running(&self) -> bool {
-        !self.stop.load(Ordering::Relaxed) && self.call(|_, _| ()).is_ok()
+        !self.stop.load(Ordering::Relaxed) && self.query(|_| ()).is_ok()
     }
 
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
         // Wakes the executor, which closes every connection and lets the workers go.
-        self.tell("close_all", |core, _| core.close_all());
+        self.tell(Input::CloseAll);
     }
+}
+
+/// The answer a hook that creates parameters gets.
+fn params(a: Answer) -> Result<KvTransferParams, ConnectorError> {
+    match a {
+        Answer::Params(p) => Ok(p),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn handoff(a: Answer) -> Result<HandoffId, ConnectorError> {
+    match a {
+        Answer::Handoff(h) => Ok(h),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// An answer of another kind than the input's: a core bug, said rather than panicked on.
+fn unexpected(a: Answer) -> ConnectorError {
+    ConnectorError::UnexpectedAnswer(format!("{a:?}"))
 }
 
 impl Drop for Connector {
@@ -528,10 +581,18 @@ impl Drop for Connector {
     }
 }
 
+/// Side-channel events, timeouts and shutdown never fail in the core; should one ever do, it is
+/// said, not dropped.
+fn log_refused(r: Answered) {
+    if let Err(e) = r {
+        tracing::error!(error = %e, "the core refused an input no one asked for");
+    }
+}
+
 struct Executor {
     core: ConnectorCore,
     start: Instant,
-    inputs: Receiver<Input>,
+    inputs: Receiver<Msg>,
     side: SideChannel,
     conns: HashMap<ConnId, ConnWriter>,
     workers: Vec<Box<dyn WorkerLink>>,
@@ -632,7 +693,7 @@ impl Executor {
             }
             let now = self.now();
             if self.core.poll_timeout().is_some_and(|t| t <= now) {
-                self.core.handle_timeout(now);
+                log_refused(self.core.handle(Input::Timeout, now));
             }
             self.carry_out();
             if self.gauges_at.map_or(true, |t| t.elapsed() >= GAUGES_EVERY) {
@@ -643,72 +704,97 @@ impl Executor {
                 r();
             }
         }
-        self.core.close_all();
+        log_refused(self.core.handle(Input::CloseAll, self.now()));
         self.carry_out();
         for (_, w) in self.conns.drain() {
             w.close();
         }
     }
 
-    fn handle(&mut self, input: Input, replies: &mut Vec<Reply>) {
+    fn handle(&mut self, msg: Msg, replies: &mut Vec<Reply>) {
         let now = self.now();
-        match input {
-            Input::Call(f) => {
-                replies.push(f(&mut self.core, now));
-                // A call that asks for a snapshot refreshes the gauges too.
-                self.gauges_at = None;
+        let input = match msg {
+            Msg::Core(input, reply) => {
+                let answer = self.core.handle(input, now);
+                if let Some(tx) = reply {
+                    replies.push(Box::new(move || {
+                        let _ = tx.send(answer);
+                    }));
+                }
+                return;
             }
-            Input::Report(r) => self.core.handle_worker_report(r, now),
-            Input::Side(ev) => match ev {
-                SideEvent::Accepted {
+            Msg::Query(f) => {
+                replies.push(f(&self.core));
+                // A snapshot refreshes the gauges too.
+                self.gauges_at = None;
+                return;
+            }
+            Msg::Side(ev) => ev,
+        };
+        let input = match input {
+            SideEvent::Accepted {
+                conn,
+                writer,
+                msg,
+                proven,
+            } => {
+                self.conns.insert(conn, writer);
+                Input::Accepted { conn, msg, proven }
+            }
+            SideEvent::Refused(why) => {
+                self.metrics
+                    .side_refused
+                    .get_or_create(&ReasonLabels {
+                        reason: why.as_str(),
+                    })
+                    .inc();
+                return;
+            }
+            SideEvent::Frame { conn, msg, ticket } => {
+                // The ticket goes once the frame was handled (it paces the connection's reader).
+                let r = self.core.handle(Input::Frame { conn, msg }, now);
+                drop(ticket);
+                log_refused(r);
+                return;
+            }
+            SideEvent::Backpressured { conn } => {
+                self.metrics.side_backpressured.inc();
+                tracing::debug!(
                     conn,
-                    writer,
-                    msg,
-                    proven,
-                } => {
-                    self.conns.insert(conn, writer);
-                    self.core.handle_accepted(conn, msg, proven.as_deref(), now);
-                }
-                SideEvent::Refused(why) => {
-                    self.metrics
-                        .side_refused
-                        .get_or_create(&ReasonLabels {
-                            reason: why.as_str(),
-                        })
-                        .inc();
-                }
-                SideEvent::Frame { conn, msg, ticket } => {
-                    self.core.handle_frame(conn, msg, now);
-                    drop(ticket);
-                }
-                SideEvent::Backpressured { conn } => {
-                    self.metrics.side_backpressured.inc();
-                    tracing::debug!(conn, "a side-channel peer sends faster than this engine handles; its reader waits");
-                }
-                SideEvent::Connected {
+                    "a side-channel peer sends faster than this engine handles; its reader waits"
+                );
+                return;
+            }
+            SideEvent::Connected {
+                engine,
+                attempt,
+                conn,
+                writer,
+                reply,
+            } => {
+                self.conns.insert(conn, writer);
+                Input::Connected {
                     engine,
                     attempt,
                     conn,
-                    writer,
                     reply,
-                } => {
-                    self.conns.insert(conn, writer);
-                    self.core
-                        .handle_connected(&engine, attempt, conn, reply, now);
                 }
-                SideEvent::ConnectFailed {
-                    engine,
-                    attempt,
-                    error,
-                } => self
-                    .core
-                    .handle_connect_failed(&engine, attempt, error, now),
-                SideEvent::Closed { conn } => {
-                    self.conns.remove(&conn);
-                    self.core.handle_closed(conn, now);
-                }
+            }
+            SideEvent::ConnectFailed {
+                engine,
+                attempt,
+                error,
+            } => Input::ConnectFailed {
+                engine,
+                attempt,
+                error,
             },
-        }
+            SideEvent::Closed { conn } => {
+                self.conns.remove(&conn);
+                Input::Closed { conn }
+            }
+        };
+        log_refused(self.core.handle(input, now));
     }
 
     /// Carries out everything the core asked for.

@@ -4,9 +4,9 @@
 //! It plugs into an engine at the points of vLLM's `KVConnectorBase_V1` (the book:
 //! `docs/src/design/vllm-hooks.md`) and is split the way vLLM's processes are:
 //!
-//! - [`ConnectorCore`] (module `core`): the scheduler side's logic, sans-IO. Both ledgers, the
-//!   peer table, the transfers in flight and the push write gate; `handle_*(…, now)` in, one
-//!   [`Ready`] batch out.
+//! - [`ConnectorCore`] (crate `handoff-core`, re-exported here): the scheduler side's logic,
+//!   sans-IO. Both ledgers, the peer table, the transfers in flight and the push write gate;
+//!   `handle(Input, now)` in, one [`Ready`] batch out.
 //! - [`WorkerSide`] (module `worker`): one per rank, owns the rank's registered KV memory and
 //!   transport agent, posts and polls what the scheduler side's [`WorkerStep`]s say and answers
 //!   with [`WorkerReport`]s. The two sides share nothing but those serialisable values
@@ -18,14 +18,12 @@
 
 #![forbid(unsafe_code)]
 
-mod core;
 pub mod digest;
 mod executor;
 pub mod forward_gate;
 mod metrics;
 pub mod remote;
 pub mod side_channel;
-pub mod step;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -33,25 +31,17 @@ use std::net::SocketAddr;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_proto::TransferMode;
 
-pub use crate::core::{
-    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
-};
 pub use executor::{Connector, ReportSink, WorkerLink};
+pub use handoff_core::{
+    step, Answer, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig, CoreError,
+    CoreMemory, Input, LedgerCounters, Observation, Ready, Role,
+};
 pub use handoff_transport::auth::ClusterKey;
 pub use metrics::Metrics;
 pub use step::{
     JobId, PushLayer, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep,
 };
 pub use worker::{RankMemory, WorkerSide};
-
-/// What an engine does in a P/D cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Prefill,
-    Decode,
-    /// Both ledgers: the engine can serve either side (and runs monolithic requests).
-    Both,
-}
 
 #[derive(Debug, Clone)]
 pub struct ConnectorConfig {
@@ -114,61 +104,11 @@ pub fn check_exposure(
     }
 }
 
-/// What the connector tells the engine's scheduler.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConnectorEvent {
-    /// These blocks are the pool's again (P: handoff ended; D: a transfer that will not be used).
-    /// `handoff` names whose they were: block ids alone do not (on P a prefix cache shares a
-    /// prompt's first blocks between requests, so two handoffs may hold the same ones).
-    BlocksReleased {
-        handoff: handoff_proto::HandoffId,
-        blocks: Vec<u32>,
-        reason: String,
-    },
-    /// The KV of these requests is in `blocks`, which now belong to the requests.
-    Ready {
-        requests: Vec<u64>,
-        blocks: Vec<u32>,
-    },
-    /// D: P holds the handoff of these requests, still waiting for admission (in a layer-wise
-    /// pull: P's prefill started). An engine admits a layer-wise pull only from then on
-    /// (`ConsumerLedger::poll_started` says why); others may ignore it.
-    RemoteStarted { requests: Vec<u64> },
-    /// Transfer failed: prefill these requests locally.
-    Recompute { requests: Vec<u64>, reason: String },
-    /// Transfer failed: fail these requests with `reason`.
-    Failed { requests: Vec<u64>, reason: String },
-}
-
+/// Errors of the connector: the core's, and those of the I/O around it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectorError {
-    #[error("invalid kv_transfer_params: {0}")]
-    BadParams(&'static str),
-    #[error("invalid kv_transfer_params: {0}")]
-    Params(#[from] handoff_proto::ParamsError),
-    #[error("transfer_mode {} but this engine runs {}", params.as_str(), engine.as_str())]
-    ModeMismatch {
-        params: TransferMode,
-        engine: TransferMode,
-    },
-    #[error("this engine does not {0}")]
-    WrongRole(&'static str),
-    #[error("request {0} is not tracked")]
-    UnknownRequest(u64),
-    #[error("remote_host {0:?} is not one of the prefill hosts this engine may dial (peer_hosts)")]
-    PeerHostNotAllowed(String),
     #[error(transparent)]
-    Create(#[from] handoff_ledger::CreateError),
-    #[error(transparent)]
-    Arrive(#[from] handoff_ledger::ArriveError),
-    #[error(transparent)]
-    Alloc(#[from] handoff_ledger::AllocError),
-    #[error("no rank given")]
-    NoRanks,
-    #[error("{ranks} ranks given for tp {tp}")]
-    RankCount { ranks: usize, tp: u32 },
-    #[error("rank {rank}: its layout names another rank or another KV spec")]
-    RankMismatch { rank: u16 },
+    Core(#[from] CoreError),
     #[error("rank {rank}: region {region} is {len} bytes, the layout says {expected:?}")]
     RegionSize {
         rank: u16,
@@ -176,16 +116,12 @@ pub enum ConnectorError {
         len: u64,
         expected: Option<u64>,
     },
-    #[error("invalid KV spec: {0}")]
-    Spec(handoff_plan::SpecError),
     #[error("invalid KV layout: {0}")]
     Layout(handoff_plan::LayoutError),
     #[error("plan: {0}")]
     Plan(handoff_plan::PlanError),
     #[error("transport: {0}")]
     Transport(#[from] handoff_transport::TransportError),
-    #[error("cannot encode the handshake: {0}")]
-    Encode(postcard::Error),
     #[error(
         "refusing to listen on {0} without a cluster key: anyone who reaches it could read or \
          overwrite KV memory. Give every engine the same key (`handoff keygen`, then \
@@ -200,6 +136,8 @@ pub enum ConnectorError {
     Random(String),
     #[error("the connector stopped")]
     Stopped,
+    #[error("the core answered with another kind of answer ({0}): a bug")]
+    UnexpectedAnswer(String),
     #[error("cannot digest layer {layer}: its rows are not addressable in this layout")]
     Digest { layer: u32 },
 }

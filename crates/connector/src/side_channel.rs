@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
 use handoff_transport::auth::{self, ClusterKey, FrameOpener, FrameSealer, TAG_BYTES};
 
-use crate::core::ConnId;
+use handoff_core::ConnId;
 
 /// Frames waiting to be written on one connection. A peer that stops reading until this many
 /// wait is treated as dead: the connection is closed (P then reclaims what that D held, D fails

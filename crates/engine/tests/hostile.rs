@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{metric, metrics_text, pool_whole_within, post, released_within, texts};
 use handoff_connector::side_channel::{SideChannel, SideConfig, SideEvent};
-use handoff_connector::{ClusterKey, ConnectorCore, CoreConfig, Role, WorkerHello};
+use handoff_connector::{ClusterKey, ConnectorCore, CoreConfig, Input, Role, WorkerHello};
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use handoff_http::probe::{read_until_closed, slowloris};
 use handoff_proto::{
@@ -192,8 +192,15 @@ fn hello_as(
         }],
     )
     .unwrap();
-    core.on_request_arrived(1, params, 8, Duration::ZERO)
-        .unwrap();
+    core.handle(
+        Input::RequestArrived {
+            request: 1,
+            params: params.clone(),
+            prompt_tokens: 8,
+        },
+        Duration::ZERO,
+    )
+    .unwrap();
     core.ready().connects[0].hello.clone()
 }
 

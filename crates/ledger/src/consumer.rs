@@ -63,7 +63,7 @@ pub const REGISTER_RESEND_HEARTBEATS: u32 = 4;
 const ANCHOR_INTERVALS: u32 = 10;
 
 /// What D does with a request whose KV could not be transferred.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum FailurePolicy {
     /// Prefill locally (slower, but the client gets an answer).
     #[default]
@@ -72,7 +72,7 @@ pub enum FailurePolicy {
     Fail,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ConsumerConfig {
     /// D's tensor-parallel size: a transfer is complete only when every D rank has its KV.
     pub tp: u16,

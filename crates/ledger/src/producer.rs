@@ -40,7 +40,7 @@ use handoff_plan::rank_pairs;
 
 /// Settings of a [`ProducerLedger`]. The defaults suit a P/D pair on one network: a dead D is
 /// usually reported by the transport at once; the lease only matters for a D that hangs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ProducerConfig {
     /// P's tensor-parallel size: a handoff is read only when every P rank's part is.
     pub tp: u16,

@@ -19,6 +19,7 @@ mod codec;
 mod ids;
 mod message;
 mod params;
+pub mod xfer;
 
 pub use batch::{split_block_lists, split_grants, split_heartbeat, MAX_BATCH_ENTRIES};
 pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};

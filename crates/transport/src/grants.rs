@@ -18,9 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{RegionId, XferOp};
 
-/// A grant, numbered by whoever grants (the connector).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct GrantId(pub u64);
+pub use handoff_proto::xfer::GrantId;
 
 /// A byte range of one local region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -30,30 +30,11 @@ pub mod tcp;
 
 use std::sync::Arc;
 
-pub use grants::{Extent, GrantId, GrantTable};
+pub use grants::{Extent, GrantTable};
+pub use handoff_proto::xfer::GrantId;
 pub use region::{KvRegion, OwnedReadGuard, OwnedWriteGuard};
 
-/// A region of registered memory, as numbered by the engine (one per layer, or one in all).
-pub type RegionId = u32;
-
-/// Direction of a transfer, seen from the side that posts it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum XferOp {
-    /// Copy remote bytes into local memory.
-    Read,
-    /// Copy local bytes into remote memory.
-    Write,
-}
-
-/// One contiguous copy between a local and a remote registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct XferDesc {
-    pub local_region: RegionId,
-    pub local_offset: u64,
-    pub remote_region: RegionId,
-    pub remote_offset: u64,
-    pub len: u64,
-}
+pub use handoff_proto::xfer::{RegionId, XferDesc, XferOp};
 
 /// A posted transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

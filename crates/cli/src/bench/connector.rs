@@ -14,11 +14,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use handoff_connector::{
-    ConnectorCore, ConnectorEvent, CoreConfig, Ready, Role, WorkerHello, WorkerOp, WorkerReport,
+    Answer, ConnectorCore, ConnectorEvent, CoreConfig, Input, Ready, Role, WorkerHello, WorkerOp,
+    WorkerReport,
 };
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
-use handoff_proto::{HandoffId, Message, TransferMode};
+use handoff_proto::{HandoffId, KvTransferParams, Message, TransferMode};
 use serde::Serialize;
 
 /// Requests per sample.
@@ -34,6 +35,10 @@ struct SizeResult {
     request_ns: f64,
     /// Nanoseconds per timeout call on both cores when nothing is due.
     idle_tick_ns: f64,
+    /// Inputs both cores took per request (hooks, frames, worker reports, timeouts).
+    inputs_per_request: f64,
+    /// `request_ns` over `inputs_per_request`: what one `ConnectorCore::handle` costs.
+    input_ns: f64,
 }
 
 #[derive(Serialize)]
@@ -178,10 +183,75 @@ fn id(n: u64) -> HandoffId {
     )
 }
 
+/// A core and the number of inputs it was given (the cost per input is the cost per request
+/// over the inputs a request takes).
+struct Core {
+    core: ConnectorCore,
+    inputs: u64,
+}
+
+impl Core {
+    /// An input the bench expects the core to take (timeouts, frames, reports never fail).
+    fn input(&mut self, input: Input, now: Duration) {
+        if let Err(e) = self.try_input(input, now) {
+            tracing::error!(error = %e, "the core refused a bench input");
+        }
+    }
+
+    fn try_input(&mut self, input: Input, now: Duration) -> anyhow::Result<Answer> {
+        self.inputs += 1;
+        Ok(self.core.handle(input, now)?)
+    }
+
+    fn prefill(
+        &mut self,
+        n: u64,
+        blocks: Vec<u32>,
+        now: Duration,
+    ) -> anyhow::Result<KvTransferParams> {
+        match self.try_input(
+            Input::PrefillFinished {
+                request_id: "r".into(),
+                handoff: id(n),
+                blocks,
+                num_tokens: 16,
+            },
+            now,
+        )? {
+            Answer::Params(p) => Ok(p),
+            other => bail!("P answered a prefill with {other:?}"),
+        }
+    }
+
+    fn arrive(&mut self, n: u64, params: KvTransferParams, now: Duration) -> anyhow::Result<()> {
+        self.try_input(
+            Input::RequestArrived {
+                request: n,
+                params,
+                prompt_tokens: 16,
+            },
+            now,
+        )?;
+        Ok(())
+    }
+
+    fn ready(&mut self) -> Ready {
+        self.core.ready()
+    }
+
+    fn advance(&mut self, r: Ready) {
+        self.core.advance(r)
+    }
+
+    fn poll_timeout(&self) -> Option<Duration> {
+        self.core.poll_timeout()
+    }
+}
+
 /// The two cores and what travels between them.
 struct Pair {
-    p: ConnectorCore,
-    d: ConnectorCore,
+    p: Core,
+    d: Core,
     ready_on_d: usize,
     freed_on_p: usize,
 }
@@ -194,7 +264,7 @@ impl Pair {
             // What the executor does: timers due now (a new request's first heartbeat is one).
             for core in [&mut self.p, &mut self.d] {
                 if core.poll_timeout().is_some_and(|t| t <= now) {
-                    core.handle_timeout(now);
+                    core.input(Input::Timeout, now);
                 }
             }
             let mut moved = false;
@@ -212,17 +282,23 @@ impl Pair {
                 .collect();
             self.p.advance(rp);
             if !granted.is_empty() {
-                self.p.handle_worker_report(
-                    WorkerReport {
+                self.p.input(
+                    Input::WorkerReport(WorkerReport {
                         rank: 0,
                         granted,
                         ..Default::default()
-                    },
+                    }),
                     now,
                 );
             }
             for m in to_d {
-                self.d.handle_frame(D_CONN, m, now);
+                self.d.input(
+                    Input::Frame {
+                        conn: D_CONN,
+                        msg: m,
+                    },
+                    now,
+                );
             }
             let rd = self.d.ready();
             moved |= !rd.is_empty();
@@ -239,25 +315,31 @@ impl Pair {
             let to_p = self.carry(&rd, false);
             self.d.advance(rd);
             for m in to_p {
-                self.p.handle_frame(P_CONN, m, now);
-            }
-            if !ended.is_empty() {
-                self.d.handle_worker_report(
-                    WorkerReport {
-                        rank: 0,
-                        ended,
-                        ..Default::default()
+                self.p.input(
+                    Input::Frame {
+                        conn: P_CONN,
+                        msg: m,
                     },
                     now,
                 );
             }
+            if !ended.is_empty() {
+                self.d.input(
+                    Input::WorkerReport(WorkerReport {
+                        rank: 0,
+                        ended,
+                        ..Default::default()
+                    }),
+                    now,
+                );
+            }
             if !notes.is_empty() {
-                self.p.handle_worker_report(
-                    WorkerReport {
+                self.p.input(
+                    Input::WorkerReport(WorkerReport {
                         rank: 0,
                         notifications: notes,
                         ..Default::default()
-                    },
+                    }),
                     now,
                 );
             }
@@ -284,12 +366,27 @@ impl Pair {
         let hello = rd.connects.first().map(|c| c.hello.clone());
         self.d.advance(rd);
         let hello = hello.context("D did not dial P")?;
-        self.p.handle_accepted(P_CONN, hello, None, now);
+        self.p.input(
+            Input::Accepted {
+                conn: P_CONN,
+                msg: hello,
+                proven: None,
+            },
+            now,
+        );
         let rp = self.p.ready();
         let reply = rp.messages.first().map(|(_, m)| m.clone());
         self.p.advance(rp);
-        self.d
-            .handle_connected("p", 1, D_CONN, reply.context("P did not answer")?, now);
+        let reply = reply.context("P did not answer")?;
+        self.d.input(
+            Input::Connected {
+                engine: "p".into(),
+                attempt: 1,
+                conn: D_CONN,
+                reply,
+            },
+            now,
+        );
         // The agent loads are the workers' business; nothing to do here.
         let rd = self.d.ready();
         let loads = rd
@@ -303,7 +400,13 @@ impl Pair {
             bail!("D loaded no agent of P");
         }
         for m in msgs {
-            self.p.handle_frame(P_CONN, m, now);
+            self.p.input(
+                Input::Frame {
+                    conn: P_CONN,
+                    msg: m,
+                },
+                now,
+            );
         }
         Ok(())
     }
@@ -311,12 +414,17 @@ impl Pair {
     /// One request through both cores.
     fn request(&mut self, n: u64, now: Duration) -> anyhow::Result<()> {
         let block = (n % 1000) as u32;
-        let params = self
-            .p
-            .on_prefill_finished("r", id(n), vec![block], 16, now)?;
-        self.d.on_request_arrived(n, &params, 16, now)?;
+        let params = self.p.prefill(n, vec![block], now)?;
+        self.d.arrive(n, params, now)?;
         self.settle(now);
-        self.d.on_blocks_allocated(n, vec![block], now)?;
+        self.d.try_input(
+            Input::BlocksAllocated {
+                request: n,
+                cached: Vec::new(),
+                blocks: vec![block],
+            },
+            now,
+        )?;
         self.settle(now);
         Ok(())
     }
@@ -324,31 +432,40 @@ impl Pair {
 
 fn measure(n: usize) -> anyhow::Result<SizeResult> {
     let mut pair = Pair {
-        p: core("p", Role::Prefill, 1000)?,
-        d: core("d", Role::Decode, 1000)?,
+        p: Core {
+            core: core("p", Role::Prefill, 1000)?,
+            inputs: 0,
+        },
+        d: Core {
+            core: core("d", Role::Decode, 1000)?,
+            inputs: 0,
+        },
         ready_on_d: 0,
         freed_on_p: 0,
     };
     let now = Duration::from_secs(1);
     // N handoffs in flight: created on P, tracked on D, waiting for admission.
-    let params = pair.p.on_prefill_finished("r", id(0), vec![0], 16, now)?;
-    pair.d.on_request_arrived(0, &params, 16, now)?;
+    let params = pair.p.prefill(0, vec![0], now)?;
+    pair.d.arrive(0, params, now)?;
     pair.connect(now)?;
     for i in 1..n as u64 {
-        let params = pair.p.on_prefill_finished("r", id(i), vec![0], 16, now)?;
-        pair.d.on_request_arrived(i, &params, 16, now)?;
+        let params = pair.p.prefill(i, vec![0], now)?;
+        pair.d.arrive(i, params, now)?;
     }
     pair.settle(now);
     let mut next = n as u64;
     let (mut req, mut tick) = (Vec::new(), Vec::new());
+    let mut inputs_per_request = 0.0;
     for s in 0..SAMPLES {
         let t = now + Duration::from_millis(s as u64 + 1);
         let before = pair.ready_on_d;
+        let inputs_before = pair.p.inputs + pair.d.inputs;
         let start = Instant::now();
         for k in 0..BATCH as u64 {
             pair.request(next + k, t)?;
         }
         req.push(start.elapsed().as_nanos() as f64 / BATCH as f64);
+        inputs_per_request = (pair.p.inputs + pair.d.inputs - inputs_before) as f64 / BATCH as f64;
         next += BATCH as u64;
         if pair.ready_on_d - before != BATCH {
             bail!(
@@ -359,8 +476,8 @@ fn measure(n: usize) -> anyhow::Result<SizeResult> {
         let ticks = 20_000;
         let start = Instant::now();
         for _ in 0..ticks {
-            pair.p.handle_timeout(black_box(t));
-            pair.d.handle_timeout(black_box(t));
+            pair.p.input(Input::Timeout, black_box(t));
+            pair.d.input(Input::Timeout, black_box(t));
         }
         tick.push(start.elapsed().as_nanos() as f64 / ticks as f64);
     }
@@ -371,10 +488,13 @@ fn measure(n: usize) -> anyhow::Result<SizeResult> {
             SAMPLES * BATCH
         );
     }
+    let request_ns = median(req);
     Ok(SizeResult {
         handoffs: n,
-        request_ns: median(req),
+        request_ns,
         idle_tick_ns: median(tick),
+        inputs_per_request,
+        input_ns: request_ns / inputs_per_request.max(1.0),
     })
 }
 
@@ -391,15 +511,15 @@ pub fn run(sizes: &[usize], json: bool) -> anyhow::Result<()> {
         "connector bench: a P and a D ConnectorCore in one process, tp 1, {BATCH} requests per sample, {SAMPLES} samples (median)"
     );
     println!(
-        "{:>9} {:>12} {:>14}",
-        "handoffs", "request ns", "idle tick ns"
+        "{:>9} {:>12} {:>14} {:>16} {:>10}",
+        "handoffs", "request ns", "idle tick ns", "inputs/request", "input ns"
     );
     let mut results = Vec::new();
     for &n in sizes {
         let r = measure(n)?;
         println!(
-            "{:>9} {:>12.0} {:>14.1}",
-            r.handoffs, r.request_ns, r.idle_tick_ns
+            "{:>9} {:>12.0} {:>14.1} {:>16.1} {:>10.0}",
+            r.handoffs, r.request_ns, r.idle_tick_ns, r.inputs_per_request, r.input_ns
         );
         results.push(r);
     }

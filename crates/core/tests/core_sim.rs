@@ -1,4 +1,4 @@
-//! Rules 1–7 checked on the real [`handoff_connector::ConnectorCore`] under generated
+//! Rules 1–7 checked on the real [`handoff_core::ConnectorCore`] under generated
 //! schedules (see `common/mod.rs`), plus named regressions.
 
 mod common;
@@ -98,7 +98,9 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// Every schedule keeps rules 1–7 on the connector cores themselves.
+    /// Every schedule keeps rules 1–7 on the connector cores themselves; and each engine's
+    /// trace replays to the same outputs, and keeps the rules as one engine sees them, after
+    /// its end too (no false alarm from `handoff replay` on a sound run).
     #[test]
     fn every_schedule_keeps_the_rules_on_the_real_core(
         mode in mode(),
@@ -107,6 +109,12 @@ proptest! {
     ) {
         let report = sim(mode, reqs, faults).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
+        for trace in &report.traces {
+            let r = handoff_core::trace::Replay::run(trace.iter().map(String::as_str));
+            let r = r.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(&r.divergence, &None);
+            prop_assert!(r.violations.is_empty(), "replay: {:?}", r.violations);
+        }
     }
 
     /// Without faults and without fates every request is decoded from KV that was moved.

@@ -19,8 +19,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use handoff_ledger::PeerId;
+use handoff_proto::xfer::{GrantId, XferOp};
 use handoff_proto::{HandoffId, Message, PullBlocks};
-use handoff_transport::{GrantId, XferOp};
 
 use super::ConnectorCore;
 use crate::digest::{DigestOf, Shares};

@@ -10,7 +10,7 @@ use handoff_plan::RankLayout;
 use handoff_proto::HandoffId;
 
 use crate::digest::DigestOf;
-use handoff_transport::{GrantId, XferDesc, XferOp};
+use handoff_proto::xfer::{GrantId, XferDesc, XferOp};
 use serde::{Deserialize, Serialize};
 
 /// One transfer job, numbered by the scheduler side. A job is what one worker posts for one

@@ -402,7 +402,7 @@ fn p_names_blocks_only_once_granted_and_revokes_at_release() {
                 ..
             } => {
                 assert_eq!(*rank, 0);
-                assert_eq!(*op, handoff_transport::XferOp::Read);
+                assert_eq!(*op, handoff_proto::xfer::XferOp::Read);
                 assert_eq!(agents, &["d-r0".to_string()]);
                 assert_eq!(blocks, &[1, 2]);
                 Some(*grant)
@@ -792,7 +792,7 @@ fn d_dials_only_the_prefill_hosts_it_may() {
         };
         let e = d.on_request_arrived(1, &named, 32, t(1)).unwrap_err();
         assert!(
-            matches!(e, ConnectorError::PeerHostNotAllowed(ref h) if h == host),
+            matches!(e, CoreError::PeerHostNotAllowed(ref h) if h == host),
             "{e}"
         );
         assert!(e.to_string().contains("peer_hosts"), "{e}");

@@ -9,22 +9,26 @@
 
 #![allow(dead_code)]
 
+mod sim_core;
+
+pub use sim_core::SimCore;
+
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::time::Duration;
 
-use handoff_connector::{
-    ConnId, ConnectorCore, ConnectorEvent, CoreConfig, JobId, Ready, Role, TransferJob,
-    WorkerHello, WorkerOp, WorkerReport,
+use handoff_core::{
+    ConnId, ConnectorEvent, CoreConfig, JobId, Ready, Role, TransferJob, WorkerHello, WorkerOp,
+    WorkerReport,
 };
 use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_proto::xfer::{GrantId, XferOp};
 use handoff_proto::{
     Epoch, HandoffId, Heartbeat, HeartbeatEntry, KvTransferParams, Message, ReleaseReason,
     TransferMode,
 };
-use handoff_transport::{GrantId, XferOp};
 
 pub const POOL_BLOCKS: u32 = 64;
 const LAYERS: u32 = 2;
@@ -106,7 +110,7 @@ pub struct Faults {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-enum Node {
+pub enum Node {
     P,
     D(usize),
 }
@@ -225,7 +229,7 @@ struct Job {
 }
 
 struct Engine {
-    core: ConnectorCore,
+    core: SimCore,
     alive: bool,
     pool: Pool,
     jobs: BTreeMap<JobId, Job>,
@@ -263,6 +267,8 @@ pub struct Report {
     pub ready: usize,
     pub recomputed: usize,
     pub anonymous_refused: usize,
+    /// Each engine's trace (P, D0, D1), as JSON lines.
+    pub traces: Vec<Vec<String>>,
 }
 
 pub struct Sim {
@@ -303,7 +309,7 @@ impl Sim {
         let (mut pcfg, dcfg) = simulation_configs(1, 1);
         pcfg.staging_per_peer = ProducerConfig::default().staging_per_peer;
         let core = |name: &str, role| {
-            ConnectorCore::new(
+            SimCore::new(
                 CoreConfig {
                     engine_id: name.into(),
                     role,
@@ -325,7 +331,6 @@ impl Sim {
                     metadata: vec![1],
                 }],
             )
-            .unwrap()
         };
         let engine = |c| Engine {
             core: c,
@@ -470,7 +475,18 @@ impl Sim {
         }
         self.final_checks();
         self.report.violations = self.errs;
+        self.report.traces = self
+            .engines
+            .iter_mut()
+            .map(|e| std::mem::take(&mut e.core.trace))
+            .collect();
         self.report
+    }
+
+    /// Re-inserts a fixed bug into engine `node`'s core before the run (replay tests).
+    pub fn with_bug(mut self, node: Node, bug: handoff_core::KnownBug) -> Sim {
+        self.eng(node).core.core_mut().reinsert(bug);
+        self
     }
 
     /// The same schedule run as layer-wise pulls (pull mode only).
@@ -571,7 +587,7 @@ impl Sim {
                     TransferMode::Push => p
                         .on_push_prefill_start(&prm, blocks.clone(), tokens, now)
                         .and_then(|_| {
-                            p.push_params(&prm, &format!("r{i}"), blocks.clone(), tokens)
+                            p.push_params(&prm, &format!("r{i}"), blocks.clone(), tokens, now)
                         }),
                 };
                 let params = match params {
@@ -994,7 +1010,7 @@ impl Sim {
             }
         }
         for o in &r.observations {
-            if matches!(o, handoff_connector::Observation::AnonymousRefused) {
+            if matches!(o, handoff_core::Observation::AnonymousRefused) {
                 self.report.anonymous_refused += 1;
             }
         }

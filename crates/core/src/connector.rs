@@ -39,10 +39,10 @@ use peers::PeerTable;
 use transfers::Transfers;
 
 use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
-use crate::{ConnectorError, ConnectorEvent, Role};
+use crate::{ConnectorEvent, CoreError, Role};
 
 /// What the core needs to know of its engine.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CoreConfig {
     pub engine_id: String,
     pub role: Role,
@@ -72,7 +72,7 @@ pub struct CoreConfig {
 }
 
 /// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Connect {
     pub engine: String,
     pub attempt: u64,
@@ -127,8 +127,9 @@ pub enum Observation {
 }
 
 /// Everything the core asks its executor to do now. Worker work is applied per rank in this
-/// order: `worker_ops`, then `transfers_to_post`, then `transfers_to_abort`.
-#[derive(Debug, Default)]
+/// order: `worker_ops`, then `transfers_to_post`, then `transfers_to_abort`. A trace records
+/// every field but the observations (which only feed metrics).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Ready {
     /// Side-channel messages, in order per connection.
     pub messages: Vec<(ConnId, Message)>,
@@ -141,6 +142,7 @@ pub struct Ready {
     pub transfers_to_abort: Vec<(u16, JobId)>,
     /// For the engine's scheduler.
     pub events: Vec<ConnectorEvent>,
+    #[serde(skip)]
     pub observations: Vec<Observation>,
 }
 
@@ -193,24 +195,27 @@ pub struct ConnectorCore {
     out: Ready,
     /// A `Ready` given back by `advance`, reused for its capacity.
     spare: Option<Ready>,
+    /// A fixed bug put back by a test (feature `testing`).
+    #[cfg(feature = "testing")]
+    bug: Option<crate::KnownBug>,
 }
 
 impl ConnectorCore {
     /// A core for an engine whose workers said `ranks` (one per rank, in rank order).
-    pub fn new(cfg: CoreConfig, ranks: Vec<WorkerHello>) -> Result<Self, ConnectorError> {
-        let first = ranks.first().ok_or(ConnectorError::NoRanks)?;
+    pub fn new(cfg: CoreConfig, ranks: Vec<WorkerHello>) -> Result<Self, CoreError> {
+        let first = ranks.first().ok_or(CoreError::NoRanks)?;
         let spec = first.layout.spec;
-        spec.validate().map_err(ConnectorError::Spec)?;
+        spec.validate().map_err(CoreError::Spec)?;
         if ranks.len() != spec.tp as usize {
-            return Err(ConnectorError::RankCount {
+            return Err(CoreError::RankCount {
                 ranks: ranks.len(),
                 tp: spec.tp,
             });
         }
         for (i, r) in ranks.iter().enumerate() {
-            r.layout.validate().map_err(ConnectorError::Layout)?;
+            r.layout.validate().map_err(CoreError::Layout)?;
             if r.rank as usize != i || r.layout.rank as usize != i || r.layout.spec != spec {
-                return Err(ConnectorError::RankMismatch { rank: i as u16 });
+                return Err(CoreError::RankMismatch { rank: i as u16 });
             }
         }
         let fingerprint = Fingerprint {
@@ -246,6 +251,8 @@ impl ConnectorCore {
             prune_at: MIN_PRUNE_AT,
             out: Ready::default(),
             spare: None,
+            #[cfg(feature = "testing")]
+            bug: None,
         })
     }
 
@@ -266,6 +273,12 @@ impl ConnectorCore {
         };
         self.fingerprint
             .compat_key(block_layout, self.cfg.kv_digest)
+    }
+
+    /// Puts a fixed bug back, so a test can show that a replay catches it.
+    #[cfg(feature = "testing")]
+    pub fn reinsert(&mut self, bug: crate::KnownBug) {
+        self.bug = Some(bug);
     }
 
     // ----- outputs -----
@@ -298,7 +311,7 @@ impl ConnectorCore {
         .min()
     }
 
-    pub fn handle_timeout(&mut self, now: Time) {
+    pub(crate) fn handle_timeout(&mut self, now: Time) {
         if let Some(p) = self.producer.as_mut() {
             if p.poll_timeout().is_some_and(|t| t <= now) {
                 p.handle_timeout(now);
@@ -319,18 +332,18 @@ impl ConnectorCore {
     /// is) under `handoff` (128 random bits from the caller) and return the
     /// `kv_transfer_params` for the response. The blocks stay out of the pool until a
     /// [`ConnectorEvent::BlocksReleased`] names them.
-    pub fn on_prefill_finished(
+    pub(crate) fn on_prefill_finished(
         &mut self,
         request_id: &str,
         handoff: HandoffId,
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<KvTransferParams, ConnectorError> {
+    ) -> Result<KvTransferParams, CoreError> {
         let p = self
             .producer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
         let grant = p.create_handoff(handoff, blocks.clone(), TransferMode::Pull, now)?;
         if self.cfg.kv_digest {
             self.prompt_tokens.insert(handoff, num_tokens);
@@ -350,18 +363,18 @@ impl ConnectorCore {
 
     /// P, push mode: the request (handoff id chosen by the proxy) got `blocks` and its prefill
     /// starts now. D's registration may already be waiting (staged) or come later.
-    pub fn on_push_prefill_start(
+    pub(crate) fn on_push_prefill_start(
         &mut self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<HandoffId, ConnectorError> {
+    ) -> Result<HandoffId, CoreError> {
         let handoff = push_handoff(params)?;
         let p = self
             .producer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
         p.create_handoff(handoff, blocks.clone(), TransferMode::Push, now)?;
         self.transfers
             .start_push(handoff, blocks, num_tokens, self.cfg.kv_digest);
@@ -374,7 +387,7 @@ impl ConnectorCore {
 
     /// P: layer `layer` of the handoff's KV is in its blocks. Push: it is written to D as soon
     /// as D's registration holds a valid grant. Layer-wise pull: D is told it may read it.
-    pub fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
+    pub(crate) fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
         if self.transfers.layer_saved(handoff, layer) {
             self.ask_push_digest(handoff);
             self.advance_push(handoff, now);
@@ -391,17 +404,17 @@ impl ConnectorCore {
     /// covers the final KV): D's early questions wait for it, and it reads every layer at once.
     /// Returns the handoff when it holds `blocks` from now on (they come back only through
     /// [`ConnectorEvent::BlocksReleased`]).
-    pub fn on_pull_prefill_start(
+    pub(crate) fn on_pull_prefill_start(
         &mut self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
         now: Time,
-    ) -> Result<Option<HandoffId>, ConnectorError> {
+    ) -> Result<Option<HandoffId>, CoreError> {
         let handoff = layerwise_handoff(params)?;
         let p = self
             .producer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
         if self.cfg.kv_digest {
             return Ok(None);
         }
@@ -414,19 +427,19 @@ impl ConnectorCore {
 
     /// P, layer-wise pull: the prefill ended and every layer is saved. Returns the parameters
     /// for the response (the handoff's blocks, for the record: D has them from P already).
-    pub fn on_pull_prefill_finished(
+    pub(crate) fn on_pull_prefill_finished(
         &mut self,
         params: &KvTransferParams,
         request_id: &str,
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<KvTransferParams, ConnectorError> {
+    ) -> Result<KvTransferParams, CoreError> {
         let handoff = layerwise_handoff(params)?;
         let p = self
             .producer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
         let mut out = if p.contains(handoff) {
             p.prefill_ended(handoff, true, now);
             self.pump(now);
@@ -441,7 +454,7 @@ impl ConnectorCore {
 
     /// P, layer-wise pull: the prefill failed or was abandoned. The handoff ends: at once when
     /// no D learned of its blocks, else after the fence (D may be reading saved layers).
-    pub fn on_pull_prefill_failed(&mut self, handoff: HandoffId, now: Time) {
+    pub(crate) fn on_pull_prefill_failed(&mut self, handoff: HandoffId, now: Time) {
         if let Some(p) = self.producer.as_mut() {
             p.prefill_ended(handoff, false, now);
         }
@@ -452,14 +465,14 @@ impl ConnectorCore {
     /// (vLLM: `request_finished`, after chunked prefill): the handoff starts with every layer
     /// saved, so its writes go as soon as D's registration (staged if it came first) holds a
     /// grant. Returns the parameters for the response.
-    pub fn on_push_prefilled(
+    pub(crate) fn on_push_prefilled(
         &mut self,
         params: &KvTransferParams,
         request_id: &str,
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<KvTransferParams, ConnectorError> {
+    ) -> Result<KvTransferParams, CoreError> {
         self.on_push_forward(params, blocks.clone(), num_tokens, now)?;
         self.push_params(params, request_id, blocks, num_tokens)
     }
@@ -469,13 +482,13 @@ impl ConnectorCore {
     /// layer of it. The handoff starts as if every layer were saved; the writes planned now
     /// carry their layer ([`crate::step::PushLayer`]) and the worker holds each until the
     /// forward saved that layer, and the push digest until the forward ended.
-    pub fn on_push_forward(
+    pub(crate) fn on_push_forward(
         &mut self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
         num_tokens: u32,
         now: Time,
-    ) -> Result<HandoffId, ConnectorError> {
+    ) -> Result<HandoffId, CoreError> {
         let handoff = self.on_push_prefill_start(params, blocks, num_tokens, now)?;
         let last = self.spec.shape.num_layers.saturating_sub(1);
         self.on_layer_saved(handoff, last, now);
@@ -483,13 +496,13 @@ impl ConnectorCore {
     }
 
     /// P, push mode: the parameters for the response once the prefill ended.
-    pub fn push_params(
+    pub(crate) fn push_params(
         &self,
         params: &KvTransferParams,
         request_id: &str,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> Result<KvTransferParams, ConnectorError> {
+    ) -> Result<KvTransferParams, CoreError> {
         let handoff = push_handoff(params)?;
         Ok(self.params_under_proxy_id(handoff, TransferMode::Push, request_id, blocks, num_tokens))
     }
@@ -517,18 +530,18 @@ impl ConnectorCore {
 
     /// The proxy says D never got the request: P releases unless a D already claimed the
     /// handoff, in which case only the lease ends and the fence protects a read in flight.
-    pub fn release_from_proxy(
+    pub(crate) fn release_from_proxy(
         &mut self,
         params: &KvTransferParams,
         now: Time,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<(), CoreError> {
         let handoff = params
             .handoff_id
-            .ok_or(ConnectorError::BadParams("no handoff_id"))?;
+            .ok_or(CoreError::BadParams("no handoff_id"))?;
         let p = self
             .producer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("prefill for remote decode"))?;
+            .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
         p.release_unclaimed(
             handoff_proto::Release {
                 handoff,
@@ -576,15 +589,15 @@ impl ConnectorCore {
 
     /// A request naming a remote prefill arrived (before admission): start tracking it and
     /// heartbeating its P at once.
-    pub fn on_request_arrived(
+    pub(crate) fn on_request_arrived(
         &mut self,
         request: u64,
         params: &KvTransferParams,
         prompt_tokens: u32,
         now: Time,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<(), CoreError> {
         if self.consumer.is_none() {
-            return Err(ConnectorError::WrongRole("decode remote prefills"));
+            return Err(CoreError::WrongRole("decode remote prefills"));
         }
         let mut inc = self.incoming(params, now)?;
         if inc.num_tokens == 0 {
@@ -592,7 +605,7 @@ impl ConnectorCore {
         }
         self.consumer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?
+            .ok_or(CoreError::WrongRole("decode remote prefills"))?
             .on_request_arrived(RequestId(request), inc, now)?;
         self.pump(now);
         Ok(())
@@ -600,12 +613,13 @@ impl ConnectorCore {
 
     /// The request was admitted (pull) or reserved (push) and `blocks` allocated for its
     /// prompt's KV.
-    pub fn on_blocks_allocated(
+    #[cfg(test)]
+    pub(crate) fn on_blocks_allocated(
         &mut self,
         request: u64,
         blocks: Vec<u32>,
         now: Time,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<(), CoreError> {
         self.on_blocks_allocated_after_cached(request, Vec::new(), blocks, now)
     }
 
@@ -614,20 +628,20 @@ impl ConnectorCore {
     /// requests; `blocks` are the request's own for the rest. A pull and a push fill only
     /// `blocks` (a push registers them with `PushRegister::cached_blocks`, so P writes from the
     /// first token after the hit).
-    pub fn on_blocks_allocated_after_cached(
+    pub(crate) fn on_blocks_allocated_after_cached(
         &mut self,
         request: u64,
         cached: Vec<u32>,
         blocks: Vec<u32>,
         now: Time,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<(), CoreError> {
         let c = self
             .consumer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?;
+            .ok_or(CoreError::WrongRole("decode remote prefills"))?;
         let handoff = c
             .handoff_of(RequestId(request))
-            .ok_or(ConnectorError::UnknownRequest(request))?;
+            .ok_or(CoreError::UnknownRequest(request))?;
         let cached_tokens = cached.len() as u32 * self.spec.block_size;
         c.on_blocks_allocated_after_cached(handoff, cached, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
@@ -654,7 +668,7 @@ impl ConnectorCore {
 
     /// The client went away or D refused the request after tracking it: P is told at once when
     /// no transfer is in flight.
-    pub fn on_request_ended(&mut self, request: u64, reason: ReleaseReason, now: Time) {
+    pub(crate) fn on_request_ended(&mut self, request: u64, reason: ReleaseReason, now: Time) {
         if let Some(c) = self.consumer.as_mut() {
             c.on_request_ended(RequestId(request), reason, now);
         }
@@ -665,9 +679,9 @@ impl ConnectorCore {
     /// through the ledger: not when this engine is itself still tracking that handoff for
     /// another request (a retried request that hit a full queue while the first one reads),
     /// which would make P free blocks under a read in flight (rule 2).
-    pub fn reject(&mut self, params: &KvTransferParams, now: Time) -> Result<(), ConnectorError> {
+    pub(crate) fn reject(&mut self, params: &KvTransferParams, now: Time) -> Result<(), CoreError> {
         if self.consumer.is_none() {
-            return Err(ConnectorError::WrongRole("decode remote prefills"));
+            return Err(CoreError::WrongRole("decode remote prefills"));
         }
         // Only who P is and which handoff: the rest of the params may be what D refused.
         let (Some(engine), Some(host), Some(port), Some(handoff)) = (
@@ -676,7 +690,7 @@ impl ConnectorCore {
             params.remote_port,
             params.handoff_id,
         ) else {
-            return Err(ConnectorError::BadParams("cannot name the P to release"));
+            return Err(CoreError::BadParams("cannot name the P to release"));
         };
         self.check_peer_host(host)?;
         let peer = self.peer_named(engine);
@@ -690,10 +704,23 @@ impl ConnectorCore {
             p_blocks: Vec::new(),
             num_tokens: 0,
         };
+        #[cfg(feature = "testing")]
+        if self.bug == Some(crate::KnownBug::RejectWithoutLedger) {
+            self.send(
+                peer,
+                Message::Release(handoff_proto::Release {
+                    handoff,
+                    epoch: inc.epoch,
+                    reason: ReleaseReason::Rejected,
+                }),
+            );
+            self.pump(now);
+            return Ok(());
+        }
         let told = self
             .consumer
             .as_mut()
-            .ok_or(ConnectorError::WrongRole("decode remote prefills"))?
+            .ok_or(CoreError::WrongRole("decode remote prefills"))?
             .refuse(&inc, ReleaseReason::Rejected, now);
         if !told {
             self.out
@@ -709,7 +736,7 @@ impl ConnectorCore {
         &mut self,
         params: &KvTransferParams,
         now: Time,
-    ) -> Result<IncomingHandoff, ConnectorError> {
+    ) -> Result<IncomingHandoff, CoreError> {
         params.validate_remote_prefill()?;
         let (Some(engine), Some(host), Some(port), Some(handoff)) = (
             params.remote_engine_id.as_deref(),
@@ -717,10 +744,10 @@ impl ConnectorCore {
             params.remote_port,
             params.handoff_id,
         ) else {
-            return Err(ConnectorError::BadParams("incomplete remote prefill"));
+            return Err(CoreError::BadParams("incomplete remote prefill"));
         };
         if params.mode() != self.cfg.mode {
-            return Err(ConnectorError::ModeMismatch {
+            return Err(CoreError::ModeMismatch {
                 params: params.mode(),
                 engine: self.cfg.mode,
             });
@@ -740,12 +767,12 @@ impl ConnectorCore {
     }
 
     /// `host` is one D may dial ([`CoreConfig::peer_hosts`]).
-    fn check_peer_host(&self, host: &str) -> Result<(), ConnectorError> {
+    fn check_peer_host(&self, host: &str) -> Result<(), CoreError> {
         let hosts = &self.cfg.peer_hosts;
         if hosts.is_empty() || hosts.iter().any(|h| h == host) {
             Ok(())
         } else {
-            Err(ConnectorError::PeerHostNotAllowed(
+            Err(CoreError::PeerHostNotAllowed(
                 host.chars().take(256).collect(),
             ))
         }
@@ -754,7 +781,7 @@ impl ConnectorCore {
     // ----- workers -----
 
     /// What a worker reports: jobs that ended, notifications, dead agents, failed loads.
-    pub fn handle_worker_report(&mut self, report: WorkerReport, now: Time) {
+    pub(crate) fn handle_worker_report(&mut self, report: WorkerReport, now: Time) {
         if report.refused_connections > 0 {
             self.out
                 .observations
@@ -1178,18 +1205,18 @@ pub struct CoreMemory {
 }
 
 /// The proxy's handoff id of a layer-wise pull's P leg.
-fn layerwise_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
+fn layerwise_handoff(params: &KvTransferParams) -> Result<HandoffId, CoreError> {
     if !params.is_layerwise_pull() {
-        return Err(ConnectorError::BadParams("not a layer-wise pull"));
+        return Err(CoreError::BadParams("not a layer-wise pull"));
     }
-    params.handoff_id.ok_or(ConnectorError::BadParams(
-        "a layer-wise pull needs handoff_id",
-    ))
+    params
+        .handoff_id
+        .ok_or(CoreError::BadParams("a layer-wise pull needs handoff_id"))
 }
 
 /// The handoff a push request names: its proxy picked the id for both legs.
-fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, ConnectorError> {
+fn push_handoff(params: &KvTransferParams) -> Result<HandoffId, CoreError> {
     params
         .handoff_id
-        .ok_or(ConnectorError::BadParams("push without handoff_id"))
+        .ok_or(CoreError::BadParams("push without handoff_id"))
 }

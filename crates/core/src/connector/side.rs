@@ -8,7 +8,7 @@ use handoff_proto::{Fingerprint, Heartbeat, Hello, HelloReply, Message};
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
 use crate::step::{WorkerHello, WorkerOp};
-use crate::{ConnectorError, Role};
+use crate::{CoreError, Role};
 
 /// One agent of a peer as its hello announces it: name and transport metadata.
 type AgentInfo = (String, Vec<u8>);
@@ -18,7 +18,7 @@ pub(super) fn own_hello(
     cfg: &CoreConfig,
     fingerprint: &Fingerprint,
     ranks: &[WorkerHello],
-) -> Result<Hello, ConnectorError> {
+) -> Result<Hello, CoreError> {
     let layouts: Vec<RankLayout> = ranks.iter().map(|r| r.layout.clone()).collect();
     let agents: Vec<AgentInfo> = ranks
         .iter()
@@ -29,8 +29,8 @@ pub(super) fn own_hello(
         rank: 0,
         tp: ranks.len() as u16,
         fingerprint: fingerprint.clone(),
-        layout: postcard::to_allocvec(&layouts).map_err(ConnectorError::Encode)?,
-        agent_metadata: postcard::to_allocvec(&agents).map_err(ConnectorError::Encode)?,
+        layout: postcard::to_allocvec(&layouts).map_err(CoreError::Encode)?,
+        agent_metadata: postcard::to_allocvec(&agents).map_err(CoreError::Encode)?,
     })
 }
 
@@ -264,7 +264,13 @@ impl ConnectorCore {
     /// The first frame of a connection a peer opened to us. `proven`: the engine id the peer
     /// proved holding the cluster key (`None` when the cluster has no key); a hello under any
     /// other id is refused, so no one takes over another engine's name.
-    pub fn handle_accepted(&mut self, conn: ConnId, msg: Message, proven: Option<&str>, now: Time) {
+    pub(crate) fn handle_accepted(
+        &mut self,
+        conn: ConnId,
+        msg: Message,
+        proven: Option<&str>,
+        now: Time,
+    ) {
         match msg {
             Message::Hello(h) if proven.is_some_and(|p| p != h.engine_id) => {
                 let reason = format!(
@@ -330,7 +336,7 @@ impl ConnectorCore {
     }
 
     /// A frame on an established connection.
-    pub fn handle_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
+    pub(crate) fn handle_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
         if self.peers.is_anonymous(conn) {
             self.handle_anonymous(conn, msg);
         } else if let Some(peer) = self.peers.by_conn(conn) {
@@ -340,7 +346,7 @@ impl ConnectorCore {
     }
 
     /// Our connect attempt `attempt` to `engine` got `reply` on `conn`.
-    pub fn handle_connected(
+    pub(crate) fn handle_connected(
         &mut self,
         engine: &str,
         attempt: u64,
@@ -382,7 +388,13 @@ impl ConnectorCore {
     }
 
     /// Connect attempt `attempt` to `engine` failed.
-    pub fn handle_connect_failed(&mut self, engine: &str, attempt: u64, error: String, now: Time) {
+    pub(crate) fn handle_connect_failed(
+        &mut self,
+        engine: &str,
+        attempt: u64,
+        error: String,
+        now: Time,
+    ) {
         let Some(peer) = self.peers.by_engine(engine) else {
             return;
         };
@@ -400,7 +412,7 @@ impl ConnectorCore {
     }
 
     /// A connection closed or broke. The peer's current one: the peer is dead.
-    pub fn handle_closed(&mut self, conn: ConnId, now: Time) {
+    pub(crate) fn handle_closed(&mut self, conn: ConnId, now: Time) {
         if let Some(peer) = self.peers.conn_closed(conn) {
             tracing::info!(?peer, "side channel closed: peer dead");
             self.peer_dead(peer, now);
@@ -438,7 +450,7 @@ impl ConnectorCore {
     }
 
     /// Closes every connection (shutdown).
-    pub fn close_all(&mut self) {
+    pub(crate) fn close_all(&mut self) {
         for conn in self.peers.all_conns() {
             self.out.closes.push(conn);
         }

@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use handoff_ledger::{PeerId, PushWrite, StartRead, Time};
 use handoff_plan::RankLayout;
+use handoff_proto::xfer::{XferDesc, XferOp};
 use handoff_proto::{encode, HandoffId, Message, PushDone};
-use handoff_transport::{XferDesc, XferOp};
 
 use super::peers::PeerState;
 use super::push_digest::PushDigest;
