@@ -72,6 +72,10 @@ pub struct DemoArgs {
     /// killed. The report gives the drain time and what the drain recomputed (0).
     #[arg(long, conflicts_with = "netns")]
     pub drain: bool,
+    /// Every engine records its connector core's inputs to DIR/ENGINE.jsonl (`handoff replay`
+    /// reads them back).
+    #[arg(long, value_name = "DIR")]
+    pub record: Option<std::path::PathBuf>,
     /// Set by `--netns` when it runs the demo inside the namespaces it made: `PREFIX:SUBNET`.
     #[arg(long, hide = true)]
     pub netns_inside: Option<String>,
@@ -402,8 +406,20 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         None => None,
     };
     let net = net.as_ref();
-    let spawn_engine =
-        |id: &str, role: &str, extra: &[String]| spawn_engine_on(net, id, role, extra);
+    if let Some(dir) = &args.record {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let spawn_engine = |id: &str, role: &str, extra: &[String]| {
+        let mut extra = extra.to_vec();
+        if let Some(dir) = &args.record {
+            let path = dir.join(format!("{id}.jsonl"));
+            extra.extend([
+                "--set".to_string(),
+                format!("record_trace={}", path.display()),
+            ]);
+        }
+        spawn_engine_on(net, id, role, &extra)
+    };
     let pool = pool_layout(&args)?;
     let common = |tp: u32, bs: u32| -> Vec<String> {
         vec![

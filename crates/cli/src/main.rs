@@ -8,6 +8,7 @@ mod cluster;
 mod demo;
 mod engine_cmd;
 mod netns;
+mod replay_cmd;
 mod report;
 
 use std::net::SocketAddr;
@@ -48,6 +49,9 @@ enum Command {
         #[arg(long, default_value = "handoff-cluster.key")]
         out: std::path::PathBuf,
     },
+    /// Feeds a trace an engine recorded (`record_trace`) through a fresh connector core: which
+    /// rule the recorded run broke, after which input, and whether today's core does the same.
+    Replay(replay_cmd::ReplayArgs),
     /// Benchmarks that print ratios against a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -100,6 +104,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench { which } => bench::run(which),
         Command::Demo(args) => demo::run(args),
         Command::Keygen { out } => keygen(&out),
+        Command::Replay(args) => replay_cmd::run(args),
         Command::Engine(args) => {
             let cfg = args.resolve()?;
             tokio::runtime::Builder::new_multi_thread()

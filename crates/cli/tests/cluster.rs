@@ -224,10 +224,25 @@ fn p_killed_makes_d_recompute_or_fail_per_policy() {
     assert!(start.elapsed() < Duration::from_secs(10), "no hang");
 }
 
+/// The demo, with every engine recording its connector core (`--record`): nothing leaks, every
+/// output matches the monolithic engine's, the killed decode engine's blocks come back; and each
+/// engine's trace, the killed one's too, replays (`handoff replay`) to the same answers and
+/// batches with every rule kept. A trace with one input taken out does not.
 #[test]
-fn demo_reclaims_leaks_nothing_and_matches_monolithic() {
+fn demo_reclaims_leaks_nothing_and_matches_monolithic_and_its_traces_replay() {
+    let dir = std::env::temp_dir().join(format!("handoff-demo-traces-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args(["demo", "--json", "--requests", "48", "--seed", "3"])
+        .args([
+            "demo",
+            "--json",
+            "--requests",
+            "48",
+            "--seed",
+            "3",
+            "--record",
+        ])
+        .arg(&dir)
         .stderr(Stdio::null())
         .output()
         .expect("demo runs");
@@ -241,6 +256,63 @@ fn demo_reclaims_leaks_nothing_and_matches_monolithic() {
     assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
     let reclaim = r["reclaim_after_kill_s"].as_f64().expect("reclaimed");
     assert!(reclaim < 2.0, "{stdout}");
+    let killed = r["killed_engine"]
+        .as_str()
+        .expect("a killed engine")
+        .to_string();
+
+    let replay = |path: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .arg("replay")
+            .arg(path)
+            .arg("--json")
+            .output()
+            .expect("replay runs")
+    };
+    for engine in ["prefill-0", "decode-1", "decode-2", "mono"] {
+        let path = dir.join(format!("{engine}.jsonl"));
+        let out = replay(&path);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{engine}: {text}\n{stderr}");
+        let rep: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{text}"));
+        assert!(rep["divergence"].is_null(), "{engine}: {text}");
+        assert_eq!(rep["violations"], json!([]), "{engine}: {text}");
+        if engine != "mono" {
+            assert!(rep["inputs"].as_u64().unwrap() > 100, "{engine}: {text}");
+        }
+        if engine == killed {
+            assert!(
+                rep["settled_inputs"].as_u64().unwrap() > 0,
+                "{engine}: {text}"
+            );
+        }
+    }
+
+    // Power: the same trace less one side-channel frame is not what the core saw.
+    let path = dir.join("decode-1.jsonl");
+    let text = std::fs::read_to_string(&path).expect("trace");
+    let lines: Vec<&str> = text.lines().collect();
+    let frame = lines
+        .iter()
+        .position(|l| l.starts_with("{\"input\"") && l.contains("\"Frame\""))
+        .expect("a frame");
+    let cut: Vec<&str> = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != frame)
+        .map(|(_, l)| *l)
+        .collect();
+    let tampered = dir.join("tampered.jsonl");
+    std::fs::write(&tampered, cut.join("\n")).expect("write");
+    let out = replay(&tampered);
+    assert!(
+        !out.status.success(),
+        "a trace less one input must not replay clean"
+    );
+    let rep: Value = serde_json::from_slice(&out.stdout).expect("a report");
+    assert!(!rep["divergence"].is_null(), "{rep}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `demo --drain`: one of two prefill engines gets SIGTERM mid-load while it holds handoffs a

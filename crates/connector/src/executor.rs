@@ -159,6 +159,7 @@ impl Connector {
         let side_addr = side
             .listen(cfg.side_channel_bind, stop.clone())
             .map_err(ConnectorError::Listen)?;
+        let recorded_ranks = cfg.record.as_ref().map(|_| hellos.clone());
         let core = ConnectorCore::new(
             CoreConfig {
                 engine_id: cfg.engine_id.clone(),
@@ -182,6 +183,21 @@ impl Connector {
                 stop.store(true, Ordering::Relaxed);
                 return Err(e.into());
             }
+        };
+        let recorder = match (&cfg.record, recorded_ranks) {
+            (Some(rc), Some(ranks)) => {
+                match crate::recorder::Recorder::create(rc.clone(), core.config(), &ranks) {
+                    Ok(r) => {
+                        tracing::info!(path = %rc.path.display(), "recording the connector core's inputs");
+                        Some(r)
+                    }
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        return Err(ConnectorError::Record(rc.path.clone(), e));
+                    }
+                }
+            }
+            _ => None,
         };
         let spec = *core.spec();
         let compat_key = core.compat_key();
@@ -211,6 +227,7 @@ impl Connector {
             counters_seen: LedgerCounters::default(),
             gauges_at: None,
             fallbacks: FallbackLog::default(),
+            recorder,
         };
         std::thread::Builder::new()
             .name(format!("handoff-exec-{}", cfg.engine_id))
@@ -603,6 +620,8 @@ struct Executor {
     counters_seen: LedgerCounters,
     gauges_at: Option<Instant>,
     fallbacks: FallbackLog,
+    /// Writes every input and batch down, when the engine asked for a trace.
+    recorder: Option<crate::recorder::Recorder>,
 }
 
 /// Warns when requests fall back (recomputed or failed) because a transfer failed: at once the
@@ -670,6 +689,16 @@ impl Executor {
         self.start.elapsed()
     }
 
+    /// Every input reaches the core here, and the recorder with it.
+    fn give(&mut self, input: Input, now: Time) -> Answered {
+        let Some(rec) = self.recorder.as_mut() else {
+            return self.core.handle(input, now);
+        };
+        let answer = self.core.handle(input.clone(), now);
+        rec.input(now, input, &answer);
+        answer
+    }
+
     fn run(mut self) {
         while !self.stop.load(Ordering::Relaxed) {
             let now = self.now();
@@ -693,7 +722,7 @@ impl Executor {
             }
             let now = self.now();
             if self.core.poll_timeout().is_some_and(|t| t <= now) {
-                log_refused(self.core.handle(Input::Timeout, now));
+                log_refused(self.give(Input::Timeout, now));
             }
             self.carry_out();
             if self.gauges_at.map_or(true, |t| t.elapsed() >= GAUGES_EVERY) {
@@ -704,7 +733,8 @@ impl Executor {
                 r();
             }
         }
-        log_refused(self.core.handle(Input::CloseAll, self.now()));
+        let now = self.now();
+        log_refused(self.give(Input::CloseAll, now));
         self.carry_out();
         for (_, w) in self.conns.drain() {
             w.close();
@@ -715,7 +745,7 @@ impl Executor {
         let now = self.now();
         let input = match msg {
             Msg::Core(input, reply) => {
-                let answer = self.core.handle(input, now);
+                let answer = self.give(input, now);
                 if let Some(tx) = reply {
                     replies.push(Box::new(move || {
                         let _ = tx.send(answer);
@@ -752,7 +782,7 @@ impl Executor {
             }
             SideEvent::Frame { conn, msg, ticket } => {
                 // The ticket goes once the frame was handled (it paces the connection's reader).
-                let r = self.core.handle(Input::Frame { conn, msg }, now);
+                let r = self.give(Input::Frame { conn, msg }, now);
                 drop(ticket);
                 log_refused(r);
                 return;
@@ -794,13 +824,16 @@ impl Executor {
                 Input::Closed { conn }
             }
         };
-        log_refused(self.core.handle(input, now));
+        log_refused(self.give(input, now));
     }
 
     /// Carries out everything the core asked for.
     fn carry_out(&mut self) {
         while self.core.has_ready() {
             let mut ready = self.core.ready();
+            if let Some(rec) = self.recorder.as_mut() {
+                rec.batch(&ready);
+            }
             self.dispatch(&mut ready);
             self.core.advance(ready);
         }

@@ -22,6 +22,7 @@ pub mod digest;
 mod executor;
 pub mod forward_gate;
 mod metrics;
+pub mod recorder;
 pub mod remote;
 pub mod side_channel;
 pub mod worker;
@@ -79,6 +80,8 @@ pub struct ConnectorConfig {
     /// Most inbound side-channel handshakes open at once from one source address (see
     /// [`side_channel::SideConfig`]).
     pub max_side_handshakes_per_source: usize,
+    /// Record every core input to a trace (`handoff replay` reads it; see [`recorder`]).
+    pub record: Option<recorder::RecordConfig>,
 }
 
 /// Default of [`ConnectorConfig::max_side_connections`].
@@ -136,6 +139,8 @@ pub enum ConnectorError {
     Random(String),
     #[error("the connector stopped")]
     Stopped,
+    #[error("cannot record the trace at {0}: {1}")]
+    Record(std::path::PathBuf, std::io::Error),
     #[error("the core answered with another kind of answer ({0}): a bug")]
     UnexpectedAnswer(String),
     #[error("cannot digest layer {layer}: its rows are not addressable in this layout")]

@@ -161,6 +161,13 @@ pub struct EngineConfig {
     pub admin_port: u16,
     /// Address the admin listener binds (loopback: a preStop hook runs in the engine's pod).
     pub admin_host: String,
+    /// Record every input of the connector core to this file (`handoff replay FILE` feeds it
+    /// back and checks the rules): what to send with a bug report. Empty: no trace.
+    pub record_trace: String,
+    /// Size of one trace file before it rotates, in MiB.
+    pub record_trace_max_mb: u64,
+    /// Trace files kept, the current one included (a replay needs the first one).
+    pub record_trace_files: usize,
 }
 
 impl Default for EngineConfig {
@@ -229,6 +236,9 @@ impl Default for EngineConfig {
             admin_token: String::new(),
             admin_port: 0,
             admin_host: "127.0.0.1".into(),
+            record_trace: String::new(),
+            record_trace_max_mb: 64,
+            record_trace_files: 4,
         }
     }
 }
@@ -374,6 +384,15 @@ impl EngineConfig {
             .filter(|h| !h.is_empty())
             .map(str::to_string)
             .collect()
+    }
+
+    /// [`EngineConfig::record_trace`] as the recorder's settings (`None`: no trace).
+    pub fn record(&self) -> Option<handoff_connector::recorder::RecordConfig> {
+        (!self.record_trace.is_empty()).then(|| handoff_connector::recorder::RecordConfig {
+            path: self.record_trace.clone().into(),
+            max_bytes: self.record_trace_max_mb.saturating_mul(1 << 20),
+            files: self.record_trace_files,
+        })
     }
 
     /// The cluster key, from `cluster_key` or else `cluster_key_file`.
@@ -585,6 +604,14 @@ impl EngineConfig {
                 "must be shorter than drain_timeout_ms (the grace is part of the drain)",
             ));
         }
+        if !self.record_trace.is_empty()
+            && (self.record_trace_max_mb == 0 || self.record_trace_files == 0)
+        {
+            return Err(bad(
+                "record_trace_max_mb",
+                "a trace needs at least one file of at least 1 MiB",
+            ));
+        }
         if !self.admin_token.is_empty() && self.admin_token.chars().count() < 16 {
             return Err(bad(
                 "admin_token",
@@ -746,6 +773,13 @@ mod tests {
                 Box::new(|c| c.http_max_header_bytes = 100),
             ),
             ("mode", Box::new(|c| c.mode = "teleport".into())),
+            (
+                "record_trace_max_mb",
+                Box::new(|c| {
+                    c.record_trace = "/tmp/t.jsonl".into();
+                    c.record_trace_files = 0;
+                }),
+            ),
             (
                 "kv_pool_layout",
                 Box::new(|c| c.kv_pool_layout = "diagonal".into()),

@@ -177,6 +177,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             insecure: cfg.insecure,
             max_side_connections: cfg.max_side_connections,
             max_side_handshakes_per_source: cfg.max_side_handshakes_per_source,
+            record: cfg.record(),
         },
         ranks,
         &mut registry,

@@ -111,6 +111,10 @@ pub struct SchedulerConfig {
     /// Check each handoff's KV digest (see `handoff_connector::digest`).
     #[serde(default)]
     pub kv_digest: bool,
+    /// Record every core input to this trace file (`handoff replay` reads it): 4 files of
+    /// 64 MiB at most, rotating.
+    #[serde(default)]
+    pub record_trace: Option<String>,
     /// vLLM's `kv_load_failure_policy` (`recompute` or `fail`): vLLM carries it out; the
     /// connector's logs and metrics say the same.
     #[serde(default)]
@@ -261,6 +265,13 @@ impl SchedulerSide {
                 max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
                 max_side_handshakes_per_source:
                     handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
+                record: cfg.record_trace.as_ref().map(|path| {
+                    handoff_connector::recorder::RecordConfig {
+                        path: path.into(),
+                        max_bytes: 64 << 20,
+                        files: 4,
+                    }
+                }),
             },
             hellos,
             &mut registry,

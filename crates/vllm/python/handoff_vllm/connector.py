@@ -330,6 +330,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "registration_lease_ms": self._extra.get("registration_lease_ms"),
             "opaque_blocks": self._opaque,
             "kv_digest": bool(self._extra.get("kv_digest", False)),
+            "record_trace": self._extra.get("record_trace"),
             "failure_policy": getattr(
                 self._config.kv_transfer_config, "kv_load_failure_policy", None
             ),
