@@ -5,11 +5,12 @@
 //! lock. A transfer locks only the chunks it touches, for as long as it touches them; the TCP
 //! backend reads from the socket straight into a locked chunk (no staging copy).
 //!
-//! The allocation is made once and never handed back to the allocator: engines keep their KV pool
-//! for the life of the process, and leaking it is what lets every chunk be a plain
-//! `&'static mut [u8]` behind a lock. A region may also cover memory the engine allocated
-//! ([`KvRegion::from_foreign`], vLLM's KV tensors): the one `unsafe` step there is in
-//! `crate::foreign`.
+//! Others write a region's memory behind Rust's back (DMA, a peer's transfer, the engine's
+//! kernels), so a region holds it as raw pointers (`crate::foreign::Chunk`) and makes a slice
+//! over a chunk only while it holds that chunk's lock. Its own allocation is freed once the
+//! region and every transfer holding one of its chunks are gone. A region may also cover memory
+//! the engine allocated ([`KvRegion::from_foreign`], vLLM's KV tensors). The `unsafe` of both
+//! is in `crate::foreign`.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -17,12 +18,13 @@ use std::sync::Arc;
 use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
 use parking_lot::{RawRwLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::foreign::{Backing, Chunk};
 use crate::TransportError;
 
-/// A chunk's write lock held by a transfer in flight.
-pub type OwnedWriteGuard = ArcRwLockWriteGuard<RawRwLock, &'static mut [u8]>;
+/// A chunk's write lock held by a transfer in flight (derefs to the chunk's bytes).
+pub type OwnedWriteGuard = ArcRwLockWriteGuard<RawRwLock, Chunk>;
 /// A chunk's read lock held by a transfer in flight.
-pub type OwnedReadGuard = ArcRwLockReadGuard<RawRwLock, &'static mut [u8]>;
+pub type OwnedReadGuard = ArcRwLockReadGuard<RawRwLock, Chunk>;
 
 /// Most pieces [`KvRegion::with_span_batched`] groups (well under the kernel's `IOV_MAX`).
 pub const MAX_BATCH_PIECES: usize = 64;
@@ -32,14 +34,14 @@ pub struct KvRegion {
     len: usize,
     chunk: usize,
     base: usize,
-    chunks: Vec<Arc<RwLock<&'static mut [u8]>>>,
+    chunks: Vec<Arc<RwLock<Chunk>>>,
 }
 
 impl KvRegion {
     /// A zeroed region of `len` bytes, locked in chunks of `chunk` bytes (the last may be
     /// shorter). A chunk of one KV block is a good choice.
     pub fn new(len: usize, chunk: usize) -> Self {
-        let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+        let mut mem = vec![0u8; len].into_boxed_slice();
         // Fault every page in now (a zeroed allocation is mapped lazily): a transfer into pages
         // the process never touched runs measurably slower, even after they were first written
         // (NIXL's in-process copies ran at ~0.85× of the same copies between touched buffers).
@@ -48,17 +50,17 @@ impl KvRegion {
         for i in (0..len).step_by(PAGE) {
             mem[i] = std::hint::black_box(0);
         }
-        KvRegion::from_static(mem, chunk)
+        KvRegion::over(Backing::owned(mem), chunk)
     }
 
-    /// A region over memory that lives as long as the process: its own leaked allocation
-    /// ([`KvRegion::new`]) or the engine's ([`KvRegion::from_foreign`], in `crate::foreign`).
-    pub(crate) fn from_static(mem: &'static mut [u8], chunk: usize) -> Self {
+    /// A region over `backing`: its own allocation ([`KvRegion::new`]) or the engine's
+    /// ([`KvRegion::from_foreign`], in `crate::foreign`).
+    pub(crate) fn over(backing: Arc<Backing>, chunk: usize) -> Self {
         let chunk = chunk.max(1);
-        let (len, base) = (mem.len(), mem.as_ptr() as usize);
-        let chunks = mem
-            .chunks_mut(chunk)
-            .map(|c| Arc::new(RwLock::new(c)))
+        let (len, base) = (backing.len(), backing.base());
+        let chunks = (0..len)
+            .step_by(chunk)
+            .map(|at| Arc::new(RwLock::new(backing.chunk(at, chunk.min(len - at)))))
             .collect();
         KvRegion {
             len,
@@ -305,11 +307,11 @@ impl KvRegion {
             .collect())
     }
 
-    fn write_chunk(&self, idx: usize) -> RwLockWriteGuard<'_, &'static mut [u8]> {
+    fn write_chunk(&self, idx: usize) -> RwLockWriteGuard<'_, Chunk> {
         self.chunks[idx].write()
     }
 
-    fn read_chunk(&self, idx: usize) -> RwLockReadGuard<'_, &'static mut [u8]> {
+    fn read_chunk(&self, idx: usize) -> RwLockReadGuard<'_, Chunk> {
         self.chunks[idx].read()
     }
 }

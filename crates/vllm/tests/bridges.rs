@@ -24,7 +24,39 @@ fn block_bytes() -> usize {
 struct Engine {
     sched: SchedulerSide,
     worker: WorkerBridge,
-    kv: &'static mut [u8],
+    kv: KvMem,
+}
+
+/// An engine's KV memory as vLLM holds it: handoff reads and writes it too (through
+/// `KvRegion::from_foreign`), so the test, playing the engine's kernels, reaches it through a
+/// raw pointer one access at a time and never holds a reference to it. Never freed: the
+/// engine's transfers may run until the test process ends.
+struct KvMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+#[allow(unsafe_code)]
+impl KvMem {
+    fn new(len: usize) -> KvMem {
+        let ptr = Box::into_raw(vec![0u8; len].into_boxed_slice()).cast::<u8>();
+        KvMem { ptr, len }
+    }
+
+    fn read(&self, start: usize, len: usize) -> Vec<u8> {
+        assert!(start + len <= self.len);
+        let mut out = vec![0u8; len];
+        // SAFETY: in bounds of a live allocation (never freed); the test touches only blocks
+        // no transfer moves at the time, as an engine's kernels do.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(start), out.as_mut_ptr(), len) };
+        out
+    }
+
+    fn write(&self, start: usize, bytes: &[u8]) {
+        assert!(start + bytes.len() <= self.len);
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(start), bytes.len()) };
+    }
 }
 
 fn facts() -> ModelFacts {
@@ -51,8 +83,8 @@ fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
         .with_test_writer()
         .try_init();
     let layer = BLOCKS as usize * block_bytes();
-    let kv: &'static mut [u8] = Box::leak(vec![0u8; LAYERS * layer].into_boxed_slice());
-    let base = kv.as_mut_ptr() as u64;
+    let kv = KvMem::new(LAYERS * layer);
+    let base = kv.ptr as u64;
     let tensors: Vec<KvTensorInfo> = (0..LAYERS)
         .map(|l| KvTensorInfo {
             name: format!("model.layers.{l}.self_attn.attn"),
@@ -105,9 +137,9 @@ impl Engine {
         meta
     }
 
-    fn block(&self, layer: usize, b: u32) -> &[u8] {
+    fn block(&self, layer: usize, b: u32) -> Vec<u8> {
         let start = layer * BLOCKS as usize * block_bytes() + b as usize * block_bytes();
-        &self.kv[start..start + block_bytes()]
+        self.kv.read(start, block_bytes())
     }
 }
 
@@ -209,7 +241,7 @@ fn mark_cached_block(p: &Engine, d: &mut Engine) -> Vec<Vec<u8>> {
 fn kept_cached_and_landed_the_rest(p: &mut Engine, d: &mut Engine, cached: &[Vec<u8>]) {
     for (l, bytes) in cached.iter().enumerate() {
         assert_eq!(
-            d.block(l, 20),
+            &d.block(l, 20),
             bytes,
             "layer {l}: the cached block was written"
         );
@@ -230,7 +262,7 @@ fn cache_p_s_first_block(p: &Engine, d: &mut Engine) {
     for l in 0..LAYERS {
         let bytes = p.block(l, 5).to_vec();
         let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
-        d.kv[start..start + block_bytes()].copy_from_slice(&bytes);
+        d.kv.write(start, &bytes);
     }
 }
 
@@ -557,9 +589,10 @@ fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
 fn fill_layer(e: &mut Engine, blocks: &[u32], salt: usize, l: usize) {
     for (i, b) in blocks.iter().enumerate() {
         let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
-        for (j, x) in e.kv[start..start + block_bytes()].iter_mut().enumerate() {
-            *x = (salt + l * 31 + i * 7 + j % 251) as u8 | 1;
-        }
+        let bytes: Vec<u8> = (0..block_bytes())
+            .map(|j| (salt + l * 31 + i * 7 + j % 251) as u8 | 1)
+            .collect();
+        e.kv.write(start, &bytes);
     }
 }
 
