@@ -722,6 +722,7 @@ mod tests {
     fn frame() -> Vec<u8> {
         encode(&Message::Heartbeat(Heartbeat {
             seq: 1,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![],
         }))
         .unwrap()

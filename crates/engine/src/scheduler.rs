@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_connector::{Connector, ConnectorEvent};
-use handoff_proto::{KvTransferParams, ReleaseReason};
+use handoff_proto::{Flow, KvTransferParams, ReleaseReason};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
@@ -589,16 +589,16 @@ impl Scheduler {
         let prefix = model::prefix_hashes(prompt, 0);
         let layers = self.cfg.num_layers.max(1) as f64;
         let per_layer = prompt.len() as f64 * self.cfg.prefill_us_per_token / layers;
-        let push = match &r.sub.kind {
-            Kind::RemoteDecode(Some(p)) if p.mode() == handoff_proto::TransferMode::Push => {
-                Some(p.clone())
-            }
-            _ => None,
-        };
-        // A layer-wise pull: D got its leg at the same time and reads each layer once saved.
-        let layerwise = match &r.sub.kind {
-            Kind::RemoteDecode(Some(p)) if p.is_layerwise_pull() => Some(p.clone()),
-            _ => None,
+        // The flow, read once from the params the router chose it in. Push: P writes each
+        // layer into D's blocks as it is saved. A layer-wise pull: D got its leg at the same
+        // time and reads each layer once saved. A classic pull: nothing until the prefill ends.
+        let (push, layerwise) = match &r.sub.kind {
+            Kind::RemoteDecode(Some(p)) => match p.flow() {
+                Flow::Push => (Some(p.clone()), None),
+                Flow::LayerwisePull => (None, Some(p.clone())),
+                Flow::Pull => (None, None),
+            },
+            _ => (None, None),
         };
         if let (Some(params), Some(c)) = (&push, &self.connector) {
             if let Err(e) =

@@ -598,6 +598,7 @@ async fn suite() {
         mallory_conn
             .try_send(&Message::Heartbeat(Heartbeat {
                 seq: u64::from(batch),
+                mode: handoff_proto::TransferMode::Pull,
                 entries,
             }))
             .unwrap();
@@ -624,6 +625,7 @@ async fn suite() {
         let (side, rx) = side_client("anon", Some(&k));
         let hb = Message::Heartbeat(Heartbeat {
             seq: 1,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![entry],
         });
         let rel = Message::Release(Release {

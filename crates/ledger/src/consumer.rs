@@ -454,7 +454,7 @@ impl ConsumerLedger {
             by_request: HashMap::new(),
             by_peer: BTreeMap::new(),
             timers: TimerQueue::default(),
-            heartbeats: HeartbeatSender::default(),
+            heartbeats: HeartbeatSender::new(handoff_proto::TransferMode::Pull),
             next_heartbeat: None,
             urgent: BTreeMap::new(),
             messages: VecDeque::new(),

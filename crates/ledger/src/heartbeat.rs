@@ -4,18 +4,29 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use handoff_proto::{split_heartbeat, HeartbeatEntry, Message};
+use handoff_proto::{split_heartbeat, HeartbeatEntry, Message, TransferMode};
 
 use crate::{PeerId, Time};
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct HeartbeatSender {
+    /// The flow whose blocks the heartbeats keep (see [`handoff_proto::Heartbeat::mode`]).
+    mode: TransferMode,
     seq: u64,
     sent: HashMap<u64, (PeerId, Time)>,
     order: VecDeque<(Time, u64)>,
 }
 
 impl HeartbeatSender {
+    pub fn new(mode: TransferMode) -> Self {
+        HeartbeatSender {
+            mode,
+            seq: 0,
+            sent: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
     /// Queues heartbeats for `entries` to `peer`, split under the message size cap.
     pub fn send(
         &mut self,
@@ -25,7 +36,7 @@ impl HeartbeatSender {
         out: &mut VecDeque<(PeerId, Message)>,
     ) -> usize {
         let seq = &mut self.seq;
-        let batches = split_heartbeat(entries, || {
+        let batches = split_heartbeat(entries, self.mode, || {
             *seq += 1;
             *seq
         });

@@ -364,7 +364,7 @@ impl ProducerLedger {
             messages: VecDeque::new(),
             releases: VecDeque::new(),
             actions: VecDeque::new(),
-            heartbeats: HeartbeatSender::default(),
+            heartbeats: HeartbeatSender::new(handoff_proto::TransferMode::Push),
             push_waiting: BTreeMap::new(),
             urgent: BTreeMap::new(),
             early_asks: BTreeMap::new(),
@@ -809,6 +809,7 @@ impl ProducerLedger {
                 None => {
                     let single = Heartbeat {
                         seq: hb.seq,
+                        mode: hb.mode,
                         entries: vec![e],
                     };
                     self.stage_once(from, Message::Heartbeat(single), e.handoff, now);

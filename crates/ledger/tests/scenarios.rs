@@ -336,6 +336,7 @@ fn duplicate_and_late_notifications_change_nothing() {
         D_PEER,
         Message::Heartbeat(Heartbeat {
             seq: 99,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![HeartbeatEntry {
                 handoff: id,
                 epoch: Epoch::FIRST,
@@ -699,6 +700,7 @@ fn only_the_reader_moves_the_epoch() {
             other,
             Message::Heartbeat(Heartbeat {
                 seq: 1,
+                mode: handoff_proto::TransferMode::Pull,
                 entries: vec![HeartbeatEntry { handoff: id, epoch }],
             }),
             pair.now,
@@ -712,6 +714,7 @@ fn only_the_reader_moves_the_epoch() {
         D_PEER,
         Message::Heartbeat(Heartbeat {
             seq: 1,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![HeartbeatEntry {
                 handoff: id,
                 epoch: Epoch(3),

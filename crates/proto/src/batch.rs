@@ -4,6 +4,7 @@ use crate::message::{
     BlockList, Grant, GrantBatch, Heartbeat, HeartbeatEntry, PullBlocks, MAX_LISTS_PER_MESSAGE,
     MAX_REGISTERED_BLOCKS,
 };
+use crate::params::TransferMode;
 
 /// Most handoffs named in one heartbeat or grant batch. A grant is at most 16 + 5 + 5 bytes
 /// encoded, so 2000 of them (plus the header) stay well under the 64 KiB message cap, and a reply
@@ -11,15 +12,18 @@ use crate::message::{
 pub const MAX_BATCH_ENTRIES: usize = 2000;
 
 /// Splits the handoffs to heartbeat for one peer engine into messages of at most
-/// [`MAX_BATCH_ENTRIES`] each; `next_seq` gives each message its own sequence number.
+/// [`MAX_BATCH_ENTRIES`] each, all of flow `mode`; `next_seq` gives each message its own
+/// sequence number.
 pub fn split_heartbeat(
     entries: &[HeartbeatEntry],
+    mode: TransferMode,
     mut next_seq: impl FnMut() -> u64,
 ) -> Vec<Heartbeat> {
     entries
         .chunks(MAX_BATCH_ENTRIES)
         .map(|chunk| Heartbeat {
             seq: next_seq(),
+            mode,
             entries: chunk.to_vec(),
         })
         .collect()

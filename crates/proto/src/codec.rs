@@ -6,7 +6,7 @@ use crate::message::*;
 /// Bumped on any incompatible change of [`Message`].
 /// 2: `BlocksQuery` / `PullBlocks` (D reads the blocks P names).
 /// 6: `BlockList::layers` (layer-wise pull).
-pub const PROTOCOL_VERSION: u8 = 6;
+pub const PROTOCOL_VERSION: u8 = 7;
 /// Hard cap on one encoded message. Heartbeats and grant batches are split to stay under it
 /// ([`crate::split_heartbeat`]), so a peer can size its receive buffer once.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;

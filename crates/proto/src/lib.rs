@@ -25,4 +25,4 @@ pub use batch::{split_block_lists, split_grants, split_heartbeat, MAX_BATCH_ENTR
 pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 pub use ids::{Epoch, HandoffId, ParseHandoffIdError};
 pub use message::*;
-pub use params::{KvTransferParams, ParamsError, TransferMode};
+pub use params::{Flow, KvTransferParams, ParamsError, TransferMode};

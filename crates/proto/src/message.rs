@@ -200,6 +200,10 @@ pub struct HeartbeatEntry {
 pub struct Heartbeat {
     /// Echoed in the [`GrantBatch`] reply; the sender anchors the grants at its send time.
     pub seq: u64,
+    /// The flow whose blocks these are, which says who holds them: `Pull` (P's leases, a
+    /// layer-wise pull's too) or `Push` (D's registrations). An engine that runs both sides
+    /// hands the heartbeat to that ledger, never guessing from the ids.
+    pub mode: TransferMode,
     pub entries: Vec<HeartbeatEntry>,
 }
 

@@ -25,6 +25,54 @@ impl TransferMode {
     }
 }
 
+/// How a request's KV goes from P to D. The router chooses it when it routes the request and
+/// writes it into both legs' `kv_transfer_params` ([`Flow::write_into`]); every engine reads it
+/// back with [`KvTransferParams::flow`], the one place that interprets those keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flow {
+    /// P prefills, then D reads the whole KV (vLLM's NixlConnector does this).
+    Pull,
+    /// Both legs at once: P holds the KV under the router's handoff id from its prefill's start,
+    /// and D reads each layer once P saved it.
+    LayerwisePull,
+    /// Both legs at once: D reserves blocks and registers them with P, which writes each layer
+    /// into them as its forward pass saves it.
+    Push,
+}
+
+impl Flow {
+    /// Who moves the bytes: the reader (pull) or the writer (push).
+    pub fn mode(self) -> TransferMode {
+        match self {
+            Flow::Pull | Flow::LayerwisePull => TransferMode::Pull,
+            Flow::Push => TransferMode::Push,
+        }
+    }
+
+    /// Whether the router sends both legs at once (under its own handoff id).
+    pub fn both_legs_at_once(self) -> bool {
+        self != Flow::Pull
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flow::Pull => "pull",
+            Flow::LayerwisePull => "layerwise_pull",
+            Flow::Push => "push",
+        }
+    }
+
+    /// Writes the flow into a leg's `kv_transfer_params` JSON, as [`KvTransferParams::flow`]
+    /// reads it (`transfer_mode`, and `layerwise` for a layer-wise pull).
+    pub fn write_into(self, params: &mut Map<String, Value>) {
+        params.insert("transfer_mode".into(), self.mode().as_str().into());
+        if self == Flow::LayerwisePull {
+            params.insert("layerwise".into(), true.into());
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ParamsError {
     #[error("kv_transfer_params is not valid: {0}")]
@@ -137,9 +185,19 @@ impl KvTransferParams {
         self.transfer_mode.unwrap_or_default()
     }
 
+    /// The request's flow: `transfer_mode` (pull when absent, as vLLM sends it) refined by
+    /// `layerwise`.
+    pub fn flow(&self) -> Flow {
+        match (self.mode(), self.layerwise) {
+            (TransferMode::Push, _) => Flow::Push,
+            (TransferMode::Pull, Some(true)) => Flow::LayerwisePull,
+            (TransferMode::Pull, _) => Flow::Pull,
+        }
+    }
+
     /// A layer-wise pull (see [`KvTransferParams::layerwise`]).
     pub fn is_layerwise_pull(&self) -> bool {
-        self.mode() == TransferMode::Pull && self.layerwise == Some(true)
+        self.flow() == Flow::LayerwisePull
     }
 
     /// What P must ask for: "prefill, keep the KV for a remote decode" (the proxy's first leg).

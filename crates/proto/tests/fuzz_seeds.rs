@@ -39,6 +39,7 @@ fn samples() -> Vec<(&'static str, Message)> {
             "heartbeat",
             Message::Heartbeat(Heartbeat {
                 seq: 7,
+                mode: TransferMode::Pull,
                 entries: vec![entry],
             }),
         ),

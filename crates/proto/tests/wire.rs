@@ -181,6 +181,7 @@ fn worst_case_push_register_and_heartbeat_fit_in_one_message() {
     };
     assert_roundtrip(&Message::Heartbeat(Heartbeat {
         seq: u64::MAX,
+        mode: TransferMode::Pull,
         entries: vec![full; MAX_BATCH_ENTRIES],
     }));
 }
@@ -274,6 +275,7 @@ fn message_kind_and_handoff_are_per_variant() {
         }),
         Message::Heartbeat(Heartbeat {
             seq: 0,
+            mode: TransferMode::Pull,
             entries: vec![],
         }),
         Message::GrantBatch(GrantBatch {
@@ -467,6 +469,7 @@ fn encode_rejects_message_over_max_bytes() {
     );
     let big_hb = Message::Heartbeat(Heartbeat {
         seq: 1,
+        mode: TransferMode::Pull,
         entries: (0..4 * MAX_BATCH_ENTRIES as u64).map(entry).collect(),
     });
     assert!(matches!(
@@ -540,6 +543,7 @@ fn heartbeat_over_max_batch_entries_is_rejected() {
     let hb = |n: u64| {
         Message::Heartbeat(Heartbeat {
             seq: 5,
+            mode: TransferMode::Pull,
             entries: (0..n).map(entry).collect(),
         })
     };
@@ -668,7 +672,7 @@ fn split_heartbeat_of_100k_entries_covers_each_once_in_order() {
         })
         .collect();
     let mut next = u64::MAX - 1000;
-    let batches = split_heartbeat(&entries, || {
+    let batches = split_heartbeat(&entries, TransferMode::Pull, || {
         next += 1;
         next
     });
@@ -695,11 +699,14 @@ fn split_heartbeat_edges() {
         seq += 1;
         seq
     };
-    assert!(split_heartbeat(&[], &mut next).is_empty());
+    assert!(split_heartbeat(&[], TransferMode::Pull, &mut next).is_empty());
     let one: Vec<_> = (0..MAX_BATCH_ENTRIES as u64).map(entry).collect();
-    assert_eq!(split_heartbeat(&one, &mut next).len(), 1);
+    assert_eq!(
+        split_heartbeat(&one, TransferMode::Pull, &mut next).len(),
+        1
+    );
     let over: Vec<_> = (0..=MAX_BATCH_ENTRIES as u64).map(entry).collect();
-    let b = split_heartbeat(&over, &mut next);
+    let b = split_heartbeat(&over, TransferMode::Pull, &mut next);
     let lens: Vec<_> = b.iter().map(|b| b.entries.len()).collect();
     assert_eq!(lens, [MAX_BATCH_ENTRIES, 1]);
     assert_eq!((b[0].seq, b[1].seq), (2, 3));
@@ -800,7 +807,7 @@ proptest! {
     fn split_heartbeat_is_an_ordered_partition(n in 0u64..9000, first in any::<u64>()) {
         let entries: Vec<HeartbeatEntry> = (0..n).map(entry).collect();
         let mut next = first;
-        let batches = split_heartbeat(&entries, || {
+        let batches = split_heartbeat(&entries, TransferMode::Pull, || {
             next = next.wrapping_add(1);
             next
         });

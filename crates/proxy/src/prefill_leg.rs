@@ -8,34 +8,30 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use axum::http::HeaderMap;
-use handoff_proto::HandoffId;
+use handoff_proto::{Flow, HandoffId};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 use crate::error::{ErrorKind, ProxyError};
 use crate::pool::{InFlight, Instance};
 use crate::upstream::{internal, prefill_leg, release};
-use crate::{Shared, TransferMode};
+use crate::Shared;
 
 /// `kv_transfer_params` of the P leg. Push: prefill, then write the KV into the blocks D
 /// registers under this handoff id. Layer-wise pull: hold the KV under this handoff id from the
 /// prefill's start, and let D read each layer once saved.
-pub(crate) fn prefill_params(handoff: HandoffId, mode: TransferMode) -> Value {
-    let mut v = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "transfer_mode": mode.as_str(),
-        "handoff_id": handoff.to_string(),
-    });
-    if mode == TransferMode::Pull {
-        v["layerwise"] = json!(true);
-    }
-    v
+pub(crate) fn prefill_params(handoff: HandoffId, flow: Flow) -> Value {
+    let mut v = serde_json::Map::new();
+    v.insert("do_remote_decode".into(), json!(true));
+    v.insert("do_remote_prefill".into(), json!(false));
+    v.insert("handoff_id".into(), json!(handoff.to_string()));
+    flow.write_into(&mut v);
+    Value::Object(v)
 }
 
 /// What a release names when P has not answered (yet): the handoff and its first epoch.
-pub(crate) fn release_params(handoff: HandoffId, mode: TransferMode) -> Value {
-    let mut v = prefill_params(handoff, mode);
+pub(crate) fn release_params(handoff: HandoffId, flow: Flow) -> Value {
+    let mut v = prefill_params(handoff, flow);
     v["epoch"] = json!(1);
     v
 }
@@ -55,7 +51,7 @@ pub(crate) struct PrefillLeg {
     p: Arc<Instance>,
     rid: String,
     handoff: HandoffId,
-    mode: TransferMode,
+    flow: Flow,
 }
 
 impl PrefillLeg {
@@ -68,7 +64,7 @@ impl PrefillLeg {
         body: Value,
         rid: &str,
         handoff: HandoffId,
-        mode: TransferMode,
+        flow: Flow,
     ) -> Self {
         let p = guard.instance().clone();
         let shared = s.clone();
@@ -81,7 +77,7 @@ impl PrefillLeg {
                     error,
                     params: None,
                 })?;
-            match check_answer(p, &params, handoff, mode) {
+            match check_answer(p, &params, handoff, flow) {
                 Ok(()) => Ok(params),
                 Err(error) => Err(PrefillFailure {
                     error,
@@ -95,7 +91,7 @@ impl PrefillLeg {
             p,
             rid: rid.to_string(),
             handoff,
-            mode,
+            flow,
         }
     }
 
@@ -127,7 +123,7 @@ impl PrefillLeg {
             .params
             .clone()
             .filter(|v| v.get("handoff_id").is_some_and(Value::is_string))
-            .unwrap_or_else(|| release_params(self.handoff, self.mode));
+            .unwrap_or_else(|| release_params(self.handoff, self.flow));
         Some(release(
             self.shared.clone(),
             self.p.clone(),
@@ -197,16 +193,17 @@ pub(crate) fn check_answer(
     p: &Instance,
     params: &Value,
     handoff: HandoffId,
-    mode: TransferMode,
+    flow: Flow,
 ) -> Result<(), ProxyError> {
     let bad = |reason: String| ProxyError::bad_prefill_response(&p.url, reason);
+    let mode = flow.mode();
     match params.get("transfer_mode") {
         None | Some(Value::Null) => {}
         Some(Value::String(m)) if m == mode.as_str() => {}
         Some(other) => {
             return Err(bad(format!(
                 "answered a {} with transfer_mode {other}",
-                mode.as_str()
+                flow.as_str()
             )))
         }
     }

@@ -24,7 +24,8 @@ use crate::upstream::{
     pick_prefill, prefill_leg_body, read_body, read_capped, release_detached, send_decode,
     store_info, ReleaseGuard,
 };
-use crate::{Shared, TransferMode};
+use crate::Shared;
+use handoff_proto::Flow;
 
 /// P's info: cached, or fetched now (within `request_timeout`).
 async fn prefill_info(s: &Shared, p: &Instance) -> Result<Arc<EngineInfo>, ProxyError> {
@@ -41,19 +42,18 @@ async fn prefill_info(s: &Shared, p: &Instance) -> Result<Arc<EngineInfo>, Proxy
 /// its info), decode once P's writes land. Layer-wise pull: ask P (found by its info) for the
 /// blocks at once and read the layers as P saves them. No `remote_block_ids`: D learns P's
 /// from P.
-pub(crate) fn decode_params(handoff: HandoffId, p: &EngineInfo, mode: TransferMode) -> Value {
+pub(crate) fn decode_params(handoff: HandoffId, p: &EngineInfo, flow: Flow) -> Value {
     let mut v = json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
-        "transfer_mode": mode.as_str(),
         "handoff_id": handoff.to_string(),
         "remote_engine_id": p.engine_id,
         "remote_host": p.remote_host,
         "remote_port": p.remote_port,
         "tp_size": p.tp_size,
     });
-    if mode == TransferMode::Pull {
-        v["layerwise"] = json!(true);
+    if let Some(m) = v.as_object_mut() {
+        flow.write_into(m);
     }
     v
 }
@@ -129,7 +129,7 @@ pub(crate) async fn push(
         rid,
         headers,
         received,
-        mode: TransferMode::Push,
+        flow: Flow::Push,
     };
     let d_guard = pick_decode_for(s, p_guard.instance())?;
     // Nothing is sent before P's side channel is known: D could not register without it.
@@ -143,7 +143,8 @@ pub(crate) struct BothLegs<'a> {
     pub(crate) rid: &'a str,
     pub(crate) headers: &'a HeaderMap,
     pub(crate) received: Instant,
-    pub(crate) mode: TransferMode,
+    /// Push or a layer-wise pull.
+    pub(crate) flow: Flow,
 }
 
 /// Both legs at once (push, or a layer-wise pull) to P (`p_guard`, whose side channel `info`
@@ -160,7 +161,7 @@ pub(crate) async fn both_legs(
         rid,
         headers,
         received,
-        mode,
+        flow,
     } = legs;
     let p = p_guard.instance().clone();
     let d = d_guard.instance().clone();
@@ -168,19 +169,19 @@ pub(crate) async fn both_legs(
     let handoff = HandoffId::from_bytes(rand::random());
     let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
     let mut p_body = prefill_leg_body(&client);
-    p_body["kv_transfer_params"] = prefill_params(handoff, mode);
+    p_body["kv_transfer_params"] = prefill_params(handoff, flow);
     let mut d_body = client;
     d_body.insert(
         "kv_transfer_params".into(),
-        decode_params(handoff, &info, mode),
+        decode_params(handoff, &info, flow),
     );
     tracing::debug!(
         request_id = %rid, handoff_id = %handoff, prefill = %p.url, decode = %d.url,
-        mode = mode.as_str(), "sending both legs"
+        flow = flow.as_str(), "sending both legs"
     );
 
     // From here P may hold blocks for this handoff: every way out until D accepts releases them.
-    let mut release = ReleaseGuard::new(s.clone(), p.clone(), release_params(handoff, mode), rid);
+    let mut release = ReleaseGuard::new(s.clone(), p.clone(), release_params(handoff, flow), rid);
     let mut leg = PrefillLeg::spawn(
         s,
         p_guard,
@@ -189,7 +190,7 @@ pub(crate) async fn both_legs(
         p_body,
         rid,
         handoff,
-        mode,
+        flow,
     );
 
     let t = s.cfg.request_timeout;
@@ -275,7 +276,7 @@ mod tests {
     fn leg_params() {
         let h: HandoffId = "0123456789abcdef0123456789abcdef".parse().unwrap();
         assert_eq!(
-            prefill_params(h, TransferMode::Push),
+            prefill_params(h, Flow::Push),
             json!({
                 "do_remote_decode": true, "do_remote_prefill": false,
                 "transfer_mode": "push", "handoff_id": "0123456789abcdef0123456789abcdef"
@@ -287,7 +288,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            decode_params(h, &info, TransferMode::Push),
+            decode_params(h, &info, Flow::Push),
             json!({
                 "do_remote_prefill": true, "do_remote_decode": false,
                 "transfer_mode": "push", "handoff_id": "0123456789abcdef0123456789abcdef",
@@ -295,24 +296,22 @@ mod tests {
                 "tp_size": 2
             })
         );
-        assert_eq!(release_params(h, TransferMode::Push)["epoch"], 1);
-        assert!(info.transfer_mode == Some(TransferMode::Push));
+        assert_eq!(release_params(h, Flow::Push)["epoch"], 1);
+        assert!(info.transfer_mode == Some(crate::TransferMode::Push));
         assert!(!info.takes_layerwise_pull());
         // A layer-wise pull: the same legs, in pull mode, each saying it is layer-wise.
-        assert_eq!(prefill_params(h, TransferMode::Pull)["layerwise"], true);
+        assert_eq!(prefill_params(h, Flow::LayerwisePull)["layerwise"], true);
         assert_eq!(
-            prefill_params(h, TransferMode::Pull)["transfer_mode"],
+            prefill_params(h, Flow::LayerwisePull)["transfer_mode"],
             "pull"
         );
-        let d = decode_params(h, &info, TransferMode::Pull);
+        let d = decode_params(h, &info, Flow::LayerwisePull);
         assert_eq!(
             (d["layerwise"].clone(), d["transfer_mode"].clone()),
             (json!(true), json!("pull"))
         );
         assert!(d.get("remote_block_ids").is_none());
-        assert!(prefill_params(h, TransferMode::Push)
-            .get("layerwise")
-            .is_none());
+        assert!(prefill_params(h, Flow::Push).get("layerwise").is_none());
         let pull_p: EngineInfo = serde_json::from_value(json!({
             "engine_id": "p-1", "remote_host": "10.0.0.2", "remote_port": 5601, "tp_size": 1,
             "transfer_mode": "pull", "layerwise_pull": true
@@ -320,7 +319,7 @@ mod tests {
         .unwrap();
         assert!(pull_p.takes_layerwise_pull());
         assert_eq!(
-            release_params(h, TransferMode::Push)["handoff_id"],
+            release_params(h, Flow::Push)["handoff_id"],
             "0123456789abcdef0123456789abcdef"
         );
     }
@@ -332,7 +331,7 @@ mod tests {
         let p = pool.add("http://p:1".into(), &m).unwrap();
         let h = HandoffId::from_bytes(u128::to_le_bytes(0xabc));
         let ok = json!({"handoff_id": h.to_string(), "transfer_mode": "push", "epoch": 1});
-        let push = TransferMode::Push;
+        let push = Flow::Push;
         assert!(check_answer(&p, &ok, h, push).is_ok());
         // Keys left out are not held against P.
         assert!(check_answer(&p, &json!({"epoch": 1}), h, push).is_ok());
@@ -344,8 +343,8 @@ mod tests {
         assert!(check_answer(&p, &pulled, h, push).is_err());
         assert!(check_answer(&p, &json!({"handoff_id": 5}), h, push).is_err());
         // A layer-wise pull's answer must be a pull's, for the same handoff.
-        assert!(check_answer(&p, &pulled, h, TransferMode::Pull).is_ok());
-        assert!(check_answer(&p, &ok, h, TransferMode::Pull).is_err());
-        assert!(check_answer(&p, &other, h, TransferMode::Pull).is_err());
+        assert!(check_answer(&p, &pulled, h, Flow::LayerwisePull).is_ok());
+        assert!(check_answer(&p, &ok, h, Flow::LayerwisePull).is_err());
+        assert!(check_answer(&p, &other, h, Flow::LayerwisePull).is_err());
     }
 }

@@ -186,7 +186,7 @@ async fn pull(
                     rid,
                     headers,
                     received,
-                    mode: TransferMode::Pull,
+                    flow: handoff_proto::Flow::LayerwisePull,
                 };
                 return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
             }

@@ -122,7 +122,7 @@ fn measure(n: usize) -> SizeResult {
             })
             .collect();
         let mut seq = s as u64 * 1000;
-        let msgs: Vec<Heartbeat> = split_heartbeat(&entries, || {
+        let msgs: Vec<Heartbeat> = split_heartbeat(&entries, TransferMode::Pull, || {
             seq += 1;
             seq
         });

@@ -3,7 +3,7 @@
 
 use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
-use handoff_proto::{Fingerprint, Heartbeat, Hello, HelloReply, Message};
+use handoff_proto::{Fingerprint, Hello, HelloReply, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
@@ -214,45 +214,32 @@ impl ConnectorCore {
                     c.handle_message(peer, msg, now);
                 }
             }
-            // An engine with both ledgers: each heartbeat entry goes to the ledger it concerns.
-            // (Both answer a heartbeat, and a consumer answers "gone" for ids it does not
-            // know: given a D's pull heartbeat, it told that D its P no longer held the handoff
-            // and the D recomputed, whenever that answer beat the transfer.) The consumer gets
-            // the entries it tracks or ended recently; the producer everything else (it stages
-            // ids it does not know yet).
-            Message::Heartbeat(hb) if self.producer.is_some() && self.consumer.is_some() => {
-                let (mut to_p, mut to_c) = (Vec::new(), Vec::new());
-                if let (Some(p), Some(c)) = (&self.producer, &self.consumer) {
-                    for e in hb.entries {
-                        if !p.contains(e.handoff) && c.knows(e.handoff) {
-                            to_c.push(e);
-                        } else {
-                            to_p.push(e);
-                        }
+            // A heartbeat says whose blocks it keeps: a pull's are P's (the producer), a push's
+            // are D's (the consumer). Both ledgers answer heartbeats and a consumer answers
+            // "gone" for ids it does not know, so a pull heartbeat given to it would tell D its
+            // P no longer held the handoff.
+            Message::Heartbeat(hb) => match hb.mode {
+                TransferMode::Pull => {
+                    if let Some(p) = self.producer.as_mut() {
+                        p.handle_message(peer, Message::Heartbeat(hb), now);
                     }
                 }
-                let seq = hb.seq;
-                if let (Some(p), false) = (self.producer.as_mut(), to_p.is_empty()) {
-                    let hb = Heartbeat { seq, entries: to_p };
-                    p.handle_message(peer, Message::Heartbeat(hb), now);
+                TransferMode::Push => {
+                    if let Some(c) = self.consumer.as_mut() {
+                        c.handle_message(peer, Message::Heartbeat(hb), now);
+                    }
                 }
-                if let (Some(c), false) = (self.consumer.as_mut(), to_c.is_empty()) {
-                    let hb = Heartbeat { seq, entries: to_c };
-                    c.handle_message(peer, Message::Heartbeat(hb), now);
-                }
-            }
+            },
             // Grants go to both: each ledger applies only those of handoffs it tracks.
-            Message::Heartbeat(_) | Message::GrantBatch(_) => {
-                match (&mut self.producer, &mut self.consumer) {
-                    (Some(p), Some(c)) => {
-                        p.handle_message(peer, msg.clone(), now);
-                        c.handle_message(peer, msg, now);
-                    }
-                    (Some(p), None) => p.handle_message(peer, msg, now),
-                    (None, Some(c)) => c.handle_message(peer, msg, now),
-                    (None, None) => {}
+            Message::GrantBatch(_) => match (&mut self.producer, &mut self.consumer) {
+                (Some(p), Some(c)) => {
+                    p.handle_message(peer, msg.clone(), now);
+                    c.handle_message(peer, msg, now);
                 }
-            }
+                (Some(p), None) => p.handle_message(peer, msg, now),
+                (None, Some(c)) => c.handle_message(peer, msg, now),
+                (None, None) => {}
+            },
             // A handshake on an established connection: ignored.
             Message::Hello(_) | Message::HelloReply(_) => {}
         }

@@ -145,6 +145,7 @@ fn a_connection_without_a_handshake_is_refused_and_reaches_no_ledger() {
     // Heartbeats without a hello: no grant, no reader, the connection closed.
     let hb = Message::Heartbeat(Heartbeat {
         seq: 1,
+        mode: handoff_proto::TransferMode::Pull,
         entries: vec![HeartbeatEntry {
             handoff: h,
             epoch: Epoch::FIRST,
@@ -315,6 +316,7 @@ fn an_engine_with_both_ledgers_answers_a_pull_heartbeat_with_a_grant_only() {
         100,
         Message::Heartbeat(Heartbeat {
             seq: 1,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![HeartbeatEntry {
                 handoff,
                 epoch: Epoch::FIRST,
@@ -338,6 +340,56 @@ fn an_engine_with_both_ledgers_answers_a_pull_heartbeat_with_a_grant_only() {
         "{batches:?}"
     );
     assert!(batches.iter().all(|g| g.gone.is_empty()), "{batches:?}");
+}
+
+/// The other direction: a push P's heartbeat asks D to keep a registration. An engine with both
+/// ledgers hands it to its consumer, which answers "gone" for a registration it does not hold,
+/// so P stops at once. (Routed by the ids, as before heartbeats said their flow, an unknown id
+/// went to the producer, which staged it and said nothing: P waited out its grant.)
+#[test]
+fn an_engine_with_both_ledgers_answers_a_push_heartbeat_from_its_consumer() {
+    let mut d = core("d", Role::Both);
+    d.handle_accepted(
+        100,
+        Message::Hello(hello_of(&core("p", Role::Prefill))),
+        None,
+        t(1),
+    );
+    let r = d.ready();
+    d.advance(r);
+    let unknown = HandoffId::from_bytes([9; 16]);
+    d.handle_frame(
+        100,
+        Message::Heartbeat(Heartbeat {
+            seq: 1,
+            mode: handoff_proto::TransferMode::Push,
+            entries: vec![HeartbeatEntry {
+                handoff: unknown,
+                epoch: Epoch::FIRST,
+            }],
+        }),
+        t(2),
+    );
+    let r = d.ready();
+    let gone: Vec<_> = r
+        .messages
+        .iter()
+        .filter_map(|(_, m)| match m {
+            Message::GrantBatch(g) => Some(g.gone.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        gone.iter().any(|e| e.handoff == unknown),
+        "{:?}",
+        r.messages
+    );
+    assert_eq!(
+        d.staged_messages(),
+        0,
+        "nothing staged for a handoff to come"
+    );
 }
 
 /// P tells a reader where a handoff's blocks are only once every worker's transport serves them
@@ -367,6 +419,7 @@ fn p_names_blocks_only_once_granted_and_revokes_at_release() {
             100,
             Message::Heartbeat(Heartbeat {
                 seq: at,
+                mode: handoff_proto::TransferMode::Pull,
                 entries: vec![entry],
             }),
             t(at),

@@ -1346,6 +1346,7 @@ impl Sim {
         self.next_conn += 1;
         let hb = Message::Heartbeat(Heartbeat {
             seq: 1,
+            mode: handoff_proto::TransferMode::Pull,
             entries: vec![HeartbeatEntry {
                 handoff: h,
                 epoch: Epoch::FIRST,

@@ -142,7 +142,11 @@ pub fn heartbeat() -> impl Strategy<Value = Heartbeat> + Clone {
         any::<u64>(),
         bounded_vec(heartbeat_entry(), MAX_BATCH_ENTRIES),
     )
-        .prop_map(|(seq, entries)| Heartbeat { seq, entries })
+        .prop_map(|(seq, entries)| Heartbeat {
+            seq,
+            mode: TransferMode::Pull,
+            entries,
+        })
 }
 
 /// grants + gone never exceed MAX_BATCH_ENTRIES together.
