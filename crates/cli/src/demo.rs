@@ -19,8 +19,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::{Mutex, Semaphore};
 
-use crate::cluster::{get_text, metric, metric_by_label, spawn_engine_on, Engine};
-use crate::netns::Net;
+use handoff_bench::cluster::{get_text, metric, metric_by_label, spawn_engine_on, Engine};
+use handoff_bench::netns::Net;
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -327,14 +327,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
 
 /// `--report DIR`: the latency CDFs of the successful requests, the text report below them.
 fn write_report(dir: &std::path::Path, r: &Report, text: &str) -> anyhow::Result<()> {
-    let chart = crate::report::cdf(
+    let chart = handoff_bench::report::cdf(
         "Latency of the successful requests",
         &[
             ("TTFT".to_string(), r.ttft_samples_ms.clone()),
             ("end to end".to_string(), r.e2e_samples_ms.clone()),
         ],
     )?;
-    crate::report::write(
+    handoff_bench::report::write(
         dir,
         "demo",
         "handoff demo",
@@ -347,7 +347,7 @@ fn write_report(dir: &std::path::Path, r: &Report, text: &str) -> anyhow::Result
 /// `demo --netns`: makes the hosts, runs this same demo inside them (on `client`), removes
 /// them (also when the demo fails), and exits as the demo did.
 fn run_in_namespaces() -> anyhow::Result<()> {
-    if let Some(why) = crate::netns::unavailable() {
+    if let Some(why) = handoff_bench::netns::unavailable() {
         bail!("handoff demo --netns needs network namespaces (root and iproute2): {why}");
     }
     let net = Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;

@@ -3,13 +3,11 @@
 
 #![forbid(unsafe_code)]
 
-mod bench;
-mod cluster;
 mod demo;
 mod engine_cmd;
-mod netns;
 mod replay_cmd;
-mod report;
+
+use handoff_bench as bench;
 
 use std::net::SocketAddr;
 use std::time::Duration;

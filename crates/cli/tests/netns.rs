@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-// The demo's own hosts (`handoff demo --netns`); the demo uses parts the tests do not.
+// The demo's own hosts (`handoff demo --netns`, in the bench crate's harness), compiled into
+// this test so that it can add what only the tests do; the demo uses parts the tests do not.
 #[allow(dead_code)]
-#[path = "../src/netns.rs"]
+#[path = "../../bench/src/netns.rs"]
 mod netns;
 
 use netns::Net;

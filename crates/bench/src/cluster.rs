@@ -12,10 +12,10 @@ use serde_json::Value;
 use crate::netns::Net;
 
 /// A child engine, killed when dropped.
-pub(crate) struct Engine {
-    pub(crate) child: Child,
-    pub(crate) url: String,
-    pub(crate) id: String,
+pub struct Engine {
+    pub child: Child,
+    pub url: String,
+    pub id: String,
     /// Kept open: the engine prints again when it is drained (`drained {report}`), and a closed
     /// pipe would fail that write.
     stdout: BufReader<std::process::ChildStdout>,
@@ -28,7 +28,7 @@ impl Drop for Engine {
     }
 }
 
-pub(crate) fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
+pub fn spawn_engine(id: &str, role: &str, extra: &[String]) -> anyhow::Result<Engine> {
     spawn_engine_on(None, id, role, extra)
 }
 
@@ -43,7 +43,7 @@ fn cluster_key() -> anyhow::Result<&'static str> {
 }
 
 /// Starts an engine on loopback, or on node `id` of `net` at that node's address.
-pub(crate) fn spawn_engine_on(
+pub fn spawn_engine_on(
     net: Option<&Net>,
     id: &str,
     role: &str,
@@ -99,7 +99,7 @@ pub(crate) fn spawn_engine_on(
 impl Engine {
     /// Sends SIGTERM and waits (on a blocking thread) for the engine to drain and exit: its
     /// drain report, and the seconds from the signal to the exit.
-    pub(crate) async fn drain(mut self) -> anyhow::Result<(Value, f64)> {
+    pub async fn drain(mut self) -> anyhow::Result<(Value, f64)> {
         let pid = rustix::process::Pid::from_raw(self.child.id() as i32)
             .context("engine without a process id")?;
         let t0 = Instant::now();
@@ -124,7 +124,7 @@ impl Engine {
 }
 
 /// Sum of a metric's samples (all label sets) in Prometheus text.
-pub(crate) fn metric(text: &str, name: &str) -> f64 {
+pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.split(['{', ' ']).next() == Some(name))
@@ -133,7 +133,7 @@ pub(crate) fn metric(text: &str, name: &str) -> f64 {
 }
 
 /// Sum of a metric's samples per value of label `label`.
-pub(crate) fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+pub fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for l in text.lines().filter(|l| !l.starts_with('#')) {
         if l.split(['{', ' ']).next() != Some(name) {
@@ -150,14 +150,14 @@ pub(crate) fn metric_by_label(text: &str, name: &str, label: &str) -> BTreeMap<S
 }
 
 /// The value of label `key` in an OpenMetrics sample line (or its label set).
-pub(crate) fn label_value<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+pub fn label_value<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     let k = format!("{key}=\"");
     let start = line.find(&k)? + k.len();
     let rest = &line[start..];
     Some(&rest[..rest.find('"')?])
 }
 
-pub(crate) async fn get_text(client: &reqwest::Client, url: &str) -> String {
+pub async fn get_text(client: &reqwest::Client, url: &str) -> String {
     match client.get(url).timeout(Duration::from_secs(3)).send().await {
         Ok(r) => r.text().await.unwrap_or_default(),
         Err(_) => String::new(),

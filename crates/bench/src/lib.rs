@@ -1,5 +1,12 @@
-//! `handoff bench ...`: each benchmark prints what it ran with, a table, and (with `--json`) one
-//! JSON object on the last line.
+//! handoff's benchmarks (`handoff bench ...`): each prints what it ran with, a table, and (with
+//! `--json`) one JSON object on the last line, with ratios against a baseline measured in the
+//! same run. Also the local-cluster harness they share with `handoff demo`: engines as child
+//! processes of the `handoff` binary ([`cluster`]), network namespaces ([`netns`]) and the
+//! charts of `--report` ([`report`]).
+
+pub mod cluster;
+pub mod netns;
+pub mod report;
 
 mod connector;
 mod descriptors;
