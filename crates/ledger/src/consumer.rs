@@ -105,19 +105,10 @@ struct Handoff {
     /// The epoch the handoff arrived with (what siblings' `kv_transfer_params` carry).
     first_epoch: Epoch,
     retries_left: u8,
-    /// Pull: `info.p_blocks` are P's own answer ([`PullBlocks`]), not the client's claim. No
-    /// read starts before.
-    blocks_from_p: bool,
     /// The KV digest P sent with its block list (pull) or its `PushDone`s (push).
     p_digest: Option<u64>,
-    /// Pull: the layers P's latest list says are saved (`None`: every one; see
-    /// [`handoff_proto::BlockList::layers`]).
-    p_layers: Option<u32>,
-    /// P's first block list said the prefill was still running: the read goes in stages.
-    layerwise: bool,
-    /// Layer-wise pull: a stage was refused for want of a valid grant; the next grant asks for
-    /// it again.
-    more_waiting: bool,
+    /// What only this handoff's flow tracks.
+    flow: FlowState,
     requests: Vec<RequestId>,
     deadline: Time,
     local: Option<Vec<BlockId>>,
@@ -134,6 +125,58 @@ struct Handoff {
     issued_until: Option<Time>,
     state: State,
     timer: TimerSlot,
+}
+
+/// What a consumer tracks of a handoff that only one flow has.
+#[derive(Debug)]
+enum FlowState {
+    /// Pull, classic or layer-wise: what P said of its blocks.
+    Pull(PullState),
+    /// Push: nothing beyond the common state (D's registered blocks are `local`).
+    Push,
+}
+
+#[derive(Debug, Default)]
+struct PullState {
+    /// `info.p_blocks` are P's own answer ([`PullBlocks`]), not the client's claim. No read
+    /// starts before.
+    blocks_from_p: bool,
+    /// The layers P's latest list says are saved (`None`: every one; see
+    /// [`handoff_proto::BlockList::layers`]).
+    p_layers: Option<u32>,
+    /// P's first block list said the prefill was still running: the read goes in stages.
+    layerwise: bool,
+    /// Layer-wise: a stage was refused for want of a valid grant; the next grant asks for it
+    /// again.
+    more_waiting: bool,
+}
+
+impl FlowState {
+    fn new(mode: TransferMode) -> FlowState {
+        match mode {
+            TransferMode::Pull => FlowState::Pull(PullState::default()),
+            TransferMode::Push => FlowState::Push,
+        }
+    }
+
+    /// Pull: P named its blocks (a push never waits for that).
+    fn blocks_from_p(&self) -> bool {
+        matches!(
+            self,
+            FlowState::Pull(PullState {
+                blocks_from_p: true,
+                ..
+            })
+        )
+    }
+
+    /// Pull: the layers P said are saved (`None`: every one, or a push).
+    fn p_layers(&self) -> Option<u32> {
+        match self {
+            FlowState::Pull(p) => p.p_layers,
+            FlowState::Push => None,
+        }
+    }
 }
 
 impl Handoff {
@@ -332,7 +375,7 @@ impl ConsumerLedger {
             }
             h.requests.push(req);
             self.by_request.insert(req, inc.handoff);
-            if h.blocks_from_p {
+            if h.flow.blocks_from_p() {
                 // P named its blocks before this sibling came: it is told as the first was.
                 self.started.push_back(vec![req]);
             }
@@ -347,11 +390,8 @@ impl ConsumerLedger {
         let mut h = Handoff {
             first_epoch: inc.epoch,
             retries_left: self.cfg.read_retries,
-            blocks_from_p: false,
             p_digest: None,
-            p_layers: None,
-            layerwise: false,
-            more_waiting: false,
+            flow: FlowState::new(inc.mode),
             info: inc,
             requests: vec![req],
             deadline,

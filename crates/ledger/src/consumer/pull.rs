@@ -28,7 +28,9 @@ impl ConsumerLedger {
             return false;
         }
         let Some(grant_until) = h.grant_until.filter(|g| *g > now + self.cfg.read_margin) else {
-            h.more_waiting = true;
+            if let FlowState::Pull(p) = &mut h.flow {
+                p.more_waiting = true;
+            }
             return false;
         };
         *posted = now;
@@ -175,15 +177,26 @@ impl ConsumerLedger {
                     deadline,
                     posted,
                     ..
-                } if h.layerwise => {
+                } if matches!(
+                    h.flow,
+                    FlowState::Pull(PullState {
+                        layerwise: true,
+                        ..
+                    })
+                ) =>
+                {
                     *deadline =
                         read_deadline(&self.cfg, *posted, grant_until, h.deadline).max(*deadline);
                     let d = *deadline;
                     h.timer.arm(&mut self.timers, grant.handoff, d);
-                    if std::mem::take(&mut h.more_waiting) {
+                    let more = match &mut h.flow {
+                        FlowState::Pull(p) => std::mem::take(&mut p.more_waiting),
+                        FlowState::Push => false,
+                    };
+                    if more {
                         self.actions.push_back(ConsumerAction::ReadMore {
                             handoff: grant.handoff,
-                            layers: h.p_layers,
+                            layers: h.flow.p_layers(),
                             p_digest: h.p_digest,
                         });
                     }
@@ -215,7 +228,7 @@ impl ConsumerLedger {
                 }
                 // A layer-wise read whose layers will never all come (P's prefill failed, or P
                 // ended the handoff): stop the stage in flight, and P hears once it ended.
-                State::Reading { ref pending, .. } if h.p_layers.is_some() => {
+                State::Reading { ref pending, .. } if h.flow.p_layers().is_some() => {
                     let pending = pending.clone();
                     self.fail_requests(e.handoff, FailReason::HandoffGone);
                     self.actions
@@ -235,7 +248,11 @@ impl ConsumerLedger {
                 self.stats.late_notifications += 1;
                 continue;
             };
-            if h.info.peer != from || h.info.mode != TransferMode::Pull {
+            let FlowState::Pull(pull) = &mut h.flow else {
+                self.stats.ignored += 1;
+                continue;
+            };
+            if h.info.peer != from {
                 self.stats.ignored += 1;
                 continue;
             }
@@ -243,9 +260,9 @@ impl ConsumerLedger {
                 self.stats.stale_epoch += 1;
                 continue;
             }
-            if h.blocks_from_p {
+            if pull.blocks_from_p {
                 // Only a layer-wise pull's next list: the same blocks, more layers saved.
-                let more = match (h.p_layers, list.layers) {
+                let more = match (pull.p_layers, list.layers) {
                     (Some(had), Some(now)) => now > had,
                     (Some(_), None) => true,
                     (None, _) => false,
@@ -254,7 +271,7 @@ impl ConsumerLedger {
                     self.stats.ignored += 1;
                     continue;
                 }
-                h.p_layers = list.layers;
+                pull.p_layers = list.layers;
                 h.p_digest = list.digest;
                 match h.state {
                     State::Admitted => self.try_start_read(list.handoff, now),
@@ -281,11 +298,14 @@ impl ConsumerLedger {
                 }
                 h.info.p_blocks = list.blocks;
             }
-            h.blocks_from_p = true;
+            *pull = PullState {
+                blocks_from_p: true,
+                p_layers: list.layers,
+                layerwise: list.layers.is_some(),
+                more_waiting: false,
+            };
             h.blocks_answer_at = Some(now);
             h.p_digest = list.digest;
-            h.p_layers = list.layers;
-            h.layerwise = list.layers.is_some();
             if h.state == State::Waiting {
                 self.started.push_back(h.requests.clone());
             }
@@ -301,7 +321,7 @@ impl ConsumerLedger {
             return;
         };
         // A layer-wise pull starts once P saved a layer.
-        if h.state != State::Admitted || !h.blocks_from_p || h.p_layers == Some(0) {
+        if h.state != State::Admitted || !h.flow.blocks_from_p() || h.flow.p_layers() == Some(0) {
             return;
         }
         let Some(grant_until) = h.grant_until else {
@@ -340,7 +360,7 @@ impl ConsumerLedger {
             deadline,
             done,
             p_digest: h.p_digest,
-            layers: h.p_layers,
+            layers: h.flow.p_layers(),
         }));
         h.state = State::Reading {
             deadline,
@@ -452,7 +472,14 @@ impl ConsumerLedger {
         let entries: Vec<HeartbeatEntry> = ids
             .filter_map(|id| {
                 let h = self.handoffs.get(&id)?;
-                (h.info.mode == TransferMode::Pull && !h.blocks_from_p).then_some(HeartbeatEntry {
+                matches!(
+                    h.flow,
+                    FlowState::Pull(PullState {
+                        blocks_from_p: false,
+                        ..
+                    })
+                )
+                .then_some(HeartbeatEntry {
                     handoff: id,
                     epoch: h.info.epoch,
                 })
