@@ -102,7 +102,6 @@ struct Handoff {
     epoch: Epoch,
     /// Epoch moves still allowed (see [`MAX_EPOCH_MOVES`]).
     epoch_moves_left: u8,
-    mode: TransferMode,
     blocks: Vec<BlockId>,
     created: Time,
     lease_end: Time,
@@ -110,16 +109,29 @@ struct Handoff {
     phase: Phase,
     reader: Option<PeerId>,
     parts: Vec<Part>,
-    registrations: Vec<Registration>,
-    /// P told D (`PushCancelAck`) that no write into its blocks is or will be in flight: D may
-    /// free them at once. From then on no write to that D starts, whatever registration or
-    /// grant arrives late (rule 3).
-    cancel_acked: bool,
-    /// Pull: the reader asked for the block list (and gets every later one of a layer-wise pull).
-    asked: bool,
-    /// Layer-wise pull: P's prefill still writes the blocks.
-    filling: Option<Filling>,
+    /// What only this handoff's flow tracks.
+    flow: ProducerFlow,
     timer: TimerSlot,
+}
+
+/// What a producer tracks of a handoff that only one flow has.
+#[derive(Debug)]
+enum ProducerFlow {
+    /// Pull, classic or layer-wise.
+    Pull {
+        /// The reader asked for the block list (and gets every later one of a layer-wise
+        /// pull).
+        asked: bool,
+        /// Layer-wise: P's prefill still writes the blocks.
+        filling: Option<Filling>,
+    },
+    Push {
+        registrations: Vec<Registration>,
+        /// P told D (`PushCancelAck`) that no write into its blocks is or will be in flight: D
+        /// may free them at once. From then on no write to that D starts, whatever
+        /// registration or grant arrives late (rule 3).
+        cancel_acked: bool,
+    },
 }
 
 /// A layer-wise pull's prefill, still running.
@@ -147,7 +159,7 @@ impl Handoff {
             blocks: self.blocks.clone(),
             // Filled in by the connector once its workers computed it.
             digest: None,
-            layers: self.filling.map(|f| f.layers),
+            layers: self.filling().map(|f| f.layers),
         }
     }
 
@@ -156,7 +168,7 @@ impl Handoff {
     /// Only the reader may do it, only while leased, one epoch at a time, a bounded number of
     /// times.
     fn adopt_epoch(&mut self, from: PeerId, epoch: Epoch) -> bool {
-        let adopt = self.mode == TransferMode::Pull
+        let adopt = self.is_pull()
             && self.phase == Phase::Leased
             && self.reader == Some(from)
             && epoch == self.epoch.next()
@@ -177,18 +189,61 @@ impl Handoff {
             .all(|p| p.expected > 0 && p.done.len() >= p.expected as usize)
     }
 
+    fn is_pull(&self) -> bool {
+        matches!(self.flow, ProducerFlow::Pull { .. })
+    }
+
+    /// Pull: the reader asked for the block list.
+    fn asked(&self) -> bool {
+        matches!(self.flow, ProducerFlow::Pull { asked: true, .. })
+    }
+
+    /// Layer-wise pull: the prefill still running.
+    fn filling(&self) -> Option<&Filling> {
+        match &self.flow {
+            ProducerFlow::Pull { filling, .. } => filling.as_ref(),
+            ProducerFlow::Push { .. } => None,
+        }
+    }
+
+    /// Push: D's registrations (none for a pull).
+    fn registrations(&self) -> &[Registration] {
+        match &self.flow {
+            ProducerFlow::Push { registrations, .. } => registrations,
+            ProducerFlow::Pull { .. } => &[],
+        }
+    }
+
+    fn registrations_mut(&mut self) -> &mut [Registration] {
+        match &mut self.flow {
+            ProducerFlow::Push { registrations, .. } => registrations,
+            ProducerFlow::Pull { .. } => &mut [],
+        }
+    }
+
+    /// Push: P told D no write is or will be in flight.
+    fn cancel_acked(&self) -> bool {
+        matches!(
+            self.flow,
+            ProducerFlow::Push {
+                cancel_acked: true,
+                ..
+            }
+        )
+    }
+
     fn writes_in_flight(&self) -> bool {
-        self.registrations
+        self.registrations()
             .iter()
             .any(|r| matches!(r.state, RegState::Writing | RegState::CancelPending))
     }
 
     fn all_written(&self) -> bool {
-        let Some(d_tp) = self.registrations.first().map(|r| r.d_tp) else {
+        let Some(d_tp) = self.registrations().first().map(|r| r.d_tp) else {
             return false;
         };
         (0..d_tp).all(|rank| {
-            self.registrations
+            self.registrations()
                 .iter()
                 .any(|r| r.d_rank == rank && r.state == RegState::Written)
         })
@@ -359,7 +414,6 @@ impl ProducerLedger {
         let mut h = Handoff {
             epoch: Epoch::FIRST,
             epoch_moves_left: MAX_EPOCH_MOVES,
-            mode,
             blocks,
             created: now,
             lease_end,
@@ -367,10 +421,16 @@ impl ProducerLedger {
             phase: Phase::Leased,
             reader: None,
             parts: vec![Part::default(); self.cfg.tp.max(1) as usize],
-            registrations: Vec::new(),
-            cancel_acked: false,
-            asked: false,
-            filling,
+            flow: match mode {
+                TransferMode::Pull => ProducerFlow::Pull {
+                    asked: false,
+                    filling,
+                },
+                TransferMode::Push => ProducerFlow::Push {
+                    registrations: Vec::new(),
+                    cancel_acked: false,
+                },
+            },
             timer: TimerSlot::default(),
         };
         h.timer.arm(&mut self.timers, id, lease_end);
@@ -577,7 +637,7 @@ impl ProducerLedger {
             return;
         };
         if h.writes_in_flight() {
-            for r in h.registrations.iter_mut() {
+            for r in h.registrations_mut().iter_mut() {
                 if r.state == RegState::Writing {
                     self.actions.push_back(ProducerAction::AbortWrite {
                         handoff: id,
@@ -603,13 +663,13 @@ impl ProducerLedger {
         };
         match h.phase {
             Phase::Leased => {
-                if h.mode == TransferMode::Push && h.all_written() {
+                if !h.is_pull() && h.all_written() {
                     self.release_now(id, EndReason::Done, now);
                     return;
                 }
                 // Rule 3: a write may not outlive its grant by more than the write timeout.
                 let mut next_write_deadline: Option<Time> = None;
-                for r in h.registrations.iter_mut() {
+                for r in h.registrations_mut().iter_mut() {
                     if r.state != RegState::Writing || r.timed_out {
                         continue;
                     }
@@ -637,7 +697,7 @@ impl ProducerLedger {
                     let until = deadline + self.cfg.fence_grace;
                     h.phase = Phase::Fencing { until, reason };
                     h.timer.arm(&mut self.timers, id, until);
-                    for r in h.registrations.iter_mut() {
+                    for r in h.registrations_mut().iter_mut() {
                         if r.state == RegState::Writing {
                             self.actions.push_back(ProducerAction::AbortWrite {
                                 handoff: id,
@@ -663,7 +723,10 @@ impl ProducerLedger {
 
     fn release_now(&mut self, id: HandoffId, reason: EndReason, now: Time) {
         if let Some(h) = self.handoffs.get_mut(&id) {
-            if let Some(f) = h.filling.as_mut() {
+            if let ProducerFlow::Pull {
+                filling: Some(f), ..
+            } = &mut h.flow
+            {
                 // P's forward pass still writes these blocks: they go back when it ends
                 // (`prefill_ended`). Meanwhile the handoff is over for everyone else.
                 f.ended = Some(f.ended.unwrap_or(reason));
@@ -678,7 +741,7 @@ impl ProducerLedger {
         self.timers.compact_if_stale(handoffs.len(), |k, g| {
             handoffs.get(&k).is_some_and(|h| h.timer.is_live(g))
         });
-        for r in &h.registrations {
+        for r in h.registrations() {
             if matches!(r.state, RegState::Writing | RegState::CancelPending) {
                 self.actions.push_back(ProducerAction::AbortWrite {
                     handoff: id,

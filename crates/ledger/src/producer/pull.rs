@@ -31,11 +31,17 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        let Some(f) = h.filling.as_mut().filter(|f| layers > f.layers) else {
+        let ProducerFlow::Pull {
+            filling: Some(f), ..
+        } = &mut h.flow
+        else {
             return;
         };
+        if layers <= f.layers {
+            return;
+        }
         f.layers = layers;
-        if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
+        if let (true, Phase::Leased, Some(reader)) = (h.asked(), h.phase, h.reader) {
             self.messages.push_back((reader, h.block_list_message(id)));
         }
     }
@@ -49,12 +55,15 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        let Some(f) = h.filling.take() else {
+        let ProducerFlow::Pull { filling, .. } = &mut h.flow else {
+            return;
+        };
+        let Some(f) = filling.take() else {
             return;
         };
         if let Some(reason) = f.ended {
             self.release_now(id, reason, now);
-        } else if !ok && h.asked {
+        } else if !ok && h.asked() {
             // Already fencing (the lease ran out, the proxy released): that fence, armed, ends it.
             if h.phase == Phase::Leased {
                 let until = h.lease_end.max(now) + self.cfg.fence_grace;
@@ -66,7 +75,7 @@ impl ProducerLedger {
             }
         } else if !ok {
             self.begin_end(id, EndReason::Failed, now);
-        } else if let (true, Phase::Leased, Some(reader)) = (h.asked, h.phase, h.reader) {
+        } else if let (true, Phase::Leased, Some(reader)) = (h.asked(), h.phase, h.reader) {
             self.messages.push_back((reader, h.block_list_message(id)));
         }
     }
@@ -77,7 +86,7 @@ impl ProducerLedger {
         let mut gone = Vec::new();
         for e in hb.entries {
             if let Some(h) = self.handoffs.get_mut(&e.handoff) {
-                if h.epoch != e.epoch && h.adopt_epoch(from, e.epoch) && h.asked {
+                if h.epoch != e.epoch && h.adopt_epoch(from, e.epoch) && h.asked() {
                     // The retry reads under the new epoch: a list it ignored as stale (a
                     // layer-wise pull's last, sent before the move) is sent again under it.
                     self.messages
@@ -149,7 +158,7 @@ impl ProducerLedger {
                 self.stats.stale_epoch += 1;
                 continue;
             }
-            if h.mode != TransferMode::Pull || h.phase != Phase::Leased {
+            if !h.is_pull() || h.phase != Phase::Leased {
                 self.stats.ignored += 1;
                 continue;
             }
@@ -164,7 +173,9 @@ impl ProducerLedger {
                     self.by_peer.entry(from).or_default().insert(e.handoff);
                 }
             }
-            h.asked = true;
+            if let ProducerFlow::Pull { asked, .. } = &mut h.flow {
+                *asked = true;
+            }
             lists.push(h.block_list(e.handoff));
         }
         // A handoff too long to name in one message was refused at creation (see
@@ -186,7 +197,7 @@ impl ProducerLedger {
         }
         // A push handoff ends on P's own writes (and their grants), never on a reader's word
         // that it read: freeing now would free blocks under P's WRITE.
-        if h.mode != TransferMode::Pull {
+        if !h.is_pull() {
             self.stats.ignored += 1;
             return;
         }

@@ -17,11 +17,11 @@ impl ProducerLedger {
             .handoffs
             .get(&handoff)
             .ok_or(WriteRefused::UnknownHandoff)?;
-        if h.phase != Phase::Leased || h.cancel_acked {
+        if h.phase != Phase::Leased || h.cancel_acked() {
             return Err(WriteRefused::Cancelled);
         }
         let r = h
-            .registrations
+            .registrations()
             .iter()
             .find(|r| r.d_rank == d_rank && r.epoch == h.epoch)
             .ok_or(WriteRefused::NotRegistered)?;
@@ -43,7 +43,7 @@ impl ProducerLedger {
             return;
         };
         let epoch = h.epoch;
-        let Some(r) = h.registrations.iter_mut().find(|r| {
+        let Some(r) = h.registrations_mut().iter_mut().find(|r| {
             r.d_rank == d_rank && matches!(r.state, RegState::Writing | RegState::CancelPending)
         }) else {
             return;
@@ -53,11 +53,13 @@ impl ProducerLedger {
             RegState::CancelPending => {
                 r.state = RegState::Cancelled;
                 // The ack promises that *no* write into any of D's ranks is in flight.
-                let still_writing = h.registrations.iter().any(|x| {
+                let still_writing = h.registrations().iter().any(|x| {
                     x.peer == peer && matches!(x.state, RegState::Writing | RegState::CancelPending)
                 });
                 if !still_writing {
-                    h.cancel_acked = true;
+                    if let ProducerFlow::Push { cancel_acked, .. } = &mut h.flow {
+                        *cancel_acked = true;
+                    }
                     self.messages.push_back((
                         peer,
                         Message::PushCancelAck(PushCancelAck {
@@ -119,7 +121,7 @@ impl ProducerLedger {
             self.stats.stale_epoch += 1;
             return;
         }
-        if h.mode != TransferMode::Push || r.d_tp == 0 || r.d_rank >= r.d_tp {
+        if h.is_pull() || r.d_tp == 0 || r.d_rank >= r.d_tp {
             self.stats.ignored += 1;
             return;
         }
@@ -127,15 +129,18 @@ impl ProducerLedger {
             self.stats.not_from_reader += 1;
             return;
         }
-        if h.registrations.iter().any(|x| x.d_rank == r.d_rank) {
+        if h.registrations().iter().any(|x| x.d_rank == r.d_rank) {
             self.stats.duplicate_notifications += 1;
             return;
         }
-        if h.phase != Phase::Leased || h.cancel_acked {
+        if h.phase != Phase::Leased || h.cancel_acked() {
             self.stats.late_notifications += 1;
             return;
         }
-        h.registrations.push(Registration {
+        let ProducerFlow::Push { registrations, .. } = &mut h.flow else {
+            return;
+        };
+        registrations.push(Registration {
             peer: from,
             d_rank: r.d_rank,
             d_tp: r.d_tp,
@@ -193,7 +198,7 @@ impl ProducerLedger {
         // A cancel ends the handoff without a fence: only the D whose registration it cancels
         // may send it, and only for a push. From anyone else (or for a pull, whose reader may be
         // mid-READ) it would free blocks under a transfer it cannot promise is over.
-        if h.mode != TransferMode::Push {
+        if h.is_pull() {
             self.stats.ignored += 1;
             return;
         }
@@ -202,7 +207,7 @@ impl ProducerLedger {
             return;
         }
         let mut pending = false;
-        for r in h.registrations.iter_mut().filter(|r| r.peer == from) {
+        for r in h.registrations_mut().iter_mut().filter(|r| r.peer == from) {
             match r.state {
                 RegState::Writing => {
                     r.state = RegState::CancelPending;
@@ -218,7 +223,9 @@ impl ProducerLedger {
             }
         }
         if !pending {
-            h.cancel_acked = true;
+            if let ProducerFlow::Push { cancel_acked, .. } = &mut h.flow {
+                *cancel_acked = true;
+            }
             self.messages.push_back((from, ack));
         }
         self.begin_end(c.handoff, EndReason::Cancelled, now);
@@ -246,7 +253,7 @@ impl ProducerLedger {
             if h.phase != Phase::Leased {
                 continue;
             }
-            for r in h.registrations.iter_mut() {
+            for r in h.registrations_mut().iter_mut() {
                 if r.peer == from
                     && r.epoch == grant.epoch
                     && matches!(r.state, RegState::Waiting | RegState::Writing)
@@ -262,7 +269,7 @@ impl ProducerLedger {
             let Some(h) = self.handoffs.get_mut(&e.handoff) else {
                 continue;
             };
-            for r in h.registrations.iter_mut() {
+            for r in h.registrations_mut().iter_mut() {
                 if r.peer == from && r.epoch == e.epoch {
                     match r.state {
                         RegState::Waiting => r.state = RegState::Cancelled,
@@ -279,13 +286,13 @@ impl ProducerLedger {
             }
             // D dropped the handoff: nothing more will be written, so end it now (after any
             // aborted write drains) instead of holding the blocks until the lease runs out.
-            let nothing_left = h.registrations.iter().all(|r| {
+            let nothing_left = h.registrations().iter().all(|r| {
                 matches!(
                     r.state,
                     RegState::Cancelled | RegState::CancelPending | RegState::Failed
                 )
             });
-            if nothing_left && !h.registrations.is_empty() && h.phase == Phase::Leased {
+            if nothing_left && !h.registrations().is_empty() && h.phase == Phase::Leased {
                 self.begin_end(e.handoff, EndReason::Cancelled, now);
             }
         }
@@ -295,11 +302,20 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        if h.phase != Phase::Leased || h.cancel_acked {
+        if h.phase != Phase::Leased || h.cancel_acked() {
             return;
         }
         let p_tp = self.cfg.tp.max(1);
-        for r in h.registrations.iter_mut() {
+        let Handoff {
+            flow: ProducerFlow::Push { registrations, .. },
+            blocks,
+            timer,
+            ..
+        } = h
+        else {
+            return;
+        };
+        for r in registrations.iter_mut() {
             let valid = r
                 .grant_until
                 .is_some_and(|u| u > now + self.cfg.write_margin);
@@ -322,7 +338,7 @@ impl ProducerLedger {
                     d_peer: r.peer,
                     d_rank: r.d_rank,
                     d_tp: r.d_tp,
-                    src_blocks: h.blocks.clone(),
+                    src_blocks: blocks.clone(),
                     dst_blocks: r.blocks.clone(),
                     num_tokens: r.num_tokens,
                     cached_blocks: r.cached_blocks,
@@ -330,7 +346,7 @@ impl ProducerLedger {
                     done,
                 }));
                 let deadline = r.grant_until.unwrap_or(now) + self.cfg.write_timeout;
-                h.timer.arm(&mut self.timers, id, deadline);
+                timer.arm(&mut self.timers, id, deadline);
             }
         }
     }
@@ -346,7 +362,7 @@ impl ProducerLedger {
             ids.retain(|id| {
                 handoffs.get(id).is_some_and(|h| {
                     h.phase == Phase::Leased
-                        && h.registrations.iter().any(|r| {
+                        && h.registrations().iter().any(|r| {
                             r.peer == peer
                                 && matches!(r.state, RegState::Waiting | RegState::Writing)
                         })
