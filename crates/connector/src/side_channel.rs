@@ -8,6 +8,9 @@
 //! engine's scheduler ever waits on a socket. A connection that closes is a dead peer (a
 //! SIGKILLed engine's socket is closed by the kernel at once), which is how P reclaims a dead
 //! D's blocks in milliseconds rather than after a lease.
+//!
+//! One file, over 800 lines: both ends of a connection (dial, accept, the authenticated handshake,
+//! the bounded send queue, the reader) share the framing and the limits.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};

@@ -1,6 +1,9 @@
 //! Engine configuration: defaults, then a TOML file, then environment variables
 //! (`HANDOFF_<FIELD>`), then flags. Every value is validated at start and an invalid one is
 //! refused with a message naming the field.
+//!
+//! One file, over 800 lines: every engine setting with its default, its documentation and its
+//! validation, one list that the generated reference page and the checks both follow.
 
 use std::time::Duration;
 

@@ -1,6 +1,10 @@
 //! The engine's scheduler: a waiting queue, admission against the KV pool, prefill and batched
 //! decode steps priced by the cost model, and the connector hooks at the points where vLLM's
 //! scheduler calls them. It runs on a thread of its own; HTTP handlers talk to it over channels.
+//!
+//! One file, over 800 lines: the scheduler loop calls the connector's hooks in the order vLLM's
+//! scheduler does (arrival, admission, prefill layer by layer, decode, end); split, that order
+//! would be lost.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};

@@ -1,4 +1,7 @@
 //! The planner: block lists → per-pair descriptor lists, coalesced and bounds-checked.
+//!
+//! One file, over 800 lines: the planner's invariants (one descriptor per contiguous run, no byte
+//! outside the blocks, every layout) are checked against one body of code.
 
 use std::ops::Range;
 

@@ -6,6 +6,9 @@
 //! for `keepalive`, so a live end always hears from its peer. Every socket operation has a
 //! timeout; a reader that heard nothing for `dead_after`, or a writer that could not push a byte
 //! for `dead_after`, declares the peer dead.
+//!
+//! One file, over 800 lines: a connection's reader and writer threads share one state (jobs in
+//! flight, keepalive, the close), which is easiest to check in one place.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};

@@ -32,6 +32,9 @@
 //! `forget_remote`s us says GOODBYE first, which is not a death; a dropped transport is.
 //!
 //! The wire format is described in `wire.rs`.
+//!
+//! One file, over 800 lines: the agent itself (listen, post, poll, grants, notifications);
+//! connections are in `conn`, the wire format in `wire`.
 
 mod conn;
 mod wire;
