@@ -401,7 +401,7 @@ def cluster(single):
                     extra_args=["--middleware", "handoff_vllm.RefusalRelease"],
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
                                "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),
-                               "RUST_LOG": "info,handoff_connector::core::transfers=debug"}),
+                               "RUST_LOG": "info,handoff_core::connector::transfers=debug"}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S

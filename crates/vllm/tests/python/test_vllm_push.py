@@ -43,7 +43,7 @@ def push(single):
         # then failed unposted and D recomputed).
         "d": Server("push-d", connector("vllm-push-d", mode="push", kv_digest=True,
                                         registration_lease_ms=int(REGISTRATION_LEASE_S * 1000)),
-                    env_extra={"RUST_LOG": "info,handoff_connector::core::push_digest=debug"},
+                    env_extra={"RUST_LOG": "info,handoff_core::connector::push_digest=debug"},
                     log_stats=True),
     }
     try:
