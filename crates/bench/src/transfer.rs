@@ -7,7 +7,12 @@
 //!   block-outermost ([`RankLayout::cross_layer`], 2 MiB per block), allocated contiguously
 //!   (block ids `0..n` on both sides: the planner coalesces them into one descriptor) and
 //!   fragmented (shuffled ids: one descriptor per block). Every case moves the whole region
-//!   (256 MiB by default) in one post per repetition.
+//!   (256 MiB by default) in one post per repetition, but the layer-wise one: the same model
+//!   laid out layers-outermost ([`RankLayout::layers_outermost`], the pool layout wherever a
+//!   layer-wise pull or a push runs), its contiguous run read or written **one layer at a time**
+//!   as a layer-wise pull's stages are, 32 posts of one descriptor each, each waited for. Its
+//!   baselines do the same 32 steps: raw TCP one request per layer, raw NIXL one post per layer
+//!   (`layerwise_vs_raw_nixl` prices what handoff's binding adds per post).
 //! - **Two processes.** The peer is this binary (`handoff bench transfer-peer`), spawned as a
 //!   child: it registers one region per block size, prints its metadata and a raw TCP port on
 //!   stdout, then serves until stdin closes. This process posts every transfer (READ pulls from
@@ -40,7 +45,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use handoff_plan::{plan_pair, BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_plan::{plan_pair, plan_pair_layers, BlockLayout, KvSpec, ModelShape, RankLayout};
 use handoff_transport::auth::ClusterKey;
 use handoff_transport::conformance::{from_hex, to_hex};
 use handoff_transport::nixl::{raw, NixlConfig, NixlTransport};
@@ -57,6 +62,9 @@ const RATIO_CASE: &str = "64k";
 const TARGET_TCP_VS_RAW: f64 = 0.9;
 const TARGET_NIXL_VS_RAW: f64 = 0.95;
 const TARGET_NIXL_VS_MEMCPY: f64 = 0.6;
+/// The case the layer-wise ratios are taken at, and their target against raw NIXL (issue 32).
+const LAYERWISE_CASE: &str = "model_layerwise";
+const TARGET_LAYERWISE_VS_RAW_NIXL: f64 = 0.9;
 /// Status poll interval (set once from `--poll-us`).
 static POLL_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1000);
 
@@ -112,7 +120,8 @@ pub struct TransferArgs {
     /// 1000).
     #[arg(long, default_value_t = 1000)]
     poll_us: u64,
-    /// Cases to run (comma separated: 4k, 64k, 1m, model_contig, model_frag); all by default.
+    /// Cases to run (comma separated: 4k, 64k, 1m, model_contig, model_frag, model_layerwise);
+    /// all by default.
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
     /// Run this process and the peer on two hosts: network namespaces joined by a veth link
@@ -153,13 +162,22 @@ struct Case {
     /// Granularity of the blocks.
     block: usize,
     descs: Vec<XferDesc>,
-    /// What raw NIXL moves for the comparison: (block size, blocks).
+    /// What raw NIXL moves for the comparison: (block size, blocks), per stage.
     raw: (usize, usize),
+    /// Posts per repetition, each waited for before the next: `descs` split evenly (1: the whole
+    /// case in one post; the layer-wise case: one per layer).
+    stages: usize,
 }
 
 impl Case {
     fn bytes(&self) -> u64 {
         self.descs.iter().map(|d| d.len).sum()
+    }
+
+    /// The descriptors of each post, in order.
+    fn stage_descs(&self) -> std::slice::Chunks<'_, XferDesc> {
+        self.descs
+            .chunks(self.descs.len().div_ceil(self.stages.max(1)).max(1))
     }
 }
 
@@ -244,6 +262,7 @@ fn build(total_mib: usize) -> anyhow::Result<Layout> {
             block: b,
             descs,
             raw: (b, n),
+            stages: 1,
         });
     }
 
@@ -284,6 +303,7 @@ fn build(total_mib: usize) -> anyhow::Result<Layout> {
         block,
         descs: to_descs(&contiguous, &contiguous)?,
         raw: (n * block, 1),
+        stages: 1,
     });
     cases.push(Case {
         key: "model_frag",
@@ -292,6 +312,41 @@ fn build(total_mib: usize) -> anyhow::Result<Layout> {
         block,
         descs: to_descs(&p_frag, &d_frag)?,
         raw: (block, n),
+        stages: 1,
+    });
+
+    // The model again, layers outermost, its contiguous run moved one layer at a time.
+    let lo = RankLayout::layers_outermost(spec, 0, n as u32, 0)?;
+    let class_lw = chunks.len();
+    let layer_block = spec.block_bytes() as usize;
+    chunks.push(layer_block);
+    lens.push(lo.regions[0].len as usize);
+    let mut lw = Vec::new();
+    for layer in 0..spec.shape.num_layers {
+        let plan = plan_pair_layers(&lo, &lo, &contiguous, &contiguous, tokens, layer..layer + 1)?;
+        lw.extend(plan.descriptors.iter().map(|x| XferDesc {
+            local_region: class_lw as RegionId,
+            local_offset: x.dst_offset,
+            remote_region: class_lw as RegionId,
+            remote_offset: x.src_offset,
+            len: x.len,
+        }));
+    }
+    if lw.len() != spec.shape.num_layers as usize {
+        bail!(
+            "the layer-wise case plans {} descriptors for {} layers, not one per layer",
+            lw.len(),
+            spec.shape.num_layers
+        );
+    }
+    cases.push(Case {
+        key: "model_layerwise",
+        label: "model layer-wise",
+        class: class_lw,
+        block: layer_block,
+        descs: lw,
+        raw: (n * layer_block, 1),
+        stages: spec.shape.num_layers as usize,
     });
     Ok(Layout {
         chunks,
@@ -531,8 +586,8 @@ fn grant_all(t: &dyn Transport, peer: &str, regions: &[Arc<KvRegion>]) -> anyhow
     Ok(())
 }
 
-/// Raw TCP, target side: `[op, case]` then, for READ (0), the case's remote blocks in order;
-/// for WRITE (1), receive them in order and answer one byte.
+/// Raw TCP, target side: `[op, case, stage]` then, for READ (0), the stage's remote blocks in
+/// order; for WRITE (1), receive them in order and answer one byte.
 fn serve_raw_tcp(
     mut s: TcpStream,
     regions: &[Arc<KvRegion>],
@@ -540,7 +595,7 @@ fn serve_raw_tcp(
 ) -> anyhow::Result<()> {
     s.set_nodelay(true)?;
     loop {
-        let mut hdr = [0u8; 2];
+        let mut hdr = [0u8; 3];
         match s.read_exact(&mut hdr) {
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             r => r?,
@@ -550,7 +605,11 @@ fn serve_raw_tcp(
             .get(hdr[1] as usize)
             .ok_or_else(|| anyhow!("no case {}", hdr[1]))?;
         let region = &regions[case.class];
-        for d in &case.descs {
+        let stage = case
+            .stage_descs()
+            .nth(hdr[2] as usize)
+            .ok_or_else(|| anyhow!("no stage {}", hdr[2]))?;
+        for d in stage {
             let (off, len) = (d.remote_offset as usize, d.len as usize);
             if hdr[0] == 0 {
                 region.with_span(off, len, |p| s.write_all(p))??;
@@ -709,18 +768,20 @@ fn raw_tcp_xfer(
 ) -> anyhow::Result<f64> {
     let t0 = Instant::now();
     let read = op == XferOp::Read;
-    s.write_all(&[u8::from(!read), idx as u8])?;
-    for d in &case.descs {
-        let (off, len) = (d.local_offset as usize, d.len as usize);
-        if read {
-            local.with_span_mut(off, len, |p| s.read_exact(p))??;
-        } else {
-            local.with_span(off, len, |p| s.write_all(p))??;
+    for (stage, descs) in case.stage_descs().enumerate() {
+        s.write_all(&[u8::from(!read), idx as u8, stage as u8])?;
+        for d in descs {
+            let (off, len) = (d.local_offset as usize, d.len as usize);
+            if read {
+                local.with_span_mut(off, len, |p| s.read_exact(p))??;
+            } else {
+                local.with_span(off, len, |p| s.write_all(p))??;
+            }
         }
-    }
-    if !read {
-        let mut ack = [0u8; 1];
-        s.read_exact(&mut ack)?;
+        if !read {
+            let mut ack = [0u8; 1];
+            s.read_exact(&mut ack)?;
+        }
     }
     Ok(t0.elapsed().as_secs_f64())
 }
@@ -775,7 +836,9 @@ impl<'a> TwoProc<'a> {
     }
 
     fn xfer(&self, case: &Case, op: XferOp) -> anyhow::Result<f64> {
-        time_xfer(&*self.t, &self.peer_name, op, &case.descs)
+        case.stage_descs()
+            .map(|descs| time_xfer(&*self.t, &self.peer_name, op, descs))
+            .sum()
     }
 
     fn warm(&mut self, idx: usize, case: &Case, op: XferOp) -> anyhow::Result<()> {
@@ -865,6 +928,8 @@ struct NixlInProcess {
     b_name: String,
     descs: Vec<XferDesc>,
     op: XferOp,
+    /// Posts per repetition (the same descriptors each time, as raw's iterations).
+    stages: usize,
 }
 
 impl NixlInProcess {
@@ -918,11 +983,14 @@ impl NixlInProcess {
             b_name,
             descs,
             op,
+            stages: case.stages.max(1),
         })
     }
 
     fn once(&self) -> anyhow::Result<f64> {
-        time_xfer(&*self.a, &self.b_name, self.op, &self.descs)
+        (0..self.stages)
+            .map(|_| time_xfer(&*self.a, &self.b_name, self.op, &self.descs))
+            .sum()
     }
 }
 
@@ -1204,7 +1272,9 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         let mut seed = 1u64;
         for &(_, case) in &cases {
             let (block_size, blocks) = case.raw;
-            let bytes = (block_size * blocks) as u64;
+            // Per repetition: every stage (the layer-wise case posts once per layer).
+            let stages = case.stages.max(1);
+            let bytes = (block_size * blocks * stages) as u64;
             for (op, opn) in OPS {
                 let ours = NixlInProcess::new(&cfg, case, &pairs[case.class], op, &mut seed)?;
                 let mut theirs = raw::RawSession::new(
@@ -1223,10 +1293,24 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
                 )?;
                 theirs.once()?;
                 theirs.check()?;
-                let (a, b) =
-                    interleaved(reps_for(case, reps), || ours.once(), || Ok(theirs.once()?))?;
+                let (a, b) = interleaved(
+                    reps_for(case, reps),
+                    || ours.once(),
+                    || {
+                        let mut secs = 0.0;
+                        for _ in 0..stages {
+                            secs += theirs.once()?;
+                        }
+                        Ok(secs)
+                    },
+                )?;
                 res.put(&format!("nixl_1proc_{opn}"), case, bytes, &a);
-                res.put(&format!("raw_nixl_{opn}"), case, theirs.bytes(), &b);
+                res.put(
+                    &format!("raw_nixl_{opn}"),
+                    case,
+                    theirs.bytes() * stages as u64,
+                    &b,
+                );
             }
         }
     }
@@ -1292,13 +1376,37 @@ fn report(
     let tcp = pair("tcp", "raw_tcp");
     let nixl = pair("nixl_1proc", "raw_nixl");
     let mem = (ratio("nixl_read", "memcpy"), ratio("nixl_write", "memcpy"));
+    // The layer-wise case: 32 posts of one layer each, against the same 32 steps of each
+    // baseline.
+    let at_layerwise = |a: &str, b: &str| -> (Option<f64>, Option<f64>) {
+        let r = |op: &str| {
+            Some(
+                res.get(&format!("{a}_{op}"), LAYERWISE_CASE)?
+                    / res.get(&format!("{b}_{op}"), LAYERWISE_CASE)?,
+            )
+        };
+        (r("read"), r("write"))
+    };
     let mut ratios = serde_json::Map::new();
     println!();
-    println!("ratios at 64 KiB blocks (the worse of READ and WRITE):");
+    println!(
+        "ratios (the worse of READ and WRITE) at 64 KiB blocks, and layer-wise: the model's \
+         contiguous run one layer per post"
+    );
     for (name, (r, w), target) in [
         ("tcp_vs_raw_tcp", tcp, TARGET_TCP_VS_RAW),
         ("nixl_vs_raw_nixl", nixl, TARGET_NIXL_VS_RAW),
         ("nixl_vs_memcpy", mem, TARGET_NIXL_VS_MEMCPY),
+        (
+            "layerwise_tcp_vs_raw_tcp",
+            at_layerwise("tcp", "raw_tcp"),
+            TARGET_TCP_VS_RAW,
+        ),
+        (
+            "layerwise_vs_raw_nixl",
+            at_layerwise("nixl_1proc", "raw_nixl"),
+            TARGET_LAYERWISE_VS_RAW_NIXL,
+        ),
     ] {
         let worst = min((r, w));
         let verdict = match worst {
@@ -1308,7 +1416,7 @@ fn report(
         };
         let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.3}"));
         println!(
-            "  {name:<17} {:>6}  (READ {}, WRITE {})  target >= {target}: {verdict}",
+            "  {name:<24} {:>6}  (READ {}, WRITE {})  target >= {target}: {verdict}",
             f(worst),
             f(r),
             f(w)
