@@ -466,21 +466,23 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         push_vs_single_ttft_p99_c8: p99_c8("push"),
         requests_recomputed,
         descriptors_per_handoff,
+        // Issue 32's bar. (Push's old bar against pull, 0.75, was set when pull waited for the
+        // whole prefill; the default pull is layer-wise now and overlaps it as push does, so
+        // push_vs_pull is reported without a target.)
         targets: BTreeMap::from([
-            ("push_vs_pull_ttft_p50_max", 0.75),
-            ("push_vs_single_ttft_p50_max", 1.05),
-            ("pull_vs_single_ttft_p50_max", 1.15),
-            ("pull_vs_single_ttft_p99_c8_max", 1.2),
-            ("push_vs_single_ttft_p99_c8_max", 1.2),
+            ("push_vs_single_ttft_p50_max", 1.03),
+            ("pull_vs_single_ttft_p50_max", 1.03),
+            ("pull_vs_single_ttft_p99_c8_max", 1.1),
+            ("push_vs_single_ttft_p99_c8_max", 1.1),
         ]),
         cases,
     };
     println!(
-        "pull_vs_single_ttft_p50 {:.2} (target ≤ 1.15), push_vs_single {:.2} (≤ 1.05), push_vs_pull {:.2}  [2048 tokens, concurrency 1]",
+        "pull_vs_single_ttft_p50 {:.3} (target ≤ 1.03), push_vs_single {:.3} (≤ 1.03), push_vs_pull {:.3}  [2048 tokens, concurrency 1]",
         report.pull_vs_single_ttft_p50, report.push_vs_single_ttft_p50, report.push_vs_pull_ttft_p50
     );
     println!(
-        "pull_vs_single_ttft_p99_c8 {:.2}, push_vs_single_ttft_p99_c8 {:.2} (targets ≤ 1.2; worst over prompt lengths)",
+        "pull_vs_single_ttft_p99_c8 {:.3}, push_vs_single_ttft_p99_c8 {:.3} (targets ≤ 1.1; worst over prompt lengths)",
         report.pull_vs_single_ttft_p99_c8, report.push_vs_single_ttft_p99_c8
     );
     if let Some(dir) = &args.report {
