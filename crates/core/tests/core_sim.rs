@@ -224,26 +224,7 @@ fn one_schedule_gives_the_same_outputs_byte_for_byte() {
         (TransferMode::Pull, true),
         (TransferMode::Push, false),
     ] {
-        let reqs: Vec<ReqSpec> = (0..10u64)
-            .map(|i| ReqSpec {
-                at_ms: i * 7,
-                d: (i % 2) as usize,
-                blocks: 1 + (i % 4) as u8,
-                lag_ms: i % 3,
-                admit_after_ms: 300 + 40 * i,
-                fate: if i == 5 { 2 } else { 0 },
-                fate_ms: 150,
-                cached: 0,
-            })
-            .collect();
-        let faults = Faults {
-            max_delay_ms: 15,
-            transfer_ms: 60,
-            fail_pct: 10,
-            kill_d: Some((1, 400, true)),
-            seed: 11,
-            ..Faults::default()
-        };
+        let (reqs, faults) = common::busy_schedule();
         let a = sim((mode, layerwise), reqs.clone(), faults.clone()).run();
         let b = sim((mode, layerwise), reqs, faults).run();
         assert!(a.violations.is_empty(), "{:?}", a.violations);

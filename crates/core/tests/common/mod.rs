@@ -271,6 +271,32 @@ pub struct Report {
     pub traces: Vec<Vec<String>>,
 }
 
+/// A busy schedule: two D engines, many handoffs per peer (heartbeats, block queries and
+/// releases batch them), one abort, failed transfers and a D killed mid-run.
+pub fn busy_schedule() -> (Vec<ReqSpec>, Faults) {
+    let reqs = (0..10u64)
+        .map(|i| ReqSpec {
+            at_ms: i * 7,
+            d: (i % 2) as usize,
+            blocks: 1 + (i % 4) as u8,
+            lag_ms: i % 3,
+            admit_after_ms: 300 + 40 * i,
+            fate: if i == 5 { 2 } else { 0 },
+            fate_ms: 150,
+            cached: 0,
+        })
+        .collect();
+    let faults = Faults {
+        max_delay_ms: 15,
+        transfer_ms: 60,
+        fail_pct: 10,
+        kill_d: Some((1, 400, true)),
+        seed: 11,
+        ..Faults::default()
+    };
+    (reqs, faults)
+}
+
 pub struct Sim {
     now: Duration,
     mode: TransferMode,
