@@ -101,6 +101,20 @@ fn a_trace_recorded_with_a_known_bug_names_the_rule_and_the_input() {
     let diverged = r.divergence.expect("today's core does not do that");
     assert_eq!(diverged.input, first.input);
 
+    // The same trace is committed for `handoff replay`'s own test (crates/cli/tests/replay.rs):
+    // it must stay what this build records.
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/reject-without-ledger.d0.jsonl");
+    let text = d0.join("\n") + "\n";
+    if std::env::var_os("HANDOFF_WRITE_TRACE_FIXTURES").is_some() {
+        std::fs::write(&fixture, &text).expect("fixture written");
+    }
+    assert!(
+        std::fs::read_to_string(&fixture).ok().as_deref() == Some(text.as_str()),
+        "{} is not what this build records: HANDOFF_WRITE_TRACE_FIXTURES=1 cargo test -p handoff-core --test replay",
+        fixture.display()
+    );
+
     let fixed = retried_while_reading().run();
     assert!(fixed.violations.is_empty(), "{:?}", fixed.violations);
     let r = replay(&fixed.traces[1]);
