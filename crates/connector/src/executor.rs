@@ -164,7 +164,6 @@ impl Connector {
         let side_addr = side
             .listen(cfg.side_channel_bind, stop.clone())
             .map_err(ConnectorError::Listen)?;
-        let recorded_ranks = cfg.record.as_ref().map(|_| hellos.clone());
         let core = ConnectorCore::new(
             CoreConfig {
                 engine_id: cfg.engine_id.clone(),
@@ -189,9 +188,9 @@ impl Connector {
                 return Err(e.into());
             }
         };
-        let recorder = match (&cfg.record, recorded_ranks) {
-            (Some(rc), Some(ranks)) => {
-                match crate::recorder::Recorder::create(rc.clone(), core.config(), &ranks) {
+        let recorder = match &cfg.record {
+            Some(rc) => {
+                match crate::recorder::Recorder::create(rc.clone(), core.config(), core.ranks()) {
                     Ok(r) => {
                         tracing::info!(path = %rc.path.display(), "recording the connector core's inputs");
                         Some(r)
@@ -202,7 +201,7 @@ impl Connector {
                     }
                 }
             }
-            _ => None,
+            None => None,
         };
         let spec = *core.spec();
         let compat_key = core.compat_key();
@@ -350,12 +349,6 @@ impl Connector {
     pub fn compat_key(&self) -> &str {
         &self.compat_key
     }
-
-    // ----- P -----
-
-    // ----- D -----
-
-    // ----- snapshots -----
 }
 
 impl Drop for Connector {

@@ -136,11 +136,10 @@ impl Recorder {
         if ready.is_empty() || self.out.is_none() {
             return;
         }
-        let mut batch = ready.clone();
-        batch.observations.clear();
+        // Observations are not written (`Ready` skips them when serialised).
         let line = Line::Batch {
             after: self.inputs.saturating_sub(1),
-            batch,
+            batch: ready.clone(),
         };
         self.write(&line, true);
     }

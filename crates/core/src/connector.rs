@@ -262,6 +262,12 @@ impl ConnectorCore {
         &self.cfg
     }
 
+    /// What each worker said when it started, in rank order (what a trace needs, with the
+    /// config, to build this core again).
+    pub fn ranks(&self) -> &[WorkerHello] {
+        &self.ranks
+    }
+
     pub fn spec(&self) -> &KvSpec {
         &self.spec
     }

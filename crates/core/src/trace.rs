@@ -272,17 +272,24 @@ impl Replay {
     /// Lets the core run past the trace's end with silent peers, then checks rules 5–7. Not
     /// when the replay diverged: the replayed core's state is then not the recorded one.
     pub fn finish(mut self) -> ReplayReport {
+        let settled_inputs = if self.divergence.is_none() {
+            self.settle()
+        } else {
+            0
+        };
+        ReplayReport {
+            inputs: self.inputs,
+            batches: self.batches,
+            divergence: self.divergence,
+            violations: self.checker.into_violations(),
+            settled_inputs,
+        }
+    }
+
+    /// Runs the core past the trace's end and checks rules 5–7; returns the inputs it added.
+    fn settle(&mut self) -> u64 {
         let mut n = self.last_input + 1;
         let first_settled = n;
-        if self.divergence.is_some() {
-            return ReplayReport {
-                inputs: self.inputs,
-                batches: self.batches,
-                divergence: self.divergence,
-                violations: self.checker.into_violations(),
-                settled_inputs: 0,
-            };
-        }
         // Whatever the recording left un-taken is the executor's next batch.
         self.drain(n - 1);
         // Workers eventually report every job in flight as ended (an abort is reported too).
@@ -307,13 +314,7 @@ impl Replay {
         }
         let memory = self.core.memory();
         self.checker.at_end(n.saturating_sub(1), &memory);
-        ReplayReport {
-            inputs: self.inputs,
-            batches: self.batches,
-            divergence: self.divergence,
-            violations: self.checker.into_violations(),
-            settled_inputs: n - first_settled,
-        }
+        n - first_settled
     }
 
     fn drain(&mut self, after: u64) {

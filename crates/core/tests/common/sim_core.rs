@@ -54,11 +54,9 @@ impl SimCore {
     pub fn ready(&mut self) -> Ready {
         let r = self.core.ready();
         if !r.is_empty() {
-            let mut recorded = r.clone();
-            recorded.observations.clear();
             self.trace.push(line(&Line::Batch {
                 after: self.inputs.saturating_sub(1),
-                batch: recorded,
+                batch: r.clone(),
             }));
         }
         r
