@@ -36,6 +36,8 @@ MODEL = HERE / "model"
 REAL_MODEL = Path(os.environ.get("HANDOFF_VLLM_REAL_MODEL", HERE.parents[3] / ".model-smollm2"))
 REAL_MODEL_NAME = "smollm2"
 LOGS = Path(os.environ.get("HANDOFF_VLLM_LOGS", "/tmp/handoff-vllm-logs"))
+# The pull cluster's connector traces (engine setting record_trace), replayed by test_vllm.py.
+TRACES = LOGS / "traces"
 STARTUP_S = float(os.environ.get("HANDOFF_VLLM_STARTUP_S", "400"))
 MAX_MODEL_LEN = 2048
 P_MAX_MODEL_LEN = 4096  # the model's max_position_embeddings
@@ -386,18 +388,22 @@ def single():
 @pytest.fixture(scope="module")
 def cluster(single):
     """A pull P and D with HandoffConnector, for one module (with the session's single)."""
+    TRACES.mkdir(parents=True, exist_ok=True)
     servers = {
         # P logs when it gives blocks back (the dead-D test reads the time from it).
         # P publishes its KV cache usage on /metrics (the reclaim tests read it); a handoff no D
         # ever claims expires after INITIAL_LEASE_S.
         # P takes prompts D refuses (P_MAX_MODEL_LEN > D's): the refusal test needs one.
+        # Both record their connector core's inputs (test_vllm.py replays the traces last).
         "p": Server("p", connector("vllm-p", kv_digest=True,
-                                   initial_lease_ms=int(INITIAL_LEASE_S * 1000)),
+                                   initial_lease_ms=int(INITIAL_LEASE_S * 1000),
+                                   record_trace=str(TRACES / "p.jsonl")),
                     extra_args=["--max-model-len", str(P_MAX_MODEL_LEN)],
                     env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
         # D logs each KV digest it checked (the tests count them).
         # D names requests its API server refuses to its connector (handoff_vllm.RefusalRelease).
-        "d": Server("d", connector("vllm-d", kv_digest=True),
+        "d": Server("d", connector("vllm-d", kv_digest=True,
+                                   record_trace=str(TRACES / "d.jsonl")),
                     extra_args=["--middleware", "handoff_vllm.RefusalRelease"],
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
                                "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),

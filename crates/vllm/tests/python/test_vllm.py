@@ -3,7 +3,9 @@ a single engine's."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import threading
 import time
 from datetime import datetime, timezone
@@ -11,8 +13,8 @@ from datetime import datetime, timezone
 import requests
 from test_router import check_vllm_behind_router
 
-from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HOLD_FILE, INITIAL_LEASE_S,
-                      KV_USAGE, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT,
+from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HANDOFF_BIN, HOLD_FILE,
+                      INITIAL_LEASE_S, KV_USAGE, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, TRACES,
                       check_proxy_decodes_like_single, disaggregated, ignore_errors, prompt,
                       settled_usage, usage_back_to)
 
@@ -307,3 +309,18 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
         after
     assert usage_back_to(cluster["p"], idle, time.time(), 5) is not None
 
+
+def test_the_recorded_traces_of_p_and_d_replay_to_the_same_outputs_with_every_rule_kept(cluster):
+    """Runs last. P and D recorded every input of their connector cores (record_trace) through
+    this module: the real model behind vLLM's router and handoff's proxy, n=2, the damaged-KV
+    control, refusals, a client leaving mid-read, D SIGKILLed mid-read, a handoff nobody
+    claimed. `handoff replay` feeds each trace through a fresh core: the same answers and
+    batches, and no rule broken from that engine's view (D's trace ends at its kill)."""
+    for name in ("p", "d"):
+        out = subprocess.run([str(HANDOFF_BIN), "replay", str(TRACES / f"{name}.jsonl"), "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{name}: {out.stdout[-3000:]}\n{out.stderr[-2000:]}"
+        report = json.loads(out.stdout)
+        assert report["divergence"] is None and report["violations"] == [], report
+        assert report["inputs"] > 50, f"{name}: a trace with the module's requests in it"
+        REPORT[f"replayed_inputs_{name}"] = report["inputs"]
