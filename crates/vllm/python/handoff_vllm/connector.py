@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from handoff_vllm import _native
 from handoff_vllm.api_server import engine_id
+from handoff_vllm.timeline import Timeline
 
 if TYPE_CHECKING:
     import torch
@@ -60,18 +61,28 @@ _CHILD_ID = re.compile(r"^(\d+)_(.+)$")
 
 
 class _AllCpus:
-    """Widens the calling thread's CPU affinity to every CPU while handoff may start threads.
+    """Widens the calling thread's CPU affinity to the engine's CPUs while handoff may start
+    threads.
 
     vLLM's CPU worker pins its main thread to the cores it computes on (on a small machine, one
     core) and its OpenMP threads spin there; threads inherit the mask of the thread that starts
     them, so the transport's threads would share that core and starve (peers declared silent).
-    The mask is restored on exit: vLLM's own threads are untouched.
+    The engine's CPUs are those of the worker's parent (EngineCore), which vLLM does not pin:
+    what the operator gave the engine (taskset, a cpuset), never more. The mask is restored on
+    exit: vLLM's own threads are untouched.
     """
+
+    @staticmethod
+    def engine_cpus() -> set[int]:
+        try:
+            return os.sched_getaffinity(os.getppid())
+        except OSError:
+            return set(range(os.cpu_count() or 1))
 
     def __enter__(self):
         try:
             self._saved = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+            os.sched_setaffinity(0, self.engine_cpus())
         except (AttributeError, OSError):
             self._saved = None
         return self
@@ -153,6 +164,11 @@ class HandoffConnector(KVConnectorBase_V1):
         # P, n>1: per parent request, the handoff its first finished child keeps (see
         # request_finished), oldest first.
         self._siblings: OrderedDict[tuple, tuple[float, dict[str, Any] | None]] = OrderedDict()
+        # Where a request's time goes (extra config "timeline"; off by default).
+        self._timeline = Timeline(
+            self._extra.get("timeline") if role == KVConnectorRole.SCHEDULER else None,
+            self._engine_id,
+        )
         # Worker side.
         self._worker = None
         self._pending_sending: set[str] = set()
@@ -183,6 +199,16 @@ class HandoffConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        for name, t in kv_caches.items():
+            device = getattr(t, "device", None)
+            if getattr(device, "type", "cpu") != "cpu":
+                # The transports reach the KV through host pointers: device memory would be
+                # read and written as host memory (a crash), so the engine does not start.
+                raise ValueError(
+                    f"HandoffConnector: the KV cache of layer {name} is on {device}; handoff "
+                    "moves KV in host memory only (vLLM's CPU build): a GPU KV cache is not "
+                    "supported yet"
+                )
         mc = self._config.model_config
         pc = self._config.parallel_config
         tensors = [
@@ -252,12 +278,6 @@ class HandoffConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._worker.waits_for_layer(layer):
             return
-        if getattr(kv_layer, "is_cuda", False):
-            # The layer's KV is written by kernels still queued on the stream: the transport
-            # must not read it before they ran.
-            import torch
-
-            torch.cuda.current_stream().synchronize()
         with _AllCpus():
             self._worker.layer_saved(layer)
 
@@ -305,6 +325,7 @@ class HandoffConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._sched is not None:
             self._sched.shutdown()
+        self._timeline.close()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -344,6 +365,10 @@ class HandoffConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params
+        if self._timeline.on and params and (
+            params.get("do_remote_decode") or params.get("do_remote_prefill")
+        ):
+            self._timeline.arrived(request.request_id, params.get("handoff_id"))
         if self._sched is None or not params or not params.get("do_remote_prefill"):
             return 0, False
         if not params.get("handoff_id"):
@@ -390,6 +415,7 @@ class HandoffConnector(KVConnectorBase_V1):
         # reading (P's writes start at the first token after the hit).
         cached = max(0, prompt - num_external_tokens) // self._block_size
         self._sched.blocks_allocated(request.request_id, block_ids[:needed], cached)
+        self._timeline.mark(request.request_id, "allocated")
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False
 
@@ -434,6 +460,7 @@ class HandoffConnector(KVConnectorBase_V1):
                     req_id, json.dumps(st.params), st.blocks[:needed], st.prompt_len
                 )
                 self._forwarded.add(req_id)
+                self._timeline.mark(req_id, "forwarded", st.params.get("handoff_id"))
             except Exception as e:  # the push then starts at request_finished
                 logger.warning("handoff: push of %s not streamed: %s", req_id, e)
 
@@ -443,6 +470,9 @@ class HandoffConnector(KVConnectorBase_V1):
         if self._pushing:
             self._push_forwards(scheduler_output)
         meta, sending, recving, failed, forward = self._sched.build_meta()
+        if self._timeline.on:
+            self._timeline.scheduled(scheduler_output)
+            self._timeline.landed(list(recving))
         return HandoffMeta(bytes(meta), list(sending), list(recving), list(failed), forward)
 
     def update_connector_output(self, connector_output) -> None:
@@ -476,6 +506,9 @@ class HandoffConnector(KVConnectorBase_V1):
             int(request.num_computed_tokens),
         )
         answer = json.loads(out) if out else None
+        if keep and remote_decode:
+            self._timeline.mark(request.request_id, "prefilled", (answer or params).get("handoff_id"))
+        self._timeline.forget(request.request_id)
         if family is not None:
             self._siblings[family] = (time.monotonic(), answer)
         return bool(keep), answer

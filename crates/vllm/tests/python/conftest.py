@@ -72,8 +72,10 @@ class Server:
 
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
                  env_extra: dict | None = None, log_stats: bool = False,
-                 host: str = "127.0.0.1", netns: str | None = None, real: bool = True):
+                 host: str = "127.0.0.1", netns: str | None = None, real: bool = True,
+                 cpus: str | None = None):
         """`netns`: run the server inside that network namespace, listening on `host`.
+        `cpus`: run it on these CPUs only (taskset's list, "0" or "0-1"), as on a host of its own.
         `real`: the real model (its tokenizer too); otherwise the tiny dummy-weight model,
         which has no tokenizer (token-id prompts only)."""
         Server.started.append(self)
@@ -91,7 +93,8 @@ class Server:
             self.model = "tiny"
             model_args = ["--model", str(MODEL), "--served-model-name", self.model,
                           "--load-format", "dummy", "--skip-tokenizer-init"]
-        args = ([] if netns is None else ["ip", "netns", "exec", netns]) + [
+        args = ([] if netns is None else ["ip", "netns", "exec", netns]) + (
+            [] if cpus is None else ["taskset", "-c", cpus]) + [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
             "--host", host, "--port", str(self.port), "--enforce-eager",
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),

@@ -82,6 +82,7 @@ class Engine:
             kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
                 block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                 dtype=torch.float32))])
+        self.config, self.kv_cache_config = config, kv_cache_config
         cls = AsyncScheduler if config.scheduler_config.async_scheduling else Scheduler
         self.sched = cls(vllm_config=config, kv_cache_config=kv_cache_config,
                                structured_output_manager=StructuredOutputManager(config),
@@ -587,3 +588,16 @@ def test_n2_keeps_one_handoff_on_p_and_d_reads_it_once_for_both_children(pd):
     run_until([p, d], lambda: {"0_d-parent", "1_d-parent"} <= set(d.finished),
               "D never finished both children")
     assert d.free_blocks() == d_idle
+
+
+def test_a_kv_cache_off_the_host_is_refused_at_registration_with_its_device_named(pd):
+    """handoff's transports reach the KV through host pointers: a KV cache on a GPU (vLLM's CUDA
+    build) would be read and written as host memory, which crashes the engine. The worker
+    refuses it when vLLM registers it, naming the layer and its device, and holds nothing.
+    No GPU here: torch's "meta" device stands for one (a tensor with no host memory)."""
+    p, _ = pd
+    worker = HandoffConnector(p.config, KVConnectorRole.WORKER, p.kv_cache_config)
+    kv = {name: torch.zeros(t.shape, device="meta") for name, t in p.kv.items()}
+    with pytest.raises(ValueError, match=r"on meta.*host memory"):
+        worker.register_kv_caches(kv)
+    assert worker.get_handshake_metadata() is None

@@ -1,16 +1,20 @@
-"""TTFT benchmark: vLLM P/D through HandoffConnector (pull) against the same P/D through vLLM's
-own NixlConnector and against a single vLLM engine; same prompts, same machine, one run.
+"""TTFT benchmark on the real model: vLLM P/D through HandoffConnector (pull and push) against
+the same P/D through vLLM's own NixlConnector and against a single vLLM engine; same prompts, same
+machine, one run.
 
 A benchmark, not a timed test: it prints a table and writes the numbers into the report
 (``conftest.REPORT``, the last line of ``scripts/test-vllm``); it asserts only that every request
-completed. It starts its own servers (the session cluster's D is dead by the time it runs, and the
-bench wants ``--max-model-len 4096`` so that 2048-token prompts fit), one setup at a time:
+of handoff's paths and the single engine completed. Every server runs SmolLM2-135M-Instruct (the
+suite's real model: 30 layers, a prefill of ~350 tokens/s here, so a P/D ratio measures more than
+fixed costs) with ``--max-model-len 4096`` so that 2048-token prompts fit, on one core of its own
+(``P_CPUS``, ``D_CPUS``: P and the single engine on CPU 0, D on CPU 1; why at ``P_CPUS``), and
+each request starts ``SETTLE_S`` after the previous one ended. Servers of its own, one setup at a
+time:
 
 1. handoff P + D in pull mode (``HandoffConnector``, no digest, no test switches) and a single
    engine, started together; the pull path is measured, then the single engine (the cores idle
-   servers burn are measured first: `ttft_bench_idle_cores`). All three are stopped.
-2. handoff P + D in push mode, started and measured alone (five servers at once on two cores
-   stall each other for seconds). Stopped.
+   servers burn are measured first: ``ttft_bench_idle_cores``). All three are stopped.
+2. handoff P + D in push mode, started and measured alone. Stopped.
 3. NixlConnector P + D, started and measured alone: NIXL's progress thread spins a core per
    engine, so no NIXL server is ever up while another path is measured. Then the baseline for
    handoff's dead-D tests: P prefills one more prompt for D, D is SIGKILLed, and the time until
@@ -21,10 +25,23 @@ The pull and NIXL P/D setups go through the same tiny proxy (``pd_ttft``): P get
 with ``max_tokens`` 1, not streamed, ``kv_transfer_params={"do_remote_decode": true}``; D gets
 P's response ``kv_transfer_params`` and streams. Push (``push_ttft``) sends both legs at once, as
 handoff's proxy does: D (streamed) with a fresh handoff id and P's side channel address, P with
-the same id; P writes its KV into the blocks D registered as soon as its prefill ended. TTFT is from the client's start (before the P
-request) until the first streamed chunk from D that carries a token. The single engine gets the
-same request streamed directly. HandoffConnector moves the KV over its own tcp transport (its
-default in vLLM); NixlConnector over UCX (shared memory / CMA on one host).
+the same id; P writes its KV into the blocks D registered, layer by layer during its last prefill
+step. TTFT is from the client's start (before the P request) until the first streamed chunk from
+D that carries a token. The single engine gets the same request streamed directly.
+HandoffConnector moves the KV over its own tcp transport (its default in vLLM); NixlConnector over
+UCX (shared memory / CMA on one host).
+
+Phases (``ttft_phases_ms``): handoff's P and D write their scheduler's moments to a timeline
+(extra config ``timeline``, :mod:`handoff_vllm.timeline`), joined with the client's clock by the
+handoff id. Each handoff P/D TTFT splits into consecutive phases that add up to it:
+``p_queue`` (client to P's scheduler), ``p_prefill`` (P's scheduler to P's request finished),
+``p_answer`` (P finished to the client holding P's response; pull), ``hop_to_d`` (the client's
+response to D's scheduler seeing the request; pull), ``d_alloc`` (D's scheduler to blocks given;
+pull), ``kv_landed`` (pull: blocks given, push: P's request finished, to D's connector telling
+vLLM the KV is in; negative in push when the layer-wise writes were in before P's request
+finished), ``d_first_step`` (to the first step computing for it being built) and
+``first_token`` (that step to the client's first token). The p50 of each over all measured
+requests, and at 2048 tokens.
 
 Prompts: random token ids in 5..4000, fixed seeds, a distinct prompt per request (no prefix-cache
 hits), lengths 256, 512, 1024 and 2048; concurrency 1; requests alternate between lengths (one of
@@ -34,9 +51,9 @@ per setup are not counted.
 Ratios (``*_vs_*_ttft_p50``/``_p99``): the p50 (p99) of the first path's TTFTs over the p50 (p99)
 of the second's, each **pooled over all measured requests of all lengths** (the same number per
 length in every path). Per-length p50/p99 and per-length p50 ratios are under ``ttft_ms`` and
-``ttft_p50_ratio_by_length``. With ~10 requests per length, a per-length p99 is close to that
-length's maximum. Greedy output token ids of D are compared with the single engine's for every
-measured prompt (``output_mismatches_bench``; not asserted: dummy weights, random prompts).
+``ttft_p50_ratio_by_length``. Greedy output token ids of D are compared with the single engine's
+for every measured prompt (``output_mismatches_bench``: reported; random prompts may hold a
+near-tie that two batch shapes break differently).
 
 Also reported: P's share of each P/D TTFT (``ttft_ms.<path>.p_share_all``: the P round trip
 before D is asked), the cores idle servers burn (``ttft_bench_idle_cores``: NIXL's spin shows
@@ -44,8 +61,8 @@ there), and the cores other processes used while each path was measured
 (``ttft_bench_other_load_cores``: this machine is shared; a busy neighbour shows up there). Every
 sample goes to ``bench-ttft-samples.json`` beside the server logs.
 
-Knobs: HANDOFF_BENCH_REQUESTS (measured requests per length and path, default 10),
-HANDOFF_BENCH_WARMUP (default 3), HANDOFF_BENCH_MAX_TOKENS (D's output tokens, default 4).
+Knobs: HANDOFF_BENCH_REQUESTS (measured requests per length and path, default 5),
+HANDOFF_BENCH_WARMUP (default 2), HANDOFF_BENCH_MAX_TOKENS (D's output tokens, default 4).
 """
 
 from __future__ import annotations
@@ -57,21 +74,37 @@ import secrets
 import signal
 import threading
 import time
+from pathlib import Path
 
 import requests
 
-from conftest import LOGS, REPORT, STARTUP_S, Server, connector, free_port
+from conftest import (LOGS, P_MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, STARTUP_S, Server,
+                      connector, free_port)
 
 LENGTHS = [256, 512, 1024, 2048]
-BENCH_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
-N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "10"))
-WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "3"))
+N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "5"))
+WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "2"))
 MAX_TOKENS = int(os.environ.get("HANDOFF_BENCH_MAX_TOKENS", "4"))
-TIMEOUT_S = 60
+TIMEOUT_S = 120
 PATHS = ["handoff", "push", "nixl", "single"]
 # NixlConnector frees a request's blocks on P when D's read notification arrives or its lease
 # (kv_lease_duration, 30 s by default) ends: wait a little longer than that for the baseline.
 NIXL_RECLAIM_LIMIT_S = 45
+# One core per engine, as each engine of a cluster has a host (or GPU) of its own: P (and the
+# single engine) on CPU 0, D on CPU 1. Unpinned, the two engines of a P/D pair take each other's
+# cores: vLLM steps without pause while a request waits for remote KV (D during a push's whole
+# prefill) and its worker then spins (sched_yield) for 1 s after every step (shm_broadcast's
+# SpinCondition, busy_loop_s = 1, not configurable). Measured unpinned: P's prefill of 256
+# tokens took 280-840 ms back to back against 282-298 ms on the single engine, and a waiting
+# push D burnt a whole core while its P prefilled 2048 tokens 30% slower than the single engine.
+P_CPUS, D_CPUS = ("0", "1") if (os.cpu_count() or 1) >= 2 else (None, None)
+# Each request of every path starts this long after the previous one ended: past that spin.
+SETTLE_S = 1.2
+# A streamed push posts each layer's writes on the grant D gave when P's last step was built:
+# D's registration lease must outlast P's forward pass (~4 s for 2048 tokens here).
+PUSH_REGISTRATION_LEASE_MS = 10_000
+# The bench's P and D log what a failed request needs explained.
+BENCH_LOG = {"RUST_LOG": "info,handoff_vllm=debug,handoff_transport=debug"}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -89,15 +122,15 @@ def warmups() -> list[list[int]]:
 
 
 def body(ids: list[int], max_tokens: int, **extra) -> dict:
-    b = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+    b = {"model": REAL_MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
          "return_token_ids": True}
     b.update(extra)
     return b
 
 
 def stream_tokens(session: requests.Session, url: str, b: dict, t0: float) -> tuple[float, list[int]]:
-    """POSTs a streamed completion; returns (seconds from t0 to the first chunk carrying a token,
-    all generated token ids)."""
+    """POSTs a streamed completion; returns (seconds from t0, a `time.time()`, to the first chunk
+    carrying a token, all generated token ids)."""
     first = None
     tokens: list[int] = []
     with session.post(url + "/v1/completions", json=dict(b, stream=True), stream=True,
@@ -118,7 +151,7 @@ def stream_tokens(session: requests.Session, url: str, b: dict, t0: float) -> tu
                     raise RuntimeError(f"{url}: finish_reason error: {chunk}")
                 got = c.get("token_ids") or []
                 if got and first is None:
-                    first = time.perf_counter() - t0
+                    first = time.time() - t0
                 tokens.extend(got)
     if first is None:
         raise RuntimeError(f"{url}: stream ended without a token")
@@ -126,11 +159,11 @@ def stream_tokens(session: requests.Session, url: str, b: dict, t0: float) -> tu
 
 
 def pd_ttft(session: requests.Session, p: Server, d: Server, ids: list[int],
-            p_share: list[float]) -> tuple[float, list[int]]:
+            marks: dict) -> tuple[float, list[int]]:
     """The tiny proxy, as vLLM's toy proxy does it: P (max_tokens 1, not streamed,
-    do_remote_decode), then D streamed with P's kv_transfer_params. Appends P's round trip (the
-    part of the TTFT spent before D is asked) to `p_share`."""
-    t0 = time.perf_counter()
+    do_remote_decode), then D streamed with P's kv_transfer_params. Fills `marks` with the
+    client's moments (unix seconds: `t0`, `p_answer`) and the handoff id."""
+    t0 = marks["t0"] = time.time()
     r = session.post(p.url + "/v1/completions",
                      json=body(ids, 1, kv_transfer_params={"do_remote_decode": True}),
                      timeout=TIMEOUT_S)
@@ -139,12 +172,13 @@ def pd_ttft(session: requests.Session, p: Server, d: Server, ids: list[int],
     params = r.json().get("kv_transfer_params")
     if not params or not params.get("do_remote_prefill"):
         raise RuntimeError(f"{p.name} returned no kv_transfer_params: {r.text[:300]}")
-    p_share.append(time.perf_counter() - t0)
+    marks["p_answer"] = time.time()
+    marks["handoff"] = params.get("handoff_id")
     return stream_tokens(session, d.url, body(ids, MAX_TOKENS, kv_transfer_params=params), t0)
 
 
 def push_ttft(session: requests.Session, p: Server, d: Server, p_side_port: int,
-              ids: list[int]) -> tuple[float, list[int]]:
+              ids: list[int], marks: dict) -> tuple[float, list[int]]:
     """Both legs at once under a fresh handoff id, as handoff's proxy sends them in push mode:
     P's (max_tokens 1, not streamed) from a thread, D's streamed here."""
     handoff = secrets.token_hex(16)
@@ -152,7 +186,8 @@ def push_ttft(session: requests.Session, p: Server, d: Server, p_side_port: int,
     d_params = {"do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
                 "remote_engine_id": "bench-push-p", "remote_host": "127.0.0.1",
                 "remote_port": p_side_port, "tp_size": 1, "epoch": 1}
-    t0 = time.perf_counter()
+    marks["handoff"] = handoff
+    t0 = marks["t0"] = time.time()
     errors: list[str] = []
 
     def p_leg():
@@ -175,8 +210,10 @@ def push_ttft(session: requests.Session, p: Server, d: Server, p_side_port: int,
             raise RuntimeError(errors[0])
 
 
-def single_ttft(session: requests.Session, s: Server, ids: list[int]) -> tuple[float, list[int]]:
-    return stream_tokens(session, s.url, body(ids, MAX_TOKENS), time.perf_counter())
+def single_ttft(session: requests.Session, s: Server, ids: list[int],
+                marks: dict) -> tuple[float, list[int]]:
+    marks["t0"] = time.time()
+    return stream_tokens(session, s.url, body(ids, MAX_TOKENS), marks["t0"])
 
 
 def stop(servers: list[Server]) -> None:
@@ -206,12 +243,13 @@ def stop(servers: list[Server]) -> None:
         s.log.close()
 
 
-def start(specs: list[tuple[str, dict | None, dict]]) -> list[Server]:
+def start(specs: list[tuple[str, dict | None, dict, str | None]]) -> list[Server]:
+    """Starts (name, connector, env, cpus) servers and waits until all are healthy."""
     servers: list[Server] = []
     try:
-        for name, conn, env in specs:
-            servers.append(Server(name, conn, ["--max-model-len", str(BENCH_MAX_MODEL_LEN)],
-                                  env_extra=env, real=False))
+        for name, conn, env, cpus in specs:
+            servers.append(Server(name, conn, ["--max-model-len", str(P_MAX_MODEL_LEN)],
+                                  env_extra=env, cpus=cpus))
         deadline = time.monotonic() + STARTUP_S
         for s in servers:
             s.wait_healthy(deadline)
@@ -286,6 +324,9 @@ class Bench:
     def __init__(self):
         self.ttft: dict[str, dict[int, list[float]]] = {p: {} for p in PATHS}  # ms
         self.p_share: dict[str, list[float]] = {"handoff": [], "nixl": []}  # ms
+        # Per measured request of a handoff path: its length, TTFT and the client's moments.
+        self.marks: dict[str, list[dict]] = {"handoff": [], "push": []}
+        self.timelines: dict[str, list[Path]] = {}
         self.outputs: dict[str, list] = {p: [] for p in PATHS}
         self.errors: list[str] = []
         self.phases: dict[str, float] = {}  # seconds
@@ -295,29 +336,42 @@ class Bench:
 
     def run(self, path: str, fn, servers: list[Server]) -> None:
         """Warm-ups, then every measured request in order; failures are recorded, not raised.
-        `fn(session, ids, p_share)` returns (TTFT s, token ids)."""
+        `fn(session, ids, marks)` returns (TTFT s, token ids) and fills `marks` (the client's
+        moments, see `pd_ttft`)."""
         session = requests.Session()
         t = time.monotonic()
         with Load(servers) as load:
             for i, ids in enumerate(warmups()):
+                time.sleep(SETTLE_S)
                 try:
-                    fn(session, ids, [])
+                    fn(session, ids, {})
                 except Exception as e:  # noqa: BLE001 - a benchmark records and goes on
                     self.errors.append(f"{path} warm-up {i}: {e}")
             for n, ids in schedule():
-                share: list[float] = []
+                marks: dict = {}
+                time.sleep(SETTLE_S)
                 try:
-                    ttft, tokens = fn(session, ids, share)
+                    ttft, tokens = fn(session, ids, marks)
                 except Exception as e:  # noqa: BLE001
                     self.errors.append(f"{path} prompt of {n}: {e}")
                     continue
                 self.ttft[path].setdefault(n, []).append(ttft * 1000)
-                if share and path in self.p_share:
-                    self.p_share[path].append(share[0] * 1000)
+                if "p_answer" in marks and path in self.p_share:
+                    self.p_share[path].append((marks["p_answer"] - marks["t0"]) * 1000)
+                if path in self.marks:
+                    self.marks[path].append(dict(marks, length=n, first_token=marks["t0"] + ttft))
                 self.outputs[path].append((n, tuple(ids[:4]), tokens))
         session.close()
         self.phases[f"{path}_measure_s"] = round(time.monotonic() - t, 1)
         self.other_load[path] = load.other_cores
+
+
+def timeline_of(name: str) -> tuple[dict, Path]:
+    """A connector config's timeline extra, and its file (emptied first)."""
+    path = LOGS / f"timeline-{name}.jsonl"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return {"timeline": str(path)}, path
 
 
 def test_ttft_handoff_vs_nixl_vs_single():
@@ -327,16 +381,19 @@ def test_ttft_handoff_vs_nixl_vs_single():
     # 1. handoff P/D (pull) and the single engine.
     t = time.monotonic()
     servers: list[Server] = []
+    p_tl, p_tl_path = timeline_of("bench-handoff-p")
+    d_tl, d_tl_path = timeline_of("bench-handoff-d")
+    b.timelines["handoff"] = [p_tl_path, d_tl_path]
     try:
-        servers = start([("bench-handoff-p", connector("bench-p"), {}),
-                         ("bench-handoff-d", connector("bench-d"), {}),
-                         ("bench-single", None, {})])
+        servers = start([("bench-handoff-p", connector("bench-p", **p_tl), BENCH_LOG, P_CPUS),
+                         ("bench-handoff-d", connector("bench-d", **d_tl), BENCH_LOG, D_CPUS),
+                         ("bench-single", None, {}, P_CPUS)])
         b.phases["handoff_single_start_s"] = round(time.monotonic() - t, 1)
         p, d, single = servers
         b.idle["handoff_pd"] = idle_cores([p, d])
         b.idle["single"] = idle_cores([single])
-        b.run("handoff", lambda s, ids, share: pd_ttft(s, p, d, ids, share), servers)
-        b.run("single", lambda s, ids, share: single_ttft(s, single, ids), servers)
+        b.run("handoff", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks), servers)
+        b.run("single", lambda s, ids, marks: single_ttft(s, single, ids, marks), servers)
     except Exception as e:  # noqa: BLE001 - the other setup still runs; asserted below
         b.errors.append(f"handoff/single setup: {e}")
     finally:
@@ -347,14 +404,22 @@ def test_ttft_handoff_vs_nixl_vs_single():
     t = time.monotonic()
     servers = []
     side = free_port()
+    p_tl, p_tl_path = timeline_of("bench-push-p")
+    d_tl, d_tl_path = timeline_of("bench-push-d")
+    b.timelines["push"] = [p_tl_path, d_tl_path]
     try:
         servers = start([("bench-push-p", connector("bench-push-p", mode="push",
-                                                    side_channel_port=side), {}),
-                         ("bench-push-d", connector("bench-push-d", mode="push"), {})])
+                                                    side_channel_port=side, **p_tl),
+                          BENCH_LOG, P_CPUS),
+                         ("bench-push-d", connector(
+                             "bench-push-d", mode="push", **d_tl,
+                             registration_lease_ms=PUSH_REGISTRATION_LEASE_MS),
+                          BENCH_LOG, D_CPUS)])
         b.phases["push_start_s"] = round(time.monotonic() - t, 1)
         push_p, push_d = servers
         b.idle["push_pd"] = idle_cores([push_p, push_d])
-        b.run("push", lambda s, ids, share: push_ttft(s, push_p, push_d, side, ids), servers)
+        b.run("push", lambda s, ids, marks: push_ttft(s, push_p, push_d, side, ids, marks),
+              servers)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"push setup: {e}")
     finally:
@@ -364,12 +429,12 @@ def test_ttft_handoff_vs_nixl_vs_single():
     t = time.monotonic()
     servers = []
     try:
-        servers = start([(f"bench-nixl-{role}", nixl_connector(f"bench-nixl-{role}"), nixl_env())
-                         for role in ("p", "d")])
+        servers = start([(f"bench-nixl-{role}", nixl_connector(f"bench-nixl-{role}"), nixl_env(),
+                          cpus) for role, cpus in (("p", P_CPUS), ("d", D_CPUS))])
         b.phases["nixl_start_s"] = round(time.monotonic() - t, 1)
         p, d = servers
         b.idle["nixl_pd"] = idle_cores([p, d])
-        b.run("nixl", lambda s, ids, share: pd_ttft(s, p, d, ids, share), servers)
+        b.run("nixl", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks), servers)
         b.nixl_reclaim_after_kill_s = nixl_reclaim_after_kill(p, d)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"nixl setup: {e}")
@@ -434,6 +499,83 @@ def nixl_env() -> dict:
             "UCX_NET_DEVICES": "lo"}
 
 
+PHASES = {
+    "handoff": ["p_queue", "p_prefill", "p_answer", "hop_to_d", "d_alloc", "kv_landed",
+                "d_first_step", "first_token"],
+    "push": ["p_queue", "p_prefill", "kv_landed", "d_first_step", "first_token"],
+}
+
+
+def read_timeline(paths: list[Path]) -> dict[tuple[str, str], dict[str, float]]:
+    """(engine, handoff id) -> {event: first unix time} from the P and D timelines. A pull P
+    learns its handoff id only when the request finishes: its earlier lines are joined by the
+    request id."""
+    lines: list[dict] = []
+    for path in paths:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+    handoff_of = {(e["engine"], e["request"]): e["handoff"] for e in lines if e.get("handoff")}
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for e in lines:
+        h = handoff_of.get((e["engine"], e["request"]))
+        if h:
+            out.setdefault((e["engine"], h), {}).setdefault(e["event"], e["at"])
+    return out
+
+
+def request_phases(path: str, m: dict, p: dict[str, float], d: dict[str, float]) -> dict | None:
+    """One request's consecutive phases in ms (they add up to its TTFT), or None when a moment
+    is missing."""
+    if path == "handoff":
+        points = [m["t0"], p.get("arrived"), p.get("prefilled"), m.get("p_answer"),
+                  d.get("arrived"), d.get("allocated"), d.get("landed"), d.get("scheduled"),
+                  m["first_token"]]
+    else:
+        # A streamed push's writes go out during P's last prefill step, so D's KV may be in
+        # before P's request finished: then kv_landed is negative (the overlap won it).
+        points = [m["t0"], p.get("arrived"), p.get("prefilled"), d.get("landed"),
+                  d.get("scheduled"), m["first_token"]]
+    if any(x is None for x in points):
+        return None
+    return {name: (b - a) * 1000 for name, a, b in zip(PHASES[path], points, points[1:])}
+
+
+def phases(b: Bench) -> tuple[dict, int]:
+    """p50 of each phase per handoff path, over all measured requests and at the longest
+    prompt; and how many measured requests had no complete timeline."""
+    out: dict = {}
+    missing = 0
+    for path, marks in b.marks.items():
+        engines = {"handoff": ("bench-p", "bench-d"), "push": ("bench-push-p", "bench-push-d")}
+        p_engine, d_engine = engines[path]
+        tl = read_timeline(b.timelines.get(path, []))
+        rows: list[tuple[int, dict]] = []
+        for m in marks:
+            h = m.get("handoff")
+            row = request_phases(path, m, tl.get((p_engine, h), {}), tl.get((d_engine, h), {}))
+            if row is None:
+                missing += 1
+            else:
+                rows.append((m["length"], row))
+        if not rows:
+            continue
+        out[path] = {
+            scope: {ph: round(percentile([r[ph] for n, r in rows if keep(n)], 0.5), 1)
+                    for ph in PHASES[path]}
+            for scope, keep in (("all", lambda n: True),
+                                (str(LENGTHS[-1]), lambda n: n == LENGTHS[-1]))
+            if any(keep(n) for n, _ in rows)
+        }
+    return out, missing
+
+
 def report(b: Bench, wall: float) -> None:
     def stats(xs):
         return {"p50": round(percentile(xs, 0.5), 1), "p99": round(percentile(xs, 0.99), 1),
@@ -473,6 +615,7 @@ def report(b: Bench, wall: float) -> None:
             if want is not None and toks != want:
                 mismatches.append(f"{path} prompt of {n} starting {list(head)}: {toks} vs {want}")
 
+    phase_ms, phases_missing = phases(b)
     REPORT.update(
         handoff_vs_nixl_ttft_p50=ratio("handoff", "nixl", 0.5),
         handoff_vs_nixl_ttft_p99=ratio("handoff", "nixl", 0.99),
@@ -482,6 +625,9 @@ def report(b: Bench, wall: float) -> None:
         push_vs_nixl_ttft_p99=ratio("push", "nixl", 0.99),
         push_vs_single_ttft_p50=ratio("push", "single", 0.5),
         ttft_ms=ttft,
+        ttft_phases_ms=phase_ms,
+        ttft_phases_missing=phases_missing,
+        ttft_bench_model=REAL_MODEL_NAME,
         ttft_p50_ratio_by_length=by_length,
         ttft_bench_requests=N * len(LENGTHS),
         ttft_bench_errors=len(b.errors),
@@ -497,6 +643,7 @@ def report(b: Bench, wall: float) -> None:
     samples = LOGS / "bench-ttft-samples.json"
     samples.write_text(json.dumps({"ttft_ms": b.ttft, "p_share_ms": b.p_share,
                                    "errors": b.errors, "mismatches": mismatches,
+                                   "marks": b.marks,
                                    "phases_s": b.phases}))
 
     print()
@@ -528,6 +675,12 @@ def report(b: Bench, wall: float) -> None:
     print(f"output mismatches vs single: {len(mismatches)}; errors: {len(b.errors)}; "
           f"wall {wall:.1f} s; " + ", ".join(f"{k} {v}" for k, v in b.phases.items())
           + f"; samples in {samples}")
+    for path, scopes in phase_ms.items():
+        for scope, row in scopes.items():
+            print(f"{path} phases p50 ms ({scope} tokens): "
+                  + ", ".join(f"{k} {v}" for k, v in row.items()))
+    if phases_missing:
+        print(f"  {phases_missing} measured requests had no complete timeline")
     for m in mismatches[:5]:
         print("  mismatch:", m)
     for e in b.errors[:10]:
