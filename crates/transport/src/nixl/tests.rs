@@ -944,14 +944,19 @@ fn spread_cuts_cover_the_same_bytes_in_order() {
     assert_eq!(s.cut(&many, &many), None);
     let small = [(0, (s.wanted() * MIN_SPREAD_PIECE) - 4096)];
     assert_eq!(s.cut(&small, &small), None);
+    // A post a copy on the caller's thread finishes inside post_xfer_req stays there, though
+    // its pieces would be long enough (a layer-wise stage).
+    let stage = [(0, MIN_SPREAD_TOTAL - 4096)];
+    assert!((MIN_SPREAD_TOTAL - 4096) / s.wanted() >= MIN_SPREAD_PIECE);
+    assert_eq!(s.cut(&stage, &stage), None);
     assert_eq!(s.cut(&[], &[]), None);
 }
 
 #[test]
 fn nixl_few_large_descriptors_are_spread_over_the_pool_and_land_exactly() {
     let Some(cfg) = nixl() else { return };
-    // 16 MiB in one region-long descriptor: 128 pieces of 128 KiB for the 2 pool threads.
-    let len = 16 << 20;
+    // 64 MiB in one region-long descriptor: 128 pieces of 512 KiB for the 2 pool threads.
+    let len = 64 << 20;
     let p = pair(&cfg, len, 1 << 20);
     let b_name = p.b.name().to_string();
     let run = |op: XferOp, descs: &[XferDesc]| {
@@ -967,10 +972,10 @@ fn nixl_few_large_descriptors_are_spread_over_the_pool_and_land_exactly() {
     };
     p.rb.write(0, &pattern(7, len)).unwrap();
     run(XferOp::Read, &[desc(0, 0, len as u64)]);
-    same("READ of one 16 MiB descriptor");
+    same("READ of one 64 MiB descriptor");
     p.ra.write(0, &pattern(8, len)).unwrap();
     run(XferOp::Write, &[desc(0, 0, len as u64)]);
-    same("WRITE of one 16 MiB descriptor");
+    same("WRITE of one 64 MiB descriptor");
     assert_eq!(p.a.spread_posts(), 2);
     // Two descriptors of 1 MiB (pieces would be under MIN_SPREAD_PIECE): posted as they are,
     // and still exact; the notifications of all three arrive once each.
