@@ -3,7 +3,7 @@
 Every output comparison runs on a real model: SmolLM2-135M-Instruct (30 layers, real weights,
 its tokenizer and chat template), converted by ``scripts/fetch-model`` into ``.model-smollm2/``.
 The tiny 2-layer model with dummy weights (``model/``) stays where a test compares no output
-and wants speed (the TTFT benchmark, the hook-level tests).
+and wants speed (the hook-level tests).
 
 One single reference engine (no connector) for the whole session; each module starts the P and
 D it needs and stops them at its end, so that no more than three real-model servers (~3.7 GB
