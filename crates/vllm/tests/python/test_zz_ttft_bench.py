@@ -12,9 +12,11 @@ each request starts ``SETTLE_S`` after the previous one ended. Servers of its ow
 time:
 
 1. handoff P + D in pull mode (``HandoffConnector``, no digest, no test switches) and a single
-   engine, started together; the pull path is measured, then the single engine (the cores idle
-   servers burn are measured first: ``ttft_bench_idle_cores``). All three are stopped.
-2. handoff P + D in push mode, started and measured alone. Stopped.
+   engine, started together (the cores idle servers burn are measured first:
+   ``ttft_bench_idle_cores``); each prompt goes through the pull path, then to the single
+   engine (interleaved: a drift of the machine's speed moves both alike). P and D are stopped.
+2. handoff P + D in push mode, started beside the same single engine; each prompt goes through
+   push, then to the single engine again (``single_push``, push's baseline). All stopped.
 3. NixlConnector P + D, started and measured alone: NIXL's progress thread spins a core per
    engine, so no NIXL server is ever up while another path is measured. Then the baseline for
    handoff's dead-D tests: P prefills one more prompt for D, D is SIGKILLed, and the time until
@@ -50,7 +52,8 @@ per setup are not counted.
 
 Ratios (``*_vs_*_ttft_p50``/``_p99``): the p50 (p99) of the first path's TTFTs over the p50 (p99)
 of the second's, each **pooled over all measured requests of all lengths** (the same number per
-length in every path). Per-length p50/p99 and per-length p50 ratios are under ``ttft_ms`` and
+length in every path); a ratio to ``single`` takes the single engine's requests of the same
+setup (``BASELINE``: push's are ``single_push``). Per-length p50/p99 and per-length p50 ratios are under ``ttft_ms`` and
 ``ttft_p50_ratio_by_length``. Greedy output token ids of D are compared with the single engine's
 for every measured prompt (``output_mismatches_bench``: reported; random prompts may hold a
 near-tie that two batch shapes break differently).
@@ -86,7 +89,12 @@ N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "5"))
 WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "2"))
 MAX_TOKENS = int(os.environ.get("HANDOFF_BENCH_MAX_TOKENS", "4"))
 TIMEOUT_S = 120
-PATHS = ["handoff", "push", "nixl", "single"]
+PATHS = ["handoff", "push", "nixl", "single", "single_push"]
+# Each P/D path's baseline: the single engine measured in the same setup, its requests
+# interleaved with the path's one by one, so a machine whose speed drifts between setups (this
+# one is shared) moves both sides of a ratio alike. One CI run measured pull and the single engine
+# in turn, then push: push came out 0.75x the single engine.
+BASELINE = {"handoff": "single", "push": "single_push", "nixl": "single"}
 # NixlConnector frees a request's blocks on P when D's read notification arrives or its lease
 # (kv_lease_duration, 30 s by default) ends: wait a little longer than that for the baseline.
 NIXL_RECLAIM_LIMIT_S = 45
@@ -334,36 +342,44 @@ class Bench:
         self.other_load: dict[str, float] = {}  # cores
         self.nixl_reclaim_after_kill_s: float | None = None
 
-    def run(self, path: str, fn, servers: list[Server]) -> None:
-        """Warm-ups, then every measured request in order; failures are recorded, not raised.
-        `fn(session, ids, marks)` returns (TTFT s, token ids) and fills `marks` (the client's
-        moments, see `pd_ttft`)."""
+    def run(self, paths: list[tuple[str, object]], servers: list[Server]) -> None:
+        """Warm-ups, then every measured prompt in order, each sent through every path in turn
+        (interleaved); failures are recorded, not raised. Each `fn(session, ids, marks)` of
+        `paths` returns (TTFT s, token ids) and fills `marks` (the client's moments, see
+        `pd_ttft`)."""
         session = requests.Session()
         t = time.monotonic()
         with Load(servers) as load:
             for i, ids in enumerate(warmups()):
-                time.sleep(SETTLE_S)
-                try:
-                    fn(session, ids, {})
-                except Exception as e:  # noqa: BLE001 - a benchmark records and goes on
-                    self.errors.append(f"{path} warm-up {i}: {e}")
+                for path, fn in paths:
+                    time.sleep(SETTLE_S)
+                    try:
+                        fn(session, ids, {})
+                    except Exception as e:  # noqa: BLE001 - a benchmark records and goes on
+                        self.errors.append(f"{path} warm-up {i}: {e}")
             for n, ids in schedule():
-                marks: dict = {}
-                time.sleep(SETTLE_S)
-                try:
-                    ttft, tokens = fn(session, ids, marks)
-                except Exception as e:  # noqa: BLE001
-                    self.errors.append(f"{path} prompt of {n}: {e}")
-                    continue
-                self.ttft[path].setdefault(n, []).append(ttft * 1000)
-                if "p_answer" in marks and path in self.p_share:
-                    self.p_share[path].append((marks["p_answer"] - marks["t0"]) * 1000)
-                if path in self.marks:
-                    self.marks[path].append(dict(marks, length=n, first_token=marks["t0"] + ttft))
-                self.outputs[path].append((n, tuple(ids[:4]), tokens))
+                for path, fn in paths:
+                    self.one(path, fn, session, n, ids)
         session.close()
-        self.phases[f"{path}_measure_s"] = round(time.monotonic() - t, 1)
-        self.other_load[path] = load.other_cores
+        names = "_".join(path for path, _ in paths)
+        self.phases[f"{names}_measure_s"] = round(time.monotonic() - t, 1)
+        for path, _ in paths:
+            self.other_load[path] = load.other_cores
+
+    def one(self, path: str, fn, session: requests.Session, n: int, ids: list[int]) -> None:
+        marks: dict = {}
+        time.sleep(SETTLE_S)
+        try:
+            ttft, tokens = fn(session, ids, marks)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"{path} prompt of {n}: {e}")
+            return
+        self.ttft[path].setdefault(n, []).append(ttft * 1000)
+        if "p_answer" in marks and path in self.p_share:
+            self.p_share[path].append((marks["p_answer"] - marks["t0"]) * 1000)
+        if path in self.marks:
+            self.marks[path].append(dict(marks, length=n, first_token=marks["t0"] + ttft))
+        self.outputs[path].append((n, tuple(ids[:4]), tokens))
 
 
 def timeline_of(name: str) -> tuple[dict, Path]:
@@ -378,9 +394,10 @@ def test_ttft_handoff_vs_nixl_vs_single():
     started = time.monotonic()
     b = Bench()
 
-    # 1. handoff P/D (pull) and the single engine.
+    # 1. handoff P/D (pull) and the single engine, interleaved.
     t = time.monotonic()
     servers: list[Server] = []
+    single: Server | None = None
     p_tl, p_tl_path = timeline_of("bench-handoff-p")
     d_tl, d_tl_path = timeline_of("bench-handoff-d")
     b.timelines["handoff"] = [p_tl_path, d_tl_path]
@@ -392,33 +409,37 @@ def test_ttft_handoff_vs_nixl_vs_single():
         p, d, single = servers
         b.idle["handoff_pd"] = idle_cores([p, d])
         b.idle["single"] = idle_cores([single])
-        b.run("handoff", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks), servers)
-        b.run("single", lambda s, ids, marks: single_ttft(s, single, ids, marks), servers)
+        b.run([("handoff", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks)),
+               ("single", lambda s, ids, marks: single_ttft(s, single, ids, marks))], servers)
     except Exception as e:  # noqa: BLE001 - the other setup still runs; asserted below
         b.errors.append(f"handoff/single setup: {e}")
     finally:
-        stop(servers)
+        # The single engine stays for the push setup (its baseline there).
+        stop([x for x in servers if x is not single])
 
-    # 2. handoff P/D in push mode, on its own: five vLLM servers starting and stepping on two
-    # cores stall each other past the transport's 1.5 s silence limit.
+    # 2. handoff P/D in push mode, interleaved with the same single engine.
     t = time.monotonic()
-    servers = []
+    servers = [single] if single is not None else []
     side = free_port()
     p_tl, p_tl_path = timeline_of("bench-push-p")
     d_tl, d_tl_path = timeline_of("bench-push-d")
     b.timelines["push"] = [p_tl_path, d_tl_path]
     try:
-        servers = start([("bench-push-p", connector("bench-push-p", mode="push",
-                                                    side_channel_port=side, **p_tl),
-                          BENCH_LOG, P_CPUS),
-                         ("bench-push-d", connector(
-                             "bench-push-d", mode="push", **d_tl,
-                             registration_lease_ms=PUSH_REGISTRATION_LEASE_MS),
-                          BENCH_LOG, D_CPUS)])
+        pair = start([("bench-push-p", connector("bench-push-p", mode="push",
+                                                 side_channel_port=side, **p_tl),
+                       BENCH_LOG, P_CPUS),
+                      ("bench-push-d", connector(
+                          "bench-push-d", mode="push", **d_tl,
+                          registration_lease_ms=PUSH_REGISTRATION_LEASE_MS),
+                       BENCH_LOG, D_CPUS)])
+        servers += pair
         b.phases["push_start_s"] = round(time.monotonic() - t, 1)
-        push_p, push_d = servers
+        push_p, push_d = pair
         b.idle["push_pd"] = idle_cores([push_p, push_d])
-        b.run("push", lambda s, ids, marks: push_ttft(s, push_p, push_d, side, ids, marks),
+        if single is None:
+            raise RuntimeError("no single engine to interleave with (setup 1 failed)")
+        b.run([("push", lambda s, ids, marks: push_ttft(s, push_p, push_d, side, ids, marks)),
+               ("single_push", lambda s, ids, marks: single_ttft(s, single, ids, marks))],
               servers)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"push setup: {e}")
@@ -434,7 +455,7 @@ def test_ttft_handoff_vs_nixl_vs_single():
         b.phases["nixl_start_s"] = round(time.monotonic() - t, 1)
         p, d = servers
         b.idle["nixl_pd"] = idle_cores([p, d])
-        b.run("nixl", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks), servers)
+        b.run([("nixl", lambda s, ids, marks: pd_ttft(s, p, d, ids, marks))], servers)
         b.nixl_reclaim_after_kill_s = nixl_reclaim_after_kill(p, d)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"nixl setup: {e}")
@@ -449,7 +470,8 @@ def test_ttft_handoff_vs_nixl_vs_single():
     # unavailable" under two spinning progress threads) are vLLM's, not handoff's: they are
     # counted in the report (ttft_bench_errors, ttft_ms.nixl.n), not asserted.
     ours = [e for e in b.errors if not e.startswith("nixl")]
-    assert not ours and all(counts[p] == expected for p in ("handoff", "push", "single")), \
+    assert not ours and all(counts[p] == expected
+                            for p in ("handoff", "push", "single", "single_push")), \
         f"completed {counts} of {expected} each; errors: {b.errors[:10]}"
 
 
@@ -591,6 +613,7 @@ def report(b: Bench, wall: float) -> None:
             ttft[path]["p_share_all"] = stats(b.p_share[path])
 
     def ratio(x, y, q):
+        y = BASELINE.get(x, y) if y == "single" else y
         if not pooled[x] or not pooled[y]:
             return None
         return round(percentile(pooled[x], q) / percentile(pooled[y], q), 3)
@@ -601,7 +624,8 @@ def report(b: Bench, wall: float) -> None:
     for n in LENGTHS:
         row = {}
         for x, y in pairs:
-            xs, ys = b.ttft[x].get(n), b.ttft[y].get(n)
+            xs = b.ttft[x].get(n)
+            ys = b.ttft[BASELINE.get(x, y) if y == "single" else y].get(n)
             row[f"{x}_vs_{y}"] = round(percentile(xs, 0.5) / percentile(ys, 0.5), 3) \
                 if xs and ys else None
         by_length[str(n)] = row
