@@ -53,8 +53,8 @@ per setup are not counted.
 Ratios (``*_vs_*_ttft_p50``/``_p99``): the p50 (p99) of the first path's TTFTs over the p50 (p99)
 of the second's, each **pooled over all measured requests of all lengths** (the same number per
 length in every path); a ratio to ``single`` takes the single engine's requests of the same
-setup (``BASELINE``: push's are ``single_push``). Per-length p50/p99 and per-length p50 ratios are under ``ttft_ms`` and
-``ttft_p50_ratio_by_length``. Greedy output token ids of D are compared with the single engine's
+setup (``BASELINE``: push's are ``single_push``). Per-length p50/p99 and per-length p50 ratios
+are under ``ttft_ms`` and ``ttft_p50_ratio_by_length``. Greedy output token ids of D are compared with the single engine's
 for every measured prompt (``output_mismatches_bench``: reported; random prompts may hold a
 near-tie that two batch shapes break differently).
 
@@ -120,13 +120,17 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(5, 4000) for _ in range(n)]
 
 
-def schedule() -> list[tuple[int, list[int]]]:
-    """The measured requests, in order: (length, prompt); round r holds one of each length."""
-    return [(n, prompt(n, seed=100_000 + 1000 * r + n)) for r in range(N) for n in LENGTHS]
+def schedule(setup: int = 0) -> list[tuple[int, list[int]]]:
+    """The measured requests of a setup, in order: (length, prompt); round r holds one of each
+    length. Each setup has prompts of its own: the single engine serves two setups, and would
+    find the first one's prompts in its prefix cache."""
+    return [(n, prompt(n, seed=100_000 * (setup + 1) + 1000 * r + n))
+            for r in range(N) for n in LENGTHS]
 
 
-def warmups() -> list[list[int]]:
-    return [prompt(LENGTHS[-1 - (i % len(LENGTHS))], seed=900_000 + i) for i in range(WARMUP)]
+def warmups(setup: int = 0) -> list[list[int]]:
+    return [prompt(LENGTHS[-1 - (i % len(LENGTHS))], seed=900_000 + 100 * setup + i)
+            for i in range(WARMUP)]
 
 
 def body(ids: list[int], max_tokens: int, **extra) -> dict:
@@ -342,7 +346,7 @@ class Bench:
         self.other_load: dict[str, float] = {}  # cores
         self.nixl_reclaim_after_kill_s: float | None = None
 
-    def run(self, paths: list[tuple[str, object]], servers: list[Server]) -> None:
+    def run(self, paths: list[tuple[str, object]], servers: list[Server], setup: int = 0) -> None:
         """Warm-ups, then every measured prompt in order, each sent through every path in turn
         (interleaved); failures are recorded, not raised. Each `fn(session, ids, marks)` of
         `paths` returns (TTFT s, token ids) and fills `marks` (the client's moments, see
@@ -350,14 +354,14 @@ class Bench:
         session = requests.Session()
         t = time.monotonic()
         with Load(servers) as load:
-            for i, ids in enumerate(warmups()):
+            for i, ids in enumerate(warmups(setup)):
                 for path, fn in paths:
                     time.sleep(SETTLE_S)
                     try:
                         fn(session, ids, {})
                     except Exception as e:  # noqa: BLE001 - a benchmark records and goes on
                         self.errors.append(f"{path} warm-up {i}: {e}")
-            for n, ids in schedule():
+            for n, ids in schedule(setup):
                 for path, fn in paths:
                     self.one(path, fn, session, n, ids)
         session.close()
@@ -440,7 +444,7 @@ def test_ttft_handoff_vs_nixl_vs_single():
             raise RuntimeError("no single engine to interleave with (setup 1 failed)")
         b.run([("push", lambda s, ids, marks: push_ttft(s, push_p, push_d, side, ids, marks)),
                ("single_push", lambda s, ids, marks: single_ttft(s, single, ids, marks))],
-              servers)
+              servers, setup=1)
     except Exception as e:  # noqa: BLE001
         b.errors.append(f"push setup: {e}")
     finally:
@@ -631,7 +635,8 @@ def report(b: Bench, wall: float) -> None:
         by_length[str(n)] = row
 
     # Greedy outputs: each P/D path against the single engine, prompt by prompt.
-    single_out = {(n, head): toks for n, head, toks in b.outputs["single"]}
+    single_out = {(n, head): toks for path in ("single", "single_push")
+                  for n, head, toks in b.outputs[path]}
     mismatches = []
     for path in ("handoff", "push", "nixl"):
         for n, head, toks in b.outputs[path]:
