@@ -67,14 +67,20 @@ def hosts(single, tmp_path_factory):
         subprocess.run(["tc", "qdisc", "add", "dev", P_LINK, "root", "tbf", "rate", LINK_RATE,
                         "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
         side = {"cluster_key_file": str(key), "kv_digest": True}
+        # The transport's handshake must finish within its dead-peer limit. On this shaped link
+        # a READ's bytes fill the tail-dropping queue while the connection P dials to D is being
+        # authenticated; its dropped packets wait out TCP's backoff, which once went past the
+        # suite's 4 s (both engines gave up on the handshake, the first READ failed). Killed
+        # peers are still found at once: their sockets close.
+        slow = {"HANDOFF_TCP_DEAD_AFTER_MS": "10000"}
         servers["p"] = Server(
             "hosts-p", connector("vllm-hosts-p", side_channel_host=P_HOST,
                                  data_bind=f"{P_HOST}:0", initial_lease_ms=10000, **side),
-            env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True)
+            env_extra={"RUST_LOG": "info,handoff_vllm=debug", **slow}, log_stats=True)
         servers["d"] = Server(
             "hosts-d", connector("vllm-hosts-d", side_channel_host=D_HOST,
                                  data_bind=f"{D_HOST}:0", **side),
-            host=D_HOST, netns=NS)
+            env_extra=slow, host=D_HOST, netns=NS)
         deadline = time.monotonic() + STARTUP_S
         for s in servers.values():
             s.wait_healthy(deadline)
