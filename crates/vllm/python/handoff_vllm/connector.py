@@ -507,7 +507,8 @@ class HandoffConnector(KVConnectorBase_V1):
         )
         answer = json.loads(out) if out else None
         if keep and remote_decode:
-            self._timeline.mark(request.request_id, "prefilled", (answer or params).get("handoff_id"))
+            handoff = (answer or params).get("handoff_id")
+            self._timeline.mark(request.request_id, "prefilled", handoff)
         self._timeline.forget(request.request_id)
         if family is not None:
             self._siblings[family] = (time.monotonic(), answer)

@@ -61,8 +61,8 @@ class Timeline:
         """The first time vLLM's scheduler asks about a request (it asks again every step while
         the request waits)."""
         if self._file is not None and request not in self._handoff:
-            self.mark(request, "arrived", handoff)
-            self._handoff.setdefault(request, handoff)
+            self._handoff[request] = handoff
+            self.mark(request, "arrived")
 
     def landed(self, requests: list[str]) -> None:
         if self._file is None:

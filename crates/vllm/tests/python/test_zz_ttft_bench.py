@@ -54,9 +54,9 @@ Ratios (``*_vs_*_ttft_p50``/``_p99``): the p50 (p99) of the first path's TTFTs o
 of the second's, each **pooled over all measured requests of all lengths** (the same number per
 length in every path); a ratio to ``single`` takes the single engine's requests of the same
 setup (``BASELINE``: push's are ``single_push``). Per-length p50/p99 and per-length p50 ratios
-are under ``ttft_ms`` and ``ttft_p50_ratio_by_length``. Greedy output token ids of D are compared with the single engine's
-for every measured prompt (``output_mismatches_bench``: reported; random prompts may hold a
-near-tie that two batch shapes break differently).
+are under ``ttft_ms`` and ``ttft_p50_ratio_by_length``. Greedy output token ids of D are
+compared with the single engine's for every measured prompt (``output_mismatches_bench``:
+reported; random prompts may hold a near-tie that two batch shapes break differently).
 
 Also reported: P's share of each P/D TTFT (``ttft_ms.<path>.p_share_all``: the P round trip
 before D is asked), the cores idle servers burn (``ttft_bench_idle_cores``: NIXL's spin shows
@@ -338,7 +338,8 @@ class Bench:
         self.p_share: dict[str, list[float]] = {"handoff": [], "nixl": []}  # ms
         # Per measured request of a handoff path: its length, TTFT and the client's moments.
         self.marks: dict[str, list[dict]] = {"handoff": [], "push": []}
-        self.timelines: dict[str, list[Path]] = {}
+        # Per handoff path: P's and D's timeline files.
+        self.timelines: dict[str, tuple[Path, Path]] = {}
         self.outputs: dict[str, list] = {p: [] for p in PATHS}
         self.errors: list[str] = []
         self.phases: dict[str, float] = {}  # seconds
@@ -404,7 +405,7 @@ def test_ttft_handoff_vs_nixl_vs_single():
     single: Server | None = None
     p_tl, p_tl_path = timeline_of("bench-handoff-p")
     d_tl, d_tl_path = timeline_of("bench-handoff-d")
-    b.timelines["handoff"] = [p_tl_path, d_tl_path]
+    b.timelines["handoff"] = (p_tl_path, d_tl_path)
     try:
         servers = start([("bench-handoff-p", connector("bench-p", **p_tl), BENCH_LOG, P_CPUS),
                          ("bench-handoff-d", connector("bench-d", **d_tl), BENCH_LOG, D_CPUS),
@@ -427,8 +428,10 @@ def test_ttft_handoff_vs_nixl_vs_single():
     side = free_port()
     p_tl, p_tl_path = timeline_of("bench-push-p")
     d_tl, d_tl_path = timeline_of("bench-push-d")
-    b.timelines["push"] = [p_tl_path, d_tl_path]
+    b.timelines["push"] = (p_tl_path, d_tl_path)
     try:
+        if single is None:
+            raise RuntimeError("no single engine to interleave with (setup 1 failed)")
         pair = start([("bench-push-p", connector("bench-push-p", mode="push",
                                                  side_channel_port=side, **p_tl),
                        BENCH_LOG, P_CPUS),
@@ -440,8 +443,6 @@ def test_ttft_handoff_vs_nixl_vs_single():
         b.phases["push_start_s"] = round(time.monotonic() - t, 1)
         push_p, push_d = pair
         b.idle["push_pd"] = idle_cores([push_p, push_d])
-        if single is None:
-            raise RuntimeError("no single engine to interleave with (setup 1 failed)")
         b.run([("push", lambda s, ids, marks: push_ttft(s, push_p, push_d, side, ids, marks)),
                ("single_push", lambda s, ids, marks: single_ttft(s, single, ids, marks))],
               servers, setup=1)
@@ -532,27 +533,25 @@ PHASES = {
 }
 
 
-def read_timeline(paths: list[Path]) -> dict[tuple[str, str], dict[str, float]]:
-    """(engine, handoff id) -> {event: first unix time} from the P and D timelines. A pull P
-    learns its handoff id only when the request finishes: its earlier lines are joined by the
-    request id."""
+def read_timeline(path: Path) -> dict[str, dict[str, float]]:
+    """handoff id -> {event: first unix time} from one engine's timeline. A pull P learns its
+    handoff id only when the request finishes: its earlier lines are joined by the request id."""
     lines: list[dict] = []
-    for path in paths:
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
         try:
-            text = path.read_text()
-        except OSError:
+            lines.append(json.loads(line))
+        except ValueError:
             continue
-        for line in text.splitlines():
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-    handoff_of = {(e["engine"], e["request"]): e["handoff"] for e in lines if e.get("handoff")}
-    out: dict[tuple[str, str], dict[str, float]] = {}
+    handoff_of = {e["request"]: e["handoff"] for e in lines if e.get("handoff")}
+    out: dict[str, dict[str, float]] = {}
     for e in lines:
-        h = handoff_of.get((e["engine"], e["request"]))
+        h = handoff_of.get(e["request"])
         if h:
-            out.setdefault((e["engine"], h), {}).setdefault(e["event"], e["at"])
+            out.setdefault(h, {}).setdefault(e["event"], e["at"])
     return out
 
 
@@ -579,13 +578,13 @@ def phases(b: Bench) -> tuple[dict, int]:
     out: dict = {}
     missing = 0
     for path, marks in b.marks.items():
-        engines = {"handoff": ("bench-p", "bench-d"), "push": ("bench-push-p", "bench-push-d")}
-        p_engine, d_engine = engines[path]
-        tl = read_timeline(b.timelines.get(path, []))
+        if path not in b.timelines:
+            continue
+        p_tl, d_tl = (read_timeline(f) for f in b.timelines[path])
         rows: list[tuple[int, dict]] = []
         for m in marks:
             h = m.get("handoff")
-            row = request_phases(path, m, tl.get((p_engine, h), {}), tl.get((d_engine, h), {}))
+            row = request_phases(path, m, p_tl.get(h, {}), d_tl.get(h, {}))
             if row is None:
                 missing += 1
             else:
