@@ -245,13 +245,20 @@ def back_to(usage, idle: float, since: float, limit_s: float) -> float | None:
 
 # What the tests measured, written as one JSON object at the end (scripts/test-vllm prints it).
 REPORT: dict = {}
+# Each failed test's id → the line its failure ended on (the report's last key: CI shows the tail).
+FAILURES: dict = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's report ends with the handoff lines of every server's log."""
+    """A failed test's report ends with the handoff lines of every server's log; why it failed
+    goes into the JSON report (`failures`)."""
     outcome = yield
     rep = outcome.get_result()
+    if rep.failed:
+        crash = getattr(rep.longrepr, "reprcrash", None)
+        why = crash.message if crash is not None else (str(rep.longrepr).splitlines() or [""])[-1]
+        FAILURES[f"{item.nodeid} ({rep.when})"] = str(why)[:400]
     if rep.when == "call" and rep.failed:
         for s in Server.started:
             rep.sections.append((f"{s.name}'s log, handoff lines ({s.log_path})",
@@ -274,7 +281,7 @@ def pytest_sessionfinish(session, exitstatus):
     if path:
         Path(path).write_text(json.dumps(dict(
             REPORT, vllm=installed_vllm(), tests_run=session.testscollected,
-            tests_failed=session.testsfailed)))
+            tests_failed=session.testsfailed, failures=FAILURES)))
 
 
 def prompt(n: int, seed: int) -> list[int]:
