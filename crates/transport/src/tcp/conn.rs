@@ -806,14 +806,14 @@ fn connect(
     port: u16,
     peer: &str,
 ) -> io::Result<Tx> {
-    let dead_after = inner.cfg.dead_after;
+    let deadline = inner.handshake_deadline();
     let mut last_err = io::Error::new(io::ErrorKind::NotFound, "no address");
     let mut stream = None;
     for addr in (host, port).to_socket_addrs()? {
         if conn.is_closed() {
             return Err(io::Error::other("connection closed"));
         }
-        match TcpStream::connect_timeout(&addr, dead_after) {
+        match TcpStream::connect_timeout(&addr, deadline) {
             Ok(s) => {
                 stream = Some(s);
                 break;
@@ -826,7 +826,7 @@ fn connect(
         // Both ends prove the cluster key before a byte of the protocol: the target serves no
         // one else, and we land nothing from an impostor.
         // Bulk bytes are not tagged (see SECURITY.md): the session key is not used here.
-        crate::auth::dial(&stream, key, "tcp", &inner.name, peer, inner.cfg.dead_after)
+        crate::auth::dial(&stream, key, "tcp", &inner.name, peer, deadline)
             .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))?;
     }
     configure(&stream, inner.tick())?;
@@ -952,7 +952,8 @@ fn serve(
     // With a cluster key, the caller's name is the one it proved, never just the one it claims.
     let proven = match &inner.cfg.key {
         Some(key) => {
-            match crate::auth::accept(&stream, key, "tcp", &inner.name, inner.cfg.dead_after) {
+            let deadline = inner.handshake_deadline();
+            match crate::auth::accept(&stream, key, "tcp", &inner.name, deadline) {
                 Ok((name, _session)) => Some(name),
                 Err(e) => {
                     inner.refuse_conn(&e.to_string());

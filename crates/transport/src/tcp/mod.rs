@@ -30,6 +30,8 @@
 //! and reports the peer once in [`Transport::drain_dead_peers`]. `post` to a peer found dead
 //! returns [`TransportError::PeerDead`] until its metadata is loaded again. A peer that
 //! `forget_remote`s us says GOODBYE first, which is not a death; a dropped transport is.
+//! Setting up a connection (connect, the key's proofs) has its own, longer deadline
+//! (`Inner::handshake_deadline`): on a congested link it waits out TCP's backoff.
 //!
 //! The wire format is described in `wire.rs`.
 //!
@@ -70,8 +72,10 @@ pub struct TcpConfig {
     pub advertise_host: Option<String>,
     /// A connection idle this long sends a ping. Default 250 ms.
     pub keepalive: Duration,
-    /// A peer silent (or not reading) this long is dead; also the connect timeout.
-    /// Default 1500 ms. Must exceed `keepalive`.
+    /// A peer silent (or not reading) on an established connection this long is dead.
+    /// Default 1500 ms. Must exceed `keepalive`. Setting up a connection (the connect and the
+    /// cluster key's proofs) may take longer: 5 s ([`crate::auth::DEFAULT_DEADLINE`]), or
+    /// `dead_after` if that is longer.
     pub dead_after: Duration,
     /// While a transfer's bytes are landing, how long a reader that drained its socket polls it
     /// (non-blocking) before it sleeps in the kernel. Default 200 µs; zero never polls; at most
@@ -215,6 +219,16 @@ pub(super) struct Inner {
 }
 
 impl Inner {
+    /// How long setting up a connection may take: the connect and the cluster key's proofs,
+    /// at each end. Longer than `dead_after` where that is short: a lost SYN is sent again
+    /// after 1 s and 3 s, and a handshake packet that meets a queue full of another
+    /// connection's bulk bytes (a READ served on the connection the peer opened to us) waits
+    /// out TCP's retransmission backoff. A healthy peer failed there would be reported dead.
+    /// A peer that is gone refuses or resets at once; only a silent one costs the whole wait.
+    pub(super) fn handshake_deadline(&self) -> Duration {
+        self.cfg.dead_after.max(crate::auth::DEFAULT_DEADLINE)
+    }
+
     /// Timeout of every socket operation: how often a blocked thread checks for death.
     fn tick(&self) -> Duration {
         self.cfg

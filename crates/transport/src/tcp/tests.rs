@@ -1244,6 +1244,59 @@ fn a_caller_cannot_claim_a_name_it_did_not_prove() {
     );
 }
 
+/// A relay on loopback to `to`: it connects on at once but passes nothing either way for
+/// `delay`, as a link whose queue is full of another connection's bytes would.
+fn slow_relay(to: std::net::SocketAddr, delay: Duration) -> (u16, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (from, _) = l.accept().unwrap();
+        let upstream = std::net::TcpStream::connect(to).unwrap();
+        std::thread::sleep(delay);
+        let (mut up_r, mut from_w) = (upstream.try_clone().unwrap(), from.try_clone().unwrap());
+        let back = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut up_r, &mut from_w);
+            let _ = from_w.shutdown(std::net::Shutdown::Both);
+        });
+        let (mut from_r, mut up_w) = (from, upstream);
+        let _ = std::io::copy(&mut from_r, &mut up_w);
+        let _ = up_w.shutdown(std::net::Shutdown::Both);
+        back.join().unwrap();
+    });
+    (port, h)
+}
+
+/// A handshake slower than `dead_after` (its packets held back 1 s on a 400 ms dead-peer limit)
+/// is not a dead peer: both ends wait for the key's proofs up to the handshake's own deadline,
+/// and the READ lands. With the dead-peer limit as the handshake's deadline both ends gave up
+/// ("authentication did not finish within 400ms") and the healthy peer was reported dead.
+#[test]
+fn a_slow_handshake_on_a_congested_link_is_not_a_dead_peer() {
+    let key = crate::auth::ClusterKey::generate().unwrap();
+    let mut rng = Rng(9);
+    let p = agent("p-slowlink", keyed(Some(&key)));
+    regions(&p, &[4096], &mut rng);
+    let d = agent("d-slowlink", keyed(Some(&key)));
+    let delay = fast().dead_after + Duration::from_millis(600);
+    let (port, _relay) = slow_relay(p.local_addr(), delay);
+    let meta = Meta {
+        name: "p-slowlink".into(),
+        host: "127.0.0.1".into(),
+        port,
+        regions: vec![(0, 4096)],
+    };
+    let start = Instant::now();
+    d.load_remote(&wire::encode_meta(&meta).unwrap()).unwrap();
+    assert_eq!(try_read(&d, &p, 4096), XferStatus::Done);
+    assert!(
+        start.elapsed() >= delay,
+        "the relay held the handshake back"
+    );
+    assert!(d.drain_dead_peers().is_empty());
+    assert!(p.drain_dead_peers().is_empty());
+    assert_eq!(p.refused_connections(), 0);
+}
+
 // ----- grants -----
 
 fn post_one(
