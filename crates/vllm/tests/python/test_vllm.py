@@ -14,9 +14,9 @@ import requests
 from test_router import check_vllm_behind_router
 
 from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HANDOFF_BIN, HOLD_FILE,
-                      INITIAL_LEASE_S, KV_USAGE, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, TRACES,
-                      check_proxy_decodes_like_single, disaggregated, ignore_errors, prompt,
-                      settled_usage, usage_back_to)
+                      INITIAL_LEASE_S, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, TRACES,
+                      check_proxy_decodes_like_single, disaggregated, fresh_usage, ignore_errors,
+                      prompt, usage_back_to)
 
 
 def digest_lines(cluster, what: str) -> int:
@@ -202,7 +202,7 @@ def test_a_request_d_refuses_before_admission_frees_p_at_once(cluster):
     and so the connector, sees it. handoff_vllm.RefusalRelease names its params to D's
     connector, which tells P: P's blocks are back within 2 s, reason rejected (without it, at
     the initial lease + fence, 5.5 s here)."""
-    idle = settled_usage(cluster["p"])
+    idle = fresh_usage(cluster["p"])
     ids = prompt(MAX_MODEL_LEN + 100, seed=51)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     params = p["kv_transfer_params"]
@@ -230,7 +230,7 @@ def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
     switch): vLLM aborts the request, D cancels the READ at once and, as soon as it has ended,
     tells P; P's KV cache usage on vLLM's /metrics is back to idle within 2 s, reason aborted
     (not the READ's deadline, ~4.5 s later, reason failed). D serves the next request."""
-    idle = settled_usage(cluster["p"])
+    idle = fresh_usage(cluster["p"])
     ids = prompt(2 * BLOCK_SIZE + 9, seed=21)
     HOLD_FILE.touch()
     try:
@@ -242,7 +242,7 @@ def test_client_that_leaves_d_mid_read_frees_p_at_once(cluster):
                                timeout=30)
         # D has it: tracked, its READ started and held back.
         time.sleep(0.7)
-        held = cluster["p"].metric(KV_USAGE)
+        held = fresh_usage(cluster["p"])
         assert held > idle, f"P's KV usage {held} while holding the blocks, idle {idle}"
         left = time.time()
         stream.close()
@@ -262,7 +262,7 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
     """SIGKILL D while the request waits on D for its KV: P notices (the side channel closes)
     and its KV cache usage on vLLM's /metrics is back to idle within 2 s, not after a lease.
     Runs after every test that needs D: it kills D."""
-    idle = settled_usage(cluster["p"])
+    idle = fresh_usage(cluster["p"])
     ids = prompt(2 * BLOCK_SIZE + 5, seed=7)
     HOLD_FILE.touch()
     try:
@@ -276,7 +276,7 @@ def test_dead_decode_engine_frees_p_at_once(cluster):
         # D has it: tracked, heartbeating, its READ held back (D gives up on a held READ at its
         # grant's end, ~4.5 s after it started: the kill comes well before).
         time.sleep(0.7)
-        held = cluster["p"].metric(KV_USAGE)
+        held = fresh_usage(cluster["p"])
         assert held > idle, f"P's KV usage {held} while holding the blocks, idle {idle}"
         killed = time.time()
         cluster["d"].kill()
@@ -295,7 +295,7 @@ def test_decode_engine_dead_before_it_hears_frees_p_after_the_initial_lease(clus
     """D is dead (the test above killed it) before it ever hears of this request: nobody claims
     P's handoff, and P's blocks are back when the initial lease and its fence end
     (INITIAL_LEASE_S + handoff's default fence grace of 1.5 s), not earlier, not much later."""
-    idle = settled_usage(cluster["p"])
+    idle = fresh_usage(cluster["p"])
     ids = prompt(BLOCK_SIZE + 3, seed=13)
     p = cluster["p"].complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
     answered = time.time()

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from conftest import (BLOCK_SIZE, KV_USAGE, REPORT, STARTUP_S, Server, connector,
-                      disaggregated, ignore_errors, prompt, settled_usage, usage_back_to)
+from conftest import (BLOCK_SIZE, REPORT, STARTUP_S, Server, connector,
+                      disaggregated, fresh_usage, ignore_errors, prompt, usage_back_to)
 
 NS = f"hv-vllm-{os.getpid()}"
 P_HOST, D_HOST = "10.231.7.1", "10.231.7.2"
@@ -124,13 +124,13 @@ def test_d_killed_mid_read_frees_p_at_once(hosts):
     than the READ has left (it happened: 93% sent between two polls), that READ is let finish
     and another prompt tried, up to three times."""
     p = hosts["p"]
-    idle = settled_usage(p)
+    idle = fresh_usage(p)
     for attempt in range(3):
         ids = prompt(1000, seed=77 + attempt)
         total = len(ids) * KV_BYTES_PER_TOKEN
         params = p.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})[
             "kv_transfer_params"]
-        held = p.metric(KV_USAGE)
+        held = fresh_usage(p)
         assert held > idle, f"P's KV usage {held} while it holds the prompt, idle {idle}"
         before = link_bytes()
         reading = threading.Thread(target=ignore_errors, args=(hosts["d"].complete, ids, 4),
