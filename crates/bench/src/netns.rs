@@ -138,6 +138,19 @@ impl Net {
         ip(&["-n", &self.hub(), "link", "set", &self.port(name), "up"])
     }
 
+    /// Runs this same binary, with this process's arguments and `--netns-inside PREFIX:SUBNET`
+    /// (how the inner run attaches to these hosts), on node `name`, and waits for it.
+    pub fn rerun_inside(&self, name: &str) -> std::io::Result<std::process::ExitStatus> {
+        self.exec(name)
+            .arg(std::env::current_exe()?)
+            .args(std::env::args().skip(1))
+            .args([
+                "--netns-inside",
+                &format!("{}:{}", self.prefix, self.subnet),
+            ])
+            .status()
+    }
+
     /// `ip netns exec <node's namespace>`, ready for the program and its arguments.
     pub fn exec(&self, name: &str) -> Command {
         let mut c = Command::new("ip");

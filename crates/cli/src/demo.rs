@@ -363,13 +363,8 @@ fn run_in_namespaces() -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let exe = std::env::current_exe().context("cannot find the handoff binary")?;
     let status = net
-        .exec("client")
-        .arg(exe)
-        .args(std::env::args().skip(1))
-        .args(["--netns-inside", &format!("{}:{}", net.prefix, net.subnet)])
-        .status()
+        .rerun_inside("client")
         .context("cannot run the demo inside the namespaces")?;
     drop(net);
     if !status.success() {

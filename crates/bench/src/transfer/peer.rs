@@ -226,11 +226,7 @@ pub(super) fn run_in_namespaces() -> anyhow::Result<()> {
     }
     let net = crate::netns::Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;
     let status = net
-        .exec("local")
-        .arg(std::env::current_exe()?)
-        .args(std::env::args().skip(1))
-        .args(["--netns-inside", &format!("{}:{}", net.prefix, net.subnet)])
-        .status()
+        .rerun_inside("local")
         .context("cannot run the bench inside the namespaces")?;
     drop(net);
     if !status.success() {
