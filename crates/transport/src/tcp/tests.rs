@@ -1246,10 +1246,10 @@ fn a_caller_cannot_claim_a_name_it_did_not_prove() {
 
 /// A relay on loopback to `to`: it connects on at once but passes nothing either way for
 /// `delay`, as a link whose queue is full of another connection's bytes would.
-fn slow_relay(to: std::net::SocketAddr, delay: Duration) -> (u16, std::thread::JoinHandle<()>) {
+fn slow_relay(to: std::net::SocketAddr, delay: Duration) -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
-    let h = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         let (from, _) = l.accept().unwrap();
         let upstream = std::net::TcpStream::connect(to).unwrap();
         std::thread::sleep(delay);
@@ -1263,7 +1263,7 @@ fn slow_relay(to: std::net::SocketAddr, delay: Duration) -> (u16, std::thread::J
         let _ = up_w.shutdown(std::net::Shutdown::Both);
         back.join().unwrap();
     });
-    (port, h)
+    port
 }
 
 /// A handshake slower than `dead_after` (its packets held back 1 s on a 400 ms dead-peer limit)
@@ -1278,7 +1278,7 @@ fn a_slow_handshake_on_a_congested_link_is_not_a_dead_peer() {
     regions(&p, &[4096], &mut rng);
     let d = agent("d-slowlink", keyed(Some(&key)));
     let delay = fast().dead_after + Duration::from_millis(600);
-    let (port, _relay) = slow_relay(p.local_addr(), delay);
+    let port = slow_relay(p.local_addr(), delay);
     let meta = Meta {
         name: "p-slowlink".into(),
         host: "127.0.0.1".into(),

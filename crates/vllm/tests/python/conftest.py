@@ -255,11 +255,12 @@ def pytest_runtest_makereport(item, call):
     goes into the JSON report (`failures`)."""
     outcome = yield
     rep = outcome.get_result()
-    if rep.failed:
-        crash = getattr(rep.longrepr, "reprcrash", None)
-        why = crash.message if crash is not None else (str(rep.longrepr).splitlines() or [""])[-1]
-        FAILURES[f"{item.nodeid} ({rep.when})"] = str(why)[:400]
-    if rep.when == "call" and rep.failed:
+    if not rep.failed:
+        return
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    why = crash.message if crash is not None else (str(rep.longrepr).splitlines() or [""])[-1]
+    FAILURES[f"{item.nodeid} ({rep.when})"] = why[:400]
+    if rep.when == "call":
         for s in Server.started:
             rep.sections.append((f"{s.name}'s log, handoff lines ({s.log_path})",
                                  s.connector_lines()))

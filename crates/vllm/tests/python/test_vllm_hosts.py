@@ -67,11 +67,12 @@ def hosts(single, tmp_path_factory):
         subprocess.run(["tc", "qdisc", "add", "dev", P_LINK, "root", "tbf", "rate", LINK_RATE,
                         "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
         side = {"cluster_key_file": str(key), "kv_digest": True}
-        # The transport's handshake must finish within its dead-peer limit. On this shaped link
-        # a READ's bytes fill the tail-dropping queue while the connection P dials to D is being
-        # authenticated; its dropped packets wait out TCP's backoff, which once went past the
-        # suite's 4 s (both engines gave up on the handshake, the first READ failed). Killed
-        # peers are still found at once: their sockets close.
+        # The transport's handshake may take its own deadline (5 s) or the dead-peer limit,
+        # whichever is longer. On this shaped link a READ's bytes fill the tail-dropping queue
+        # while the connection P dials to D is being authenticated; its dropped packets wait out
+        # TCP's backoff, which once went past 4 s (both engines gave up on the handshake, the
+        # first READ failed): 10 s leaves room. Killed peers are still found at once: their
+        # sockets close.
         slow = {"HANDOFF_TCP_DEAD_AFTER_MS": "10000"}
         servers["p"] = Server(
             "hosts-p", connector("vllm-hosts-p", side_channel_host=P_HOST,
