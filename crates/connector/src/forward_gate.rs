@@ -8,10 +8,20 @@
 //! handoff's digest until the forward ended (it covers every layer). A job is posted only within
 //! the time its registration grant allows; past it, it ends failed without moving a byte (D
 //! recomputes), never late (rule 3).
+//!
+//! The grant that counts is the one in force when the layer is saved, not the one the step was
+//! planned on: D renews its grants on every P heartbeat, and a forward pass may run far longer
+//! than one grant (a long prompt; a slow machine). The scheduler side passes each renewal on
+//! ([`crate::WorkerOp::RenewWrites`]) and it lands in the gate's [`WriteGrants`], which whatever
+//! carries renewals during the forward (vLLM's grant line) shares. When D stops granting (P
+//! partitioned, D gone) no renewal comes and held writes fail at the last grant's end.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_proto::HandoffId;
+use parking_lot::Mutex;
 
 use crate::step::{JobId, PushLayer, TransferJob, WorkerOp};
 
@@ -27,15 +37,79 @@ pub enum Released {
     Apply(WorkerOp),
 }
 
+/// Renewed registration grants, as a worker learned them: per (handoff, D rank), the instant
+/// until which its held writes may be posted. Shared between the gate (read as each layer is
+/// saved) and whoever delivers renewals while the forward runs.
+#[derive(Debug, Default)]
+pub struct WriteGrants {
+    by: Mutex<HashMap<(HandoffId, u16), Instant>>,
+}
+
+/// Registrations a worker remembers renewals of: far more than pushes in flight at once; a
+/// bound all the same (entries past their instant are dropped first).
+const MAX_RENEWED: usize = 4096;
+
+impl WriteGrants {
+    /// Held writes into (`handoff`, `d_rank`) may be posted until `by` (a later renewal wins;
+    /// an earlier or duplicate one changes nothing).
+    pub fn renew(&self, handoff: HandoffId, d_rank: u16, by: Instant, now: Instant) {
+        let mut m = self.by.lock();
+        if m.len() >= MAX_RENEWED && !m.contains_key(&(handoff, d_rank)) {
+            m.retain(|_, b| *b > now);
+            if m.len() >= MAX_RENEWED {
+                tracing::warn!(%handoff, "too many renewed push grants: renewal dropped");
+                return;
+            }
+        }
+        let e = m.entry((handoff, d_rank)).or_insert(by);
+        *e = (*e).max(by);
+    }
+
+    fn until(&self, handoff: HandoffId, d_rank: u16) -> Option<Instant> {
+        self.by.lock().get(&(handoff, d_rank)).copied()
+    }
+
+    /// Forgets renewals that ended before `now` (none can let a write go any more).
+    fn prune(&self, now: Instant) {
+        self.by.lock().retain(|_, b| *b > now);
+    }
+
+    pub fn len(&self) -> usize {
+        self.by.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct ForwardGate {
-    /// Jobs waiting for their layer, with the instant they must be posted by.
+    /// Jobs waiting for their layer, with the instant they must be posted by as planned.
     jobs: Vec<(Instant, PushLayer, TransferJob)>,
     /// Digests waiting for the forward's end.
     digests: Vec<WorkerOp>,
+    /// Renewals of the grants the jobs were planned on.
+    grants: Arc<WriteGrants>,
 }
 
 impl ForwardGate {
+    /// The renewals this gate reads (to be shared with a renewal carrier).
+    pub fn write_grants(&self) -> Arc<WriteGrants> {
+        self.grants.clone()
+    }
+
+    /// D renewed the grant of (`handoff`, `d_rank`): its held writes may go until `by`.
+    pub fn renew(&self, handoff: HandoffId, d_rank: u16, by: Instant, now: Instant) {
+        self.grants.renew(handoff, d_rank, by, now);
+    }
+
+    /// Drops every held job and digest (shutdown); renewals stay with their carrier.
+    pub fn clear(&mut self) {
+        self.jobs.clear();
+        self.digests.clear();
+    }
+
     /// Splits a step planned before its forward pass: the writes and digests of the handoffs in
     /// `forward` are held; the rest is returned, in order, to apply now. An abort of a held job
     /// fails it here (returned in the second list).
@@ -91,7 +165,7 @@ impl ForwardGate {
         due.into_iter()
             .map(|h| {
                 tracing::debug!(handoff = %h.1.handoff, layer, "push write leaves as its layer is saved");
-                Self::release(h, now)
+                self.release(h, now)
             })
             .collect()
     }
@@ -101,20 +175,25 @@ impl ForwardGate {
     pub fn forward_done(&mut self, now: Instant) -> Vec<Released> {
         let mut out: Vec<Released> = std::mem::take(&mut self.jobs)
             .into_iter()
-            .map(|h| Self::release(h, now))
+            .map(|h| self.release(h, now))
             .collect();
         out.extend(self.digests.drain(..).map(Released::Apply));
+        self.grants.prune(now);
         out
     }
 
-    fn release((by, p, job): (Instant, PushLayer, TransferJob), now: Instant) -> Released {
+    fn release(&self, (by, p, job): (Instant, PushLayer, TransferJob), now: Instant) -> Released {
+        let by = match self.grants.until(p.handoff, p.d_rank) {
+            Some(renewed) => by.max(renewed),
+            None => by,
+        };
         if now <= by {
             Released::Post(job)
         } else {
             tracing::warn!(
                 handoff = %p.handoff,
                 layer = p.layer,
-                "push write not posted: its registration grant ran out while the forward ran"
+                "push write not posted: D's registration grant ran out while the forward ran (D stopped renewing it)"
             );
             Released::Fail(job.job)
         }
@@ -140,6 +219,7 @@ mod tests {
             digest: None,
             push_layer: Some(PushLayer {
                 handoff: h,
+                d_rank: 0,
                 layer,
                 post_within_ms: within_ms,
             }),
@@ -212,6 +292,60 @@ mod tests {
             vec![Released::Fail(JobId(7))]
         );
         assert_eq!(posted(&gate.layer_saved(1, t0 + ms(500))), vec![8]);
+    }
+
+    #[test]
+    fn a_grant_renewed_during_the_forward_lets_a_held_write_go_past_its_planned_end() {
+        let h = handoff(5);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut gate = ForwardGate::default();
+        gate.admit(
+            vec![write(1, h, 0, 50), write(2, h, 1, 50), write(3, h, 2, 50)],
+            &[h],
+            t0,
+        );
+        // D renewed its grant twice while layer 0 computed (the carrier shares the board).
+        let carrier = gate.write_grants();
+        carrier.renew(h, 0, t0 + ms(400), t0 + ms(40));
+        carrier.renew(h, 0, t0 + ms(900), t0 + ms(390));
+        // An older renewal arriving late changes nothing; another D rank's is not this one's.
+        carrier.renew(h, 0, t0 + ms(300), t0 + ms(395));
+        carrier.renew(h, 1, t0 + ms(5000), t0 + ms(395));
+        assert_eq!(posted(&gate.layer_saved(0, t0 + ms(800))), vec![1]);
+        // D stopped granting: the last grant's end holds.
+        assert_eq!(
+            gate.layer_saved(1, t0 + ms(901)),
+            vec![Released::Fail(JobId(2))]
+        );
+        assert_eq!(
+            gate.forward_done(t0 + ms(2000)),
+            vec![Released::Fail(JobId(3))]
+        );
+        // Renewals that ended are forgotten once the forward is over.
+        assert_eq!(
+            carrier.len(),
+            1,
+            "only rank 1's still-running renewal is left"
+        );
+    }
+
+    #[test]
+    fn renewals_are_bounded_and_the_ended_ones_go_first() {
+        let grants = WriteGrants::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        for i in 0..MAX_RENEWED as u32 {
+            let h: HandoffId = format!("{i:032x}").parse().unwrap();
+            grants.renew(h, 0, t0 + ms(10), t0);
+        }
+        let late = handoff(9);
+        grants.renew(late, 0, t0 + ms(500), t0 + ms(5));
+        assert_eq!(grants.len(), MAX_RENEWED, "full of live renewals: dropped");
+        assert_eq!(grants.until(late, 0), None);
+        grants.renew(late, 0, t0 + ms(500), t0 + ms(20));
+        assert_eq!(grants.len(), 1, "the ended ones made room");
+        assert_eq!(grants.until(late, 0), Some(t0 + ms(500)));
     }
 
     #[test]

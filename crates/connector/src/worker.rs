@@ -132,6 +132,12 @@ impl WorkerSide {
         self.apply_ops(ops);
     }
 
+    /// Where renewed push grants land: an engine whose steps cannot reach the worker during
+    /// its forward pass (vLLM) hands this to whatever carries [`WorkerOp::RenewWrites`] then.
+    pub fn write_grants(&self) -> Arc<crate::forward_gate::WriteGrants> {
+        self.gate.write_grants()
+    }
+
     /// Whether a held write waits for `layer` (an engine whose kernels run asynchronously must
     /// make that layer's KV visible to the transport before calling [`Self::layer_saved`]).
     pub fn waits_for_layer(&self, layer: u32) -> bool {
@@ -261,6 +267,15 @@ impl WorkerSide {
                     if self.push_tails.remove(&handoff).is_some() {
                         self.push_tail_order.retain(|h| *h != handoff);
                     }
+                }
+                WorkerOp::RenewWrites {
+                    handoff,
+                    d_rank,
+                    post_within_ms,
+                } => {
+                    let now = Instant::now();
+                    let by = now + Duration::from_millis(post_within_ms.into());
+                    self.gate.renew(handoff, d_rank, by, now);
                 }
             }
         }
@@ -429,7 +444,7 @@ impl WorkerSide {
 
     /// Releases every job still posted (shutdown).
     pub fn abort_all(&mut self) {
-        self.gate = ForwardGate::default();
+        self.gate.clear();
         for (_, job) in self.jobs.drain() {
             for id in job.xfers {
                 release(self.mem.transport.as_ref(), id, "shutdown");

@@ -86,6 +86,17 @@ pub enum WorkerOp {
     },
     /// The push of `handoff` ended on D: no `PushDone` of it matters any more.
     ForgetPushTail { handoff: HandoffId },
+    /// P, push: D renewed its grant on registration (`handoff`, `d_rank`). A write of it that
+    /// the worker holds for its forward pass ([`PushLayer`]) may now be posted up to this many
+    /// milliseconds after this op arrived (the grant's new end less the write margin), if that
+    /// is later than what it was planned with. The forward pass that holds the writes runs
+    /// while this op travels, so an engine hands it to its workers at once, outside its steps
+    /// (vLLM: the grant line, `handoff_vllm::grant_line`).
+    RenewWrites {
+        handoff: HandoffId,
+        d_rank: u16,
+        post_within_ms: u32,
+    },
 }
 
 /// Transfers to post together; the job ends when every part ended.
@@ -111,10 +122,13 @@ pub struct TransferJob {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PushLayer {
     pub handoff: HandoffId,
+    /// The D rank whose registration the job writes into (its grant is the one that counts).
+    pub d_rank: u16,
     pub layer: u32,
     /// Milliseconds after the worker received the step within which the job may be posted:
     /// the registration grant's end less the producer's write margin, as the scheduler side
-    /// saw it when planning. The margin covers the step's way to the worker.
+    /// saw it when planning (later [`WorkerOp::RenewWrites`] extend it). The margin covers the
+    /// step's way to the worker.
     pub post_within_ms: u32,
 }
 

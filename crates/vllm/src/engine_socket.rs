@@ -53,6 +53,12 @@ impl Verb {
 /// Where engine `engine_id`'s socket lives: the same path in the API server and in EngineCore,
 /// derived from what both read from vLLM's config.
 pub fn socket_path(engine_id: &str) -> PathBuf {
+    runtime_path(engine_id, "sock")
+}
+
+/// A file of engine `engine_id`'s in the runtime (temporary) directory, `suffix` telling which:
+/// every process of the engine derives the same path from the engine's id.
+pub(crate) fn runtime_path(engine_id: &str, suffix: &str) -> PathBuf {
     let safe: String = engine_id
         .chars()
         .map(|c| {
@@ -64,7 +70,7 @@ pub fn socket_path(engine_id: &str) -> PathBuf {
         })
         .take(64)
         .collect();
-    std::env::temp_dir().join(format!("handoff-vllm-{safe}.sock"))
+    std::env::temp_dir().join(format!("handoff-vllm-{safe}.{suffix}"))
 }
 
 /// The listener; stops (and removes its socket) when dropped.

@@ -12,6 +12,8 @@
 //! - [`worker::WorkerBridge`] registers vLLM's KV tensors ([`kv_tensors`] derives handoff's
 //!   layout from their shape and strides) with a transport agent and carries out the steps.
 //!
+//! - [`grant_line`]: D's renewed push grants, from EngineCore to the workers while a forward pass
+//!   runs (vLLM's metadata reaches them only once per step).
 //! - [`engine_socket`]: what vLLM's API server asks EngineCore's connector: D's names requests
 //!   vLLM refused before any hook ran (so that P releases at once), P's asks for the info a push
 //!   proxy needs (`GET /v1/handoff/info`).
@@ -23,6 +25,7 @@
 #![deny(unsafe_code)]
 
 pub mod engine_socket;
+pub mod grant_line;
 pub mod kv_tensors;
 #[cfg(feature = "python")]
 mod python;

@@ -14,13 +14,14 @@ use std::sync::Arc;
 
 use handoff_connector::{
     Connector, ConnectorConfig, ConnectorError, ConnectorEvent, ReportSink, Role, WorkerHello,
-    WorkerLink, WorkerReport, WorkerStep,
+    WorkerLink, WorkerOp, WorkerReport, WorkerStep,
 };
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
 use crate::engine_socket::{socket_path, EngineSocket};
+use crate::grant_line::{GrantLine, Renewal};
 
 /// What the scheduler tells every worker for one engine step (vLLM's `KVConnectorMetadata`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,10 +91,9 @@ pub struct SchedulerConfig {
     #[serde(default)]
     pub wait_deadline_ms: Option<u64>,
     /// D, push: how long each grant D gives P on a registration lasts (renewed by P's
-    /// heartbeats). P posts a layer's writes only inside the grant it planned them on, and a
-    /// forward pass gets no new one: it must outlast P's longest forward pass (default 2 s; a
-    /// real model prefilling on CPU needs more). D frees a dead P's registered blocks this
-    /// long (plus the write grace) after its last grant.
+    /// heartbeats, during P's forward pass too: see [`crate::grant_line`]). D frees a dead or
+    /// partitioned P's registered blocks this long (plus the write grace) after its last grant
+    /// (default 2 s).
     #[serde(default)]
     pub registration_lease_ms: Option<u64>,
     /// Workers' KV blocks are opaque pages (set from the layout the workers found).
@@ -143,12 +143,39 @@ pub enum SchedulerError {
     Key(#[from] handoff_transport::auth::AuthError),
 }
 
-/// A worker's steps, queued until the next `build_connector_meta`.
-struct QueueLink(std::sync::mpsc::Sender<WorkerStep>);
+/// A worker's steps, queued until the next `build_connector_meta`; renewed push grants go to
+/// the worker at once on the grant line (its forward pass may be running).
+struct QueueLink {
+    rank: u16,
+    steps: std::sync::mpsc::Sender<WorkerStep>,
+    line: Option<Arc<GrantLine>>,
+}
 
 impl WorkerLink for QueueLink {
-    fn send(&mut self, step: WorkerStep) -> bool {
-        self.0.send(step).is_ok()
+    fn send(&mut self, mut step: WorkerStep) -> bool {
+        step.ops.retain(|op| match op {
+            WorkerOp::RenewWrites {
+                handoff,
+                d_rank,
+                post_within_ms,
+            } => {
+                if let Some(line) = &self.line {
+                    line.send(
+                        self.rank,
+                        &Renewal {
+                            handoff: *handoff,
+                            d_rank: *d_rank,
+                            post_within_ms: *post_within_ms,
+                        },
+                    );
+                }
+                // A renewal in the next step's metadata would come after the forward it is
+                // for: moot.
+                false
+            }
+            _ => true,
+        });
+        step.ops.is_empty() || self.steps.send(step).is_ok()
     }
 }
 
@@ -240,6 +267,10 @@ impl SchedulerSide {
         };
         let ranks = hellos.len();
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| channel::<WorkerStep>()).unzip();
+        let line = GrantLine::new(&cfg.engine_id, ranks as u16)
+            .map_err(|e| tracing::warn!(error = %e, "no grant line: a push forward pass longer than D's registration grant fails its writes"))
+            .ok()
+            .map(Arc::new);
         let mut registry = prometheus_client::registry::Registry::default();
         let (connector, sink) = Connector::start_with(
             ConnectorConfig {
@@ -278,7 +309,14 @@ impl SchedulerSide {
             move |_| {
                 Ok(txs
                     .into_iter()
-                    .map(|t| Box::new(QueueLink(t)) as Box<dyn WorkerLink>)
+                    .enumerate()
+                    .map(|(rank, steps)| {
+                        Box::new(QueueLink {
+                            rank: rank as u16,
+                            steps,
+                            line: line.clone(),
+                        }) as Box<dyn WorkerLink>
+                    })
                     .collect())
             },
         )?;

@@ -11,6 +11,7 @@ use handoff_transport::faulty::{FaultPlan, FaultyTransport};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion};
 use serde::Deserialize;
 
+use crate::grant_line::{self, GrantLineReceiver};
 use crate::kv_tensors::{self, KvTensorInfo, KvTensors, ModelFacts};
 use crate::scheduler::StepMeta;
 
@@ -68,6 +69,9 @@ pub struct WorkerBridge {
     corrupt: Option<(std::path::PathBuf, Arc<FaultyTransport>)>,
     /// Test-only: see [`HOLD_SWITCH`].
     hold: Option<(std::path::PathBuf, Vec<handoff_connector::WorkerOp>)>,
+    /// Renewed push grants from EngineCore during a forward pass (none if its socket could
+    /// not be bound: held writes then keep the grant they were planned on).
+    _grant_line: Option<GrantLineReceiver>,
 }
 
 /// Test-only switch (negative controls): when this environment variable names a file, and
@@ -132,7 +136,14 @@ impl WorkerBridge {
             regions,
             transport,
         })?;
+        let grant_line = GrantLineReceiver::start(
+            &grant_line::socket_path(&cfg.engine_id, cfg.facts.rank as u16),
+            side.write_grants(),
+        )
+        .map_err(|e| tracing::warn!(error = %e, "no grant line: a push forward pass longer than D's registration grant fails its writes"))
+        .ok();
         Ok(WorkerBridge {
+            _grant_line: grant_line,
             side,
             rank: cfg.facts.rank as usize,
             opaque_blocks,

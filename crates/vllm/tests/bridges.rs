@@ -78,6 +78,11 @@ fn engine_in(id: &str, mode: &str) -> Engine {
 }
 
 fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
+    engine_configured(id, mode, kv_digest, serde_json::json!({}))
+}
+
+/// An engine whose `kv_connector_extra_config` also holds `extra`.
+fn engine_configured(id: &str, mode: &str, kv_digest: bool, extra: serde_json::Value) -> Engine {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
@@ -104,7 +109,7 @@ fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
     )
     .unwrap();
     assert!(worker.opaque_blocks());
-    let cfg: SchedulerConfig = serde_json::from_value(serde_json::json!({
+    let mut cfg = serde_json::json!({
         "engine_id": id,
         "model": "tiny",
         "dtype": "float32",
@@ -113,8 +118,11 @@ fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
         // Every transfer here is checked end to end (unless a test says otherwise): a
         // mismatch would fail the request.
         "kv_digest": kv_digest,
-    }))
-    .unwrap();
+    });
+    for (k, v) in extra.as_object().expect("extra config is an object") {
+        cfg[k] = v.clone();
+    }
+    let cfg: SchedulerConfig = serde_json::from_value(cfg).unwrap();
     let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
     Engine { sched, worker, kv }
 }
@@ -746,6 +754,59 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     // vLLM's update_from_output: one token sampled, the request finishes.
     push_prefill_finished(&mut p, &p_leg, &p_blocks);
     // The last layer and the digest (over both layers, taken after the forward) follow.
+    lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
+    all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
+}
+
+/// A forward pass five times as long as D's registration grant: the write of its first layer,
+/// planned before the forward under the grant of that moment, waits in the worker for the whole
+/// forward; D's renewals (P heartbeats all along, from its executor) reach the worker on the
+/// grant line, and the layer leaves and lands when it is saved. With the planned grant alone
+/// it would fail unposted and D would give up on the request.
+#[test]
+fn a_push_streams_through_a_forward_pass_five_times_d_s_registration_grant() {
+    const GRANT_MS: u64 = 1000;
+    let mut p = engine_in("vllm-long-p", "push");
+    let mut d = engine_configured(
+        "vllm-long-d",
+        "push",
+        true,
+        serde_json::json!({ "registration_lease_ms": GRANT_MS }),
+    );
+    let (p_leg, d_leg) = push_legs(&p, "vllm-long-p");
+    d.sched.remote_prefill_arrived("d-req", &d_leg, 40);
+    let d_blocks = vec![11u32, 12, 13];
+    d.sched.blocks_allocated("d-req", d_blocks.clone()).unwrap();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        d.step();
+        p.step();
+    }
+    let p_blocks = vec![5u32, 6, 9];
+    p.sched
+        .push_forward("p-req", &p_leg, p_blocks.clone(), 40)
+        .unwrap();
+    let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
+    p.worker.apply(&meta);
+    assert!(p.worker.waits_for_layer(0));
+    // The forward computes layer 0 for five grants. Neither engine steps (vLLM's EngineCore
+    // waits for the forward); only the connectors' own threads run.
+    std::thread::sleep(Duration::from_millis(5 * GRANT_MS));
+    fill_layer(&mut p, &p_blocks, 0, 0);
+    p.worker.layer_saved(0);
+    let t0 = Instant::now();
+    while d.block(0, 13) != p.block(0, 9) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "layer 0 never landed: its write failed at the grant it was planned on"
+        );
+        d.step();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    fill_layer(&mut p, &p_blocks, 0, 1);
+    p.worker.layer_saved(1);
+    p.worker.forward_done();
+    push_prefill_finished(&mut p, &p_leg, &p_blocks);
     lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
 }

@@ -168,6 +168,9 @@ impl ConnectorCore {
         now: Time,
     ) -> Result<HandoffId, CoreError> {
         let handoff = self.on_push_prefill_start(params, blocks, num_tokens, now)?;
+        if let Some(st) = self.transfers.push_mut(handoff) {
+            st.held_for_forward = true;
+        }
         let last = self.spec.shape.num_layers.saturating_sub(1);
         self.on_layer_saved(handoff, last, now);
         Ok(handoff)

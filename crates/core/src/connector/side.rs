@@ -245,6 +245,7 @@ impl ConnectorCore {
         }
         for h in granted {
             self.advance_push(h, now);
+            self.renew_held_writes(h, now);
         }
     }
 

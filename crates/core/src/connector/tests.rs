@@ -868,3 +868,123 @@ fn d_dials_only_the_prefill_hosts_it_may() {
         r.connects[0].addr
     );
 }
+
+/// P's push of a 32-token prompt to a connected D, run on the simulated clock for `ms`; P's
+/// worker never reports its write of layer 0 ended (it is held for the forward pass). Until
+/// `d_stops_at`, D's messages reach P. Returns the `RenewWrites` P's core sent, with their time.
+fn held_push(before_forward: bool, ms: u64, d_stops_at: u64) -> Vec<(u64, u16, WorkerOp)> {
+    let mut p = core_in("p", Role::Prefill, TransferMode::Push, false);
+    let handoff = HandoffId::from_bytes([7; 16]);
+    let p_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
+        "do_remote_decode": true, "transfer_mode": "push", "handoff_id": handoff.to_string(),
+    }))
+    .unwrap();
+    let d_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
+        "do_remote_prefill": true, "transfer_mode": "push", "handoff_id": handoff.to_string(),
+        "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 7000,
+        "tp_size": 1, "epoch": 1,
+    }))
+    .unwrap();
+    let d = core_in("d", Role::Decode, TransferMode::Push, false);
+    let mut d = connect(&mut p, d, &d_leg, 5);
+    d.on_blocks_allocated(1, vec![7, 8], t(3)).unwrap();
+    if before_forward {
+        p.on_push_forward(&p_leg, vec![1, 2], 32, t(3)).unwrap();
+    } else {
+        p.on_push_prefill_start(&p_leg, vec![1, 2], 32, t(3))
+            .unwrap();
+        p.on_layer_saved(handoff, 0, t(3));
+    }
+    let mut renewals = Vec::new();
+    let mut held = Vec::new();
+    for step in 0..ms / 20 {
+        let at = 4 + 20 * step;
+        let now = t(at);
+        for c in [&mut p, &mut d] {
+            if c.poll_timeout().is_some_and(|x| x <= now) {
+                c.handle_timeout(now);
+            }
+        }
+        let rd = d.ready();
+        let to_p: Vec<Message> = rd.messages.iter().map(|(_, m)| m.clone()).collect();
+        let mut d_report = WorkerReport::default();
+        for (_, op) in &rd.worker_ops {
+            if let WorkerOp::Grant { grant, .. } = op {
+                d_report.granted.push((*grant, true));
+            }
+        }
+        d.advance(rd);
+        if at < d_stops_at {
+            for m in to_p {
+                p.handle_frame(100, m, now);
+            }
+        }
+        let rp = p.ready();
+        let to_d: Vec<Message> = rp.messages.iter().map(|(_, m)| m.clone()).collect();
+        for (rank, op) in &rp.worker_ops {
+            if matches!(op, WorkerOp::RenewWrites { .. }) {
+                renewals.push((at, *rank, op.clone()));
+            }
+        }
+        held.extend(rp.transfers_to_post.iter().map(|(_, j)| j.push_layer));
+        p.advance(rp);
+        for m in to_d {
+            d.handle_frame(5, m, now);
+        }
+        d.handle_worker_report(d_report, now);
+    }
+    assert_eq!(held.len(), 1, "one write planned (layer 0), held all along");
+    let planned = held[0].expect("a push write carries its layer");
+    assert_eq!(
+        (planned.handoff, planned.d_rank, planned.layer),
+        (handoff, 0, 0)
+    );
+    renewals
+}
+
+#[test]
+fn d_s_renewed_grants_reach_the_worker_that_holds_a_write_for_its_forward_pass() {
+    // Ten default registration grants (2 s each) while the forward holds layer 0's write.
+    let renewals = held_push(true, 20_000, u64::MAX);
+    let lease = ConsumerConfig::default().registration_lease;
+    let margin = ProducerConfig::default().write_margin;
+    assert!(
+        renewals.len() >= 30,
+        "one renewal per P heartbeat D answers: {}",
+        renewals.len()
+    );
+    let handoff = HandoffId::from_bytes([7; 16]);
+    for (at, rank, op) in &renewals {
+        let WorkerOp::RenewWrites {
+            handoff: h,
+            d_rank,
+            post_within_ms,
+        } = op
+        else {
+            unreachable!()
+        };
+        assert_eq!((*h, *d_rank, *rank), (handoff, 0, 0));
+        assert!(
+            u128::from(*post_within_ms) <= (lease - margin).as_millis(),
+            "at {at} ms: never past D's grant less the margin ({post_within_ms} ms)"
+        );
+        assert!(*post_within_ms > 0);
+    }
+    // Renewals never stop while D grants: the longest gap between two is one heartbeat or so.
+    let gaps = renewals.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
+    assert!(gaps <= 600, "a gap of {gaps} ms between renewals");
+}
+
+#[test]
+fn no_renewal_reaches_a_worker_once_d_stops_granting_or_when_nothing_is_held() {
+    let renewals = held_push(true, 6_000, 2_000);
+    assert!(!renewals.is_empty());
+    assert!(
+        renewals.iter().all(|(at, _, _)| *at < 2_000),
+        "a renewal after D went silent: {:?}",
+        renewals.last()
+    );
+    // Writes planned as each layer is saved (the reference engine) are posted at once: the
+    // workers hold nothing, and no renewal is sent.
+    assert!(held_push(false, 4_000, u64::MAX).is_empty());
+}

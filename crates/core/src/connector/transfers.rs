@@ -19,7 +19,7 @@ use super::peers::PeerState;
 use super::push_digest::PushDigest;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
-use crate::step::{JobId, PushLayer, TransferJob, TransferPart};
+use crate::step::{JobId, PushLayer, TransferJob, TransferPart, WorkerOp};
 
 #[derive(Debug, Clone, Copy)]
 enum JobOwner {
@@ -61,6 +61,10 @@ pub(super) struct PushState {
     pub(super) blocks: Vec<u32>,
     pub(super) num_tokens: u32,
     pub(super) layers_saved: u32,
+    /// The writes were planned before the forward pass that produces their layers (vLLM):
+    /// the workers hold them until each layer is saved, so D's renewed grants must reach them
+    /// mid-forward ([`WorkerOp::RenewWrites`]).
+    pub(super) held_for_forward: bool,
     writes: BTreeMap<u16, ActiveWrite>,
     /// The KV digest the `PushDone`s carry (see `push_digest`).
     pub(super) digest: PushDigest,
@@ -114,6 +118,7 @@ impl Transfers {
                 blocks,
                 num_tokens,
                 layers_saved: 0,
+                held_for_forward: false,
                 writes: BTreeMap::new(),
                 digest: if digest {
                     PushDigest::Wanted
@@ -522,6 +527,47 @@ impl ConnectorCore {
         self.advance_push(handoff, now);
     }
 
+    /// P, push: D renewed its grants on `handoff`'s registrations. Writes planned before the
+    /// forward pass wait in their workers under the grant they were planned on; each worker
+    /// holding one of a registration's writes learns the grant's new end, so a forward pass
+    /// of any length streams every layer while D keeps granting (and none once it stops).
+    pub(super) fn renew_held_writes(&mut self, handoff: HandoffId, now: Time) {
+        let Some(st) = self.transfers.pushes.get(&handoff) else {
+            return;
+        };
+        if !st.held_for_forward {
+            return;
+        }
+        for (d_rank, w) in &st.writes {
+            if w.aborted || w.failed || w.jobs.is_empty() {
+                continue;
+            }
+            let Some(until) = self
+                .producer
+                .as_ref()
+                .and_then(|p| p.write_permit(handoff, *d_rank, now).ok())
+            else {
+                continue;
+            };
+            let post_within = until
+                .saturating_sub(now)
+                .saturating_sub(self.cfg.producer.write_margin);
+            let mut ranks: Vec<u16> = w.jobs.iter().map(|(r, _)| *r).collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            for rank in ranks {
+                self.out.worker_ops.push((
+                    rank,
+                    WorkerOp::RenewWrites {
+                        handoff,
+                        d_rank: *d_rank,
+                        post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
+                    },
+                ));
+            }
+        }
+    }
+
     /// P, push mode: posts the layers that are ready into every granted registration of
     /// `handoff`, and reports each registration's writes to the ledger once they all ended.
     pub(super) fn advance_push(&mut self, handoff: HandoffId, now: Time) {
@@ -604,6 +650,7 @@ impl ConnectorCore {
                     .saturating_sub(self.cfg.producer.write_margin);
                 let push_layer = PushLayer {
                     handoff,
+                    d_rank: *d_rank,
                     layer,
                     post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
                 };
