@@ -98,6 +98,12 @@ pub struct EngineConfig {
     pub read_grace_ms: u64,
     /// D: the longest a request waits for its KV before it is recomputed or failed.
     pub wait_deadline_ms: u64,
+    /// D, push: how long each grant D gives P on a registration lasts. P heartbeats renew it
+    /// while P lives, however long its prefill runs; after P's last one, D's blocks come back
+    /// this long plus the write grace later.
+    pub registration_lease_ms: u64,
+    /// D, push: the longest D keeps a registration P has not completed, heartbeats or not.
+    pub push_deadline_ms: u64,
     /// P: messages kept for handoffs not created yet (early registrations and releases), in all
     /// (a peer over its quota, `staging_per_peer`, has its new ones dropped and counted).
     pub staging_capacity: usize,
@@ -211,6 +217,8 @@ impl Default for EngineConfig {
             fence_grace_ms: 1_000,
             hard_cap_ms: 120_000,
             read_timeout_ms: 5_000,
+            registration_lease_ms: 2_000,
+            push_deadline_ms: 30_000,
             read_grace_ms: 300,
             wait_deadline_ms: 30_000,
             staging_capacity: 4096,
@@ -533,6 +541,21 @@ impl EngineConfig {
         if self.wait_deadline_ms == 0 {
             return Err(bad("wait_deadline_ms", "must be at least 1"));
         }
+        // P writes only while a grant has more than its write margin left, and renews it once
+        // per heartbeat: a shorter grant lapses between two renewals.
+        let margin = ProducerConfig::default().write_margin.as_millis() as u64;
+        if self.registration_lease_ms <= self.heartbeat_interval_ms + margin {
+            return Err(bad(
+                "registration_lease_ms",
+                format!(
+                    "must exceed heartbeat_interval_ms + P's write margin ({} ms), or P's grants lapse between heartbeats",
+                    self.heartbeat_interval_ms + margin
+                ),
+            ));
+        }
+        if self.push_deadline_ms == 0 {
+            return Err(bad("push_deadline_ms", "must be at least 1"));
+        }
         let ip = |h: &str| {
             h.trim_matches(|c| c == '[' || c == ']')
                 .parse::<std::net::IpAddr>()
@@ -723,6 +746,8 @@ impl EngineConfig {
             read_timeout: Duration::from_millis(self.read_timeout_ms),
             read_grace: Duration::from_millis(self.read_grace_ms),
             wait_deadline: Duration::from_millis(self.wait_deadline_ms),
+            registration_lease: Duration::from_millis(self.registration_lease_ms),
+            push_deadline: Duration::from_millis(self.push_deadline_ms),
             failure_policy: if self.failure_policy == "fail" {
                 FailurePolicy::Fail
             } else {
@@ -776,6 +801,11 @@ mod tests {
                 Box::new(|c| c.http_max_header_bytes = 100),
             ),
             ("mode", Box::new(|c| c.mode = "teleport".into())),
+            (
+                "registration_lease_ms",
+                Box::new(|c| c.registration_lease_ms = 400),
+            ),
+            ("push_deadline_ms", Box::new(|c| c.push_deadline_ms = 0)),
             (
                 "record_trace_max_mb",
                 Box::new(|c| {
