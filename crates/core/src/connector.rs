@@ -234,6 +234,10 @@ impl ConnectorCore {
         producer_cfg.tp = spec.tp as u16;
         let mut consumer_cfg = cfg.consumer.clone();
         consumer_cfg.tp = spec.tp as u16;
+        // A read is given time for its bytes: one block of this rank, every layer.
+        consumer_cfg.block_bytes = spec
+            .block_bytes()
+            .saturating_mul(u64::from(spec.shape.num_layers));
         Ok(ConnectorCore {
             producer: matches!(cfg.role, Role::Prefill | Role::Both)
                 .then(|| ProducerLedger::new(producer_cfg)),

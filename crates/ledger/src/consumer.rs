@@ -144,8 +144,6 @@ struct PullState {
     /// The layers P's latest list says are saved (`None`: every one; see
     /// [`handoff_proto::BlockList::layers`]).
     p_layers: Option<u32>,
-    /// P's first block list said the prefill was still running: the read goes in stages.
-    layerwise: bool,
     /// Layer-wise: a stage was refused for want of a valid grant; the next grant asks for it
     /// again.
     more_waiting: bool,
@@ -207,13 +205,30 @@ impl Handoff {
     }
 }
 
-/// When a read (or a layer-wise read's stage) posted at `posted` has failed if it has not ended
-/// (rules 2 and 4): after the read timeout, after its grant + the read grace, and at the latest
-/// at the request's own deadline (rule 6).
-fn read_deadline(cfg: &ConsumerConfig, posted: Time, grant_until: Time, request: Time) -> Time {
-    (posted + cfg.read_timeout)
+/// When a read (or a layer-wise read's stage) of `blocks` blocks posted at `posted` has failed
+/// if it has not ended (rules 2 and 4): after the read timeout plus its bytes' time at the floor
+/// rate, after its grant + the read grace, and at the latest at the request's own deadline
+/// (rule 6).
+fn read_deadline(
+    cfg: &ConsumerConfig,
+    posted: Time,
+    grant_until: Time,
+    request: Time,
+    blocks: usize,
+) -> Time {
+    (posted + cfg.read_timeout + bytes_time(cfg, blocks))
         .min(grant_until + cfg.read_grace)
         .min(request)
+}
+
+/// How long `blocks` blocks take on one D rank at the read floor rate.
+fn bytes_time(cfg: &ConsumerConfig, blocks: usize) -> Duration {
+    if cfg.read_floor_rate == 0 {
+        return Duration::ZERO;
+    }
+    let bytes = u128::from(cfg.block_bytes) * blocks as u128;
+    let nanos = bytes * 1_000_000_000 / u128::from(cfg.read_floor_rate);
+    Duration::from_nanos(nanos.min(u128::from(u64::MAX)) as u64)
 }
 
 /// The D-side ledger. See the module docs.

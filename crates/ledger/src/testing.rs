@@ -35,6 +35,9 @@ pub fn simulation_configs(p_tp: u16, d_tp: u16) -> (ProducerConfig, ConsumerConf
         heartbeat_interval: ms(250),
         read_margin: ms(100),
         read_timeout: ms(1500),
+        // The simulated reads take no time for their bytes: the timeout alone.
+        read_floor_rate: 0,
+        block_bytes: 0,
         read_grace: ms(400),
         read_fence: ms(4000),
         read_retries: 1,

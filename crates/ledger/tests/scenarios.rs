@@ -2060,3 +2060,38 @@ fn an_early_release_gets_into_a_staging_full_of_layerwise_questions() {
         "the early release was dropped: P holds the blocks until its lease"
     );
 }
+
+/// A pull of `bytes_per_block` × 4 blocks on a 5 s read timeout and a 1 GB/s read floor; the
+/// READ lands after 9 s while P keeps granting. Returns D's outcomes.
+fn long_read(bytes_per_block: u64) -> Vec<Outcome> {
+    let d = ConsumerConfig {
+        read_timeout: Duration::from_secs(5),
+        read_floor_rate: 1_000_000_000,
+        block_bytes: bytes_per_block,
+        ..Default::default()
+    };
+    let mut pair = Pair::new(ProducerConfig::default(), d);
+    let id = hid(91);
+    let read = start_pull(&mut pair, id, 1);
+    pair.advance(ms(9_000));
+    if pair.outcomes.is_empty() {
+        pair.complete_read(&read);
+    }
+    pair.outcomes
+}
+
+#[test]
+fn a_read_of_a_long_prompt_gets_time_for_its_bytes_on_top_of_the_read_timeout() {
+    // 8 GB on this rank: 8 s at the floor rate, so the read may take 5 + 8 s.
+    let outcomes = long_read(2_000_000_000);
+    assert!(
+        matches!(outcomes.as_slice(), [Outcome::Ready { .. }]),
+        "{outcomes:?}"
+    );
+    // The control: the same read of small blocks is failed at the read timeout.
+    let outcomes = long_read(4096);
+    assert!(
+        matches!(outcomes.as_slice(), [Outcome::Recompute { .. }]),
+        "{outcomes:?}"
+    );
+}

@@ -90,6 +90,19 @@ pub struct SchedulerConfig {
     pub initial_lease_ms: Option<u64>,
     #[serde(default)]
     pub wait_deadline_ms: Option<u64>,
+    /// D: a READ not finished in this long (plus its bytes' time at `read_floor_mb_per_s`)
+    /// fails (default 5 s).
+    #[serde(default)]
+    pub read_timeout_ms: Option<u64>,
+    /// D: the slowest rate (MB/s per rank) a healthy READ is expected to reach (default 1000).
+    #[serde(default)]
+    pub read_floor_mb_per_s: Option<u64>,
+    /// D, push: the longest D keeps a registration P has not completed (default 30 s).
+    #[serde(default)]
+    pub push_deadline_ms: Option<u64>,
+    /// P: the longest a handoff lives, heartbeats or not (default 120 s).
+    #[serde(default)]
+    pub hard_cap_ms: Option<u64>,
     /// D, push: how long each grant D gives P on a registration lasts (renewed by P's
     /// heartbeats, during P's forward pass too: see [`crate::grant_line`]). D frees a dead or
     /// partitioned P's registered blocks this long (plus the write grace) after its last grant
@@ -246,6 +259,9 @@ impl SchedulerSide {
         if let Some(ms) = cfg.initial_lease_ms {
             producer.initial_lease = std::time::Duration::from_millis(ms);
         }
+        if let Some(ms) = cfg.hard_cap_ms {
+            producer.hard_cap = std::time::Duration::from_millis(ms);
+        }
         let mut consumer = ConsumerConfig {
             tp: hellos.len() as u16,
             ..Default::default()
@@ -255,6 +271,38 @@ impl SchedulerSide {
         }
         if let Some(ms) = cfg.registration_lease_ms {
             consumer.registration_lease = std::time::Duration::from_millis(ms);
+        }
+        if let Some(ms) = cfg.read_timeout_ms {
+            consumer.read_timeout = std::time::Duration::from_millis(ms);
+        }
+        if let Some(rate) = cfg.read_floor_mb_per_s {
+            consumer.read_floor_rate = rate.saturating_mul(1_000_000);
+        }
+        if let Some(ms) = cfg.push_deadline_ms {
+            consumer.push_deadline = std::time::Duration::from_millis(ms);
+        }
+        for (key, ms) in [
+            ("hard_cap_ms", cfg.hard_cap_ms),
+            ("read_timeout_ms", cfg.read_timeout_ms),
+            ("push_deadline_ms", cfg.push_deadline_ms),
+            ("wait_deadline_ms", cfg.wait_deadline_ms),
+            ("initial_lease_ms", cfg.initial_lease_ms),
+        ] {
+            if ms == Some(0) {
+                return Err(SchedulerError::Config(format!("{key} must be at least 1")));
+            }
+        }
+        if producer.hard_cap < producer.initial_lease {
+            return Err(SchedulerError::Config(
+                "hard_cap_ms must be at least initial_lease_ms".into(),
+            ));
+        }
+        let margin = producer.write_margin + producer.heartbeat_interval;
+        if consumer.registration_lease <= margin {
+            return Err(SchedulerError::Config(format!(
+                "registration_lease_ms must exceed {} ms (P's heartbeat interval + write margin), or P's grants lapse between heartbeats",
+                margin.as_millis()
+            )));
         }
         consumer.failure_policy = match cfg.failure_policy.as_deref() {
             None | Some("recompute") => FailurePolicy::Recompute,

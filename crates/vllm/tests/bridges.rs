@@ -878,6 +878,35 @@ fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_g
 }
 
 #[test]
+fn timings_that_cannot_work_are_refused_with_their_name() {
+    let worker = engine("vllm-timings").worker;
+    for (key, value, says) in [
+        (
+            "registration_lease_ms",
+            500,
+            "registration_lease_ms must exceed 700 ms",
+        ),
+        ("push_deadline_ms", 0, "push_deadline_ms must be at least 1"),
+        (
+            "hard_cap_ms",
+            1000,
+            "hard_cap_ms must be at least initial_lease_ms",
+        ),
+    ] {
+        let mut cfg = serde_json::json!({
+            "engine_id": "vllm-timings-s", "model": "tiny", "dtype": "float32",
+            "opaque_blocks": true,
+        });
+        cfg[key] = value.into();
+        let cfg: SchedulerConfig = serde_json::from_value(cfg).unwrap();
+        let err = SchedulerSide::start(cfg, vec![worker.hello().unwrap()])
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains(says), "{key}: {err}");
+    }
+}
+
+#[test]
 fn an_unknown_kv_load_failure_policy_is_refused_with_its_name() {
     let e = engine("vllm-policy");
     let cfg: SchedulerConfig = serde_json::from_value(serde_json::json!({

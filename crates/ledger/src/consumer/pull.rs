@@ -34,7 +34,8 @@ impl ConsumerLedger {
             return false;
         };
         *posted = now;
-        *deadline = read_deadline(&self.cfg, now, grant_until, h.deadline);
+        let blocks = h.local.as_ref().map_or(0, Vec::len);
+        *deadline = read_deadline(&self.cfg, now, grant_until, h.deadline, blocks);
         let d = *deadline;
         h.timer.arm(&mut self.timers, handoff, d);
         true
@@ -167,26 +168,22 @@ impl ConsumerLedger {
             let until = sent_at + Duration::from_millis(grant.lease_ms as u64);
             let grant_until = h.grant_until.map_or(until, |u| u.max(until));
             h.grant_until = Some(grant_until);
+            let blocks = h.local.as_ref().map_or(0, Vec::len);
             match &mut h.state {
                 State::Admitted => self.try_start_read(grant.handoff, now),
-                // A layer-wise read spans P's prefill: a stage in flight may run until this
-                // later grant's end + the grace (P's lease covers it), and a stage refused for
-                // want of a grant may go now.
+                // A read in flight may run until this later grant's end + the grace (P's lease
+                // covers it; P renews it while D heartbeats), within its own timeout: a long
+                // prompt or a slow link is not cut at the grant the read started on. A
+                // layer-wise read spans P's prefill, and a stage refused for want of a grant may
+                // go now.
                 State::Reading {
                     failed: None,
                     deadline,
                     posted,
                     ..
-                } if matches!(
-                    h.flow,
-                    FlowState::Pull(PullState {
-                        layerwise: true,
-                        ..
-                    })
-                ) =>
-                {
-                    *deadline =
-                        read_deadline(&self.cfg, *posted, grant_until, h.deadline).max(*deadline);
+                } => {
+                    *deadline = read_deadline(&self.cfg, *posted, grant_until, h.deadline, blocks)
+                        .max(*deadline);
                     let d = *deadline;
                     h.timer.arm(&mut self.timers, grant.handoff, d);
                     let more = match &mut h.flow {
@@ -301,7 +298,6 @@ impl ConsumerLedger {
             *pull = PullState {
                 blocks_from_p: true,
                 p_layers: list.layers,
-                layerwise: list.layers.is_some(),
                 more_waiting: false,
             };
             h.blocks_answer_at = Some(now);
@@ -336,7 +332,8 @@ impl ConsumerLedger {
         if now >= h.deadline {
             return; // the deadline timer ends it
         }
-        let deadline = read_deadline(&self.cfg, now, grant_until, h.deadline);
+        let blocks = h.local.as_ref().map_or(0, Vec::len);
+        let deadline = read_deadline(&self.cfg, now, grant_until, h.deadline, blocks);
         let p_tp = h.info.p_tp;
         let done = rank_pairs(p_tp, tp)
             .into_iter()

@@ -20,8 +20,19 @@ pub struct ConsumerConfig {
     pub heartbeat_interval: Duration,
     /// Start a read only while the grant has at least this much left.
     pub read_margin: Duration,
-    /// A read that takes longer than this has failed.
+    /// A read that takes longer than this, plus the time its bytes take at `read_floor_rate`,
+    /// has failed. (However long it may take, a read still fails once its grant + the read
+    /// grace are over: P stopped renewing it.)
     pub read_timeout: Duration,
+    /// The slowest rate, in bytes per second on one D rank, at which a healthy read is expected
+    /// to move its bytes: a read of a long prompt gets that time on top of `read_timeout`, so
+    /// it is not failed for its size (0: `read_timeout` alone).
+    #[serde(default)]
+    pub read_floor_rate: u64,
+    /// Bytes of one block on one D rank, every layer (the connector sets it from its layout;
+    /// 0: unknown, no time for bytes).
+    #[serde(default)]
+    pub block_bytes: u64,
     /// A read that ends more than this after its grant has failed. Must be below P's fence grace.
     pub read_grace: Duration,
     /// Longest quarantine of blocks under a failed read the transport never confirmed ended.
@@ -49,6 +60,8 @@ impl Default for ConsumerConfig {
             heartbeat_interval: Duration::from_millis(500),
             read_margin: Duration::from_millis(200),
             read_timeout: Duration::from_secs(5),
+            read_floor_rate: 1_000_000_000,
+            block_bytes: 0,
             read_grace: Duration::from_millis(500),
             read_fence: Duration::from_secs(10),
             read_retries: 1,

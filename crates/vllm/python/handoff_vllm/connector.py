@@ -137,9 +137,27 @@ class HandoffHandshake(KVConnectorHandshakeMetadata):
     opaque_blocks: bool = True
 
 
+# Every key of kv_connector_extra_config the connector reads (docs/src/reference/vllm-extra-config.md).
+EXTRA_KEYS = frozenset({
+    "engine_id", "mode", "transport", "data_bind", "side_channel_host", "side_channel_port",
+    "advertise_host", "cluster_key_file", "insecure", "peer_hosts", "initial_lease_ms",
+    "wait_deadline_ms", "registration_lease_ms", "read_timeout_ms", "read_floor_mb_per_s",
+    "push_deadline_ms", "hard_cap_ms", "kv_digest", "record_trace", "timeline", "model_name",
+})
+
+
 def _extra(vllm_config) -> dict[str, Any]:
+    """kv_connector_extra_config; a key the connector does not read (a typo) is refused, not
+    ignored."""
     ktc = vllm_config.kv_transfer_config
-    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    unknown = sorted(set(extra) - EXTRA_KEYS)
+    if unknown:
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
+            f"(HandoffConnector reads: {', '.join(sorted(EXTRA_KEYS))})"
+        )
+    return extra
 
 
 class HandoffConnector(KVConnectorBase_V1):
@@ -349,6 +367,10 @@ class HandoffConnector(KVConnectorBase_V1):
             "initial_lease_ms": self._extra.get("initial_lease_ms"),
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "registration_lease_ms": self._extra.get("registration_lease_ms"),
+            "read_timeout_ms": self._extra.get("read_timeout_ms"),
+            "read_floor_mb_per_s": self._extra.get("read_floor_mb_per_s"),
+            "push_deadline_ms": self._extra.get("push_deadline_ms"),
+            "hard_cap_ms": self._extra.get("hard_cap_ms"),
             "opaque_blocks": self._opaque,
             "kv_digest": bool(self._extra.get("kv_digest", False)),
             "record_trace": self._extra.get("record_trace"),

@@ -601,3 +601,10 @@ def test_a_kv_cache_off_the_host_is_refused_at_registration_with_its_device_name
     with pytest.raises(ValueError, match=r"on meta.*host memory"):
         worker.register_kv_caches(kv)
     assert worker.get_handshake_metadata() is None
+
+
+def test_a_typo_in_the_extra_config_is_refused_with_its_name():
+    """A key of kv_connector_extra_config the connector does not read fails the engine's start,
+    naming it, instead of leaving a setting silently at its default."""
+    with pytest.raises(ValueError, match="registration_lease_msec"):
+        Engine("typo-p", registration_lease_msec=5000)

@@ -110,15 +110,13 @@ def test_decode_from_pushed_kv_equals_a_single_engine(push):
     assert _log_count(push["p"], "push write not posted") == 0
 
 
-def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
+def _streamed(push, ids: list[int]) -> tuple[int, list[int], float]:
     """D's leg first, so that its registration is at P before P schedules the prefill: the step
-    that completes P's prompt plans the writes, and P's worker sends layer 0 from vLLM's
-    save_kv_layer, during the forward pass (the last layer follows once the earlier ones landed
-    and the digest is known). D's output and digest still match."""
-    ids = [(5 * j) % 3990 + 5 for j in range(3 * BLOCK_SIZE + 5)]
+    that completes P's prompt plans the writes, and P's worker sends each layer from vLLM's
+    save_kv_layer during the forward pass. Returns (writes that left from save_kv_layer, D's
+    tokens, seconds P took to answer)."""
     idle = fresh_usage(push["d"])
     streamed = _log_count(push["p"], "push write leaves as its layer is saved")
-    matched = digest_lines(push, "matched")
     p_params, d_params = legs(push)
     with ThreadPoolExecutor(1) as ex:
         d = ex.submit(push["d"].complete, ids, 8, kv_transfer_params=d_params)
@@ -126,10 +124,41 @@ def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
         while fresh_usage(push["d"]) <= idle:
             assert time.monotonic() < deadline, "D never reserved blocks for the request"
         time.sleep(0.3)  # D's registration crosses the side channel
+        t = time.monotonic()
         push["p"].complete(ids, 1, kv_transfer_params=p_params)
+        p_s = time.monotonic() - t
         got = d.result()["choices"][0]["token_ids"]
-    assert _log_count(push["p"], "push write leaves as its layer is saved") > streamed, \
-        "no layer left P from save_kv_layer"
+    return _log_count(push["p"], "push write leaves as its layer is saved") - streamed, got, p_s
+
+
+def test_each_layer_leaves_p_while_its_forward_pass_computes_the_next(push):
+    """P's worker sends layer 0 from vLLM's save_kv_layer, during the forward pass (the last
+    layer follows once the earlier ones landed and the digest is known). D's output and digest
+    still match."""
+    ids = [(5 * j) % 3990 + 5 for j in range(3 * BLOCK_SIZE + 5)]
+    matched = digest_lines(push, "matched")
+    streamed, got, _ = _streamed(push, ids)
+    assert streamed > 0, "no layer left P from save_kv_layer"
+    assert digest_lines(push, "matched") == matched + 1
+    assert got == push["single"].complete(ids, 8)["choices"][0]["token_ids"]
+
+
+def test_a_forward_pass_longer_than_d_s_grant_streams_every_layer(push):
+    """The longest prompt's forward pass lasts several of D's 2 s registration grants on this
+    machine; D renews them on P's heartbeats and P's worker hears of each renewal on the grant
+    line, so every layer but the last (which goes once the others landed) leaves from
+    save_kv_layer and none fails unposted. With the grant the step was planned on, the late
+    layers' writes failed and D answered 500."""
+    ids = [(11 * j) % 3990 + 5 for j in range(MAX_MODEL_LEN - 16)]
+    matched = digest_lines(push, "matched")
+    not_posted = _log_count(push["p"], "push write not posted")
+    streamed, got, p_s = _streamed(push, ids)
+    REPORT["push_long_forward_s"] = round(p_s, 2)
+    REPORT["push_long_forward_layers_streamed"] = streamed
+    assert p_s > REGISTRATION_LEASE_S, \
+        f"P answered in {p_s:.2f} s: the forward must outlast D's grant for this test to say anything"
+    assert _log_count(push["p"], "push write not posted") == not_posted
+    assert streamed >= 2, f"{streamed} layers left P from save_kv_layer"
     assert digest_lines(push, "matched") == matched + 1
     assert got == push["single"].complete(ids, 8)["choices"][0]["token_ids"]
 
