@@ -2062,7 +2062,8 @@ fn an_early_release_gets_into_a_staging_full_of_layerwise_questions() {
 }
 
 /// A pull of `bytes_per_block` × 4 blocks on a 5 s read timeout and a 1 GB/s read floor; the
-/// READ lands after 9 s while P keeps granting. Returns D's outcomes.
+/// READ lands after 12 s (past the 10 s initial grant it started on) while P keeps granting.
+/// Returns D's outcomes.
 fn long_read(bytes_per_block: u64) -> Vec<Outcome> {
     let d = ConsumerConfig {
         read_timeout: Duration::from_secs(5),
@@ -2073,7 +2074,7 @@ fn long_read(bytes_per_block: u64) -> Vec<Outcome> {
     let mut pair = Pair::new(ProducerConfig::default(), d);
     let id = hid(91);
     let read = start_pull(&mut pair, id, 1);
-    pair.advance(ms(9_000));
+    pair.advance(ms(12_000));
     if pair.outcomes.is_empty() {
         pair.complete_read(&read);
     }
@@ -2082,7 +2083,8 @@ fn long_read(bytes_per_block: u64) -> Vec<Outcome> {
 
 #[test]
 fn a_read_of_a_long_prompt_gets_time_for_its_bytes_on_top_of_the_read_timeout() {
-    // 8 GB on this rank: 8 s at the floor rate, so the read may take 5 + 8 s.
+    // 8 GB on this rank: 8 s at the floor rate, so the read may take 5 + 8 s, on the grants
+    // P renewed since it started.
     let outcomes = long_read(2_000_000_000);
     assert!(
         matches!(outcomes.as_slice(), [Outcome::Ready { .. }]),
