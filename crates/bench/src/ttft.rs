@@ -200,76 +200,109 @@ async fn scrape(
     out
 }
 
-async fn run_cases(
-    args: &TtftArgs,
-    path: &'static str,
-    url: &str,
-    components: &[(&'static str, String)],
-    seed_base: usize,
-) -> Vec<Case> {
+/// One path under measure: its name in the report, the URL clients send to, and the
+/// components whose `/metrics` timeline its cases read.
+struct Path {
+    name: &'static str,
+    url: String,
+    components: Vec<(&'static str, String)>,
+}
+
+/// Runs every prompt length and concurrency level through `paths` with their requests
+/// interleaved: round after round, each path gets `concurrency` requests (the same prompts),
+/// the first path of a round alternating, so that a neighbour's load or the machine's drift
+/// moves every path alike and their ratios survive a shared machine. Returns one case per path,
+/// length and level.
+async fn run_interleaved(args: &TtftArgs, paths: &[Path], seed_base: usize) -> Vec<Case> {
     let client = reqwest::Client::new();
     // Warm up: handshakes and connections are set up once per pair, not per request, and the
     // first transfer of each size grows buffers and TCP windows once: one request per length.
-    let _ = ttft(&client, url, prompt(999_999, 64)).await;
-    for &len in &args.prompts {
-        let _ = ttft(&client, url, prompt(999_998 - len, len)).await;
+    for p in paths {
+        let _ = ttft(&client, &p.url, prompt(999_999, 64)).await;
+        for &len in &args.prompts {
+            let _ = ttft(&client, &p.url, prompt(999_998 - len, len)).await;
+        }
     }
+    let names: Vec<&str> = paths.iter().map(|p| p.name).collect();
     let mut out = Vec::new();
     for &len in &args.prompts {
         for &conc in &args.concurrency {
             let n = args.requests_for(len, conc);
             // Progress on stderr (drawn only on a terminal): a default run takes minutes.
-            let bar = indicatif::ProgressBar::new(n as u64)
-                .with_message(format!("{path} {len} tokens, concurrency {conc}"));
+            let bar = indicatif::ProgressBar::new((n * paths.len()) as u64)
+                .with_message(format!("{names:?} {len} tokens, concurrency {conc}"));
             bar.set_style(
                 indicatif::ProgressStyle::with_template(
                     "  [{elapsed_precise}] {bar:30} {pos}/{len} {msg}",
                 )
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
-            let before = scrape(&client, components).await;
-            let mut times = Vec::new();
-            let mut failed = 0;
-            let mut next = 0;
-            let mut inflight = futures_util::stream::FuturesUnordered::new();
-            while next < n || !inflight.is_empty() {
-                while next < n && inflight.len() < conc {
-                    let (c, u) = (client.clone(), url.to_string());
-                    let text = prompt(seed_base + len * 100 + next, len);
-                    inflight.push(async move { ttft(&c, &u, text).await });
-                    next += 1;
+            let mut before = Vec::new();
+            for p in paths {
+                before.push(scrape(&client, &p.components).await);
+            }
+            let mut times = vec![Vec::new(); paths.len()];
+            let mut failed = vec![0usize; paths.len()];
+            let mut sent = 0;
+            for round in 0.. {
+                if sent >= n {
+                    break;
                 }
-                match inflight.next().await {
-                    Some(Some(t)) => times.push(t.as_secs_f64() * 1000.0),
-                    Some(None) => failed += 1,
-                    None => {}
+                let wave = conc.min(n - sent);
+                for k in 0..paths.len() {
+                    let i = (k + round) % paths.len();
+                    let wave_times = futures_util::future::join_all((0..wave).map(|j| {
+                        let text = prompt(seed_base + len * 100 + sent + j, len);
+                        ttft(&client, &paths[i].url, text)
+                    }))
+                    .await;
+                    for t in wave_times {
+                        match t {
+                            Some(t) => times[i].push(t.as_secs_f64() * 1000.0),
+                            None => failed[i] += 1,
+                        }
+                    }
+                    bar.inc(wave as u64);
                 }
-                bar.set_position((times.len() + failed) as u64);
+                sent += wave;
             }
             bar.finish_and_clear();
-            let phases = phases_between(&before, &scrape(&client, components).await);
-            let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
-            let proxy = |p: &str| phases.get(&format!("proxy.{p}")).map_or(0.0, |s| s.mean_ms);
-            let case = Case {
-                samples: times.clone(),
-                path,
-                prompt_tokens: len,
-                concurrency: conc,
-                requests: n,
-                ttft_p50_ms: percentile(&mut times.clone(), 0.5),
-                ttft_p99_ms: percentile(&mut times, 0.99),
-                ttft_mean_ms: mean,
-                failed,
-                accounted: (proxy("to_decode") + proxy("decode_first_chunk")) / mean,
-                phases,
-            };
-            eprintln!(
-                "  {path:>6} {len:>5} tokens, concurrency {conc}: TTFT p50 {:.1} ms, p99 {:.1} ms{}",
-                case.ttft_p50_ms,
-                case.ttft_p99_ms,
-                if failed > 0 { format!(", {failed} failed") } else { String::new() }
-            );
-            out.push(case);
+            for (i, p) in paths.iter().enumerate() {
+                let after = scrape(&client, &p.components).await;
+                let phases = phases_between(&before[i], &after);
+                let times = &mut times[i];
+                let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+                let proxy = |ph: &str| {
+                    phases
+                        .get(&format!("proxy.{ph}"))
+                        .map_or(0.0, |s| s.mean_ms)
+                };
+                let case = Case {
+                    samples: times.clone(),
+                    path: p.name,
+                    prompt_tokens: len,
+                    concurrency: conc,
+                    requests: n,
+                    ttft_p50_ms: percentile(&mut times.clone(), 0.5),
+                    ttft_p99_ms: percentile(times, 0.99),
+                    ttft_mean_ms: mean,
+                    failed: failed[i],
+                    accounted: (proxy("to_decode") + proxy("decode_first_chunk")) / mean,
+                    phases,
+                };
+                eprintln!(
+                    "  {:>11} {len:>5} tokens, concurrency {conc}: TTFT p50 {:.1} ms, p99 {:.1} ms{}",
+                    p.name,
+                    case.ttft_p50_ms,
+                    case.ttft_p99_ms,
+                    if case.failed > 0 {
+                        format!(", {} failed", case.failed)
+                    } else {
+                        String::new()
+                    }
+                );
+                out.push(case);
+            }
         }
     }
     out
@@ -301,7 +334,7 @@ fn print_breakdown(c: &Case) {
         c.prompt_tokens,
         c.concurrency,
         c.ttft_mean_ms,
-        if c.path == "single" {
+        if c.path.starts_with("single") {
             String::new()
         } else {
             format!(
@@ -320,9 +353,12 @@ fn print_breakdown(c: &Case) {
     }
 }
 
+/// Runs the `mode` cluster (P, D and handoff's proxy), its requests interleaved with those of
+/// `single` (the one engine, reported as path `single_name`) when there is one.
 async fn cluster(
     args: &TtftArgs,
     mode: &'static str,
+    single: Option<(&'static str, &str)>,
 ) -> anyhow::Result<(Vec<Case>, BTreeMap<String, f64>, f64)> {
     let p = spawn_engine(
         &format!("bench-p-{mode}"),
@@ -351,12 +387,23 @@ async fn cluster(
     })
     .await
     .context("proxy")?;
-    let components = [
-        ("proxy", proxy.url()),
-        ("p", p.url.clone()),
-        ("d", d.url.clone()),
-    ];
-    let cases = run_cases(args, mode, &proxy.url(), &components, 1).await;
+    let mut paths = vec![Path {
+        name: mode,
+        url: proxy.url(),
+        components: vec![
+            ("proxy", proxy.url()),
+            ("p", p.url.clone()),
+            ("d", d.url.clone()),
+        ],
+    }];
+    if let Some((name, url)) = single {
+        paths.push(Path {
+            name,
+            url: url.to_string(),
+            components: vec![("engine", url.to_string())],
+        });
+    }
+    let cases = run_interleaved(args, &paths, 1).await;
     let client = reqwest::Client::new();
     let m = crate::cluster::get_text(&client, &format!("{}/metrics", d.url)).await;
     let recomputed = crate::cluster::metric_by_label(&m, "handoff_requests_failed_total", "reason");
@@ -397,21 +444,40 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
     let runs = |m: &str| args.mode.iter().any(|x| x == m);
     let cases = rt.block_on(async {
         let mut all = Vec::new();
-        if runs("single") {
-            let single = spawn_engine(
+        // One engine is measured beside each P/D path, in the same setup, its requests
+        // interleaved with the path's: against pull as `single`, against push as
+        // `single_push`. Measured at different moments, the two sides of a ratio once moved by
+        // 0.15 between two runs minutes apart on a shared machine.
+        let single = if runs("single") {
+            Some(spawn_engine(
                 "bench-single",
                 "both",
                 &engine_args("pull", &args.transport),
-            )?;
-            let components = [("engine", single.url.clone())];
-            all.extend(run_cases(&args, "single", &single.url, &components, 1).await);
-            drop(single);
-        }
-        for mode in ["pull", "push"] {
-            if !runs(mode) {
-                continue;
+            )?)
+        } else {
+            None
+        };
+        let pairs: Vec<&'static str> = ["pull", "push"].into_iter().filter(|m| runs(m)).collect();
+        if pairs.is_empty() {
+            if let Some(s) = &single {
+                let path = Path {
+                    name: "single",
+                    url: s.url.clone(),
+                    components: vec![("engine", s.url.clone())],
+                };
+                all.extend(run_interleaved(&args, &[path], 1).await);
             }
-            let (cases, recomputed, descriptors) = cluster(&args, mode).await?;
+        }
+        for mode in pairs {
+            let beside = single.as_ref().map(|s| {
+                let name = if mode == "pull" {
+                    "single"
+                } else {
+                    "single_push"
+                };
+                (name, s.url.as_str())
+            });
+            let (cases, recomputed, descriptors) = cluster(&args, mode, beside).await?;
             println!("  {mode}: {descriptors:.1} descriptors per handoff");
             descriptors_per_handoff.insert(mode, descriptors);
             all.extend(cases);
@@ -422,6 +488,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
             );
             requests_recomputed.insert(mode, recomputed);
         }
+        drop(single);
         anyhow::Ok(all)
     })?;
     let p50 = |path: &str| {
@@ -429,6 +496,14 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
             .iter()
             .find(|c| c.path == path && c.prompt_tokens == 2048 && c.concurrency == 1)
             .map_or(f64::NAN, |c| c.ttft_p50_ms)
+    };
+    // Each path against the one engine measured beside it.
+    let single_of = |path: &str| {
+        if path == "push" {
+            "single_push"
+        } else {
+            "single"
+        }
     };
     // The worst ratio over prompt lengths of a path's p99 at concurrency 8 to the single one's.
     let p99_c8 = |path: &str| {
@@ -440,7 +515,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         };
         args.prompts
             .iter()
-            .filter_map(|&len| Some(of(path, len)? / of("single", len)?))
+            .filter_map(|&len| Some(of(path, len)? / of(single_of(path), len)?))
             .fold(f64::NAN, f64::max)
     };
     println!(
@@ -467,7 +542,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
         cost_model,
         push_vs_pull_ttft_p50: p50("push") / p50("pull"),
         pull_vs_single_ttft_p50: p50("pull") / p50("single"),
-        push_vs_single_ttft_p50: p50("push") / p50("single"),
+        push_vs_single_ttft_p50: p50("push") / p50("single_push"),
         pull_vs_single_ttft_p99_c8: p99_c8("pull"),
         push_vs_single_ttft_p99_c8: p99_c8("push"),
         requests_recomputed,
@@ -504,7 +579,7 @@ pub fn run(args: TtftArgs) -> anyhow::Result<()> {
 /// proxy saw beyond its engines' own phases is the hops between them.
 fn parts(c: &Case) -> [f64; 7] {
     let m = |k: &str| c.phases.get(k).map_or(0.0, |s| s.mean_ms);
-    if c.path == "single" {
+    if c.path.starts_with("single") {
         return [
             m("engine.queued"),
             m("engine.prefill"),
@@ -537,7 +612,7 @@ fn parts(c: &Case) -> [f64; 7] {
 }
 
 fn write_report(dir: &std::path::Path, r: &Report) -> anyhow::Result<()> {
-    // Cases run path by path: a length recurs once per path.
+    // A length recurs once per path and concurrency level.
     let mut lengths: Vec<usize> = r.cases.iter().map(|c| c.prompt_tokens).collect();
     lengths.sort_unstable();
     lengths.dedup();
