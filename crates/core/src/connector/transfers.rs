@@ -542,16 +542,12 @@ impl ConnectorCore {
             if w.aborted || w.failed || w.jobs.is_empty() {
                 continue;
             }
-            let Some(until) = self
-                .producer
-                .as_ref()
-                .and_then(|p| p.write_permit(handoff, *d_rank, now).ok())
+            let margin = self.cfg.producer.write_margin;
+            let Some(post_within_ms) =
+                post_window(self.producer.as_ref(), margin, handoff, *d_rank, now)
             else {
                 continue;
             };
-            let post_within = until
-                .saturating_sub(now)
-                .saturating_sub(self.cfg.producer.write_margin);
             let mut ranks: Vec<u16> = w.jobs.iter().map(|(r, _)| *r).collect();
             ranks.sort_unstable();
             ranks.dedup();
@@ -561,7 +557,7 @@ impl ConnectorCore {
                     WorkerOp::RenewWrites {
                         handoff,
                         d_rank: *d_rank,
-                        post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
+                        post_within_ms,
                     },
                 ));
             }
@@ -638,21 +634,20 @@ impl ConnectorCore {
                     break;
                 }
                 // Rule 3: post only on a registration grant that is still valid.
-                let Some(until) = self
-                    .producer
-                    .as_ref()
-                    .and_then(|p| p.write_permit(handoff, *d_rank, now).ok())
-                else {
+                let Some(post_within_ms) = post_window(
+                    self.producer.as_ref(),
+                    self.cfg.producer.write_margin,
+                    handoff,
+                    *d_rank,
+                    now,
+                ) else {
                     break;
                 };
-                let post_within = until
-                    .saturating_sub(now)
-                    .saturating_sub(self.cfg.producer.write_margin);
                 let push_layer = PushLayer {
                     handoff,
                     d_rank: *d_rank,
                     layer,
-                    post_within_ms: post_within.as_millis().min(u32::MAX as u128) as u32,
+                    post_within_ms,
                 };
                 // Whole blocks where both sides have them (a layer of a contiguous run is one
                 // descriptor, not one per head and plane for the last, partial block); D's
@@ -740,6 +735,20 @@ impl ConnectorCore {
             }
         }
     }
+}
+
+/// How long from `now` a write into (`handoff`, `d_rank`) may still be posted, in ms: D's
+/// registration grant's end less the write margin (`None`: no valid grant, rule 3).
+fn post_window(
+    producer: Option<&handoff_ledger::ProducerLedger>,
+    margin: std::time::Duration,
+    handoff: HandoffId,
+    d_rank: u16,
+    now: Time,
+) -> Option<u32> {
+    let until = producer?.write_permit(handoff, d_rank, now).ok()?;
+    let within = until.saturating_sub(now).saturating_sub(margin);
+    Some(within.as_millis().min(u128::from(u32::MAX)) as u32)
 }
 
 /// The layers P's block list says are saved (`None`: every one), at most the model's: a larger
