@@ -170,6 +170,7 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             layout,
             agent: format!("{engine}-r0"),
             metadata: vec![],
+            memory: Default::default(),
         }],
     )
     .context("core")

@@ -15,12 +15,18 @@
 //! ([`crate::WorkerOp::RenewWrites`]) and it lands in the gate's [`WriteGrants`], which whatever
 //! carries renewals during the forward (vLLM's grant line) shares. When D stops granting (P
 //! partitioned, D gone) no renewal comes and held writes fail at the last grant's end.
+//!
+//! On a GPU the engine calls `save_kv_layer` once the layer's kernels are *enqueued*, not run:
+//! the layer is saved with a [`Fence`] (a CUDA event recorded after those kernels), and its
+//! writes wait, fenced, until the event's work finished ([`ForwardGate::poll`], never blocking
+//! the forward thread); the forward's end likewise fences what is still held and the digests.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_proto::HandoffId;
+use handoff_transport::device::{Device, DeviceError};
 use parking_lot::Mutex;
 
 use crate::step::{JobId, PushLayer, TransferJob, WorkerOp};
@@ -83,12 +89,54 @@ impl WriteGrants {
     }
 }
 
+/// The device work that produced a layer's KV: an event recorded on the engine's stream right
+/// after that work was enqueued. Shared by every job it holds; destroyed with the last.
+#[derive(Debug, Clone)]
+pub struct Fence(Arc<FenceEvent>);
+
+#[derive(Debug)]
+struct FenceEvent {
+    device: Arc<dyn Device>,
+    event: u64,
+}
+
+impl Drop for FenceEvent {
+    fn drop(&mut self) {
+        self.device.destroy_event(self.event);
+    }
+}
+
+impl Fence {
+    /// A fence after everything enqueued on `stream` of `device` so far.
+    pub fn record(device: Arc<dyn Device>, stream: u64) -> Result<Fence, DeviceError> {
+        let event = device.record_event(stream)?;
+        Ok(Fence(Arc::new(FenceEvent { device, event })))
+    }
+
+    /// Whether that work finished (never blocks).
+    pub fn passed(&self) -> Result<bool, DeviceError> {
+        self.0.device.event_done(self.0.event)
+    }
+}
+
+/// A held job, with the instant it must be posted by as planned.
+type HeldJob = (Instant, PushLayer, TransferJob);
+
+/// What waits for a fence.
+#[derive(Debug)]
+enum Fenced {
+    Job(HeldJob),
+    Digest(WorkerOp),
+}
+
 #[derive(Debug, Default)]
 pub struct ForwardGate {
-    /// Jobs waiting for their layer, with the instant they must be posted by as planned.
-    jobs: Vec<(Instant, PushLayer, TransferJob)>,
+    /// Jobs waiting for their layer.
+    jobs: Vec<HeldJob>,
     /// Digests waiting for the forward's end.
     digests: Vec<WorkerOp>,
+    /// Saved, waiting for the device work that wrote their KV.
+    fenced: Vec<(Fence, Fenced)>,
     /// Renewals of the grants the jobs were planned on.
     grants: Arc<WriteGrants>,
 }
@@ -108,6 +156,7 @@ impl ForwardGate {
     pub fn clear(&mut self) {
         self.jobs.clear();
         self.digests.clear();
+        self.fenced.clear();
     }
 
     /// Splits a step planned before its forward pass: the writes and digests of the handoffs in
@@ -133,13 +182,23 @@ impl ForwardGate {
                 WorkerOp::Digest { handoff, .. } if forward.contains(&handoff) => {
                     self.digests.push(op)
                 }
-                WorkerOp::Abort { job } => match self.jobs.iter().position(|h| h.2.job == job) {
-                    Some(i) => {
-                        self.jobs.remove(i);
-                        failed.push(job);
+                WorkerOp::Abort { job } => {
+                    let fenced = self
+                        .fenced
+                        .iter()
+                        .position(|(_, f)| matches!(f, Fenced::Job(h) if h.2.job == job));
+                    match (self.jobs.iter().position(|h| h.2.job == job), fenced) {
+                        (Some(i), _) => {
+                            self.jobs.remove(i);
+                            failed.push(job);
+                        }
+                        (None, Some(i)) => {
+                            self.fenced.remove(i);
+                            failed.push(job);
+                        }
+                        (None, None) => apply.push(WorkerOp::Abort { job }),
                     }
-                    None => apply.push(WorkerOp::Abort { job }),
-                },
+                }
                 other => apply.push(other),
             }
         }
@@ -153,36 +212,88 @@ impl ForwardGate {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.digests.is_empty()
+        self.jobs.is_empty() && self.digests.is_empty() && self.fenced.is_empty()
     }
 
-    /// The forward saved `layer`: its jobs go.
-    pub fn layer_saved(&mut self, layer: u32, now: Instant) -> Vec<Released> {
-        let (due, kept) = std::mem::take(&mut self.jobs)
+    /// The forward saved `layer`: its jobs go, at once or, with `fence`, once the device work
+    /// it marks finished ([`ForwardGate::poll`]).
+    pub fn layer_saved(
+        &mut self,
+        layer: u32,
+        fence: Option<&Fence>,
+        now: Instant,
+    ) -> Vec<Released> {
+        let (due, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.jobs)
             .into_iter()
             .partition(|h| h.1.layer == layer);
         self.jobs = kept;
-        due.into_iter()
-            .map(|h| {
-                tracing::debug!(handoff = %h.1.handoff, layer, "push write leaves as its layer is saved");
-                self.release(h, now)
-            })
-            .collect()
+        let mut out = Vec::new();
+        for h in due {
+            match fence {
+                Some(f) => self.fenced.push((f.clone(), Fenced::Job(h))),
+                None => {
+                    tracing::debug!(handoff = %h.1.handoff, layer, "push write leaves as its layer is saved");
+                    out.push(self.release(h, now));
+                }
+            }
+        }
+        out.extend(self.poll(now));
+        out
     }
 
     /// The forward ended: every held job goes (a layer the engine never named as saved is in
-    /// its blocks now), then the digests.
-    pub fn forward_done(&mut self, now: Instant) -> Vec<Released> {
-        let mut out: Vec<Released> = std::mem::take(&mut self.jobs)
-            .into_iter()
-            .map(|h| self.release(h, now))
-            .collect();
-        out.extend(self.digests.drain(..).map(Released::Apply));
+    /// its blocks now), then the digests; with `fence`, once the forward's device work
+    /// finished.
+    pub fn forward_done(&mut self, fence: Option<&Fence>, now: Instant) -> Vec<Released> {
+        let jobs = std::mem::take(&mut self.jobs);
+        let digests = std::mem::take(&mut self.digests);
+        let mut out = Vec::new();
+        match fence {
+            Some(f) => {
+                let held = jobs
+                    .into_iter()
+                    .map(Fenced::Job)
+                    .chain(digests.into_iter().map(Fenced::Digest));
+                self.fenced.extend(held.map(|h| (f.clone(), h)));
+            }
+            None => {
+                out.extend(jobs.into_iter().map(|h| self.release(h, now)));
+                out.extend(digests.into_iter().map(Released::Apply));
+            }
+        }
+        out.extend(self.poll(now));
         self.grants.prune(now);
         out
     }
 
-    fn release(&self, (by, p, job): (Instant, PushLayer, TransferJob), now: Instant) -> Released {
+    /// Releases what waited for device work that has finished now, in the order it was saved
+    /// (a job under the grant as it stands now). A fence the device cannot answer for fails its
+    /// job and drops its digest (D then recomputes): nothing leaves before its KV is written.
+    pub fn poll(&mut self, now: Instant) -> Vec<Released> {
+        if self.fenced.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut kept = Vec::new();
+        for (fence, held) in std::mem::take(&mut self.fenced) {
+            match (fence.passed(), held) {
+                (Ok(false), held) => kept.push((fence, held)),
+                (Ok(true), Fenced::Job(h)) => out.push(self.release(h, now)),
+                (Ok(true), Fenced::Digest(op)) => out.push(Released::Apply(op)),
+                (Err(e), Fenced::Job(h)) => {
+                    tracing::error!(handoff = %h.1.handoff, layer = h.1.layer, error = %e, "push write not posted: the device cannot say whether its layer is written");
+                    out.push(Released::Fail(h.2.job));
+                }
+                (Err(e), Fenced::Digest(_)) => {
+                    tracing::error!(error = %e, "KV digest dropped: the device cannot say whether the forward ended");
+                }
+            }
+        }
+        self.fenced = kept;
+        out
+    }
+
+    fn release(&self, (by, p, job): HeldJob, now: Instant) -> Released {
         let by = match self.grants.until(p.handoff, p.d_rank) {
             Some(renewed) => by.max(renewed),
             None => by,
@@ -246,6 +357,62 @@ mod tests {
             .collect()
     }
 
+    /// On a device, a saved layer's write waits for the event recorded after its kernel (the
+    /// "kernel" here finishes 150 ms late), and the digest for the forward's end event; both
+    /// leave from `poll` once the work is done, never from the call that saved them, and the
+    /// events are destroyed once nothing waits on them.
+    #[test]
+    fn a_fenced_write_leaves_only_once_its_kernel_finished() {
+        use handoff_transport::device::fake::FakeDevice;
+        let dev = FakeDevice::new(0);
+        let at = dev.alloc(64);
+        let stream = 3;
+        dev.late_kernel(stream, at, vec![1; 64], Duration::from_millis(150));
+        let layer0 = Fence::record(dev.clone(), stream).unwrap();
+        dev.late_kernel(stream, at, vec![2; 64], Duration::from_millis(250));
+        let end = Fence::record(dev.clone(), stream).unwrap();
+        let h = handoff(1);
+        let t0 = Instant::now();
+        let mut gate = ForwardGate::default();
+        let ops = vec![write(1, h, 0, 10_000), write(2, h, 1, 10_000), digest(h)];
+        assert!(gate.admit(ops, &[h], t0).0.is_empty());
+        assert!(gate
+            .layer_saved(0, Some(&layer0), Instant::now())
+            .is_empty());
+        assert!(gate.forward_done(Some(&end), Instant::now()).is_empty());
+        assert!(!gate.is_empty());
+        let mut got = Vec::new();
+        while !gate.is_empty() {
+            let out = gate.poll(Instant::now());
+            if !out.is_empty() {
+                assert!(
+                    layer0.passed().unwrap(),
+                    "a write left before layer 0's kernel ran"
+                );
+            }
+            got.extend(out);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(end.passed().unwrap());
+        assert_eq!(posted(&got), vec![1, 2]);
+        assert_eq!(got.last(), Some(&Released::Apply(digest(h))));
+        drop((layer0, end));
+        assert_eq!(dev.live_events(), 0, "every event destroyed");
+        // An event the device cannot answer for: the write fails, never leaves unordered.
+        let bogus = Fence::record(dev.clone(), stream).unwrap();
+        dev.destroy_event(1);
+        dev.destroy_event(2);
+        dev.destroy_event(3);
+        assert!(gate
+            .admit(vec![write(3, h, 0, 10_000)], &[h], t0)
+            .0
+            .is_empty());
+        assert_eq!(
+            gate.layer_saved(0, Some(&bogus), Instant::now()),
+            vec![Released::Fail(JobId(3))]
+        );
+    }
+
     #[test]
     fn writes_of_the_forward_s_handoffs_wait_for_their_layer_and_the_digest_for_its_end() {
         let (mine, other) = (handoff(1), handoff(2));
@@ -272,9 +439,9 @@ mod tests {
         );
         assert!(gate.waits_for(1) && gate.waits_for(0) && !gate.waits_for(2));
         let ms = Duration::from_millis;
-        assert_eq!(posted(&gate.layer_saved(1, t0 + ms(5))), vec![2]);
-        assert!(gate.layer_saved(1, t0 + ms(6)).is_empty());
-        let end = gate.forward_done(t0 + ms(9));
+        assert_eq!(posted(&gate.layer_saved(1, None, t0 + ms(5))), vec![2]);
+        assert!(gate.layer_saved(1, None, t0 + ms(6)).is_empty());
+        let end = gate.forward_done(None, t0 + ms(9));
         assert_eq!(posted(&end), vec![1], "a layer never named goes at the end");
         assert_eq!(end.last(), Some(&Released::Apply(digest(mine))));
         assert!(gate.is_empty());
@@ -288,10 +455,10 @@ mod tests {
         gate.admit(vec![write(7, h, 0, 50), write(8, h, 1, 500)], &[h], t0);
         let ms = Duration::from_millis;
         assert_eq!(
-            gate.layer_saved(0, t0 + ms(51)),
+            gate.layer_saved(0, None, t0 + ms(51)),
             vec![Released::Fail(JobId(7))]
         );
-        assert_eq!(posted(&gate.layer_saved(1, t0 + ms(500))), vec![8]);
+        assert_eq!(posted(&gate.layer_saved(1, None, t0 + ms(500))), vec![8]);
     }
 
     #[test]
@@ -312,14 +479,14 @@ mod tests {
         // An older renewal arriving late changes nothing; another D rank's is not this one's.
         carrier.renew(h, 0, t0 + ms(300), t0 + ms(395));
         carrier.renew(h, 1, t0 + ms(5000), t0 + ms(395));
-        assert_eq!(posted(&gate.layer_saved(0, t0 + ms(800))), vec![1]);
+        assert_eq!(posted(&gate.layer_saved(0, None, t0 + ms(800))), vec![1]);
         // D stopped granting: the last grant's end holds.
         assert_eq!(
-            gate.layer_saved(1, t0 + ms(901)),
+            gate.layer_saved(1, None, t0 + ms(901)),
             vec![Released::Fail(JobId(2))]
         );
         assert_eq!(
-            gate.forward_done(t0 + ms(2000)),
+            gate.forward_done(None, t0 + ms(2000)),
             vec![Released::Fail(JobId(3))]
         );
         // Renewals that ended are forgotten once the forward is over.
@@ -363,6 +530,6 @@ mod tests {
         );
         assert_eq!(failed, vec![JobId(5)]);
         assert_eq!(now_ops, vec![WorkerOp::Abort { job: JobId(6) }]);
-        assert!(gate.forward_done(Instant::now()).is_empty());
+        assert!(gate.forward_done(None, Instant::now()).is_empty());
     }
 }

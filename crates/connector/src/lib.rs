@@ -33,6 +33,7 @@ use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_proto::TransferMode;
 
 pub use executor::{Connector, ReportSink, WorkerLink};
+pub use forward_gate::Fence;
 pub use handoff_core::{
     step, Answer, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig, CoreError,
     CoreMemory, Input, LedgerCounters, Observation, Ready, Role,
@@ -118,6 +119,13 @@ pub enum ConnectorError {
         region: u32,
         len: u64,
         expected: Option<u64>,
+    },
+    #[error("rank {rank}: region {region} is {memory}, region one of the rank is {first}: a rank's KV lives in one place")]
+    MixedMemory {
+        rank: u16,
+        region: u32,
+        memory: handoff_transport::device::MemoryKind,
+        first: handoff_transport::device::MemoryKind,
     },
     #[error("invalid KV layout: {0}")]
     Layout(handoff_plan::LayoutError),

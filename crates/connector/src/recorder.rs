@@ -216,6 +216,7 @@ mod tests {
             layout: RankLayout::cross_layer(spec, 0, 256, 0).unwrap(),
             agent: "p-r0".into(),
             metadata: vec![],
+            memory: Default::default(),
         }];
         (cfg, ranks)
     }

@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_plan::RankLayout;
+use handoff_transport::device::MemoryKind;
 use handoff_transport::{
     Extent, GrantId, KvRegion, RegionId, Transport, TransportError, XferId, XferOp, XferStatus,
 };
 
 use crate::digest::{rank_digest, DigestOf};
-use crate::forward_gate::{ForwardGate, Released};
+use crate::forward_gate::{Fence, ForwardGate, Released};
 use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::ConnectorError;
 use handoff_proto::{HandoffId, Message};
@@ -67,6 +68,20 @@ impl WorkerSide {
     pub fn new(mem: RankMemory) -> Result<Self, ConnectorError> {
         mem.layout.validate().map_err(ConnectorError::Layout)?;
         let rank = mem.layout.rank as u16;
+        if let Some((_, first)) = mem.regions.first() {
+            if let Some((id, r)) = mem
+                .regions
+                .iter()
+                .find(|(_, r)| r.memory() != first.memory())
+            {
+                return Err(ConnectorError::MixedMemory {
+                    rank,
+                    region: *id,
+                    memory: r.memory(),
+                    first: first.memory(),
+                });
+            }
+        }
         for (id, region) in &mem.regions {
             let expected = mem.layout.region_len(*id);
             if expected != Some(region.len() as u64) {
@@ -105,7 +120,16 @@ impl WorkerSide {
             layout: self.mem.layout.clone(),
             agent: self.mem.transport.name().to_string(),
             metadata: self.mem.transport.local_metadata()?,
+            memory: self.memory(),
         })
+    }
+
+    /// Where this rank's KV lives (every region alike, checked in [`WorkerSide::new`]).
+    pub fn memory(&self) -> MemoryKind {
+        self.mem
+            .regions
+            .first()
+            .map_or(MemoryKind::Host, |(_, r)| r.memory())
     }
 
     /// Jobs posted and not yet reported ended.
@@ -146,14 +170,26 @@ impl WorkerSide {
 
     /// The forward pass saved `layer` (its KV is in the blocks): its held writes go.
     pub fn layer_saved(&mut self, layer: u32, now: Instant) {
-        let out = self.gate.layer_saved(layer, now);
+        self.layer_saved_after(layer, None, now);
+    }
+
+    /// The forward saved `layer` on a device: its writes go once `fence` (an event recorded
+    /// after the layer's kernels) says they ran; see [`WorkerSide::poll`].
+    pub fn layer_saved_after(&mut self, layer: u32, fence: Option<Fence>, now: Instant) {
+        let out = self.gate.layer_saved(layer, fence.as_ref(), now);
         self.release(out);
     }
 
     /// The forward pass ended: every held write goes, then the held digests.
     pub fn forward_done(&mut self, now: Instant) {
+        self.forward_done_after(None, now);
+    }
+
+    /// The forward pass ended on a device: what it held goes once `fence` (an event recorded
+    /// after the forward's kernels) says they ran.
+    pub fn forward_done_after(&mut self, fence: Option<Fence>, now: Instant) {
         if !self.gate.is_empty() {
-            let out = self.gate.forward_done(now);
+            let out = self.gate.forward_done(fence.as_ref(), now);
             self.release(out);
         }
     }
@@ -308,6 +344,9 @@ impl WorkerSide {
 
     /// Progress: jobs that ended, notifications, dead peers. `None` when there is nothing new.
     pub fn poll(&mut self) -> Option<WorkerReport> {
+        // Writes whose layer's device work finished since the last call leave first.
+        let out = self.gate.poll(Instant::now());
+        self.release(out);
         let transport = &self.mem.transport;
         let mut ended = Vec::new();
         for (id, job) in self.jobs.iter_mut() {
@@ -658,6 +697,106 @@ mod tests {
             snapshot().iter().all(|b| *b == 0xaa),
             "a forgotten push zeroes nothing"
         );
+    }
+
+    /// Push from device memory: P's write of layer 0 is held for the forward, whose "kernel"
+    /// writes the layer's KV 200 ms after `save_kv_layer` was called (as a GPU runs work the
+    /// host enqueued). Saved with the kernel's event, the write leaves once the kernel ran and
+    /// D's device memory holds the kernel's bytes; saved without it (the mechanism removed), it
+    /// leaves at once and D gets what was there before the kernel: zeros.
+    fn push_from_device_memory(fenced: bool) -> Vec<u8> {
+        use crate::step::{PushLayer, TransferJob, TransferPart};
+        use handoff_transport::device::fake::FakeDevice;
+        use handoff_transport::XferDesc;
+        let l = layout();
+        let len = l.region_len(0).unwrap() as usize;
+        let (p_dev, d_dev) = (FakeDevice::new(0), FakeDevice::new(1));
+        let p_region = Arc::new(p_dev.region(len, 256));
+        let d_region = Arc::new(d_dev.region(len, 256));
+        let tag = if fenced { "f" } else { "u" };
+        let d_t = tcp(&format!("d-dev-{tag}"));
+        d_t.register(0, d_region.clone()).unwrap();
+        let mut p = WorkerSide::new(RankMemory {
+            layout: l,
+            regions: vec![(0, p_region.clone())],
+            transport: tcp(&format!("p-dev-{tag}")),
+        })
+        .unwrap();
+        assert_eq!(
+            p.memory(),
+            handoff_transport::device::MemoryKind::Cuda { device: 0 }
+        );
+        let d_agent = format!("d-dev-{tag}");
+        let h: HandoffId = "0123456789abcdef0123456789abcdef".parse().unwrap();
+        let write = WorkerOp::Post(TransferJob {
+            job: JobId(1),
+            op: XferOp::Write,
+            parts: vec![TransferPart {
+                agent: d_agent.clone(),
+                descs: vec![XferDesc {
+                    local_region: 0,
+                    local_offset: 0,
+                    remote_region: 0,
+                    remote_offset: 0,
+                    len: 64,
+                }],
+                notification: None,
+            }],
+            zero_tail: None,
+            digest: None,
+            push_layer: Some(PushLayer {
+                handoff: h,
+                d_rank: 0,
+                layer: 0,
+                post_within_ms: 10_000,
+            }),
+        });
+        let load = WorkerOp::LoadRemote {
+            agent: d_agent,
+            metadata: d_t.local_metadata().unwrap(),
+        };
+        p.apply_before_forward(
+            WorkerStep {
+                ops: vec![load, write],
+            },
+            &[h],
+            Instant::now(),
+        );
+        let stream = 1;
+        p_dev.late_kernel(
+            stream,
+            p_region.base_addr(),
+            vec![7; 64],
+            Duration::from_millis(200),
+        );
+        let fence = fenced.then(|| Fence::record(p_dev.clone(), stream).unwrap());
+        p.layer_saved_after(0, fence, Instant::now());
+        let start = Instant::now();
+        loop {
+            let report = p.poll();
+            if report.is_some_and(|r| r.ended.contains(&(JobId(1), true))) {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the write never ended"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut landed = vec![0u8; 64];
+        d_region.read(0, &mut landed).unwrap();
+        landed
+    }
+
+    #[test]
+    fn a_push_write_from_device_memory_never_overtakes_the_kernel_that_wrote_its_layer() {
+        assert_eq!(
+            push_from_device_memory(true),
+            vec![7; 64],
+            "the kernel's bytes"
+        );
+        // Negative control: without the event the write overtakes the kernel.
+        assert_eq!(push_from_device_memory(false), vec![0; 64]);
     }
 
     fn l_block_bytes() -> usize {

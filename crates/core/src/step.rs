@@ -10,7 +10,7 @@ use handoff_plan::RankLayout;
 use handoff_proto::HandoffId;
 
 use crate::digest::DigestOf;
-use handoff_proto::xfer::{GrantId, XferDesc, XferOp};
+use handoff_proto::xfer::{GrantId, MemoryKind, XferDesc, XferOp};
 use serde::{Deserialize, Serialize};
 
 /// One transfer job, numbered by the scheduler side. A job is what one worker posts for one
@@ -29,6 +29,8 @@ pub struct WorkerHello {
     pub agent: String,
     /// What a peer needs to reach that agent (opaque).
     pub metadata: Vec<u8>,
+    /// Where the rank's KV lives (host or a GPU's memory).
+    pub memory: MemoryKind,
 }
 
 /// Work for one worker, in order.

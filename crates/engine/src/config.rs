@@ -93,11 +93,13 @@ pub struct EngineConfig {
     /// P: the longest a handoff lives, heartbeats or not.
     pub hard_cap_ms: u64,
     /// D: a READ not finished in this long, plus the time its bytes take at
-    /// `read_floor_mb_per_s`, fails (a READ also fails once P stops renewing its grant).
+    /// `transfer_floor_mb_per_s`, fails (a READ also fails once P stops renewing its grant).
     pub read_timeout_ms: u64,
-    /// D: the slowest rate (MB/s, per D rank) a healthy READ is expected to move its bytes at:
-    /// a READ of a long prompt gets that time on top of `read_timeout_ms`. 0: none.
-    pub read_floor_mb_per_s: u64,
+    /// The slowest rate (MB/s, per pair of ranks) a healthy transfer is expected to move its
+    /// bytes at. D: a READ of a long prompt gets that time on top of `read_timeout_ms`. P: a
+    /// push WRITE starts only while D's grant has that time left for its bytes (beside P's
+    /// write margin), so it lands inside the grant. 0: neither.
+    pub transfer_floor_mb_per_s: u64,
     /// D: a READ that finishes this long past its grant counts as failed.
     pub read_grace_ms: u64,
     /// D: the longest a request waits for its KV before it is recomputed or failed.
@@ -221,8 +223,8 @@ impl Default for EngineConfig {
             fence_grace_ms: 1_000,
             hard_cap_ms: 120_000,
             read_timeout_ms: 5_000,
-            read_floor_mb_per_s: 1_000,
-            registration_lease_ms: 2_000,
+            transfer_floor_mb_per_s: 1_000,
+            registration_lease_ms: 1_500,
             push_deadline_ms: 30_000,
             read_grace_ms: 300,
             wait_deadline_ms: 30_000,
@@ -734,6 +736,7 @@ impl EngineConfig {
             heartbeat_extension: Duration::from_millis(self.heartbeat_extension_ms),
             fence_grace: Duration::from_millis(self.fence_grace_ms),
             hard_cap: Duration::from_millis(self.hard_cap_ms),
+            write_floor_rate: self.transfer_floor_mb_per_s.saturating_mul(1_000_000),
             heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
             staging_capacity: self.staging_capacity,
             staging_per_peer: self.staging_per_peer,
@@ -749,7 +752,7 @@ impl EngineConfig {
             tp: self.tp as u16,
             heartbeat_interval: Duration::from_millis(self.heartbeat_interval_ms),
             read_timeout: Duration::from_millis(self.read_timeout_ms),
-            read_floor_rate: self.read_floor_mb_per_s.saturating_mul(1_000_000),
+            read_floor_rate: self.transfer_floor_mb_per_s.saturating_mul(1_000_000),
             read_grace: Duration::from_millis(self.read_grace_ms),
             wait_deadline: Duration::from_millis(self.wait_deadline_ms),
             registration_lease: Duration::from_millis(self.registration_lease_ms),

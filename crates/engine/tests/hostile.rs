@@ -189,6 +189,7 @@ fn hello_as(
             layout,
             agent: agent.into(),
             metadata,
+            memory: Default::default(),
         }],
     )
     .unwrap();

@@ -20,6 +20,8 @@ pub fn simulation_configs(p_tp: u16, d_tp: u16) -> (ProducerConfig, ConsumerConf
         fence_grace: ms(900),
         hard_cap: ms(20_000),
         write_margin: ms(100),
+        // The simulated writes take no time for their bytes: the margin alone.
+        write_floor_rate: 0,
         write_timeout: ms(200),
         heartbeat_interval: ms(250),
         staging_capacity: 64,

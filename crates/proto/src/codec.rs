@@ -6,7 +6,7 @@ use crate::message::*;
 /// Bumped on any incompatible change of [`Message`].
 /// 2: `BlocksQuery` / `PullBlocks` (D reads the blocks P names).
 /// 6: `BlockList::layers` (layer-wise pull).
-pub const PROTOCOL_VERSION: u8 = 7;
+pub const PROTOCOL_VERSION: u8 = 8;
 /// Hard cap on one encoded message. Heartbeats and grant batches are split to stay under it
 /// ([`crate::split_heartbeat`]), so a peer can size its receive buffer once.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -88,7 +88,8 @@ fn validate_hello(h: &Hello) -> Result<(), DecodeError> {
     check("model", h.fingerprint.model.len(), MAX_TEXT_BYTES)?;
     check("dtype", h.fingerprint.dtype.len(), MAX_TEXT_BYTES)?;
     check("layout", h.layout.len(), MAX_BLOB_BYTES)?;
-    check("agent_metadata", h.agent_metadata.len(), MAX_BLOB_BYTES)
+    check("agent_metadata", h.agent_metadata.len(), MAX_BLOB_BYTES)?;
+    check("memory", h.memory.len(), MAX_HELLO_RANKS)
 }
 
 /// Limits that the size cap alone does not give: what a receiver may keep in memory per message.

@@ -26,3 +26,4 @@ pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PRO
 pub use ids::{Epoch, HandoffId, ParseHandoffIdError};
 pub use message::*;
 pub use params::{Flow, KvTransferParams, ParamsError, TransferMode};
+pub use xfer::MemoryKind;

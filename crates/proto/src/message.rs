@@ -12,6 +12,9 @@ pub const MAX_TEXT_BYTES: usize = 256;
 /// blobs and every text of a [`Hello`] at their limits must still fit in one message
 /// ([`crate::MAX_MESSAGE_BYTES`]): 2 x 31 KiB + about 800 bytes < 64 KiB.
 pub const MAX_BLOB_BYTES: usize = 31 * 1024;
+/// Most ranks one hello describes where KV lives for (with two blobs at their limit, a hello of
+/// this many still fits one message).
+pub const MAX_HELLO_RANKS: usize = 128;
 /// Most block ids one push registration may carry (a 128k-token prompt at 16 tokens per block).
 pub const MAX_REGISTERED_BLOCKS: usize = 8192;
 
@@ -178,6 +181,8 @@ pub struct Hello {
     pub layout: Vec<u8>,
     /// Transport agent metadata (NIXL `get_local_md`, or the TCP data address).
     pub agent_metadata: Vec<u8>,
+    /// Where each rank's KV lives, rank by rank (host or a GPU's memory).
+    pub memory: Vec<crate::xfer::MemoryKind>,
 }
 
 /// Answer to [`Hello`]: the peer's own description, or why it refuses to pair.

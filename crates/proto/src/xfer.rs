@@ -29,3 +29,24 @@ pub struct XferDesc {
 /// A grant, numbered by whoever grants (the connector).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct GrantId(pub u64);
+
+/// Where a region's bytes live. It travels in each rank's hello and in NIXL's metadata, so a
+/// peer knows what it reads from or writes into (NIXL registers device memory as VRAM).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MemoryKind {
+    /// Host memory: the CPU reads and writes it in place.
+    #[default]
+    Host,
+    /// Memory of CUDA device `device` (its ordinal on the machine): the host never takes a
+    /// slice of it, bytes move by the driver's copies (or by a NIC reaching the device).
+    Cuda { device: u32 },
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host memory"),
+            MemoryKind::Cuda { device } => write!(f, "memory of CUDA device {device}"),
+        }
+    }
+}

@@ -607,7 +607,7 @@ fn hello_fields_over_their_limits_are_rejected_by_name() {
     let text = MAX_TEXT_BYTES;
     let blob = MAX_BLOB_BYTES;
     type Edit = fn(&mut Hello);
-    let cases: [(&str, usize, Edit); 5] = [
+    let cases: [(&str, usize, Edit); 6] = [
         ("engine_id", text, |h| {
             h.engine_id = "e".repeat(MAX_TEXT_BYTES + 1)
         }),
@@ -620,6 +620,9 @@ fn hello_fields_over_their_limits_are_rejected_by_name() {
         ("layout", blob, |h| h.layout = vec![0; MAX_BLOB_BYTES + 1]),
         ("agent_metadata", blob, |h| {
             h.agent_metadata = vec![0; MAX_BLOB_BYTES + 1]
+        }),
+        ("memory", MAX_HELLO_RANKS, |h| {
+            h.memory = vec![MemoryKind::Host; MAX_HELLO_RANKS + 1]
         }),
     ];
     for (field, max, edit) in cases {

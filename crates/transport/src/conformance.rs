@@ -228,12 +228,30 @@ pub struct InProcessRemote {
     on_kill: Option<Box<dyn FnOnce() + Send>>,
 }
 
+/// Makes a region of the given length: host memory ([`host_region`]) or a device's.
+pub type MakeRegion<'a> = &'a dyn Fn(usize) -> Arc<KvRegion>;
+
+/// A host region of `len` bytes in chunks of 64 KiB.
+pub fn host_region(len: usize) -> Arc<KvRegion> {
+    Arc::new(KvRegion::new(len, 64 * 1024))
+}
+
 impl InProcessRemote {
     /// Registers regions of the given lengths (ids 0..), filled with `seed`.
     pub fn new(transport: Arc<dyn Transport>, lens: &[usize], seed: u64) -> Self {
+        InProcessRemote::new_in(transport, lens, seed, &host_region)
+    }
+
+    /// [`InProcessRemote::new`] with regions made by `make` (device memory, say).
+    pub fn new_in(
+        transport: Arc<dyn Transport>,
+        lens: &[usize],
+        seed: u64,
+        make: MakeRegion,
+    ) -> Self {
         let mut regions = HashMap::new();
         for (i, len) in lens.iter().enumerate() {
-            let r = Arc::new(KvRegion::new(*len, 64 * 1024));
+            let r = make(*len);
             fill(&r, seed, i as RegionId);
             transport
                 .register(i as RegionId, r.clone())
@@ -336,7 +354,18 @@ pub fn connect(
     local_len: usize,
     local_seed: u64,
 ) -> Result<(Arc<KvRegion>, String), String> {
-    let region = Arc::new(KvRegion::new(local_len, 64 * 1024));
+    connect_in(local, remote, local_len, local_seed, &host_region)
+}
+
+/// [`connect`] with our region made by `make`.
+pub fn connect_in(
+    local: &dyn Transport,
+    remote: &mut dyn Remote,
+    local_len: usize,
+    local_seed: u64,
+    make: MakeRegion,
+) -> Result<(Arc<KvRegion>, String), String> {
+    let region = make(local_len);
     fill(&region, local_seed, 0);
     local
         .register(0, region.clone())

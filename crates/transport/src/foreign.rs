@@ -134,6 +134,26 @@ impl KvRegion {
     }
 }
 
+impl KvRegion {
+    /// A region over `len` bytes of `device`'s memory at `base`, which the engine allocated (a
+    /// KV cache tensor on a GPU). No host slice of it is ever made: the slice-lending calls are
+    /// an error on it, and its bytes move by the device's copies. Refused unless the driver says
+    /// the range is one allocation of that device.
+    ///
+    /// # Safety
+    /// The allocation must stay allocated for as long as the region or any transfer on it lives
+    /// (the driver cannot tell a freed and reused range from the engine's KV cache).
+    pub unsafe fn on_device(
+        device: std::sync::Arc<dyn crate::device::Device>,
+        base: usize,
+        len: usize,
+        chunk: usize,
+    ) -> Result<KvRegion, crate::TransportError> {
+        device.check_range(base, len)?;
+        Ok(KvRegion::over_device(device, base, len, chunk))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,7 @@ pub mod auth;
 /// The conformance suite's shared pieces (feature `testing`; not API).
 #[cfg(any(test, feature = "testing"))]
 pub mod conformance;
+pub mod device;
 pub mod faulty;
 mod foreign;
 pub mod grants;
@@ -96,6 +97,10 @@ pub enum TransportError {
     TooManyDescriptors { count: usize, max: usize },
     #[error("transport failure: {0}")]
     Io(String),
+    #[error("this region is {memory}: the host takes no slice of it")]
+    NotHostMemory { memory: device::MemoryKind },
+    #[error(transparent)]
+    Device(#[from] device::DeviceError),
 }
 
 /// Largest notification a backend must carry (a handoff wire message fits).

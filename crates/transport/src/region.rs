@@ -18,6 +18,7 @@ use std::sync::Arc;
 use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
 use parking_lot::{RawRwLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::device::{Device, MemoryKind};
 use crate::foreign::{Backing, Chunk};
 use crate::TransportError;
 
@@ -25,6 +26,9 @@ use crate::TransportError;
 pub type OwnedWriteGuard = ArcRwLockWriteGuard<RawRwLock, Chunk>;
 /// A chunk's read lock held by a transfer in flight.
 pub type OwnedReadGuard = ArcRwLockReadGuard<RawRwLock, Chunk>;
+
+/// Largest piece [`KvRegion::copy_from`] stages through the host when it writes device memory.
+const BOUNCE_BYTES: usize = 1 << 20;
 
 /// Most pieces [`KvRegion::with_span_batched`] groups (well under the kernel's `IOV_MAX`).
 pub const MAX_BATCH_PIECES: usize = 64;
@@ -34,7 +38,10 @@ pub struct KvRegion {
     len: usize,
     chunk: usize,
     base: usize,
+    /// Host memory's chunks; none for device memory (no slice of it may ever exist).
     chunks: Vec<Arc<RwLock<Chunk>>>,
+    /// The GPU whose memory this is (`None`: host memory).
+    device: Option<Arc<dyn Device>>,
 }
 
 impl KvRegion {
@@ -67,6 +74,43 @@ impl KvRegion {
             chunk,
             base,
             chunks,
+            device: None,
+        }
+    }
+
+    /// A region over `len` bytes of `device`'s memory at `base` (checked in `crate::foreign`).
+    pub(crate) fn over_device(
+        device: Arc<dyn Device>,
+        base: usize,
+        len: usize,
+        chunk: usize,
+    ) -> Self {
+        KvRegion {
+            len,
+            chunk: chunk.max(1),
+            base,
+            chunks: Vec::new(),
+            device: Some(device),
+        }
+    }
+
+    /// Where the bytes live.
+    pub fn memory(&self) -> MemoryKind {
+        self.device
+            .as_ref()
+            .map_or(MemoryKind::Host, |d| d.memory())
+    }
+
+    /// The device whose memory this is, if any.
+    pub fn device(&self) -> Option<&Arc<dyn Device>> {
+        self.device.as_ref()
+    }
+
+    /// Ok for host memory; for device memory the error every slice-lending call returns.
+    pub fn host(&self) -> Result<(), TransportError> {
+        match &self.device {
+            None => Ok(()),
+            Some(d) => Err(TransportError::NotHostMemory { memory: d.memory() }),
         }
     }
 
@@ -128,6 +172,7 @@ impl KvRegion {
         len: usize,
         mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
+        self.host()?;
         self.check(offset, len)?;
         for (idx, piece) in self.pieces(offset, len) {
             if let Err(e) = f(&mut self.write_chunk(idx)[piece]) {
@@ -145,6 +190,7 @@ impl KvRegion {
         len: usize,
         mut f: impl FnMut(&[u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
+        self.host()?;
         self.check(offset, len)?;
         for (idx, piece) in self.pieces(offset, len) {
             if let Err(e) = f(&self.read_chunk(idx)[piece]) {
@@ -191,6 +237,7 @@ impl KvRegion {
         max_bytes: usize,
         mut f: impl FnMut(&[&[u8]]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
+        self.host()?;
         self.check(offset, len)?;
         for batch in self.batches(offset, len, max_bytes) {
             let guards: Vec<_> = batch.iter().map(|(i, _)| self.read_chunk(*i)).collect();
@@ -214,6 +261,7 @@ impl KvRegion {
         max_bytes: usize,
         mut f: impl FnMut(&mut [&mut [u8]]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TransportError> {
+        self.host()?;
         self.check(offset, len)?;
         for batch in self.batches(offset, len, max_bytes) {
             let mut guards: Vec<_> = batch.iter().map(|(i, _)| self.write_chunk(*i)).collect();
@@ -229,8 +277,12 @@ impl KvRegion {
         Ok(Ok(()))
     }
 
-    /// Copies `src` into the region at `offset`.
+    /// Copies `src` into the region at `offset` (device memory: by the device's copy).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        if let Some(d) = &self.device {
+            self.check(offset, src.len())?;
+            return Ok(d.copy_from_host(self.base + offset, src)?);
+        }
         let mut at = 0;
         self.with_span_mut(offset, src.len(), |piece| {
             piece.copy_from_slice(&src[at..at + piece.len()]);
@@ -240,8 +292,12 @@ impl KvRegion {
         .map_err(|_| TransportError::Io("copy".into()))
     }
 
-    /// Copies the region at `offset` into `dst`.
+    /// Copies the region at `offset` into `dst` (device memory: by the device's copy).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        if let Some(d) = &self.device {
+            self.check(offset, dst.len())?;
+            return Ok(d.copy_to_host(self.base + offset, dst)?);
+        }
         let mut at = 0;
         self.with_span(offset, dst.len(), |piece| {
             dst[at..at + piece.len()].copy_from_slice(piece);
@@ -261,6 +317,18 @@ impl KvRegion {
     ) -> Result<(), TransportError> {
         src.check(src_offset, len)?;
         self.check(dst_offset, len)?;
+        if self.device.is_some() {
+            // Into device memory: through a host bounce buffer, a piece at a time.
+            let mut bounce = vec![0u8; len.min(BOUNCE_BYTES)];
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(bounce.len());
+                src.read(src_offset + at, &mut bounce[..n])?;
+                self.write(dst_offset + at, &bounce[..n])?;
+                at += n;
+            }
+            return Ok(());
+        }
         let mut s = src_offset;
         self.with_span_mut(dst_offset, len, |piece| {
             let n = piece.len();
@@ -278,6 +346,7 @@ impl KvRegion {
         offset: usize,
         len: usize,
     ) -> Result<Vec<OwnedWriteGuard>, TransportError> {
+        self.host()?;
         Ok(self
             .chunks_of(offset, len)?
             .map(|i| self.chunks[i].write_arc())
@@ -296,6 +365,7 @@ impl KvRegion {
         offset: usize,
         len: usize,
     ) -> Result<Vec<OwnedReadGuard>, TransportError> {
+        self.host()?;
         Ok(self
             .chunks_of(offset, len)?
             .map(|i| loop {

@@ -11,7 +11,7 @@
 //! - **FlashAttention** (`NHD`): `[2, num_blocks, block_size, heads_per_rank, head_dim]`,
 //!   contiguous: K planes then V planes, each block's plane `[token][head][dim]`.
 
-use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_plan::{BlockLayout, KvSpec, LayerPlacement, ModelShape, PlaneLoc, RankLayout, Region};
 use serde::{Deserialize, Serialize};
 
 /// One tensor as the Python side describes it (no torch on the Rust side).
@@ -23,6 +23,9 @@ pub struct KvTensorInfo {
     /// In elements, as `tensor.stride()`.
     pub strides: Vec<i64>,
     pub element_size: u32,
+    /// The CUDA device holding the tensor (`tensor.device.index`); `None`: host memory.
+    #[serde(default)]
+    pub device: Option<u32>,
 }
 
 /// What the engine says about its model, to check the tensors against.
@@ -45,6 +48,8 @@ pub struct KvTensors {
     /// Bytes of one block of one layer (the chunk a region is locked in).
     pub block_bytes: u64,
     pub opaque_blocks: bool,
+    /// The CUDA device every tensor is on (`None`: host memory).
+    pub device: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,8 +58,9 @@ pub enum KvTensorError {
     None,
     #[error(
         "KV cache tensor {name:?} has shape {shape:?} and strides {strides:?}: not a layout \
-         handoff knows (CPU [num_blocks, heads, block_size, 2*head_dim] or FlashAttention \
-         [2, num_blocks, block_size, heads, head_dim], contiguous)"
+         handoff knows (CPU [num_blocks, heads, block_size, 2*head_dim], contiguous; \
+         FlashAttention [2, num_blocks, block_size, heads, head_dim] or FlashInfer \
+         [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides)"
     )]
     Unknown {
         name: String,
@@ -84,6 +90,10 @@ fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
     true
 }
 
+fn where_(device: Option<u32>) -> String {
+    device.map_or("the host".into(), |d| format!("cuda:{d}"))
+}
+
 fn u32_of(v: i64) -> Option<u32> {
     u32::try_from(v).ok().filter(|&x| x > 0)
 }
@@ -92,6 +102,16 @@ fn u32_of(v: i64) -> Option<u32> {
 pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, KvTensorError> {
     let first = tensors.first().ok_or(KvTensorError::None)?;
     for t in tensors {
+        if t.device != first.device {
+            return Err(KvTensorError::Mismatch {
+                name: t.name.clone(),
+                what: format!(
+                    "on {}, the first layer on {}: a rank's KV lives on one device",
+                    where_(t.device),
+                    where_(first.device)
+                ),
+            });
+        }
         if t.shape != first.shape || t.strides != first.strides {
             return Err(KvTensorError::Mixed {
                 name: t.name.clone(),
@@ -105,10 +125,6 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         shape: first.shape.clone(),
         strides: first.strides.clone(),
     };
-    if !contiguous(&first.shape, &first.strides) {
-        return Err(unknown());
-    }
-    let heads_per_rank = facts.num_kv_heads / facts.tp.max(1);
     let mismatch = |what: String| KvTensorError::Mismatch {
         name: first.name.clone(),
         what,
@@ -118,69 +134,263 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         .iter()
         .map(|&d| u32_of(d).ok_or_else(unknown))
         .collect::<Result<_, _>>()?;
-    let (num_blocks, block_size, heads, head_dim, opaque) = match *dims.as_slice() {
-        // CPU: [num_blocks, heads, block_size, 2 * head_dim]
-        [nb, h, bs, two_hd] if two_hd == 2 * facts.head_dim => (nb, bs, h, two_hd / 2, true),
-        // FlashAttention: [2, num_blocks, block_size, heads, head_dim]
-        [2, nb, bs, h, hd] => (nb, bs, h, hd, false),
+    let s = first.strides.as_slice();
+    let found = match *dims.as_slice() {
+        // FlashAttention: [2, num_blocks, block_size, heads, head_dim], NHD or HND strides.
+        [2, nb, bs, h, hd] => Found::Split(Dims {
+            num_blocks: nb,
+            block_size: bs,
+            heads: h,
+            head_dim: hd,
+            strides: Strides {
+                kv: s[0],
+                block: s[1],
+                token: s[2],
+                head: s[3],
+                dim: s[4],
+            },
+        }),
+        // FlashInfer: [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides.
+        [nb, 2, bs, h, hd] => Found::Split(Dims {
+            num_blocks: nb,
+            block_size: bs,
+            heads: h,
+            head_dim: hd,
+            strides: Strides {
+                block: s[0],
+                kv: s[1],
+                token: s[2],
+                head: s[3],
+                dim: s[4],
+            },
+        }),
+        // CPU: [num_blocks, heads, block_size, 2 * head_dim], contiguous.
+        [nb, h, bs, two_hd]
+            if two_hd == 2 * facts.head_dim && contiguous(&first.shape, &first.strides) =>
+        {
+            Found::Opaque {
+                num_blocks: nb,
+                block_size: bs,
+                heads: h,
+            }
+        }
         _ => return Err(unknown()),
     };
+    let (heads, head_dim, block_size) = match &found {
+        Found::Split(d) => (d.heads, d.head_dim, d.block_size),
+        Found::Opaque {
+            heads, block_size, ..
+        } => (*heads, facts.head_dim, *block_size),
+    };
+    let heads_per_rank = facts.num_kv_heads / facts.tp.max(1);
     if heads != heads_per_rank || head_dim != facts.head_dim {
         return Err(mismatch(format!(
             "{heads} heads of {head_dim} elements, the model has {heads_per_rank} per rank of {}",
             facts.head_dim
         )));
     }
-    if block_size != facts.block_size {
-        return Err(mismatch(format!(
-            "block size {block_size}, the engine's is {}",
-            facts.block_size
-        )));
+    let shape = ModelShape {
+        num_layers: tensors.len() as u32,
+        num_kv_heads: facts.num_kv_heads,
+        head_dim,
+        dtype_size: first.element_size,
+    };
+    match found {
+        Found::Opaque { num_blocks, .. } => {
+            if block_size != facts.block_size {
+                return Err(mismatch(format!(
+                    "block size {block_size}, the engine's is {}",
+                    facts.block_size
+                )));
+            }
+            let spec = KvSpec {
+                shape,
+                tp: facts.tp,
+                block_size,
+                block_layout: BlockLayout::HeadMajor,
+            };
+            let plane = spec.plane_bytes();
+            let layout = RankLayout::per_layer(spec, facts.rank, num_blocks, 0)?;
+            let len = u64::from(num_blocks) * 2 * plane;
+            let regions = tensors
+                .iter()
+                .enumerate()
+                .map(|(l, t)| (l as u32, t.data_ptr, len))
+                .collect();
+            Ok(KvTensors {
+                layout,
+                regions,
+                block_bytes: 2 * plane,
+                opaque_blocks: true,
+                device: first.device,
+            })
+        }
+        Found::Split(d) => {
+            let split = d.placement(facts.block_size).map_err(&mismatch)?;
+            let elem = u64::from(first.element_size);
+            let spec = KvSpec {
+                shape,
+                tp: facts.tp,
+                block_size: facts.block_size,
+                block_layout: split.block_layout,
+            };
+            let len = split.extent * elem;
+            let layout = RankLayout {
+                spec,
+                rank: facts.rank,
+                num_blocks: split.num_blocks,
+                regions: (0..shape.num_layers).map(|id| Region { id, len }).collect(),
+                layers: (0..shape.num_layers)
+                    .map(|region| LayerPlacement {
+                        k: PlaneLoc { region, offset: 0 },
+                        v: PlaneLoc {
+                            region,
+                            offset: split.v_offset * elem,
+                        },
+                        block_stride: split.block_stride * elem,
+                        head_stride: 0,
+                    })
+                    .collect(),
+            };
+            layout.validate()?;
+            let regions = tensors
+                .iter()
+                .enumerate()
+                .map(|(l, t)| (l as u32, t.data_ptr, len))
+                .collect();
+            Ok(KvTensors {
+                layout,
+                regions,
+                block_bytes: spec.plane_bytes(),
+                opaque_blocks: false,
+                device: first.device,
+            })
+        }
     }
-    let spec = KvSpec {
-        shape: ModelShape {
-            num_layers: tensors.len() as u32,
-            num_kv_heads: facts.num_kv_heads,
-            head_dim,
-            dtype_size: first.element_size,
-        },
-        tp: facts.tp,
-        block_size,
-        block_layout: if opaque {
+}
+
+/// What a tensor's shape says it is.
+enum Found {
+    /// The CPU backend's pages: moved whole, their inside the kernel's business.
+    Opaque {
+        num_blocks: u32,
+        block_size: u32,
+        heads: u32,
+    },
+    /// K and V planes handoff can address, head by head and token by token.
+    Split(Dims),
+}
+
+/// A K/V-split tensor's sizes, and its strides in elements (as `tensor.stride()`).
+struct Dims {
+    num_blocks: u32,
+    block_size: u32,
+    heads: u32,
+    head_dim: u32,
+    strides: Strides,
+}
+
+struct Strides {
+    kv: i64,
+    block: i64,
+    token: i64,
+    head: i64,
+    dim: i64,
+}
+
+/// One layer as the planner addresses it, in elements from the tensor's first one.
+#[derive(Debug, PartialEq, Eq)]
+struct Placement {
+    block_layout: BlockLayout,
+    /// Logical blocks (the scheduler's).
+    num_blocks: u32,
+    v_offset: u64,
+    block_stride: u64,
+    /// Elements from the first to past the last one a block of the pool holds.
+    extent: u64,
+}
+
+impl Dims {
+    /// Where the planes of each of the scheduler's blocks (`logical_block_size` tokens) are, or
+    /// why they cannot be addressed as planes.
+    ///
+    /// A kernel block smaller than the scheduler's (vLLM's `physical_blocks_per_logical`) is
+    /// one logical block when its kernel blocks' planes lie back to back token-major: a logical
+    /// block is then one plane of `logical_block_size` tokens. Any other arrangement would split
+    /// a logical block's plane, which no peer's planner could pair with its own.
+    fn placement(&self, logical_block_size: u32) -> Result<Placement, String> {
+        let Strides {
+            kv,
+            block,
+            token,
+            head,
+            dim,
+        } = self.strides;
+        let (bs, h, hd) = (
+            i64::from(self.block_size),
+            i64::from(self.heads),
+            i64::from(self.head_dim),
+        );
+        if dim != 1 {
+            return Err(format!(
+                "head_dim stride {dim}: each head's row must be contiguous"
+            ));
+        }
+        // Inside a block plane: [token][head][dim] (NHD) or [head][token][dim] (HND). One head
+        // is both; it is called token-major, as the peer's one-head cache will be.
+        let block_layout = if token == h * hd && (head == hd || h == 1) {
+            BlockLayout::TokenMajor
+        } else if token == hd && head == bs * hd {
             BlockLayout::HeadMajor
         } else {
-            BlockLayout::TokenMajor
-        },
-    };
-    let plane = spec.plane_bytes();
-    let (layout, regions) = if opaque {
-        let layout = RankLayout::per_layer(spec, facts.rank, num_blocks, 0)?;
-        let len = u64::from(num_blocks) * 2 * plane;
-        let regions = tensors
-            .iter()
-            .enumerate()
-            .map(|(l, t)| (l as u32, t.data_ptr, len))
-            .collect();
-        (layout, regions)
-    } else {
-        let layout = RankLayout::split_kv(spec, facts.rank, num_blocks, 0)?;
-        let len = u64::from(num_blocks) * plane;
-        let regions = tensors
-            .iter()
-            .enumerate()
-            .flat_map(|(l, t)| {
-                let l = l as u32;
-                [(2 * l, t.data_ptr, len), (2 * l + 1, t.data_ptr + len, len)]
-            })
-            .collect();
-        (layout, regions)
-    };
-    Ok(KvTensors {
-        layout,
-        regions,
-        block_bytes: if opaque { 2 * plane } else { plane },
-        opaque_blocks: opaque,
-    })
+            return Err(format!(
+                "token stride {token} and head stride {head}: neither NHD ({} and {hd}) nor HND \
+                 ({hd} and {})",
+                h * hd,
+                bs * hd
+            ));
+        };
+        let plane = bs * h * hd;
+        // The pool's planes must not overlap: the smaller of the block and K/V strides steps
+        // over a whole plane, the larger over every step of the smaller.
+        let (inner, outer) = if block <= kv {
+            ((block, i64::from(self.num_blocks)), kv)
+        } else {
+            ((kv, 2), block)
+        };
+        if inner.0 < plane || outer < inner.0.saturating_mul(inner.1) {
+            return Err(format!(
+                "block stride {block} and K/V stride {kv} overlap planes of {plane} elements"
+            ));
+        }
+        let (ratio, num_blocks, block_stride) = if self.block_size == logical_block_size {
+            (1, self.num_blocks, block)
+        } else if logical_block_size % self.block_size == 0
+            && block_layout == BlockLayout::TokenMajor
+            && block == plane
+        {
+            let r = logical_block_size / self.block_size;
+            (i64::from(r), self.num_blocks / r, block * i64::from(r))
+        } else {
+            return Err(format!(
+                "kernel block size {} under the scheduler's {logical_block_size}: handoff \
+                 addresses such blocks only token-major (NHD) with K and V in planes of their \
+                 own",
+                self.block_size
+            ));
+        };
+        let to_u64 = |v: i64| u64::try_from(v).map_err(|_| format!("negative stride {v}"));
+        let last = to_u64(block_stride)?.saturating_mul(u64::from(num_blocks).saturating_sub(1));
+        Ok(Placement {
+            block_layout,
+            num_blocks,
+            v_offset: to_u64(kv)?,
+            block_stride: to_u64(block_stride)?,
+            extent: last
+                .saturating_add(to_u64(kv)?)
+                .saturating_add(to_u64(plane * ratio)?),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -205,6 +415,7 @@ mod tests {
             shape: vec![4096, 2, 128, 128],
             strides: vec![32768, 16384, 128, 1],
             element_size: 4,
+            device: None,
         }
     }
 
@@ -231,30 +442,144 @@ mod tests {
         }
     }
 
-    #[test]
-    fn flash_attentions_split_k_and_v_planes() {
-        let fa = KvTensorInfo {
-            name: "l0".into(),
-            data_ptr: 4096,
-            shape: vec![2, 100, 16, 2, 64],
-            strides: vec![100 * 16 * 128, 16 * 128, 128, 64, 1],
+    /// A tensor of `shape` (logical order, as vLLM's backend names its dims) whose memory is
+    /// laid out in `order` (outermost dim first, as a stride order): the strides torch gives a
+    /// permuted contiguous allocation.
+    fn permuted(name: &str, shape: &[i64], order: &[usize]) -> KvTensorInfo {
+        let mut strides = vec![0; shape.len()];
+        let mut step = 1;
+        for &d in order.iter().rev() {
+            strides[d] = step;
+            step *= shape[d];
+        }
+        KvTensorInfo {
+            name: name.into(),
+            data_ptr: 1 << 32,
+            shape: shape.to_vec(),
+            strides,
             element_size: 2,
+            device: Some(0),
+        }
+    }
+
+    /// Every row the layout addresses is the row the tensor's strides put there: the byte
+    /// offset of (kv, block, head, token) from the planner equals the one torch computes.
+    fn addresses_as_torch_does(t: &KvTensorInfo, dims: [usize; 5], logical_bs: u32) {
+        let facts = ModelFacts {
+            num_kv_heads: t.shape[dims[3]] as u32,
+            head_dim: t.shape[dims[4]] as u32,
+            block_size: logical_bs,
+            ..facts()
         };
-        let t = derive(
-            &[fa],
-            ModelFacts {
-                block_size: 16,
-                ..facts()
-            },
-        )
-        .unwrap();
-        assert!(!t.opaque_blocks);
-        let plane = 16 * 2 * 64 * 2;
+        let k = derive(std::slice::from_ref(t), facts).unwrap();
+        assert!(!k.opaque_blocks);
+        let kernel_bs = t.shape[dims[2]] as u32;
+        let ratio = logical_bs / kernel_bs;
+        let elem = u64::from(t.element_size);
+        for block in [0, 1, k.layout.num_blocks - 1] {
+            for kv in 0..2 {
+                for head in 0..t.shape[dims[3]] as u32 {
+                    for token in [0, 1, logical_bs - 1] {
+                        let (kb, kt) = (block * ratio + token / kernel_bs, token % kernel_bs);
+                        let mut idx = [0i64; 5];
+                        idx[dims[0]] = kv as i64;
+                        idx[dims[1]] = i64::from(kb);
+                        idx[dims[2]] = i64::from(kt);
+                        idx[dims[3]] = i64::from(head);
+                        let torch: i64 = idx.iter().zip(&t.strides).map(|(i, s)| i * s).sum();
+                        let ours = k.layout.row_offset(0, kv, block, head, token).unwrap();
+                        assert_eq!(ours, torch as u64 * elem, "{:?}", (kv, block, head, token));
+                        assert!(ours + k.layout.spec.shape.row_bytes() <= k.regions[0].2);
+                    }
+                }
+            }
+        }
+    }
+
+    // Logical dims: 0 = K/V, 1 = block, 2 = token, 3 = head, 4 = head_dim.
+    const FLASH: [usize; 5] = [0, 1, 2, 3, 4];
+    const FLASHINFER: [usize; 5] = [1, 0, 2, 3, 4];
+
+    #[test]
+    fn flash_attention_in_nhd_and_hnd_strides_addresses_every_row_as_torch_does() {
+        let shape = [2, 100, 16, 4, 64];
+        let nhd = permuted("l0", &shape, &[0, 1, 2, 3, 4]);
+        assert_eq!(nhd.strides, vec![100 * 16 * 256, 16 * 256, 256, 64, 1]);
+        addresses_as_torch_does(&nhd, FLASH, 16);
+        let hnd = permuted("l0", &shape, &[0, 1, 3, 2, 4]);
+        addresses_as_torch_does(&hnd, FLASH, 16);
+        let layout = |t| {
+            derive(
+                &[t],
+                ModelFacts {
+                    num_kv_heads: 4,
+                    block_size: 16,
+                    ..facts()
+                },
+            )
+        };
         assert_eq!(
-            t.regions,
-            vec![(0, 4096, 100 * plane), (1, 4096 + 100 * plane, 100 * plane)]
+            layout(nhd).unwrap().layout.spec.block_layout,
+            BlockLayout::TokenMajor
         );
-        assert_eq!(t.layout.spec.block_layout, BlockLayout::TokenMajor);
+        let hnd = layout(hnd).unwrap();
+        assert_eq!(hnd.layout.spec.block_layout, BlockLayout::HeadMajor);
+        // One region per layer, K planes then V planes; locked a plane at a time.
+        let plane = 16 * 4 * 64 * 2;
+        assert_eq!(hnd.regions, vec![(0, 1 << 32, 2 * 100 * plane)]);
+        assert_eq!(hnd.block_bytes, plane);
+        assert_eq!(hnd.device, Some(0));
+    }
+
+    #[test]
+    fn flashinfer_blocks_first_in_nhd_and_hnd_strides_addresses_every_row_as_torch_does() {
+        let shape = [100, 2, 16, 4, 64];
+        addresses_as_torch_does(&permuted("l0", &shape, &[0, 1, 2, 3, 4]), FLASHINFER, 16);
+        addresses_as_torch_does(&permuted("l0", &shape, &[0, 1, 3, 2, 4]), FLASHINFER, 16);
+    }
+
+    #[test]
+    fn a_kernel_block_smaller_than_the_schedulers_is_one_logical_block_when_its_planes_follow() {
+        // vLLM with kernel blocks of 16 under logical blocks of 64: 400 kernel blocks are 100
+        // logical ones, each four kernel planes back to back.
+        let nhd = permuted("l0", &[2, 400, 16, 4, 64], &[0, 1, 2, 3, 4]);
+        addresses_as_torch_does(&nhd, FLASH, 64);
+        let facts = ModelFacts {
+            num_kv_heads: 4,
+            block_size: 64,
+            ..facts()
+        };
+        assert_eq!(derive(&[nhd], facts).unwrap().layout.num_blocks, 100);
+        // HND, or K and V of a kernel block side by side: a logical block's plane would be in
+        // pieces, so it is refused, naming the kernel block size.
+        for t in [
+            permuted("l0", &[2, 400, 16, 4, 64], &[0, 1, 3, 2, 4]),
+            permuted("l0", &[400, 2, 16, 4, 64], &[0, 1, 2, 3, 4]),
+        ] {
+            let e = derive(&[t], facts).unwrap_err().to_string();
+            assert!(e.contains("kernel block size 16"), "{e}");
+        }
+    }
+
+    #[test]
+    fn strides_that_overlap_planes_or_split_rows_are_refused() {
+        let facts = ModelFacts {
+            num_kv_heads: 4,
+            block_size: 16,
+            ..facts()
+        };
+        let mut overlapping = permuted("l0", &[2, 100, 16, 4, 64], &[0, 1, 2, 3, 4]);
+        overlapping.strides[0] = 50 * 16 * 256;
+        let e = derive(&[overlapping], facts).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+        let mut split_rows = permuted("l0", &[2, 100, 16, 4, 64], &[0, 1, 2, 4, 3]);
+        split_rows.strides[4] = 4;
+        let e = derive(&[split_rows], facts).unwrap_err().to_string();
+        assert!(e.contains("head_dim stride"), "{e}");
+        let mut odd = permuted("l0", &[2, 100, 16, 4, 64], &[0, 1, 2, 3, 4]);
+        odd.strides[2] = 512;
+        let e = derive(&[odd], facts).unwrap_err().to_string();
+        assert!(e.contains("neither NHD"), "{e}");
     }
 
     #[test]
@@ -285,5 +610,13 @@ mod tests {
         );
         assert!(matches!(wrong_heads, Err(KvTensorError::Mismatch { .. })));
         assert!(matches!(derive(&[], facts()), Err(KvTensorError::None)));
+        let on_gpu = KvTensorInfo {
+            device: Some(1),
+            ..cpu("l1", 0)
+        };
+        let e = derive(&[cpu("l0", 0), on_gpu], facts())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cuda:1") && e.contains("the host"), "{e}");
     }
 }

@@ -207,14 +207,17 @@ impl PyWorker {
         self.inner.waits_for_layer(layer)
     }
 
-    /// vLLM `save_kv_layer`: the forward saved layer `layer`.
-    fn layer_saved(&mut self, layer: u32) {
-        self.inner.layer_saved(layer);
+    /// vLLM `save_kv_layer`: the forward saved layer `layer`; on a GPU `stream` is the
+    /// forward's CUDA stream (`torch.cuda.current_stream().cuda_stream`).
+    #[pyo3(signature = (layer, stream=None))]
+    fn layer_saved(&mut self, layer: u32, stream: Option<u64>) {
+        self.inner.layer_saved(layer, stream);
     }
 
-    /// vLLM `wait_for_save`: the forward pass ended.
-    fn forward_done(&mut self) {
-        self.inner.forward_done();
+    /// vLLM `wait_for_save`: the forward pass ended (enqueued, on a GPU: see `layer_saved`).
+    #[pyo3(signature = (stream=None))]
+    fn forward_done(&mut self, stream: Option<u64>) {
+        self.inner.forward_done(stream);
     }
 
     /// The report since the last call (bytes for the scheduler side), or `None`.

@@ -90,13 +90,15 @@ pub struct SchedulerConfig {
     pub initial_lease_ms: Option<u64>,
     #[serde(default)]
     pub wait_deadline_ms: Option<u64>,
-    /// D: a READ not finished in this long (plus its bytes' time at `read_floor_mb_per_s`)
+    /// D: a READ not finished in this long (plus its bytes' time at `transfer_floor_mb_per_s`)
     /// fails (default 5 s).
     #[serde(default)]
     pub read_timeout_ms: Option<u64>,
-    /// D: the slowest rate (MB/s per rank) a healthy READ is expected to reach (default 1000).
+    /// The slowest rate (MB/s per pair of ranks) a healthy transfer is expected to reach
+    /// (default 1000): D gives a READ its bytes' time at it, P starts a push WRITE only while
+    /// D's grant has its bytes' time left.
     #[serde(default)]
-    pub read_floor_mb_per_s: Option<u64>,
+    pub transfer_floor_mb_per_s: Option<u64>,
     /// D, push: the longest D keeps a registration P has not completed (default 30 s).
     #[serde(default)]
     pub push_deadline_ms: Option<u64>,
@@ -275,8 +277,9 @@ impl SchedulerSide {
         if let Some(ms) = cfg.read_timeout_ms {
             consumer.read_timeout = std::time::Duration::from_millis(ms);
         }
-        if let Some(rate) = cfg.read_floor_mb_per_s {
+        if let Some(rate) = cfg.transfer_floor_mb_per_s {
             consumer.read_floor_rate = rate.saturating_mul(1_000_000);
+            producer.write_floor_rate = consumer.read_floor_rate;
         }
         if let Some(ms) = cfg.push_deadline_ms {
             consumer.push_deadline = std::time::Duration::from_millis(ms);

@@ -6,9 +6,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use handoff_connector::{RankMemory, WorkerHello, WorkerReport, WorkerSide};
+use handoff_connector::{Fence, RankMemory, WorkerHello, WorkerReport, WorkerSide};
+use handoff_transport::device::cuda::CudaDevice;
+use handoff_transport::device::{Device, DeviceError, MemoryKind};
 use handoff_transport::faulty::{FaultPlan, FaultyTransport};
-use handoff_transport::{open_backend_at, Endpoint, KvRegion};
+use handoff_transport::{open_backend_at, Endpoint, KvRegion, TransportError};
 use serde::Deserialize;
 
 use crate::grant_line::{self, GrantLineReceiver};
@@ -72,6 +74,8 @@ pub struct WorkerBridge {
     /// Renewed push grants from EngineCore during a forward pass (none if its socket could
     /// not be bound: held writes then keep the grant they were planned on).
     _grant_line: Option<GrantLineReceiver>,
+    /// The GPU holding the KV cache (`None`: host memory).
+    device: Option<Arc<dyn Device>>,
 }
 
 /// Test-only switch (negative controls): when this environment variable names a file, and
@@ -90,12 +94,41 @@ impl WorkerBridge {
     /// The tensors' memory must stay allocated for the life of the process, as vLLM's KV cache
     /// does: handoff reads and writes it in place (see `KvRegion::from_foreign`).
     pub fn register(cfg: WorkerConfig, tensors: &[KvTensorInfo]) -> Result<Self, WorkerError> {
+        let device = match tensors.first().and_then(|t| t.device) {
+            None => None,
+            Some(ordinal) => {
+                Some(CudaDevice::open(ordinal).map_err(TransportError::from)? as Arc<dyn Device>)
+            }
+        };
+        Self::register_on(cfg, tensors, device)
+    }
+
+    /// [`WorkerBridge::register`] with the tensors on `device` (when they say they are on one):
+    /// the CUDA device they name, or a fake one in tests.
+    pub fn register_on(
+        cfg: WorkerConfig,
+        tensors: &[KvTensorInfo],
+        device: Option<Arc<dyn Device>>,
+    ) -> Result<Self, WorkerError> {
         let KvTensors {
             layout,
             regions,
             block_bytes,
             opaque_blocks,
+            device: on,
         } = kv_tensors::derive(tensors, cfg.facts)?;
+        let device = match (on, device) {
+            (None, _) => None,
+            (Some(ordinal), Some(d)) if d.memory() == (MemoryKind::Cuda { device: ordinal }) => {
+                Some(d)
+            }
+            (Some(ordinal), d) => {
+                return Err(WorkerError::Config(format!(
+                    "the KV cache is on cuda:{ordinal}, the device given is {}",
+                    d.map_or("none".into(), |d| d.memory().to_string())
+                )))
+            }
+        };
         let bind: SocketAddr = cfg
             .data_bind
             .parse()
@@ -122,15 +155,18 @@ impl WorkerBridge {
         let regions: Vec<(u32, Arc<KvRegion>)> = regions
             .into_iter()
             .map(|(id, base, len)| {
+                let (base, len, chunk) = (base as usize, len as usize, block_bytes as usize);
                 // SAFETY: vLLM allocates its KV cache once per worker process and keeps it for
-                // the process's life; handoff accesses it only through this region.
+                // the process's life; handoff accesses it only through this region (on a
+                // device, only through the driver's copies and NIXL).
                 #[allow(unsafe_code)]
-                let r = unsafe {
-                    KvRegion::from_foreign(base as usize, len as usize, block_bytes as usize)
+                let r = match &device {
+                    None => unsafe { KvRegion::from_foreign(base, len, chunk) },
+                    Some(d) => unsafe { KvRegion::on_device(d.clone(), base, len, chunk)? },
                 };
-                (id, Arc::new(r))
+                Ok((id, Arc::new(r)))
             })
-            .collect();
+            .collect::<Result<_, TransportError>>()?;
         let side = WorkerSide::new(RankMemory {
             layout,
             regions,
@@ -143,6 +179,7 @@ impl WorkerBridge {
         .map_err(|e| tracing::warn!(error = %e, "no grant line: a push forward pass longer than D's registration grant fails its writes"))
         .ok();
         Ok(WorkerBridge {
+            device,
             _grant_line: grant_line,
             side,
             rank: cfg.facts.rank as usize,
@@ -211,14 +248,46 @@ impl WorkerBridge {
         self.side.waits_for_layer(layer)
     }
 
-    /// The forward pass saved layer `layer` (vLLM `save_kv_layer`): its writes go.
-    pub fn layer_saved(&mut self, layer: u32) {
-        self.side.layer_saved(layer, Instant::now());
+    /// The forward pass saved layer `layer` (vLLM `save_kv_layer`): its writes go. On a GPU,
+    /// `stream` is the forward's CUDA stream, where the layer's kernels were only enqueued: the
+    /// writes go once an event recorded there now has passed.
+    pub fn layer_saved(&mut self, layer: u32, stream: Option<u64>) {
+        let now = Instant::now();
+        match self.fence(stream) {
+            Ok(fence) => self.side.layer_saved_after(layer, fence, now),
+            // Held: they go at the forward's end, or with the next step (by then its kernels
+            // ran: vLLM read the step's sampled tokens back).
+            Err(e) => {
+                tracing::error!(layer, error = %e, "cannot order the layer's writes after its kernels: held")
+            }
+        }
     }
 
-    /// The forward pass ended (vLLM `wait_for_save`): every write it held goes.
-    pub fn forward_done(&mut self) {
-        self.side.forward_done(Instant::now());
+    /// The forward pass ended (vLLM `wait_for_save`): every write it held goes (on a GPU, once
+    /// an event recorded on `stream` now has passed).
+    pub fn forward_done(&mut self, stream: Option<u64>) {
+        match self.fence(stream) {
+            Ok(fence) => self.side.forward_done_after(fence, Instant::now()),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot order the forward's writes after its kernels: held to the next step")
+            }
+        }
+    }
+
+    /// A fence on `stream` when the KV is in device memory.
+    fn fence(&self, stream: Option<u64>) -> Result<Option<Fence>, DeviceError> {
+        match (&self.device, stream) {
+            (Some(d), Some(s)) => Fence::record(d.clone(), s).map(Some),
+            (Some(d), None) => Err(DeviceError::Call {
+                device: match d.memory() {
+                    MemoryKind::Cuda { device } => device,
+                    MemoryKind::Host => 0,
+                },
+                call: "no CUDA stream given for the forward pass",
+                code: 0,
+            }),
+            (None, _) => Ok(None),
+        }
     }
 
     /// What ended, arrived or died since the last call (vLLM `get_finished`).

@@ -31,6 +31,7 @@ pub(super) fn own_hello(
         fingerprint: fingerprint.clone(),
         layout: postcard::to_allocvec(&layouts).map_err(CoreError::Encode)?,
         agent_metadata: postcard::to_allocvec(&agents).map_err(CoreError::Encode)?,
+        memory: ranks.iter().map(|r| r.memory).collect(),
     })
 }
 
@@ -47,12 +48,17 @@ impl ConnectorCore {
             postcard::from_bytes(&h.layout).map_err(|e| format!("bad layout: {e}"))?;
         let agents: Vec<AgentInfo> = postcard::from_bytes(&h.agent_metadata)
             .map_err(|e| format!("bad agent metadata: {e}"))?;
-        if h.tp == 0 || layouts.len() != h.tp as usize || agents.len() != h.tp as usize {
+        if h.tp == 0
+            || layouts.len() != h.tp as usize
+            || agents.len() != h.tp as usize
+            || h.memory.len() != h.tp as usize
+        {
             return Err(format!(
-                "peer announces tp {} with {} layouts and {} agents",
+                "peer announces tp {} with {} layouts, {} agents and {} memory kinds",
                 h.tp,
                 layouts.len(),
-                agents.len()
+                agents.len(),
+                h.memory.len()
             ));
         }
         for (i, l) in layouts.iter().enumerate() {

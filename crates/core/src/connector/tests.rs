@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
 use handoff_proto::{
-    Heartbeat, HeartbeatEntry, Hello, HelloReply, KvTransferParams, Message, ReleaseReason,
-    TransferMode,
+    Heartbeat, HeartbeatEntry, Hello, HelloReply, KvTransferParams, MemoryKind, Message,
+    ReleaseReason, TransferMode,
 };
 
 use super::*;
-use crate::step::{WorkerHello, WorkerOp, WorkerReport};
+use crate::step::{PushLayer, WorkerHello, WorkerOp, WorkerReport};
 
 fn spec() -> KvSpec {
     KvSpec {
@@ -35,6 +35,16 @@ fn core_with(engine: &str, role: Role, kv_digest: bool) -> ConnectorCore {
 }
 
 fn core_in(engine: &str, role: Role, mode: TransferMode, kv_digest: bool) -> ConnectorCore {
+    core_of(engine, role, mode, kv_digest, ProducerConfig::default())
+}
+
+fn core_of(
+    engine: &str,
+    role: Role,
+    mode: TransferMode,
+    kv_digest: bool,
+    producer: ProducerConfig,
+) -> ConnectorCore {
     ConnectorCore::new(
         CoreConfig {
             engine_id: engine.into(),
@@ -44,7 +54,7 @@ fn core_in(engine: &str, role: Role, mode: TransferMode, kv_digest: bool) -> Con
             dtype: "bf16".into(),
             advertise_host: "127.0.0.1".into(),
             side_channel_port: 7000,
-            producer: Default::default(),
+            producer,
             consumer: Default::default(),
             opaque_blocks: false,
             kv_digest,
@@ -55,6 +65,7 @@ fn core_in(engine: &str, role: Role, mode: TransferMode, kv_digest: bool) -> Con
             layout: RankLayout::cross_layer(spec(), 0, 64, 0).unwrap(),
             agent: format!("{engine}-r0"),
             metadata: vec![1, 2, 3],
+            memory: Default::default(),
         }],
     )
     .unwrap()
@@ -187,6 +198,30 @@ fn a_peer_cannot_take_over_another_engines_agent_name() {
     assert_eq!(r.closes, vec![101]);
     // D keeps its name: its notifications still count as D's.
     assert_eq!(p.peers.by_agent("d-r0"), p.peers.by_engine("d"));
+}
+
+/// A hello says where each rank's KV lives; one that says it for more or fewer ranks than its
+/// TP is refused with the counts named, and the peer is not bound.
+#[test]
+fn a_hello_must_say_where_every_rank_s_kv_lives() {
+    let mut p = core("p", Role::Prefill);
+    let mut d_hello = hello_of(&core("d", Role::Decode));
+    assert_eq!(d_hello.memory, vec![MemoryKind::Host]);
+    for memory in [
+        vec![],
+        vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }],
+    ] {
+        d_hello.memory = memory;
+        p.handle_accepted(103, Message::Hello(d_hello.clone()), None, t(3));
+        let r = p.ready();
+        assert!(
+            matches!(&r.messages[..], [(103, Message::HelloReply(HelloReply::Refused { reason }))] if reason.contains("memory kinds")),
+            "{:?}",
+            r.messages
+        );
+        p.advance(r);
+        assert!(p.peers.by_engine("d").is_none());
+    }
 }
 
 /// With a cluster key, the side channel tells the core which engine id the caller proved; a
@@ -873,7 +908,25 @@ fn d_dials_only_the_prefill_hosts_it_may() {
 /// worker never reports its write of layer 0 ended (it is held for the forward pass). Until
 /// `d_stops_at`, D's messages reach P. Returns the `RenewWrites` P's core sent, with their time.
 fn held_push(before_forward: bool, ms: u64, d_stops_at: u64) -> Vec<(u64, u16, WorkerOp)> {
-    let mut p = core_in("p", Role::Prefill, TransferMode::Push, false);
+    let (renewals, held) = held_push_at(ProducerConfig::default(), before_forward, ms, d_stops_at);
+    assert_eq!(held.len(), 1, "one write planned (layer 0), held all along");
+    let planned = held[0].expect("a push write carries its layer");
+    assert_eq!(
+        (planned.handoff, planned.d_rank, planned.layer),
+        (HandoffId::from_bytes([7; 16]), 0, 0)
+    );
+    renewals
+}
+
+/// [`held_push`] with P's producer settings `producer`; also returns the writes P posted.
+#[allow(clippy::type_complexity)]
+fn held_push_at(
+    producer: ProducerConfig,
+    before_forward: bool,
+    ms: u64,
+    d_stops_at: u64,
+) -> (Vec<(u64, u16, WorkerOp)>, Vec<Option<PushLayer>>) {
+    let mut p = core_of("p", Role::Prefill, TransferMode::Push, false, producer);
     let handoff = HandoffId::from_bytes([7; 16]);
     let p_leg: KvTransferParams = serde_json::from_value(serde_json::json!({
         "do_remote_decode": true, "transfer_mode": "push", "handoff_id": handoff.to_string(),
@@ -933,13 +986,43 @@ fn held_push(before_forward: bool, ms: u64, d_stops_at: u64) -> Vec<(u64, u16, W
         }
         d.handle_worker_report(d_report, now);
     }
-    assert_eq!(held.len(), 1, "one write planned (layer 0), held all along");
-    let planned = held[0].expect("a push write carries its layer");
-    assert_eq!(
-        (planned.handoff, planned.d_rank, planned.layer),
-        (handoff, 0, 0)
+    (renewals, held)
+}
+
+fn post_within(op: &WorkerOp) -> u32 {
+    match op {
+        WorkerOp::RenewWrites { post_within_ms, .. } => *post_within_ms,
+        other => unreachable!("{other:?}"),
+    }
+}
+
+/// A push WRITE starts only while D's grant has time left for its bytes at P's floor rate: a
+/// layer of 2,048 bytes at 4,096 B/s needs 500 ms beside the margin, so every window the
+/// worker gets is 500 ms shorter than with no floor; at 1,024 B/s it needs 2 s, more than any
+/// grant D gives, and the write is never posted.
+#[test]
+fn a_push_write_starts_only_with_time_left_for_its_bytes() {
+    let with = |rate: u64| ProducerConfig {
+        write_floor_rate: rate,
+        ..ProducerConfig::default()
+    };
+    let (free, held) = held_push_at(with(0), true, 4_000, u64::MAX);
+    assert_eq!(held.len(), 1);
+    let (slow, held) = held_push_at(with(4_096), true, 4_000, u64::MAX);
+    assert_eq!(held.len(), 1);
+    assert_eq!(free.len(), slow.len());
+    for ((at, _, a), (_, _, b)) in free.iter().zip(&slow) {
+        assert_eq!(
+            post_within(a),
+            post_within(b) + 500,
+            "at {at} ms: the bytes' 500 ms come off the window"
+        );
+    }
+    let (none, held) = held_push_at(with(1_024), true, 4_000, u64::MAX);
+    assert!(
+        held.is_empty() && none.is_empty(),
+        "a write whose bytes outlast every grant was posted: {held:?} {none:?}"
     );
-    renewals
 }
 
 #[test]

@@ -84,6 +84,9 @@ struct ActiveWrite {
     aborted: bool,
     started: Time,
     bytes: u64,
+    /// The most bytes one P rank writes of one layer here (each layer's WRITEs are alike):
+    /// what a held WRITE needs its grant to have time left for.
+    layer_bytes: u64,
     descs: usize,
 }
 
@@ -163,6 +166,7 @@ impl Transfers {
                 aborted: false,
                 started: now,
                 bytes: 0,
+                layer_bytes: 0,
                 descs: 0,
             },
         );
@@ -542,9 +546,8 @@ impl ConnectorCore {
             if w.aborted || w.failed || w.jobs.is_empty() {
                 continue;
             }
-            let margin = self.cfg.producer.write_margin;
             let Some(post_within_ms) =
-                post_window(self.producer.as_ref(), margin, handoff, *d_rank, now)
+                post_window(self.producer.as_ref(), handoff, *d_rank, w.layer_bytes, now)
             else {
                 continue;
             };
@@ -633,22 +636,6 @@ impl ConnectorCore {
                 if last && (!w.jobs.is_empty() || !st.digest.settled()) {
                     break;
                 }
-                // Rule 3: post only on a registration grant that is still valid.
-                let Some(post_within_ms) = post_window(
-                    self.producer.as_ref(),
-                    self.cfg.producer.write_margin,
-                    handoff,
-                    *d_rank,
-                    now,
-                ) else {
-                    break;
-                };
-                let push_layer = PushLayer {
-                    handoff,
-                    d_rank: *d_rank,
-                    layer,
-                    post_within_ms,
-                };
                 // Whole blocks where both sides have them (a layer of a contiguous run is one
                 // descriptor, not one per head and plane for the last, partial block); D's
                 // workers zero the tail as the PushDones arrive. Opaque pages go whole anyway.
@@ -671,6 +658,26 @@ impl ConnectorCore {
                         w.failed = true;
                         break;
                     }
+                };
+                w.layer_bytes = plan
+                    .pairs
+                    .iter()
+                    .filter(|p| p.d_rank as u16 == *d_rank)
+                    .map(|p| p.descriptors.iter().map(|d| d.len).sum::<u64>())
+                    .max()
+                    .unwrap_or(0);
+                // Rule 3: post only on a registration grant that is still valid, with time
+                // left for the layer's bytes.
+                let Some(post_within_ms) =
+                    post_window(self.producer.as_ref(), handoff, *d_rank, w.layer_bytes, now)
+                else {
+                    break;
+                };
+                let push_layer = PushLayer {
+                    handoff,
+                    d_rank: *d_rank,
+                    layer,
+                    post_within_ms,
                 };
                 for pair in plan.pairs.iter().filter(|p| p.d_rank as u16 == *d_rank) {
                     let p_rank = pair.p_rank as u16;
@@ -737,18 +744,22 @@ impl ConnectorCore {
     }
 }
 
-/// How long from `now` a write into (`handoff`, `d_rank`) may still be posted, in ms: D's
-/// registration grant's end less the write margin (`None`: no valid grant, rule 3).
+/// How long from `now` a write of `bytes` into (`handoff`, `d_rank`) may still be posted, in
+/// ms: D's registration grant's end less the write's lead (P's write margin and the bytes'
+/// time at the floor rate), so that it lands inside the grant (`None`: no valid grant, or too
+/// little of it left for these bytes; rule 3).
 fn post_window(
     producer: Option<&handoff_ledger::ProducerLedger>,
-    margin: std::time::Duration,
     handoff: HandoffId,
     d_rank: u16,
+    bytes: u64,
     now: Time,
 ) -> Option<u32> {
-    let until = producer?.write_permit(handoff, d_rank, now).ok()?;
-    let within = until.saturating_sub(now).saturating_sub(margin);
-    Some(within.as_millis().min(u128::from(u32::MAX)) as u32)
+    let producer = producer?;
+    let until = producer.write_permit(handoff, d_rank, now).ok()?;
+    let lead = producer.config().write_lead(bytes);
+    let within = until.checked_sub(now)?.checked_sub(lead)?;
+    (!within.is_zero()).then(|| within.as_millis().min(u128::from(u32::MAX)) as u32)
 }
 
 /// The layers P's block list says are saved (`None`: every one), at most the model's: a larger

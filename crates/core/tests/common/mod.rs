@@ -355,6 +355,7 @@ impl Sim {
                     layout: RankLayout::cross_layer(spec(), 0, POOL_BLOCKS, 0).unwrap(),
                     agent: format!("{name}-r0"),
                     metadata: vec![1],
+                    memory: Default::default(),
                 }],
             )
         };

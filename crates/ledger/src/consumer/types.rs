@@ -47,7 +47,10 @@ pub struct ConsumerConfig {
     pub registration_lease: Duration,
     /// Push: watchdog on a registration P has not completed.
     pub push_deadline: Duration,
-    /// Push: time after the last grant before blocks are freed without P's cancel ack.
+    /// Push: time after the last grant before blocks are freed without P's cancel ack. P
+    /// starts a WRITE only while the grant has its bytes' time left (at its floor rate) and
+    /// aborts one still running its write timeout past the grant: this covers that timeout and
+    /// the abort reaching the wire, so it must exceed P's write timeout (rule 3).
     pub write_grace: Duration,
     pub tombstone_capacity: usize,
     pub tombstone_ttl: Duration,
@@ -67,9 +70,9 @@ impl Default for ConsumerConfig {
             read_retries: 1,
             wait_deadline: Duration::from_secs(60),
             failure_policy: FailurePolicy::Recompute,
-            registration_lease: Duration::from_secs(2),
+            registration_lease: Duration::from_millis(1500),
             push_deadline: Duration::from_secs(30),
-            write_grace: Duration::from_millis(1500),
+            write_grace: Duration::from_millis(800),
             tombstone_capacity: 65536,
             tombstone_ttl: Duration::from_secs(300),
         }

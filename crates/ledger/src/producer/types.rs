@@ -17,8 +17,15 @@ pub struct ProducerConfig {
     pub fence_grace: Duration,
     /// No handoff lives longer than this, heartbeats or not.
     pub hard_cap: Duration,
-    /// Push: start a WRITE only when the registration grant has at least this much left.
+    /// Push: start a WRITE only when the registration grant has at least this much left, plus
+    /// the time its bytes take at `write_floor_rate`.
     pub write_margin: Duration,
+    /// Push: the slowest rate, in bytes per second from one P rank to one D rank, at which a
+    /// healthy WRITE is expected to move its bytes: a WRITE is started only while its grant
+    /// has that time left for its bytes (beside `write_margin`), so that it lands inside the
+    /// grant and D's write grace only covers a rate below the floor (0: `write_margin` alone).
+    #[serde(default)]
+    pub write_floor_rate: u64,
     /// Push: a WRITE still running this long after its registration grant ended is aborted and
     /// counts as failed. D's write grace must exceed it (rule 3).
     pub write_timeout: Duration,
@@ -44,7 +51,8 @@ impl Default for ProducerConfig {
             fence_grace: Duration::from_millis(1500),
             hard_cap: Duration::from_secs(120),
             write_margin: Duration::from_millis(200),
-            write_timeout: Duration::from_millis(500),
+            write_floor_rate: 1_000_000_000,
+            write_timeout: Duration::from_millis(400),
             heartbeat_interval: Duration::from_millis(500),
             staging_capacity: 4096,
             staging_per_handoff: 16,
@@ -53,6 +61,18 @@ impl Default for ProducerConfig {
             tombstone_capacity: 65536,
             tombstone_ttl: Duration::from_secs(300),
         }
+    }
+}
+
+impl ProducerConfig {
+    /// How much of its grant a WRITE of `bytes` needs left to start: the write margin plus the
+    /// bytes' time at the floor rate.
+    pub fn write_lead(&self, bytes: u64) -> Duration {
+        if self.write_floor_rate == 0 {
+            return self.write_margin;
+        }
+        let nanos = u128::from(bytes) * 1_000_000_000 / u128::from(self.write_floor_rate);
+        self.write_margin + Duration::from_nanos(nanos.min(u128::from(u64::MAX)) as u64)
     }
 }
 

@@ -102,17 +102,26 @@ pub fn hello() -> impl Strategy<Value = Hello> + Clone {
         fingerprint(),
         blob(MAX_BLOB_BYTES),
         blob(MAX_BLOB_BYTES),
+        proptest::collection::vec(memory_kind(), 0..=MAX_HELLO_RANKS),
     )
         .prop_map(
-            |(engine_id, rank, tp, fingerprint, layout, agent_metadata)| Hello {
+            |(engine_id, rank, tp, fingerprint, layout, agent_metadata, memory)| Hello {
                 engine_id,
                 rank,
                 tp,
                 fingerprint,
                 layout,
                 agent_metadata,
+                memory,
             },
         )
+}
+
+pub fn memory_kind() -> impl Strategy<Value = MemoryKind> + Clone {
+    prop_oneof![
+        Just(MemoryKind::Host),
+        any::<u32>().prop_map(|device| MemoryKind::Cuda { device }),
+    ]
 }
 
 /// The longest reason a `HelloReply::Refused` may carry.
@@ -296,6 +305,7 @@ pub fn worst_case_hello() -> Hello {
         },
         layout: vec![0xff; MAX_BLOB_BYTES],
         agent_metadata: vec![0xff; MAX_BLOB_BYTES],
+        memory: vec![MemoryKind::Cuda { device: u32::MAX }; MAX_HELLO_RANKS],
     }
 }
 
@@ -316,5 +326,9 @@ pub fn sample_hello() -> Hello {
         },
         layout: vec![1, 2, 3],
         agent_metadata: b"tcp://10.0.0.1:7000".to_vec(),
+        memory: vec![
+            MemoryKind::Cuda { device: 0 },
+            MemoryKind::Cuda { device: 1 },
+        ],
     }
 }

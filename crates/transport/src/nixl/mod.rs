@@ -932,6 +932,16 @@ impl Transport for NixlTransport {
         if g.by_id.contains_key(&id) {
             return Err(TransportError::AlreadyRegistered(id));
         }
+        if region.device().is_some() {
+            return Err(TransportError::Unavailable {
+                backend: BACKEND,
+                reason: format!(
+                    "this build registers host memory only with NIXL, and region {id} is {}: \
+                     use the tcp backend for device memory",
+                    region.memory()
+                ),
+            });
+        }
         let nixl = if region.is_empty() {
             None
         } else {

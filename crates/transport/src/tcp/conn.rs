@@ -290,6 +290,9 @@ fn invalid(msg: String) -> io::Error {
 pub(super) const STALL: Duration = Duration::from_millis(10);
 /// Most bytes staged at once when a peer stalls.
 const STAGE_BYTES: usize = 64 * 1024;
+/// Bytes per copy between device memory and the socket's host buffer: large enough that the
+/// driver's per-copy cost is small beside the bytes.
+const DEVICE_STAGE_BYTES: usize = 1 << 20;
 /// Most bytes of consecutive chunk pieces moved by one vectored socket call (their locks held
 /// together): an engine locks its KV per layer of a block (64 KiB for an 8B-class model), and a
 /// system call per piece made a 256 MiB READ take twice as long as calls of this size.
@@ -446,6 +449,9 @@ impl Rx {
         len: usize,
         aborted: &dyn Fn() -> bool,
     ) -> io::Result<()> {
+        if region.device().is_some() {
+            return self.land_staged(region, offset, len, aborted);
+        }
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -487,6 +493,35 @@ impl Rx {
             }
         }
         Ok(())
+    }
+
+    /// Lands bytes in device memory: a stage at a time from the socket into host memory, then
+    /// the device's copy (complete when it returns, so the WRITE or READ is reported done only
+    /// once its last byte is in device memory).
+    fn land_staged(
+        &mut self,
+        region: &KvRegion,
+        offset: usize,
+        len: usize,
+        aborted: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
+        let mut stage = std::mem::take(&mut self.scratch);
+        stage.resize(DEVICE_STAGE_BYTES.min(len), 0);
+        let mut res = Ok(());
+        let mut at = 0;
+        while at < len {
+            let k = (len - at).min(stage.len());
+            res = self.fill(&mut stage[..k]);
+            if res.is_ok() && !aborted() {
+                res = region.write(offset + at, &stage[..k]).map_err(region_err);
+            }
+            if res.is_err() {
+                break;
+            }
+            at += k;
+        }
+        self.scratch = stage;
+        res
     }
 
     /// Reads and drops `n` bytes.
@@ -617,8 +652,12 @@ impl Tx {
         Ok(at)
     }
 
-    /// Streams `len` bytes at `offset` of `region` straight from its pieces.
+    /// Streams `len` bytes at `offset` of `region` straight from its pieces (device memory:
+    /// copied to the host a stage at a time, as `Rx::land_staged` lands it).
     fn send_span(&mut self, region: &KvRegion, offset: usize, len: usize) -> io::Result<()> {
+        if region.device().is_some() {
+            return self.send_staged(region, offset, len);
+        }
         let end = offset + len;
         let mut pos = offset;
         let mut stage = std::mem::take(&mut self.stage);
@@ -663,6 +702,29 @@ impl Tx {
                 }
             }
         };
+        stage.clear();
+        self.stage = stage;
+        res
+    }
+
+    /// Sends device memory: each stage is copied to the host (complete when the copy returns),
+    /// then written to the socket.
+    fn send_staged(&mut self, region: &KvRegion, offset: usize, len: usize) -> io::Result<()> {
+        let mut stage = std::mem::take(&mut self.stage);
+        stage.resize(DEVICE_STAGE_BYTES.min(len), 0);
+        let mut res = Ok(());
+        let mut at = 0;
+        while at < len {
+            let k = (len - at).min(stage.len());
+            res = region
+                .read(offset + at, &mut stage[..k])
+                .map_err(region_err)
+                .and_then(|()| self.send(&stage[..k]));
+            if res.is_err() {
+                break;
+            }
+            at += k;
+        }
         stage.clear();
         self.stage = stage;
         res

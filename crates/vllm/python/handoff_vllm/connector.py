@@ -141,7 +141,7 @@ class HandoffHandshake(KVConnectorHandshakeMetadata):
 EXTRA_KEYS = frozenset({
     "engine_id", "mode", "transport", "data_bind", "side_channel_host", "side_channel_port",
     "advertise_host", "cluster_key_file", "insecure", "peer_hosts", "initial_lease_ms",
-    "wait_deadline_ms", "registration_lease_ms", "read_timeout_ms", "read_floor_mb_per_s",
+    "wait_deadline_ms", "registration_lease_ms", "read_timeout_ms", "transfer_floor_mb_per_s",
     "push_deadline_ms", "hard_cap_ms", "kv_digest", "record_trace", "timeline", "model_name",
 })
 
@@ -189,6 +189,7 @@ class HandoffConnector(KVConnectorBase_V1):
         )
         # Worker side.
         self._worker = None
+        self._on_gpu = False
         self._pending_sending: set[str] = set()
         # Request id -> when vLLM named it finished (monotonic), oldest first.
         self._seen_finished: dict[str, float] = {}
@@ -217,16 +218,21 @@ class HandoffConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        devices = set()
         for name, t in kv_caches.items():
             device = getattr(t, "device", None)
-            if getattr(device, "type", "cpu") != "cpu":
-                # The transports reach the KV through host pointers: device memory would be
-                # read and written as host memory (a crash), so the engine does not start.
+            kind = getattr(device, "type", "cpu")
+            if kind not in ("cpu", "cuda"):
                 raise ValueError(
                     f"HandoffConnector: the KV cache of layer {name} is on {device}; handoff "
-                    "moves KV in host memory only (vLLM's CPU build): a GPU KV cache is not "
-                    "supported yet"
+                    "moves KV in host memory and in CUDA device memory"
                 )
+            devices.add(None if kind == "cpu" else int(device.index or 0))
+        if len(devices) > 1:
+            raise ValueError(f"HandoffConnector: the KV cache spans {sorted(map(str, devices))}")
+        # On a GPU, save_kv_layer and wait_for_save are called once the kernels are enqueued:
+        # the worker orders each write after an event on the forward's stream.
+        self._on_gpu = devices != {None}
         mc = self._config.model_config
         pc = self._config.parallel_config
         tensors = [
@@ -236,6 +242,7 @@ class HandoffConnector(KVConnectorBase_V1):
                 "shape": [int(d) for d in t.shape],
                 "strides": [int(s) for s in t.stride()],
                 "element_size": int(t.element_size()),
+                "device": int(t.device.index or 0) if t.device.type == "cuda" else None,
             }
             for name, t in kv_caches.items()
         ]
@@ -297,11 +304,19 @@ class HandoffConnector(KVConnectorBase_V1):
         if layer is None or not self._worker.waits_for_layer(layer):
             return
         with _AllCpus():
-            self._worker.layer_saved(layer)
+            self._worker.layer_saved(layer, self._stream())
 
     def wait_for_save(self):
         if self._worker is not None:
-            self._worker.forward_done()
+            self._worker.forward_done(self._stream())
+
+    def _stream(self) -> int | None:
+        """The forward's CUDA stream on a GPU (its kernels were enqueued there), else None."""
+        if not self._on_gpu:
+            return None
+        import torch
+
+        return int(torch.cuda.current_stream().cuda_stream)
 
     def get_finished(self, finished_req_ids: set[str]):
         r = self.get_transfer_results(finished_req_ids)
@@ -368,7 +383,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "wait_deadline_ms": self._extra.get("wait_deadline_ms"),
             "registration_lease_ms": self._extra.get("registration_lease_ms"),
             "read_timeout_ms": self._extra.get("read_timeout_ms"),
-            "read_floor_mb_per_s": self._extra.get("read_floor_mb_per_s"),
+            "transfer_floor_mb_per_s": self._extra.get("transfer_floor_mb_per_s"),
             "push_deadline_ms": self._extra.get("push_deadline_ms"),
             "hard_cap_ms": self._extra.get("hard_cap_ms"),
             "opaque_blocks": self._opaque,

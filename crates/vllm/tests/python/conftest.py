@@ -112,11 +112,6 @@ class Server:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             OMP_NUM_THREADS="1",
             OMP_WAIT_POLICY="PASSIVE",
-            # Three or four real-model servers on two cores starve each other's transport
-            # threads: a healthy peer was once silent 1.6 s (the default limit is 1.5 s) while
-            # its engine prefilled, and a READ failed with peer_dead. A dead peer is still found
-            # at once (its sockets close); a stopped one after this long.
-            HANDOFF_TCP_DEAD_AFTER_MS=env.get("HANDOFF_TCP_DEAD_AFTER_MS", "4000"),
         )
         env.update(env_extra or {})
         self.log = open(self.log_path, "w")

@@ -266,9 +266,10 @@ def test_prestop_drain_serves_every_handoff_p_holds_then_p_exits(chaos):
         sent = time.monotonic()
         hook = threading.Thread(target=prestop, daemon=True)
         hook.start()
-        time.sleep(DRAIN_GRACE_S / 2)
-        not_ready = requests.get(p.url + "/ready", timeout=5).status_code
+        # The drain route answers once the drain began: /ready must say 503 from then on (a
+        # GET sent while the POST was still on its way could reach P first).
         hook.join(10)
+        not_ready = requests.get(p.url + "/ready", timeout=5).status_code
         time.sleep(1.5)
         alive = p.proc.poll() is None
     finally:

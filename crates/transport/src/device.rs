@@ -1,0 +1,66 @@
+//! Device memory: a region's bytes may live in a GPU's memory, where the host must never take a
+//! slice of them (a load from a device address is a fault, or worse, another process's page).
+//!
+//! A [`Device`] is what the transports need from a GPU: whether a range is one allocation of
+//! it, and copies between it and host memory. [`cuda::CudaDevice`] is the CUDA driver API,
+//! loaded at run time (`libcuda.so.1`, as NIXL is), so handoff builds and runs on machines
+//! without CUDA and says plainly when a device region is asked for there. [`fake::FakeDevice`]
+//! stands in for it on machines without a GPU: its addresses fault if the host dereferences
+//! them and its bytes live in a shadow buffer, so every path that would touch device memory as
+//! host memory is caught in CI.
+//!
+//! A region over device memory ([`crate::KvRegion::on_device`]) has no host chunks at all: the
+//! calls that lend slices (`with_span*`, `lock_span*`) are an error on it, and `read`, `write`
+//! and `copy_from` go through the device's copies.
+
+pub mod cuda;
+pub mod fake;
+
+use std::fmt::Debug;
+
+pub use handoff_proto::xfer::MemoryKind;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    #[error("no CUDA driver on this machine ({0}): device memory needs one")]
+    NoDriver(String),
+    #[error("CUDA device {device}: {call} failed with error {code}")]
+    Call {
+        device: u32,
+        call: &'static str,
+        code: i32,
+    },
+    #[error("{len} bytes at {addr:#x} are not one allocation of CUDA device {device}")]
+    NotDeviceMemory {
+        device: u32,
+        addr: usize,
+        len: usize,
+    },
+}
+
+/// A GPU as the transports use it. Copies are complete when they return (what was written is
+/// in the destination); the connector orders them after the kernels that wrote the KV.
+pub trait Device: Send + Sync + Debug {
+    /// Which device this is.
+    fn memory(&self) -> MemoryKind;
+
+    /// Ok when `base..base + len` lies inside one allocation of this device.
+    fn check_range(&self, base: usize, len: usize) -> Result<(), DeviceError>;
+
+    /// Copies `dst.len()` bytes at device address `src` into `dst`.
+    fn copy_to_host(&self, src: usize, dst: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// Copies `src` to device address `dst`.
+    fn copy_from_host(&self, dst: usize, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Records an event on `stream` (a `CUstream`, as `torch.cuda.current_stream().cuda_stream`
+    /// gives it): it completes once the work enqueued there before it finished. Destroy it
+    /// with [`Device::destroy_event`].
+    fn record_event(&self, stream: u64) -> Result<u64, DeviceError>;
+
+    /// Whether the work before `event` has finished: never blocks.
+    fn event_done(&self, event: u64) -> Result<bool, DeviceError>;
+
+    /// Frees an event [`Device::record_event`] made (nothing waits on it any more).
+    fn destroy_event(&self, event: u64);
+}
