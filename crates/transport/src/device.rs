@@ -11,12 +11,14 @@
 //!
 //! A region over device memory ([`crate::KvRegion::on_device`]) has no host chunks at all: the
 //! calls that lend slices (`with_span*`, `lock_span*`) are an error on it, and `read`, `write`
-//! and `copy_from` go through the device's copies.
+//! and `copy_from` go through the device's copies. tcp moves it through a [`Stager`]: pinned
+//! buffers and a copy stream, double-buffered against the socket.
 
 pub mod cuda;
 pub mod fake;
 
 use std::fmt::Debug;
+use std::sync::Arc;
 
 pub use handoff_proto::xfer::MemoryKind;
 
@@ -63,4 +65,33 @@ pub trait Device: Send + Sync + Debug {
 
     /// Frees an event [`Device::record_event`] made (nothing waits on it any more).
     fn destroy_event(&self, event: u64);
+
+    /// Two pinned host buffers of `piece` bytes and a copy stream of their own, for a
+    /// transport moving this device's memory a piece at a time.
+    fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError>;
+}
+
+/// How tcp moves device memory: two pinned host buffers and a copy stream of their own, so the
+/// device↔host copy of one piece overlaps the socket's work on the other (double buffering).
+///
+/// Copies are asynchronous: `start_*` only enqueues one. Before the host touches a buffer,
+/// [`Stager::buffer`] waits for that buffer's last copy; before a transfer may be reported
+/// done (or failed: no copy may still write device memory then), [`Stager::wait_all`].
+pub trait Stager: Send {
+    /// Bytes in each of the two buffers.
+    fn piece(&self) -> usize;
+
+    /// Enqueues a copy of `len` (at most a piece) bytes at device address `src` into buffer
+    /// `i` (0 or 1).
+    fn start_down(&mut self, i: usize, src: usize, len: usize) -> Result<(), DeviceError>;
+
+    /// Enqueues a copy of buffer `i`'s first `len` bytes to device address `dst`.
+    fn start_up(&mut self, i: usize, dst: usize, len: usize) -> Result<(), DeviceError>;
+
+    /// Buffer `i`, once its last copy completed: its bytes after a down copy, room to fill
+    /// before an up copy.
+    fn buffer(&mut self, i: usize) -> Result<&mut [u8], DeviceError>;
+
+    /// Waits for every copy enqueued.
+    fn wait_all(&mut self) -> Result<(), DeviceError>;
 }

@@ -27,6 +27,12 @@ pub type OwnedWriteGuard = ArcRwLockWriteGuard<RawRwLock, Chunk>;
 /// A chunk's read lock held by a transfer in flight.
 pub type OwnedReadGuard = ArcRwLockReadGuard<RawRwLock, Chunk>;
 
+/// A checked span of a device region: its device and the span's device address.
+pub struct DeviceSpan<'a> {
+    pub device: &'a Arc<dyn Device>,
+    pub addr: usize,
+}
+
 /// Largest piece [`KvRegion::copy_from`] stages through the host when it writes device memory.
 const BOUNCE_BYTES: usize = 1 << 20;
 
@@ -275,6 +281,25 @@ impl KvRegion {
             }
         }
         Ok(Ok(()))
+    }
+
+    /// For device memory, its device and the address of `len` bytes at `offset` (checked to be
+    /// inside the region); `None` for host memory.
+    pub fn device_span(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Option<DeviceSpan<'_>>, TransportError> {
+        match &self.device {
+            None => Ok(None),
+            Some(device) => {
+                self.check(offset, len)?;
+                Ok(Some(DeviceSpan {
+                    device,
+                    addr: self.base + offset,
+                }))
+            }
+        }
     }
 
     /// Copies `src` into the region at `offset` (device memory: by the device's copy).

@@ -28,6 +28,25 @@ pub struct KvTensorInfo {
     pub device: Option<u32>,
 }
 
+impl KvTensorInfo {
+    /// Bytes from the tensor's first element to past its last one (0 for an empty or
+    /// malformed shape).
+    pub fn span_bytes(&self) -> usize {
+        if self.shape.len() != self.strides.len() || self.shape.iter().any(|&d| d <= 0) {
+            return 0;
+        }
+        let last: i64 = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(d, s)| (d - 1).saturating_mul((*s).max(0)))
+            .fold(0i64, |a, b| a.saturating_add(b));
+        usize::try_from(last.saturating_add(1))
+            .unwrap_or(0)
+            .saturating_mul(self.element_size as usize)
+    }
+}
+
 /// What the engine says about its model, to check the tensors against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelFacts {

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use handoff_connector::{Fence, RankMemory, WorkerHello, WorkerReport, WorkerSide};
 use handoff_transport::device::cuda::CudaDevice;
+use handoff_transport::device::fake::FakeDevice;
 use handoff_transport::device::{Device, DeviceError, MemoryKind};
 use handoff_transport::faulty::{FaultPlan, FaultyTransport};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion, TransportError};
@@ -88,12 +89,40 @@ pub const CORRUPT_SWITCH: &str = "HANDOFF_VLLM_TEST_CORRUPT_FILE";
 /// test can kill an engine while its request waits for its KV.
 pub const HOLD_SWITCH: &str = "HANDOFF_VLLM_TEST_HOLD_FILE";
 
+/// Test-only switch: when this environment variable is set, a KV cache in host memory is
+/// registered as the memory of a fake CUDA device 0 that aliases it
+/// (`handoff_transport::device::fake`): every transfer, tail zeroing and digest goes through
+/// device copies, and any host slice of it would fault. How CI drives vLLM's hooks over
+/// "device" memory without a GPU.
+pub const FAKE_DEVICE_SWITCH: &str = "HANDOFF_VLLM_TEST_FAKE_DEVICE";
+
 impl WorkerBridge {
     /// Registers the rank's KV tensors (vLLM `register_kv_caches`).
     ///
     /// The tensors' memory must stay allocated for the life of the process, as vLLM's KV cache
     /// does: handoff reads and writes it in place (see `KvRegion::from_foreign`).
     pub fn register(cfg: WorkerConfig, tensors: &[KvTensorInfo]) -> Result<Self, WorkerError> {
+        let on_host = tensors.first().is_some_and(|t| t.device.is_none());
+        if on_host && std::env::var_os(FAKE_DEVICE_SWITCH).is_some() {
+            let fake = FakeDevice::new(0);
+            let aliased = tensors
+                .iter()
+                .map(|t| {
+                    let mut t = t.clone();
+                    // SAFETY: vLLM keeps its KV cache for the process's life (as for
+                    // `from_foreign` below); the fake device lives in this worker's regions.
+                    #[allow(unsafe_code)]
+                    let alias = unsafe { fake.adopt(t.data_ptr as usize, t.span_bytes()) };
+                    t.data_ptr = alias as u64;
+                    t.device = Some(0);
+                    t
+                })
+                .collect::<Vec<_>>();
+            tracing::warn!(
+                "test switch {FAKE_DEVICE_SWITCH}: host KV registered as fake device memory"
+            );
+            return Self::register_on(cfg, &aliased, Some(fake));
+        }
         let device = match tensors.first().and_then(|t| t.device) {
             None => None,
             Some(ordinal) => {

@@ -9,7 +9,7 @@
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Arc, OnceLock};
 
-use super::{Device, DeviceError, MemoryKind};
+use super::{Device, DeviceError, MemoryKind, Stager};
 
 type CuResult = c_int;
 type CuDevice = c_int;
@@ -38,10 +38,21 @@ struct Driver {
     event_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> CuResult,
     event_query: unsafe extern "C" fn(*mut c_void) -> CuResult,
     event_destroy: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_sync: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CuResult,
+    stream_destroy: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+    host_free: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    dtoh_async: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, *mut c_void) -> CuResult,
+    htod_async: unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, *mut c_void) -> CuResult,
+    event_sync: unsafe extern "C" fn(*mut c_void) -> CuResult,
 }
 
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest event, for ordering only.
 const EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// `CU_STREAM_NON_BLOCKING`: the copy stream does not wait for the legacy default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
 
 /// `CUDA_ERROR_NOT_READY`: the event's work is still running.
 const NOT_READY: CuResult = 600;
@@ -113,6 +124,38 @@ fn load() -> Result<Driver, String> {
         ),
         event_destroy: sym!(
             b"cuEventDestroy_v2\0",
+            unsafe extern "C" fn(*mut c_void) -> CuResult
+        ),
+        stream_sync: sym!(
+            b"cuStreamSynchronize\0",
+            unsafe extern "C" fn(*mut c_void) -> CuResult
+        ),
+        stream_create: sym!(
+            b"cuStreamCreate\0",
+            unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CuResult
+        ),
+        stream_destroy: sym!(
+            b"cuStreamDestroy_v2\0",
+            unsafe extern "C" fn(*mut c_void) -> CuResult
+        ),
+        host_alloc: sym!(
+            b"cuMemHostAlloc\0",
+            unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult
+        ),
+        host_free: sym!(
+            b"cuMemFreeHost\0",
+            unsafe extern "C" fn(*mut c_void) -> CuResult
+        ),
+        dtoh_async: sym!(
+            b"cuMemcpyDtoHAsync_v2\0",
+            unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, *mut c_void) -> CuResult
+        ),
+        htod_async: sym!(
+            b"cuMemcpyHtoDAsync_v2\0",
+            unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, *mut c_void) -> CuResult
+        ),
+        event_sync: sym!(
+            b"cuEventSynchronize\0",
             unsafe extern "C" fn(*mut c_void) -> CuResult
         ),
         _lib: lib,
@@ -252,9 +295,17 @@ impl Device for CudaDevice {
 
     fn copy_from_host(&self, dst: usize, src: &[u8]) -> Result<(), DeviceError> {
         self.make_current()?;
+        let d = driver()?;
         // SAFETY: `src` is a live host buffer of `src.len()` bytes; as in `copy_to_host`.
-        let r = unsafe { (driver()?.htod)(dst as u64, src.as_ptr() as *const c_void, src.len()) };
-        self.call("cuMemcpyHtoD", r)
+        let r = unsafe { (d.htod)(dst as u64, src.as_ptr() as *const c_void, src.len()) };
+        self.call("cuMemcpyHtoD", r)?;
+        // From pageable memory the driver returns once `src` is staged, before the DMA into
+        // device memory ended (cuda.h, "API synchronization behavior"): a transfer reported
+        // landed would let the engine's kernels read bytes still arriving. The copy runs on the
+        // legacy default stream; waiting for that stream waits for the DMA.
+        // SAFETY: the null stream is always valid in the current context.
+        let r = unsafe { (d.stream_sync)(std::ptr::null_mut()) };
+        self.call("cuStreamSynchronize", r)
     }
 
     fn record_event(&self, stream: u64) -> Result<u64, DeviceError> {
@@ -292,6 +343,149 @@ impl Device for CudaDevice {
         if let Ok(d) = driver() {
             // SAFETY: `event` came from `record_event` and is destroyed once.
             unsafe { (d.event_destroy)(event as usize as *mut c_void) };
+        }
+    }
+
+    fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError> {
+        self.make_current()?;
+        let d = driver()?;
+        let mut st = CudaStager {
+            device: self,
+            piece: piece.max(1),
+            buffers: [0, 0],
+            events: [0, 0],
+            stream: 0,
+        };
+        // Each handle is stored as soon as it exists: a failure half-way frees what was made
+        // (Drop skips the zeros).
+        for i in 0..2 {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: valid out pointer; flags 0 (portable pinned memory of this context).
+            let r = unsafe { (d.host_alloc)(&mut p, st.piece, 0) };
+            st.device.call("cuMemHostAlloc", r)?;
+            st.buffers[i] = p as usize;
+            let mut e: *mut c_void = std::ptr::null_mut();
+            // SAFETY: valid out pointer.
+            let r = unsafe { (d.event_create)(&mut e, EVENT_DISABLE_TIMING) };
+            st.device.call("cuEventCreate", r)?;
+            st.events[i] = e as usize;
+        }
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out pointer.
+        let r = unsafe { (d.stream_create)(&mut s, STREAM_NON_BLOCKING) };
+        st.device.call("cuStreamCreate", r)?;
+        st.stream = s as usize;
+        Ok(Box::new(st))
+    }
+}
+
+/// Two pinned buffers, an event after each one's last copy, and a non-blocking copy stream.
+struct CudaStager {
+    device: Arc<CudaDevice>,
+    piece: usize,
+    buffers: [usize; 2],
+    events: [usize; 2],
+    stream: usize,
+}
+
+impl CudaStager {
+    fn check(&self, i: usize, len: usize) -> Result<(), DeviceError> {
+        if i > 1 || len > self.piece {
+            return Err(DeviceError::Call {
+                device: self.device.device,
+                call: "cuMemcpyAsync",
+                // CUDA_ERROR_INVALID_VALUE
+                code: 1,
+            });
+        }
+        self.device.make_current()
+    }
+
+    fn record(&self, i: usize) -> Result<(), DeviceError> {
+        // SAFETY: the event and stream are this stager's, alive until Drop.
+        let r = unsafe {
+            (driver()?.event_record)(self.events[i] as *mut c_void, self.stream as *mut c_void)
+        };
+        self.device.call("cuEventRecord", r)
+    }
+}
+
+impl Stager for CudaStager {
+    fn piece(&self) -> usize {
+        self.piece
+    }
+
+    fn start_down(&mut self, i: usize, src: usize, len: usize) -> Result<(), DeviceError> {
+        self.check(i, len)?;
+        // SAFETY: the buffer is this stager's pinned memory of `piece` ≥ `len` bytes, not lent
+        // until `buffer(i)` waited for this copy; the device range was checked by the region.
+        let r = unsafe {
+            (driver()?.dtoh_async)(
+                self.buffers[i] as *mut c_void,
+                src as u64,
+                len,
+                self.stream as *mut c_void,
+            )
+        };
+        self.device.call("cuMemcpyDtoHAsync", r)?;
+        self.record(i)
+    }
+
+    fn start_up(&mut self, i: usize, dst: usize, len: usize) -> Result<(), DeviceError> {
+        self.check(i, len)?;
+        // SAFETY: as in `start_down`; the host writes the buffer again only after `buffer(i)`
+        // waited for this copy.
+        let r = unsafe {
+            (driver()?.htod_async)(
+                dst as u64,
+                self.buffers[i] as *const c_void,
+                len,
+                self.stream as *mut c_void,
+            )
+        };
+        self.device.call("cuMemcpyHtoDAsync", r)?;
+        self.record(i)
+    }
+
+    fn buffer(&mut self, i: usize) -> Result<&mut [u8], DeviceError> {
+        self.check(i, 0)?;
+        // SAFETY: this stager's event (an event never recorded completes at once).
+        let r = unsafe { (driver()?.event_sync)(self.events[i] as *mut c_void) };
+        self.device.call("cuEventSynchronize", r)?;
+        // SAFETY: pinned memory of `piece` bytes owned by this stager; no copy uses it now
+        // (its last one completed above) and `&mut self` keeps another from starting while
+        // the slice lives.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.buffers[i] as *mut u8, self.piece) })
+    }
+
+    fn wait_all(&mut self) -> Result<(), DeviceError> {
+        self.device.make_current()?;
+        // SAFETY: this stager's stream.
+        let r = unsafe { (driver()?.stream_sync)(self.stream as *mut c_void) };
+        self.device.call("cuStreamSynchronize", r)
+    }
+}
+
+impl Drop for CudaStager {
+    fn drop(&mut self) {
+        let Ok(d) = driver() else { return };
+        if self.device.make_current().is_err() {
+            return;
+        }
+        // SAFETY: every handle is this stager's and freed once, after its copies finished.
+        unsafe {
+            if self.stream != 0 {
+                (d.stream_sync)(self.stream as *mut c_void);
+                (d.stream_destroy)(self.stream as *mut c_void);
+            }
+            for i in 0..2 {
+                if self.events[i] != 0 {
+                    (d.event_destroy)(self.events[i] as *mut c_void);
+                }
+                if self.buffers[i] != 0 {
+                    (d.host_free)(self.buffers[i] as *mut c_void);
+                }
+            }
         }
     }
 }

@@ -12,18 +12,36 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Device, DeviceError, MemoryKind};
+use super::{Device, DeviceError, MemoryKind, Stager};
 
 /// Where every fake device's allocations start: no host pointer can be here.
 const FAKE_BASE: usize = 0xdead_0000_0000_0000;
 /// Address space apart between two fake devices.
 const DEVICE_SPAN: usize = 1 << 40;
 
+/// Where a fake allocation's bytes are.
+#[derive(Debug)]
+enum Backing {
+    /// The fake's own shadow buffer.
+    Owned(Vec<u8>),
+    /// Host memory someone else owns (an engine's KV tensor), reached only by the copies.
+    Adopted { ptr: usize, len: usize },
+}
+
+impl Backing {
+    fn len(&self) -> usize {
+        match self {
+            Backing::Owned(v) => v.len(),
+            Backing::Adopted { len, .. } => *len,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct FakeDevice {
     device: u32,
     /// Allocations: (base address, bytes), in address order, never freed (a test's lifetime).
-    allocations: Mutex<Vec<(usize, Vec<u8>)>>,
+    allocations: Mutex<Vec<(usize, Backing)>>,
     /// Streams: the completion flag of every kernel enqueued on each, in order.
     streams: Mutex<HashMap<u64, Vec<Arc<AtomicBool>>>>,
     /// Events: the kernels each waits for.
@@ -70,11 +88,31 @@ impl FakeDevice {
     /// gap of a page, so a range straddling two allocations is never one.
     pub fn alloc(&self, len: usize) -> usize {
         let mut a = self.allocations.lock();
-        let base = match a.last() {
+        let base = Self::next_base(self.device, &a);
+        a.push((base, Backing::Owned(vec![0; len])));
+        base
+    }
+
+    fn next_base(device: u32, a: &[(usize, Backing)]) -> usize {
+        match a.last() {
             Some((b, m)) => b + m.len() + 4096,
-            None => FAKE_BASE + self.device as usize * DEVICE_SPAN,
-        };
-        a.push((base, vec![0; len]));
+            None => FAKE_BASE + device as usize * DEVICE_SPAN,
+        }
+    }
+
+    /// Makes `len` bytes of host memory at `ptr` an allocation of this device: the address
+    /// returned reaches them through the device's copies only (the host faults on it). How a
+    /// test runs an engine's whole KV path (vLLM's, on host tensors) as if its KV were on a GPU.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is host memory that stays allocated as long as this device lives, and
+    /// is read and written by others only as an engine's KV is: never a block a transfer is
+    /// moving at the time (the rules handoff keeps for foreign memory, `KvRegion::from_foreign`).
+    #[allow(unsafe_code)]
+    pub unsafe fn adopt(&self, ptr: usize, len: usize) -> usize {
+        let mut a = self.allocations.lock();
+        let base = Self::next_base(self.device, &a);
+        a.push((base, Backing::Adopted { ptr, len }));
         base
     }
 
@@ -104,8 +142,15 @@ impl FakeDevice {
             .find(|(b, _)| *b <= addr)
             .ok_or(not_ours.clone())?;
         let at = addr - *base;
-        match at.checked_add(len) {
-            Some(end) if end <= mem.len() => Ok(f(&mut mem[at..end])),
+        match (at.checked_add(len), mem) {
+            (Some(end), Backing::Owned(m)) if end <= m.len() => Ok(f(&mut m[at..end])),
+            (Some(end), Backing::Adopted { ptr, len: total }) if end <= *total => {
+                // SAFETY: inside memory `adopt`'s caller keeps allocated and does not touch
+                // while a transfer moves it; the slice lives for this copy only.
+                #[allow(unsafe_code)]
+                let m = unsafe { std::slice::from_raw_parts_mut((*ptr + at) as *mut u8, len) };
+                Ok(f(m))
+            }
             _ => Err(not_ours),
         }
     }
@@ -157,6 +202,81 @@ impl Device for FakeDevice {
     fn destroy_event(&self, event: u64) {
         self.events.lock().remove(&event);
     }
+
+    fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError> {
+        Ok(Box::new(FakeStager {
+            device: self,
+            buffers: [vec![0; piece], vec![0; piece]],
+            queued: [None, None],
+        }))
+    }
+}
+
+/// A copy enqueued on the fake's copy stream.
+#[derive(Debug, Clone, Copy)]
+enum Queued {
+    Down { src: usize, len: usize },
+    Up { dst: usize, len: usize },
+}
+
+/// The fake's stager: an enqueued copy runs only when something waits for it, so a transport
+/// that reports a transfer done without waiting leaves the bytes short (in CI, not by chance).
+struct FakeStager {
+    device: Arc<FakeDevice>,
+    buffers: [Vec<u8>; 2],
+    queued: [Option<Queued>; 2],
+}
+
+impl FakeStager {
+    fn run(&mut self, i: usize) -> Result<(), DeviceError> {
+        match self.queued[i].take() {
+            None => Ok(()),
+            Some(Queued::Down { src, len }) => {
+                self.device.copy_to_host(src, &mut self.buffers[i][..len])
+            }
+            Some(Queued::Up { dst, len }) => {
+                self.device.copy_from_host(dst, &self.buffers[i][..len])
+            }
+        }
+    }
+
+    fn enqueue(&mut self, i: usize, copy: Queued, len: usize) -> Result<(), DeviceError> {
+        if i > 1 || len > self.buffers[i].len() {
+            return Err(DeviceError::Call {
+                device: self.device.device,
+                call: "cuMemcpyAsync",
+                code: 1,
+            });
+        }
+        // One stream: the buffer's earlier copy runs first.
+        self.run(i)?;
+        self.queued[i] = Some(copy);
+        Ok(())
+    }
+}
+
+impl Stager for FakeStager {
+    fn piece(&self) -> usize {
+        self.buffers[0].len()
+    }
+
+    fn start_down(&mut self, i: usize, src: usize, len: usize) -> Result<(), DeviceError> {
+        self.enqueue(i, Queued::Down { src, len }, len)
+    }
+
+    fn start_up(&mut self, i: usize, dst: usize, len: usize) -> Result<(), DeviceError> {
+        self.enqueue(i, Queued::Up { dst, len }, len)
+    }
+
+    fn buffer(&mut self, i: usize) -> Result<&mut [u8], DeviceError> {
+        self.run(i)?;
+        Ok(&mut self.buffers[i])
+    }
+
+    fn wait_all(&mut self) -> Result<(), DeviceError> {
+        self.run(0)?;
+        self.run(1)
+    }
 }
 
 #[cfg(test)]
@@ -178,6 +298,45 @@ mod tests {
         assert!(d.check_range(a - 1, 1).is_err());
         assert!(d.check_range(a + 99, b - a).is_err());
         assert_eq!(d.memory(), MemoryKind::Cuda { device: 1 });
+    }
+
+    #[test]
+    fn adopted_host_memory_is_reached_through_the_copies_only() {
+        let d = FakeDevice::new(0);
+        let mut host = vec![5u8; 64];
+        // SAFETY: `host` outlives `d` and is not touched while the copies run.
+        #[allow(unsafe_code)]
+        let a = unsafe { d.adopt(host.as_mut_ptr() as usize, host.len()) };
+        assert!(a >= FAKE_BASE, "an address the host faults on");
+        d.copy_from_host(a + 8, &[1, 2]).unwrap();
+        let mut out = [0u8; 4];
+        d.copy_to_host(a + 7, &mut out).unwrap();
+        assert_eq!(out, [5, 1, 2, 5]);
+        assert!(d.check_range(a + 60, 5).is_err(), "past the adopted bytes");
+        drop(d);
+        assert_eq!(
+            &host[7..11],
+            &[5, 1, 2, 5],
+            "the copies reached the host memory"
+        );
+    }
+
+    #[test]
+    fn a_staged_copy_lands_only_once_waited_for() {
+        let d = FakeDevice::new(0);
+        let a = d.alloc(8);
+        let mut st = d.clone().stager(4).unwrap();
+        st.buffer(1).unwrap()[..4].copy_from_slice(&[1, 2, 3, 4]);
+        st.start_up(1, a + 2, 4).unwrap();
+        let mut out = [9u8; 8];
+        d.copy_to_host(a, &mut out).unwrap();
+        assert_eq!(out, [0; 8], "enqueued, not run");
+        st.wait_all().unwrap();
+        d.copy_to_host(a, &mut out).unwrap();
+        assert_eq!(out, [0, 0, 1, 2, 3, 4, 0, 0]);
+        st.start_down(0, a + 3, 3).unwrap();
+        assert_eq!(&st.buffer(0).unwrap()[..3], &[2, 3, 4]);
+        assert!(st.start_down(0, a + 3, 5).is_err(), "more than a piece");
     }
 
     #[test]

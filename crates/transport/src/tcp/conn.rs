@@ -22,6 +22,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::wire::{self, WireDesc};
 use super::Inner;
+use crate::device::{MemoryKind, Stager};
 use crate::{KvRegion, XferOp, XferStatus, MAX_NOTIFICATION_BYTES};
 
 /// A piece of registered memory a transfer touches.
@@ -309,6 +310,37 @@ fn region_err(e: crate::TransportError) -> io::Error {
     io::Error::other(e.to_string())
 }
 
+fn device_err(e: crate::device::DeviceError) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+/// A half's stager, kept between transfers (its pinned buffers cost a driver call each).
+type StagerSlot = Option<(MemoryKind, Box<dyn Stager>)>;
+
+/// The device and address of a device region's span, and a stager for that device: the one
+/// kept in `slot` if it is for that device, else a new one.
+fn staging_for(
+    slot: &mut StagerSlot,
+    region: &KvRegion,
+    offset: usize,
+    len: usize,
+) -> io::Result<(Box<dyn Stager>, MemoryKind, usize)> {
+    let span = region
+        .device_span(offset, len)
+        .map_err(region_err)?
+        .ok_or_else(|| io::Error::other("staging host memory"))?;
+    let (device, addr) = (span.device, span.addr);
+    let kind = device.memory();
+    let st = match slot.take() {
+        Some((k, st)) if k == kind => st,
+        _ => device
+            .clone()
+            .stager(DEVICE_STAGE_BYTES)
+            .map_err(device_err)?,
+    };
+    Ok((st, kind, addr))
+}
+
 pub(super) fn configure(s: &TcpStream, tick: Duration) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(tick))?;
@@ -326,6 +358,8 @@ pub(super) struct Rx {
     timeout: Duration,
     conn: Arc<Conn>,
     scratch: Vec<u8>,
+    /// Pinned buffers and a copy stream for landing device memory.
+    stager: StagerSlot,
     /// Bytes of a transfer are being read (set by [`Rx::landing`]).
     landing: bool,
     landing_spin: Duration,
@@ -341,6 +375,7 @@ impl Rx {
             timeout: inner.tick(),
             conn,
             scratch: Vec::new(),
+            stager: None,
             landing: false,
             landing_spin: inner.cfg.landing_spin,
         }
@@ -495,9 +530,8 @@ impl Rx {
         Ok(())
     }
 
-    /// Lands bytes in device memory: a stage at a time from the socket into host memory, then
-    /// the device's copy (complete when it returns, so the WRITE or READ is reported done only
-    /// once its last byte is in device memory).
+    /// Lands bytes in device memory through the stager's pinned buffers: the WRITE or READ is
+    /// reported done only once its last copy completed (its last byte is in device memory).
     fn land_staged(
         &mut self,
         region: &KvRegion,
@@ -505,23 +539,37 @@ impl Rx {
         len: usize,
         aborted: &dyn Fn() -> bool,
     ) -> io::Result<()> {
-        let mut stage = std::mem::take(&mut self.scratch);
-        stage.resize(DEVICE_STAGE_BYTES.min(len), 0);
-        let mut res = Ok(());
-        let mut at = 0;
+        let (mut st, kind, addr) = staging_for(&mut self.stager, region, offset, len)?;
+        let res = self.land_through(&mut *st, addr, len, aborted);
+        // Landed (or failed) only once no copy into the region is left: the ledger may give
+        // the blocks back as soon as this returns.
+        let waited = st.wait_all().map_err(device_err);
+        self.stager = Some((kind, st));
+        res.and(waited)
+    }
+
+    /// The socket fills one pinned buffer while the other's copy to the device runs.
+    fn land_through(
+        &mut self,
+        st: &mut dyn Stager,
+        addr: usize,
+        len: usize,
+        aborted: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
+        let piece = st.piece();
+        let (mut at, mut i) = (0, 0);
         while at < len {
-            let k = (len - at).min(stage.len());
-            res = self.fill(&mut stage[..k]);
-            if res.is_ok() && !aborted() {
-                res = region.write(offset + at, &stage[..k]).map_err(region_err);
-            }
-            if res.is_err() {
-                break;
+            let k = (len - at).min(piece);
+            // Waits for this buffer's copy two pieces ago.
+            let buf = st.buffer(i).map_err(device_err)?;
+            self.fill(&mut buf[..k])?;
+            if !aborted() {
+                st.start_up(i, addr + at, k).map_err(device_err)?;
             }
             at += k;
+            i = 1 - i;
         }
-        self.scratch = stage;
-        res
+        Ok(())
     }
 
     /// Reads and drops `n` bytes.
@@ -605,6 +653,8 @@ pub(super) struct Tx {
     dead_after: Duration,
     conn: Arc<Conn>,
     stage: Vec<u8>,
+    /// Pinned buffers and a copy stream for sending device memory.
+    stager: StagerSlot,
 }
 
 impl Tx {
@@ -614,6 +664,7 @@ impl Tx {
             dead_after: inner.cfg.dead_after,
             conn,
             stage: Vec::new(),
+            stager: None,
         }
     }
 
@@ -653,7 +704,7 @@ impl Tx {
     }
 
     /// Streams `len` bytes at `offset` of `region` straight from its pieces (device memory:
-    /// copied to the host a stage at a time, as `Rx::land_staged` lands it).
+    /// through pinned buffers, as `Rx::land_staged` lands it).
     fn send_span(&mut self, region: &KvRegion, offset: usize, len: usize) -> io::Result<()> {
         if region.device().is_some() {
             return self.send_staged(region, offset, len);
@@ -707,27 +758,35 @@ impl Tx {
         res
     }
 
-    /// Sends device memory: each stage is copied to the host (complete when the copy returns),
-    /// then written to the socket.
+    /// Sends device memory through the stager's pinned buffers; returns once no copy out of the
+    /// region is left.
     fn send_staged(&mut self, region: &KvRegion, offset: usize, len: usize) -> io::Result<()> {
-        let mut stage = std::mem::take(&mut self.stage);
-        stage.resize(DEVICE_STAGE_BYTES.min(len), 0);
-        let mut res = Ok(());
-        let mut at = 0;
-        while at < len {
-            let k = (len - at).min(stage.len());
-            res = region
-                .read(offset + at, &mut stage[..k])
-                .map_err(region_err)
-                .and_then(|()| self.send(&stage[..k]));
-            if res.is_err() {
-                break;
-            }
-            at += k;
+        let (mut st, kind, addr) = staging_for(&mut self.stager, region, offset, len)?;
+        let res = self.send_through(&mut *st, addr, len);
+        let waited = st.wait_all().map_err(device_err);
+        self.stager = Some((kind, st));
+        res.and(waited)
+    }
+
+    /// The copy of piece j+1 to the other pinned buffer runs while piece j is on the socket.
+    fn send_through(&mut self, st: &mut dyn Stager, addr: usize, len: usize) -> io::Result<()> {
+        let piece = st.piece();
+        let pieces = len.div_ceil(piece);
+        let size = |j: usize| (len - j * piece).min(piece);
+        if pieces == 0 {
+            return Ok(());
         }
-        stage.clear();
-        self.stage = stage;
-        res
+        st.start_down(0, addr, size(0)).map_err(device_err)?;
+        for j in 0..pieces {
+            if j + 1 < pieces {
+                // The other buffer's piece went to the socket in the last round.
+                st.start_down((j + 1) % 2, addr + (j + 1) * piece, size(j + 1))
+                    .map_err(device_err)?;
+            }
+            let buf = st.buffer(j % 2).map_err(device_err)?;
+            self.send(&buf[..size(j)])?;
+        }
+        Ok(())
     }
 
     fn send(&mut self, buf: &[u8]) -> io::Result<()> {

@@ -1,0 +1,1 @@
+"""Stub package (see vllm/__init__.py)."""
