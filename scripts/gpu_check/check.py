@@ -189,7 +189,11 @@ class Engine:
                 ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
                 with ctx:
                     if self.unordered:
-                        w._stream = lambda: None  # the negative control: no ordering
+                        # The negative control: the connector is handed a stream with no
+                        # work on it, so its event passes at once and the layer's writes go
+                        # while its kernel may still run.
+                        idle = torch.cuda.Stream()
+                        w._stream = lambda: int(idle.cuda_stream)
                     for layer, (name, t) in enumerate(self.kv[rank]):
                         w.wait_for_layer_load(name)
                         forward(rank, layer, t)
@@ -235,6 +239,10 @@ class Engine:
             canonical(t, self.layout)[:, ids] = v.view(2, len(ids), -1, self.hpr, HEAD_DIM)
 
         self.step(so, kernel)
+        if self.stream is not None:
+            # vLLM reads the step's sampled token back before it finishes the request: the
+            # forward's kernels are done by then (a pull relies on it; a push must not).
+            self.stream.synchronize()
         req.num_computed_tokens = prompt_len
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         keep, answer = self.sched.request_finished(req, list(blocks))
@@ -325,7 +333,7 @@ def engine_main(conn, name, role, mode, tp, layout, device, options, env):
                     conn.send(("ok", None))
                     return
                 if cmd == "unordered":
-                    e.unordered = args
+                    e.unordered = bool(args[0])
                     conn.send(("ok", None))
                     continue
                 conn.send(("ok", getattr(e, cmd)(*args)))

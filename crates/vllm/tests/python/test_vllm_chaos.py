@@ -63,7 +63,11 @@ def chaos(single):
                                "HANDOFF_DRAIN_GRACE_S": str(DRAIN_GRACE_S)}, log_stats=True),
         "d1": Server("chaos-d1", connector("vllm-chaos-d1"),
                      env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D1}),
-        "d2": Server("chaos-d2", connector("vllm-chaos-d2"),
+        # D2's READs are held on purpose while P's drain call is answered, which takes seconds
+        # on a loaded machine; a held READ counts against its read timeout from when it was
+        # issued (5 s by default: CI once saw all three fail read_timed_out). What the drain
+        # test checks is P's drain, not D's read timeout, so D2 gives its READs 15 s.
+        "d2": Server("chaos-d2", connector("vllm-chaos-d2", read_timeout_ms=15000),
                      env_extra={"HANDOFF_VLLM_TEST_HOLD_FILE": HOLD_D2}),
     }
     try:
@@ -260,8 +264,8 @@ def test_prestop_drain_serves_every_handoff_p_holds_then_p_exits(chaos):
             legs.append(threading.Thread(target=d_leg, args=(i, params), daemon=True))
         for t in legs:
             t.start()
-        # D has them: tracked, heartbeating, READs held back (a held READ gives up ~4.5 s after
-        # it started: the hold ends well before).
+        # D has them: tracked, heartbeating, READs held back (a held READ gives up 15 s after
+        # it was issued, D2's read timeout: the hold ends well before).
         time.sleep(0.7)
         sent = time.monotonic()
         hook = threading.Thread(target=prestop, daemon=True)
