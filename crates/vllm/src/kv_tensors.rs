@@ -214,7 +214,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         head_dim,
         dtype_size: first.element_size,
     };
-    match found {
+    let (layout, len, block_bytes, opaque_blocks) = match found {
         Found::Opaque { num_blocks, .. } => {
             if block_size != facts.block_size {
                 return Err(mismatch(format!(
@@ -231,18 +231,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
             let plane = spec.plane_bytes();
             let layout = RankLayout::per_layer(spec, facts.rank, num_blocks, 0)?;
             let len = u64::from(num_blocks) * 2 * plane;
-            let regions = tensors
-                .iter()
-                .enumerate()
-                .map(|(l, t)| (l as u32, t.data_ptr, len))
-                .collect();
-            Ok(KvTensors {
-                layout,
-                regions,
-                block_bytes: 2 * plane,
-                opaque_blocks: true,
-                device: first.device,
-            })
+            (layout, len, 2 * plane, true)
         }
         Found::Split(d) => {
             let split = d.placement(facts.block_size).map_err(&mismatch)?;
@@ -272,20 +261,22 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
                     .collect(),
             };
             layout.validate()?;
-            let regions = tensors
-                .iter()
-                .enumerate()
-                .map(|(l, t)| (l as u32, t.data_ptr, len))
-                .collect();
-            Ok(KvTensors {
-                layout,
-                regions,
-                block_bytes: spec.plane_bytes(),
-                opaque_blocks: false,
-                device: first.device,
-            })
+            (layout, len, spec.plane_bytes(), false)
         }
-    }
+    };
+    // One region per layer tensor, each `len` bytes from its first element.
+    let regions = tensors
+        .iter()
+        .enumerate()
+        .map(|(l, t)| (l as u32, t.data_ptr, len))
+        .collect();
+    Ok(KvTensors {
+        layout,
+        regions,
+        block_bytes,
+        opaque_blocks,
+        device: first.device,
+    })
 }
 
 /// What a tensor's shape says it is.
