@@ -15,6 +15,8 @@
 //! buffers and a copy stream, double-buffered against the socket.
 
 pub mod cuda;
+/// The fake device of CPU tests (feature `testing`; not in a release build).
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
 
 use std::fmt::Debug;

@@ -50,7 +50,8 @@ impl Backing {
 
     /// The chunk `[offset, offset + len)` (in bounds: the caller splits `self.len`).
     pub(crate) fn chunk(self: &Arc<Backing>, offset: usize, len: usize) -> Chunk {
-        debug_assert!(offset + len <= self.len);
+        // Checked in release builds too: the pointer arithmetic below relies on it.
+        assert!(offset + len <= self.len, "chunk past its backing");
         // SAFETY: `offset + len <= self.len`, so the pointer stays inside the allocation (or is
         // `ptr` itself when both are 0).
         let ptr = unsafe { self.ptr.add(offset) };

@@ -30,6 +30,8 @@ pub mod kv_tensors;
 #[cfg(feature = "python")]
 mod python;
 pub mod scheduler;
+#[cfg(feature = "test-switches")]
+pub mod test_switches;
 pub mod worker;
 
 use handoff_transport::auth::{AuthError, ClusterKey};

@@ -8,15 +8,15 @@ use std::time::Instant;
 
 use handoff_connector::{Fence, RankMemory, WorkerHello, WorkerReport, WorkerSide};
 use handoff_transport::device::cuda::CudaDevice;
-use handoff_transport::device::fake::FakeDevice;
 use handoff_transport::device::{Device, DeviceError, MemoryKind};
-use handoff_transport::faulty::{FaultPlan, FaultyTransport};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion, TransportError};
 use serde::Deserialize;
 
 use crate::grant_line::{self, GrantLineReceiver};
 use crate::kv_tensors::{self, KvTensorInfo, KvTensors, ModelFacts};
 use crate::scheduler::StepMeta;
+#[cfg(feature = "test-switches")]
+use crate::test_switches::Switches;
 
 /// How a worker reaches its peers.
 #[derive(Debug, Clone, Deserialize)]
@@ -68,10 +68,9 @@ pub struct WorkerBridge {
     side: WorkerSide,
     rank: usize,
     opaque_blocks: bool,
-    /// Test-only: see [`CORRUPT_SWITCH`].
-    corrupt: Option<(std::path::PathBuf, Arc<FaultyTransport>)>,
-    /// Test-only: see [`HOLD_SWITCH`].
-    hold: Option<(std::path::PathBuf, Vec<handoff_connector::WorkerOp>)>,
+    /// Fault injection for the vLLM suite (not in the release wheel).
+    #[cfg(feature = "test-switches")]
+    switches: Switches,
     /// Renewed push grants from EngineCore during a forward pass (none if its socket could
     /// not be bound: held writes then keep the grant they were planned on).
     _grant_line: Option<GrantLineReceiver>,
@@ -79,49 +78,17 @@ pub struct WorkerBridge {
     device: Option<Arc<dyn Device>>,
 }
 
-/// Test-only switch (negative controls): when this environment variable names a file, and
-/// while that file exists, every READ posted lands with one byte changed (the transport
-/// reports it done), as a transfer that damaged its blocks would; the KV digest must catch it.
-pub const CORRUPT_SWITCH: &str = "HANDOFF_VLLM_TEST_CORRUPT_FILE";
-
-/// Test-only switch: when this environment variable names a file, and while that file exists,
-/// transfers the scheduler side asks for are held back (posted once the file is gone), so a
-/// test can kill an engine while its request waits for its KV.
-pub const HOLD_SWITCH: &str = "HANDOFF_VLLM_TEST_HOLD_FILE";
-
-/// Test-only switch: when this environment variable is set, a KV cache in host memory is
-/// registered as the memory of a fake CUDA device 0 that aliases it
-/// (`handoff_transport::device::fake`): every transfer, tail zeroing and digest goes through
-/// device copies, and any host slice of it would fault. How CI drives vLLM's hooks over
-/// "device" memory without a GPU.
-pub const FAKE_DEVICE_SWITCH: &str = "HANDOFF_VLLM_TEST_FAKE_DEVICE";
-
 impl WorkerBridge {
     /// Registers the rank's KV tensors (vLLM `register_kv_caches`).
     ///
     /// The tensors' memory must stay allocated for the life of the process, as vLLM's KV cache
     /// does: handoff reads and writes it in place (see `KvRegion::from_foreign`).
     pub fn register(cfg: WorkerConfig, tensors: &[KvTensorInfo]) -> Result<Self, WorkerError> {
-        let on_host = tensors.first().is_some_and(|t| t.device.is_none());
-        if on_host && std::env::var_os(FAKE_DEVICE_SWITCH).is_some() {
-            let fake = FakeDevice::new(0);
-            let aliased = tensors
-                .iter()
-                .map(|t| {
-                    let mut t = t.clone();
-                    // SAFETY: vLLM keeps its KV cache for the process's life (as for
-                    // `from_foreign` below); the fake device lives in this worker's regions.
-                    #[allow(unsafe_code)]
-                    let alias = unsafe { fake.adopt(t.data_ptr as usize, t.span_bytes()) };
-                    t.data_ptr = alias as u64;
-                    t.device = Some(0);
-                    t
-                })
-                .collect::<Vec<_>>();
-            tracing::warn!(
-                "test switch {FAKE_DEVICE_SWITCH}: host KV registered as fake device memory"
-            );
-            return Self::register_on(cfg, &aliased, Some(fake));
+        #[cfg(feature = "test-switches")]
+        if let Some((aliased, fake)) = Switches::fake_device(tensors) {
+            let mut bridge = Self::register_on(cfg, &aliased, Some(fake))?;
+            bridge.switches.host_kernels = true;
+            return Ok(bridge);
         }
         let device = match tensors.first().and_then(|t| t.device) {
             None => None,
@@ -175,22 +142,21 @@ impl WorkerBridge {
             check_grants: true,
         };
         let name = format!("{}-r{}", cfg.engine_id, cfg.facts.rank);
-        let mut transport = open_backend_at(&cfg.transport, &name, &at)?;
-        let corrupt = std::env::var_os(CORRUPT_SWITCH).map(|f| {
-            let faulty = FaultyTransport::new(transport.clone(), FaultPlan::default());
-            transport = faulty.clone();
-            (std::path::PathBuf::from(f), faulty)
-        });
+        let transport = open_backend_at(&cfg.transport, &name, &at)?;
+        #[cfg(feature = "test-switches")]
+        let (transport, switches) = Switches::read(transport);
         let regions: Vec<(u32, Arc<KvRegion>)> = regions
             .into_iter()
             .map(|(id, base, len)| {
                 let (base, len, chunk) = (base as usize, len as usize, block_bytes as usize);
-                // SAFETY: vLLM allocates its KV cache once per worker process and keeps it for
-                // the process's life; handoff accesses it only through this region (on a
-                // device, only through the driver's copies and NIXL).
+                // vLLM allocates its KV cache once per worker process and keeps it for the
+                // process's life; handoff accesses it only through this region.
                 #[allow(unsafe_code)]
                 let r = match &device {
+                    // SAFETY: host memory vLLM keeps allocated (above), `len` bytes from `base`.
                     None => unsafe { KvRegion::from_foreign(base, len, chunk) },
+                    // SAFETY: device memory vLLM keeps allocated (above), touched only through
+                    // the driver's copies and NIXL.
                     Some(d) => unsafe { KvRegion::on_device(d.clone(), base, len, chunk)? },
                 };
                 Ok((id, Arc::new(r)))
@@ -213,8 +179,8 @@ impl WorkerBridge {
             side,
             rank: cfg.facts.rank as usize,
             opaque_blocks,
-            corrupt,
-            hold: std::env::var_os(HOLD_SWITCH).map(|f| (f.into(), Vec::new())),
+            #[cfg(feature = "test-switches")]
+            switches,
         })
     }
 
@@ -230,38 +196,10 @@ impl WorkerBridge {
     /// Carries out this rank's part of a step (vLLM `start_load_kv`).
     pub fn apply(&mut self, meta: &StepMeta) {
         if let Some(step) = meta.steps.get(self.rank) {
-            if let Some((file, faulty)) = &self.corrupt {
-                faulty.set_corrupt_read_pct(if file.exists() { 100 } else { 0 });
-            }
-            let mut step = step.clone();
-            if let Some((file, held)) = self.hold.as_mut() {
-                use handoff_connector::WorkerOp;
-                let (posts, rest): (Vec<_>, Vec<_>) = step
-                    .ops
-                    .into_iter()
-                    .partition(|op| matches!(op, WorkerOp::Post(_)));
-                held.extend(posts);
-                step.ops = Vec::with_capacity(rest.len());
-                for op in rest {
-                    // A held job the scheduler side aborts ends (failed) without moving a byte:
-                    // posted with nothing to move, then aborted.
-                    if let WorkerOp::Abort { job } = &op {
-                        if let Some(i) = held
-                            .iter()
-                            .position(|h| matches!(h, WorkerOp::Post(t) if t.job == *job))
-                        {
-                            if let WorkerOp::Post(mut t) = held.remove(i) {
-                                t.parts.clear();
-                                step.ops.push(WorkerOp::Post(t));
-                            }
-                        }
-                    }
-                    step.ops.push(op);
-                }
-                if !file.exists() {
-                    step.ops.append(held);
-                }
-            }
+            #[cfg(feature = "test-switches")]
+            let step = self.switches.filter(step.clone());
+            #[cfg(not(feature = "test-switches"))]
+            let step = step.clone();
             if meta.forward.is_empty() {
                 self.side.apply(step);
             } else {
@@ -307,6 +245,8 @@ impl WorkerBridge {
     fn fence(&self, stream: Option<u64>) -> Result<Option<Fence>, DeviceError> {
         match (&self.device, stream) {
             (Some(d), Some(s)) => Fence::record(d.clone(), s).map(Some),
+            #[cfg(feature = "test-switches")]
+            (Some(_), None) if self.switches.host_kernels => Ok(None),
             (Some(d), None) => Err(DeviceError::Call {
                 device: match d.memory() {
                     MemoryKind::Cuda { device } => device,

@@ -4,7 +4,6 @@
 //! thread: the context vLLM's PyTorch uses, so the KV tensors' addresses are valid in it.
 
 #![allow(unsafe_code)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Arc, OnceLock};

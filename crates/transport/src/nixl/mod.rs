@@ -66,7 +66,6 @@
 //! do not share them (the C API table, the agent wrapper, CUDA) are submodules.
 
 #![allow(unsafe_code)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod agent;
 // GPU memory for the raw baseline only.

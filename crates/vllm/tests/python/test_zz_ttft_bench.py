@@ -64,8 +64,9 @@ there), and the cores other processes used while each path was measured
 (``ttft_bench_other_load_cores``: this machine is shared; a busy neighbour shows up there). Every
 sample goes to ``bench-ttft-samples.json`` beside the server logs.
 
-Knobs: HANDOFF_BENCH_REQUESTS (measured requests per length and path, default 5),
-HANDOFF_BENCH_WARMUP (default 2), HANDOFF_BENCH_MAX_TOKENS (D's output tokens, default 4).
+Knobs: HANDOFF_BENCH_REQUESTS (measured requests per length and path, default 3; at 5 the
+bench took 22 of a CI run's 71 minutes),
+HANDOFF_BENCH_WARMUP (default 1), HANDOFF_BENCH_MAX_TOKENS (D's output tokens, default 4).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ from conftest import (LOGS, P_MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, STARTUP_S,
                       connector, free_port)
 
 LENGTHS = [256, 512, 1024, 2048]
-N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "5"))
-WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "2"))
+N = int(os.environ.get("HANDOFF_BENCH_REQUESTS", "3"))
+WARMUP = int(os.environ.get("HANDOFF_BENCH_WARMUP", "1"))
 MAX_TOKENS = int(os.environ.get("HANDOFF_BENCH_MAX_TOKENS", "4"))
 TIMEOUT_S = 120
 PATHS = ["handoff", "push", "nixl", "single", "single_push"]
