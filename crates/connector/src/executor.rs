@@ -25,8 +25,8 @@ use prometheus_client::registry::Registry;
 
 use crate::metrics::{DirLabels, HeldLabels, Metrics, ReasonLabels};
 use crate::side_channel::{self, ConnWriter, SendError, SideChannel, SideConfig, SideEvent, Sink};
-use crate::step::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::worker::{self, RankMemory, WorkerSide};
+use crate::worker_protocol::{WorkerHello, WorkerOp, WorkerReport, WorkerStep};
 use crate::{ConnectorConfig, ConnectorError, ConnectorEvent, Role};
 
 mod hooks;

@@ -29,7 +29,7 @@ use handoff_proto::HandoffId;
 use handoff_transport::device::{Device, DeviceError};
 use parking_lot::Mutex;
 
-use crate::step::{JobId, PushLayer, TransferJob, WorkerOp};
+use crate::worker_protocol::{JobId, PushLayer, TransferJob, WorkerOp};
 
 /// What leaves the gate.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 //! - [`WorkerSide`] (module `worker`): one per rank, owns the rank's registered KV memory and
 //!   transport agent, posts and polls what the scheduler side's [`WorkerStep`]s say and answers
 //!   with [`WorkerReport`]s. The two sides share nothing but those serialisable values
-//!   (module `step`), so workers may run in other processes (module `remote`).
+//!   (module `worker_protocol`), so workers may run in other processes (module `remote`).
 //! - [`Connector`] (module `executor`): the thin I/O shell of the scheduler side, and the handle
 //!   the engine's scheduler calls: one thread owns the core, reads the clock for it, and carries
 //!   out its batches (side-channel sends through bounded per-connection queues, connects, worker
@@ -35,15 +35,15 @@ use handoff_proto::TransferMode;
 pub use executor::{Connector, ReportSink, WorkerLink};
 pub use forward_gate::Fence;
 pub use handoff_core::{
-    step, Answer, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig, CoreError,
+    worker_protocol, Answer, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig, CoreError,
     CoreMemory, Input, LedgerCounters, Observation, Ready, Role,
 };
 pub use handoff_transport::auth::ClusterKey;
 pub use metrics::Metrics;
-pub use step::{
+pub use worker::{RankMemory, WorkerSide};
+pub use worker_protocol::{
     JobId, PushLayer, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport, WorkerStep,
 };
-pub use worker::{RankMemory, WorkerSide};
 
 #[derive(Debug, Clone)]
 pub struct ConnectorConfig {

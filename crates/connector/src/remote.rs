@@ -1,5 +1,5 @@
 //! Worker sides in another process than the scheduler side (vLLM runs one worker process per
-//! rank beside its EngineCore). The two ends speak the step metadata of [`crate::step`] over one
+//! rank beside its EngineCore). The two ends speak the step metadata of [`crate::worker_protocol`] over one
 //! TCP connection, framed as `[u32 length][postcard]`:
 //!
 //! - the worker process dials the scheduler side and says [`FromWorker::Hello`] (every rank it
@@ -18,8 +18,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::executor::{ReportSink, WorkerLink};
-use crate::step::{WorkerHello, WorkerReport, WorkerStep};
 use crate::worker::{self, WorkerSide};
+use crate::worker_protocol::{WorkerHello, WorkerReport, WorkerStep};
 
 /// Largest frame either end accepts.
 const MAX_FRAME: usize = 64 << 20;

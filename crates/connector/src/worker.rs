@@ -19,7 +19,9 @@ use handoff_transport::{
 
 use crate::digest::{rank_digest, DigestOf};
 use crate::forward_gate::{Fence, ForwardGate, Released};
-use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep};
+use crate::worker_protocol::{
+    Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport, WorkerStep,
+};
 use crate::ConnectorError;
 use handoff_proto::{HandoffId, Message};
 
@@ -599,7 +601,7 @@ mod tests {
 
     /// A job reading P's first 64 bytes.
     fn read_job(job: JobId) -> WorkerOp {
-        use crate::step::{TransferJob, TransferPart};
+        use crate::worker_protocol::{TransferJob, TransferPart};
         use handoff_transport::XferDesc;
         WorkerOp::Post(TransferJob {
             job,
@@ -705,7 +707,7 @@ mod tests {
     /// D's device memory holds the kernel's bytes; saved without it (the mechanism removed), it
     /// leaves at once and D gets what was there before the kernel: zeros.
     fn push_from_device_memory(fenced: bool) -> Vec<u8> {
-        use crate::step::{PushLayer, TransferJob, TransferPart};
+        use crate::worker_protocol::{PushLayer, TransferJob, TransferPart};
         use handoff_transport::device::fake::FakeDevice;
         use handoff_transport::XferDesc;
         let l = layout();

@@ -11,8 +11,8 @@ use handoff_ledger::Time;
 use handoff_proto::{HandoffId, KvTransferParams, Message, ReleaseReason};
 use serde::{Deserialize, Serialize};
 
-use crate::connector::{ConnId, ConnectorCore};
-use crate::step::WorkerReport;
+use crate::machine::{ConnId, ConnectorCore};
+use crate::worker_protocol::WorkerReport;
 use crate::CoreError;
 
 /// One input to a [`ConnectorCore`]. The variants' docs say when an engine gives them; the

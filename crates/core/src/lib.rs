@@ -15,19 +15,19 @@
 
 #![forbid(unsafe_code)]
 
-mod connector;
 pub mod digest;
 mod error;
 mod input;
-pub mod step;
+mod machine;
 pub mod trace;
+pub mod worker_protocol;
 
-pub use connector::{
-    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
-};
 pub use error::CoreError;
 pub use input::{Answer, Input};
-pub use step::{
+pub use machine::{
+    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
+};
+pub use worker_protocol::{
     Digested, JobId, PushLayer, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport,
     WorkerStep,
 };

@@ -180,7 +180,12 @@ async fn contiguous_blocks_cost_a_constant_number_of_descriptors() {
     }
 }
 
-async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig, expect: &str) {
+/// One request between an incompatible P and D (policy `recompute`): D answers from a local
+/// prefill, both count the refused handshake, and P gives the prompt's blocks back at once —
+/// the refused D sends its release on the refused connection — instead of holding them until
+/// its lease ends (10 s); P counts that end as `rejected` and D the request as `incompatible`,
+/// not as a dead peer.
+async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig) {
     let c = reqwest::Client::new();
     let p = start(p_cfg).await.unwrap();
     let d = start(d_cfg).await.unwrap();
@@ -191,15 +196,30 @@ async fn refused(p_cfg: EngineConfig, d_cfg: EngineConfig, expect: &str) {
     let m = metrics_text(&c, &d).await;
     assert!(metric(&m, "handoff_handshakes_refused_total") >= 1.0, "{m}");
     assert_eq!(metric(&m, "handoff_transfer_bytes_total"), 0.0);
+    assert!(
+        common::metric_with(&m, "handoff_requests_failed_total", "incompatible") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        common::metric_with(&m, "handoff_requests_failed_total", "peer_dead"),
+        0.0,
+        "{m}"
+    );
     // P refused too, and counted it.
     let pm = metrics_text(&c, &p).await;
     assert!(
         metric(&pm, "handoff_handshakes_refused_total") >= 1.0,
         "{pm}"
     );
+    // Well under P's initial lease (10 s): the release came with the refusal.
+    released_within(&p, Duration::from_secs(1)).await;
+    let pm = metrics_text(&c, &p).await;
+    assert!(
+        common::metric_with(&pm, "handoff_handoffs_ended_total", "rejected") >= 1.0,
+        "{pm}"
+    );
     p.stop().await;
     d.stop().await;
-    let _ = expect;
 }
 
 /// The refusal can reach D while the request still waits in D's queue (here: a local request
@@ -291,7 +311,7 @@ async fn incompatible_pairs_are_refused_with_a_reason() {
         ),
     ];
     for (p_cfg, d_cfg, expect) in cases {
-        refused(p_cfg.clone(), d_cfg.clone(), expect).await;
+        refused(p_cfg.clone(), d_cfg.clone()).await;
         // With policy `fail`, the client sees why.
         let p = start(p_cfg).await.unwrap();
         let d = start(EngineConfig {

@@ -552,6 +552,39 @@ impl ConsumerLedger {
         }
     }
 
+    /// The handshake with P engine `peer` was refused (by P or by us): the two cannot exchange
+    /// KV. The handoffs that waited for it fail `incompatible` and end here, and the releases
+    /// P must hear are returned, to go on the refused connection before it closes (P would
+    /// otherwise hold their blocks until its lease ends). What else used `peer` ends as for a
+    /// dead one.
+    pub fn handle_peer_refused(&mut self, peer: PeerId, now: Time) -> Vec<Release> {
+        self.last_now = self.last_now.max(now);
+        let ids: Vec<HandoffId> = self
+            .by_peer
+            .get(&peer)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        let mut releases = Vec::new();
+        for id in ids {
+            let Some(h) = self.handoffs.get(&id) else {
+                continue;
+            };
+            if matches!(h.state, State::Waiting | State::Admitted) {
+                releases.push(Release {
+                    handoff: id,
+                    epoch: h.info.epoch,
+                    reason: ReleaseReason::Rejected,
+                });
+                self.stats.releases_sent += 1;
+                self.fail_requests(id, FailReason::Incompatible);
+                self.release_local(id, EndReason::Rejected, now);
+                self.end_handoff(id, now);
+            }
+        }
+        self.handle_peer_dead(peer, now);
+        releases
+    }
+
     /// The transport reports P engine `peer` dead.
     pub fn handle_peer_dead(&mut self, peer: PeerId, now: Time) {
         self.last_now = self.last_now.max(now);

@@ -176,13 +176,13 @@
 
 #![forbid(unsafe_code)]
 
+mod both_legs;
 mod error;
 mod health;
 mod info;
 mod metrics;
 mod pool;
 mod prefill_leg;
-mod push;
 mod relay;
 mod routes;
 mod upstream;

@@ -1,4 +1,4 @@
-//! HTTP endpoints and the pull flow (the push flow is in `push.rs`).
+//! HTTP endpoints and the pull flow (push and layer-wise pull, both legs at once, are in `both_legs.rs`).
 
 use std::sync::Arc;
 
@@ -23,7 +23,7 @@ use crate::upstream::{
     pick_decode_for, pick_prefill, prefill_leg, prefill_leg_body, read_body, read_capped,
     send_decode, BodyError, ReleaseGuard, X_REQUEST_ID,
 };
-use crate::{push, Shared, TransferMode};
+use crate::{both_legs, Shared, TransferMode};
 
 /// The public listener's routes. Body limits and timeouts are the listener's
 /// ([`handoff_http::serve`]).
@@ -95,7 +95,7 @@ async fn handle(s: Arc<Shared>, path: &'static str, headers: HeaderMap, body: By
         // Each mode is its own flow.
         Ok(client) => match s.cfg.mode {
             TransferMode::Pull => pull(&s, path, &rid, &headers, client, received).await,
-            TransferMode::Push => push::push(&s, path, &rid, &headers, client, received).await,
+            TransferMode::Push => both_legs::push(&s, path, &rid, &headers, client, received).await,
         },
     };
     let mut resp = match result {
@@ -181,14 +181,14 @@ async fn pull(
                 .handoff_info()
                 .is_some_and(|i| i.takes_layerwise_pull());
             if d_takes {
-                let legs = push::BothLegs {
+                let legs = both_legs::BothLegs {
                     path,
                     rid,
                     headers,
                     received,
                     flow: handoff_proto::Flow::LayerwisePull,
                 };
-                return push::both_legs(s, legs, client, (p_guard, info), d_guard).await;
+                return both_legs::both_legs(s, legs, client, (p_guard, info), d_guard).await;
             }
             // Picked again once P answered, as for any classic pull: holding this one through the
             // prefill would count it busy meanwhile and miss it going down.

@@ -1,7 +1,7 @@
 //! Calls to the engines, in one place: which P and D a request goes to, the P leg, D's leg,
 //! the bodies and headers each gets, reading their answers within bounds, and the release that
 //! tells P to give back blocks no D took. The pull flow (`routes.rs`) and the push flow
-//! (`push.rs`) are built from these; neither calls the other.
+//! (`both_legs.rs`) are built from these; neither calls the other.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -3,8 +3,9 @@
 //!
 //! - [`tcp`]: pure Rust, the embedded default; across processes and hosts.
 //! - [`nixl`]: NIXL's C API (`libnixl_capi.so` from the `nixl-cu12` wheel), loaded at run time so
-//!   handoff builds and runs where NIXL is absent. With `foreign` (regions over an engine's own
-//!   KV tensors, [`KvRegion::from_foreign`]), the only places with `unsafe` in handoff.
+//!   handoff builds and runs where NIXL is absent. With `backing` (the memory under a region:
+//!   handoff's own or an engine's KV tensors, [`KvRegion::from_foreign`]) and [`device`]'s CUDA
+//!   driver calls, the only places with `unsafe` in handoff.
 //! - [`mem`]: in-process and deterministic, for connector tests.
 //! - [`faulty`]: wraps any backend and, from a seed, drops, duplicates, delays or reorders
 //!   notifications, fails transfers and kills peers, so an end-to-end test can replay a fault.
@@ -17,12 +18,12 @@
 #![deny(unsafe_code)]
 
 pub mod auth;
+mod backing;
 /// The conformance suite's shared pieces (feature `testing`; not API).
 #[cfg(any(test, feature = "testing"))]
 pub mod conformance;
 pub mod device;
 pub mod faulty;
-mod foreign;
 pub mod grants;
 pub mod mem;
 pub mod nixl;

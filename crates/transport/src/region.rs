@@ -6,7 +6,7 @@
 //! backend reads from the socket straight into a locked chunk (no staging copy).
 //!
 //! Others write a region's memory behind Rust's back (DMA, a peer's transfer, the engine's
-//! kernels), so a region holds it as raw pointers (`crate::foreign::Chunk`) and makes a slice
+//! kernels), so a region holds it as raw pointers (`crate::backing::Chunk`) and makes a slice
 //! over a chunk only while it holds that chunk's lock. Its own allocation is freed once the
 //! region and every transfer holding one of its chunks are gone. A region may also cover memory
 //! the engine allocated ([`KvRegion::from_foreign`], vLLM's KV tensors). The `unsafe` of both
@@ -18,8 +18,8 @@ use std::sync::Arc;
 use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
 use parking_lot::{RawRwLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::backing::{Backing, Chunk};
 use crate::device::{Device, MemoryKind};
-use crate::foreign::{Backing, Chunk};
 use crate::TransportError;
 
 /// A chunk's write lock held by a transfer in flight (derefs to the chunk's bytes).

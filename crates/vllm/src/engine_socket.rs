@@ -1,5 +1,5 @@
 //! EngineCore's local socket: what vLLM's API server process asks the connector, which lives in
-//! another process (EngineCore). Two questions, each from a middleware of `handoff_vllm`:
+//! another process (EngineCore). Three questions, each from a middleware of `handoff_vllm`:
 //!
 //! - **`refuse`** (D, `handoff_vllm.RefusalRelease`): vLLM's API server checks a prompt against
 //!   `max_model_len` (and the sampling parameters) itself and answers 400 without telling
@@ -9,10 +9,13 @@
 //!   engine reads that handoff for another request).
 //! - **`info`** (P, `handoff_vllm.HandoffInfo`): what a push proxy needs to send D a push
 //!   request for this P (`GET /v1/handoff/info`: engine id, side channel, tp, block size, mode).
+//! - **`metrics`** (P and D, `handoff_vllm.HandoffOps`): the connector's Prometheus metrics in
+//!   the text format, appended to vLLM's own `/metrics` page: the API server serves that page,
+//!   the connector's registry lives in EngineCore.
 //!
 //! A Unix socket only this user can open; one request per connection: a verb line, then (for
 //! `refuse`) the params as JSON, at most [`MAX_REQUEST`] bytes in all. Answered with `ok`,
-//! `error: ...` or (for `info`) the JSON. Bounded: one connection at a time, a read timeout, a
+//! `error: ...`, the JSON (`info`) or the metrics' text (`metrics`). Bounded: one connection at a time, a read timeout, a
 //! size cap.
 
 use std::io::{Read, Write};
@@ -25,12 +28,14 @@ use std::time::{Duration, Instant};
 
 use handoff_connector::Connector;
 use handoff_proto::KvTransferParams;
+use prometheus_client::registry::Registry;
 
 /// Largest request accepted (the params of one request).
 pub const MAX_REQUEST: usize = 64 * 1024;
 const TIMEOUT: Duration = Duration::from_secs(1);
-/// Largest answer read back (the info JSON is a few hundred bytes).
-const MAX_ANSWER: u64 = 16 * 1024;
+/// Largest answer read back: the info JSON is a few hundred bytes, the metrics' text a few tens
+/// of KiB (histograms per label set).
+const MAX_ANSWER: u64 = 4 << 20;
 
 /// What the API server asks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +44,8 @@ pub enum Verb {
     Refuse,
     /// This engine's handoff info.
     Info,
+    /// The connector's metrics, in Prometheus' text format.
+    Metrics,
 }
 
 impl Verb {
@@ -46,6 +53,7 @@ impl Verb {
         match self {
             Verb::Refuse => "refuse",
             Verb::Info => "info",
+            Verb::Metrics => "metrics",
         }
     }
 }
@@ -80,7 +88,12 @@ pub struct EngineSocket {
 }
 
 impl EngineSocket {
-    pub fn start(path: &Path, connector: Arc<Connector>) -> std::io::Result<Self> {
+    /// Serves `connector`'s questions, and `registry` (the connector's metrics) for `metrics`.
+    pub fn start(
+        path: &Path,
+        connector: Arc<Connector>,
+        registry: Arc<Registry>,
+    ) -> std::io::Result<Self> {
         // A socket left by an engine that died is stale: nobody else uses this engine's name.
         let _ = std::fs::remove_file(path);
         let listener = UnixListener::bind(path)?;
@@ -95,7 +108,7 @@ impl EngineSocket {
                         break;
                     }
                     if let Ok(conn) = conn {
-                        serve(conn, &connector);
+                        serve(conn, &connector, &registry);
                     }
                 }
             })?;
@@ -125,20 +138,27 @@ fn parse(request: &[u8]) -> Result<(Verb, &[u8]), String> {
         b"refuse" => Ok((Verb::Refuse, rest)),
         b"info" if rest.is_empty() => Ok((Verb::Info, rest)),
         b"info" => Err("info takes no body".into()),
+        b"metrics" if rest.is_empty() => Ok((Verb::Metrics, rest)),
+        b"metrics" => Err("metrics takes no body".into()),
         other => Err(format!(
-            "unknown request {:?} (refuse or info)",
+            "unknown request {:?} (refuse, info or metrics)",
             String::from_utf8_lossy(&other[..other.len().min(32)])
         )),
     }
 }
 
-fn answer(request: &[u8], connector: &Connector) -> String {
+fn answer(request: &[u8], connector: &Connector, registry: &Registry) -> String {
     let (verb, body) = match parse(request) {
         Ok(v) => v,
         Err(e) => return format!("error: {e}"),
     };
     match verb {
         Verb::Info => connector.info().to_string(),
+        Verb::Metrics => {
+            // The held-blocks gauges as the ledgers stand now, not as of the last refresh.
+            connector.refresh_metrics();
+            metrics_text(registry).unwrap_or_else(|e| format!("error: {e}"))
+        }
         Verb::Refuse => match serde_json::from_slice::<KvTransferParams>(body) {
             Err(e) => format!("error: kv_transfer_params: {e}"),
             Ok(params) => match connector.reject(&params) {
@@ -178,11 +198,22 @@ fn read_request(conn: &mut UnixStream) -> Result<Vec<u8>, String> {
     }
 }
 
-fn serve(mut conn: UnixStream, connector: &Connector) {
+/// `registry` in Prometheus' text format, to follow vLLM's own metrics on one page: without the
+/// OpenMetrics `# EOF` line, which would end the page for a parser that reads it as OpenMetrics.
+pub fn metrics_text(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry)?;
+    if let Some(kept) = text.strip_suffix("# EOF\n").map(str::len) {
+        text.truncate(kept);
+    }
+    Ok(text)
+}
+
+fn serve(mut conn: UnixStream, connector: &Connector, registry: &Registry) {
     let _ = conn.set_write_timeout(Some(TIMEOUT));
     let answer = match read_request(&mut conn) {
         Err(e) => format!("error: {e}"),
-        Ok(body) => answer(&body, connector),
+        Ok(body) => answer(&body, connector, registry),
     };
     if answer.starts_with("error: ") {
         tracing::warn!(%answer, "engine socket request refused");
@@ -243,9 +274,29 @@ mod tests {
         assert_eq!(parse(b"info"), Ok((Verb::Info, &b""[..])));
         assert_eq!(parse(b"refuse\n{}"), Ok((Verb::Refuse, &b"{}"[..])));
         assert!(parse(b"info\n{}").is_err());
+        assert_eq!(parse(b"metrics"), Ok((Verb::Metrics, &b""[..])));
+        assert!(parse(b"metrics\n{}").is_err());
         // The old protocol (params alone) and anything else are refused by name.
         let e = parse(br#"{"handoff_id": "x"}"#).unwrap_err();
         assert!(e.contains("unknown request"), "{e}");
         assert!(parse(b"").is_err());
+    }
+
+    /// The metrics' text is Prometheus' text format that can follow vLLM's own page: the
+    /// registry's families, no `# EOF`.
+    #[test]
+    fn metrics_text_follows_another_page() {
+        use prometheus_client::metrics::counter::Counter;
+        let mut registry = Registry::default();
+        let c = Counter::<u64>::default();
+        c.inc_by(3);
+        registry
+            .sub_registry_with_prefix("handoff")
+            .register("reclaims", "Blocks given back", c);
+        let text = metrics_text(&registry).unwrap();
+        assert!(text.contains("# TYPE handoff_reclaims counter"), "{text}");
+        assert!(text.contains("handoff_reclaims_total 3"), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(text.ends_with('\n'), "{text}");
     }
 }

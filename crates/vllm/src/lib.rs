@@ -24,6 +24,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod address;
 pub mod engine_socket;
 pub mod grant_line;
 pub mod kv_tensors;

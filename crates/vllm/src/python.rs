@@ -251,6 +251,13 @@ fn engine_info(py: Python<'_>, engine_id: &str) -> PyResult<String> {
     ask(py, engine_id, Verb::Info, b"")
 }
 
+/// P's and D's API server: engine `engine_id`'s connector metrics in Prometheus' text format (to
+/// append to vLLM's `/metrics`), or `error: ...`. Releases the GIL while it waits.
+#[pyfunction]
+fn engine_metrics(py: Python<'_>, engine_id: &str) -> PyResult<String> {
+    ask(py, engine_id, Verb::Metrics, b"")
+}
+
 fn ask(py: Python<'_>, engine_id: &str, verb: Verb, body: &[u8]) -> PyResult<String> {
     py.detach(|| crate::engine_socket::ask(engine_id, verb, body))
         .map_err(|e| err(format!("engine socket of {engine_id}: {e}")))
@@ -271,5 +278,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorker>()?;
     m.add_function(wrap_pyfunction!(tell_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(engine_info, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_metrics, m)?)?;
     Ok(())
 }

@@ -8,7 +8,6 @@
 //! two hold one entry per request in flight and lose it when the request's outcome is known.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 
@@ -20,6 +19,7 @@ use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
+use crate::address;
 use crate::engine_socket::{socket_path, EngineSocket};
 use crate::grant_line::{GrantLine, Renewal};
 
@@ -156,6 +156,8 @@ pub enum SchedulerError {
     Report(postcard::Error),
     #[error(transparent)]
     Key(#[from] handoff_transport::auth::AuthError),
+    #[error(transparent)]
+    Address(#[from] address::AddressError),
 }
 
 /// A worker's steps, queued until the next `build_connector_meta`; renewed push grants go to
@@ -250,10 +252,16 @@ impl SchedulerSide {
             "push" => TransferMode::Push,
             other => return Err(SchedulerError::Config(format!("mode {other:?}"))),
         };
-        let ip: IpAddr = cfg
-            .side_channel_host
-            .parse()
-            .map_err(|e| SchedulerError::Config(format!("side_channel_host: {e}")))?;
+        let side_channel_bind = address::resolve_bind(
+            "side_channel_host",
+            &cfg.side_channel_host,
+            cfg.side_channel_port,
+        )?;
+        let advertise_host = address::advertised(
+            "side_channel_host",
+            &side_channel_bind,
+            cfg.advertise_host.as_deref(),
+        )?;
         let mut producer = ProducerConfig {
             tp: hellos.len() as u16,
             ..Default::default()
@@ -330,11 +338,8 @@ impl SchedulerSide {
                 mode,
                 model: cfg.model.clone(),
                 dtype: cfg.dtype.clone(),
-                side_channel_bind: SocketAddr::new(ip, cfg.side_channel_port),
-                advertise_host: cfg
-                    .advertise_host
-                    .clone()
-                    .unwrap_or_else(|| cfg.side_channel_host.clone()),
+                side_channel_bind,
+                advertise_host,
                 producer,
                 consumer,
                 opaque_blocks: cfg.opaque_blocks,
@@ -371,7 +376,9 @@ impl SchedulerSide {
                     .collect())
             },
         )?;
-        let engine_socket = EngineSocket::start(&socket_path(&cfg.engine_id), connector.clone())
+        // Kept for the engine socket's `metrics`: vLLM's API server appends them to its /metrics.
+        let registry = Arc::new(registry);
+        let engine_socket = EngineSocket::start(&socket_path(&cfg.engine_id), connector.clone(), registry)
             .map_err(|e| tracing::warn!(error = %e, "no engine socket: P keeps a refused request's blocks until its lease ends, and GET /v1/handoff/info is not answered"))
             .ok();
         Ok(SchedulerSide {

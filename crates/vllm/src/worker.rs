@@ -2,7 +2,6 @@
 //! transport agent, and the steps the scheduler side sent (in [`StepMeta`]) carried out. It holds
 //! no ledger and decides nothing.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,6 +11,7 @@ use handoff_transport::device::{Device, DeviceError, MemoryKind};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion, TransportError};
 use serde::Deserialize;
 
+use crate::address;
 use crate::grant_line::{self, GrantLineReceiver};
 use crate::kv_tensors::{self, KvTensorInfo, KvTensors, ModelFacts};
 use crate::scheduler::StepMeta;
@@ -25,7 +25,8 @@ pub struct WorkerConfig {
     /// `tcp` (default) or `nixl`.
     #[serde(default = "default_transport")]
     pub transport: String,
-    /// Where the tcp transport's data listener binds (port 0: any free port).
+    /// Where the tcp transport's data listener binds, `host:port` (an IP or a name; port 0: any
+    /// free port, else rank r listens on port + r).
     #[serde(default = "default_bind")]
     pub data_bind: String,
     /// The host peers dial for data (default: the bind's host).
@@ -62,6 +63,8 @@ pub enum WorkerError {
     Meta(postcard::Error),
     #[error(transparent)]
     Key(#[from] handoff_transport::auth::AuthError),
+    #[error(transparent)]
+    Address(#[from] address::AddressError),
 }
 
 pub struct WorkerBridge {
@@ -125,17 +128,15 @@ impl WorkerBridge {
                 )))
             }
         };
-        let bind: SocketAddr = cfg
-            .data_bind
-            .parse()
-            .map_err(|e| WorkerError::Config(format!("data_bind {:?}: {e}", cfg.data_bind)))?;
+        // Rank r listens on data_bind's port + r (0: any free port), so that a firewall or a
+        // pod spec can list each rank's port.
+        let (host, port) = address::split_host_port("data_bind", &cfg.data_bind)?;
+        let port = address::rank_port("data_bind", port, cfg.facts.rank as u16)?;
+        let bind = address::resolve_bind("data_bind", host, port)?;
         let key = crate::cluster_key(cfg.cluster_key_file.as_deref())?;
         handoff_connector::check_exposure(bind.ip(), key.as_ref(), cfg.insecure)?;
         let at = Endpoint {
-            advertise_host: cfg
-                .advertise_host
-                .clone()
-                .unwrap_or_else(|| bind.ip().to_string()),
+            advertise_host: address::advertised("data_bind", &bind, cfg.advertise_host.as_deref())?,
             bind,
             key,
             // The connector grants each handoff's blocks to its reader or writer.

@@ -133,6 +133,9 @@ pub enum FailReason {
     LateWrite,
     /// The KV that landed does not have the digest P computed over its blocks: never decoded.
     DigestMismatch,
+    /// P and D cannot exchange KV (the handshake was refused: another model, dtype, layout,
+    /// protocol version or mode).
+    Incompatible,
 }
 
 impl FailReason {
@@ -148,6 +151,7 @@ impl FailReason {
             FailReason::WatchdogExpired => "watchdog_expired",
             FailReason::LateWrite => "late_write",
             FailReason::DigestMismatch => "kv_digest_mismatch",
+            FailReason::Incompatible => "incompatible",
         }
     }
 }

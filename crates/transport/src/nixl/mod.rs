@@ -6,9 +6,11 @@
 //!   `HANDOFF_NIXL_LIB`. When NIXL is absent, `open` returns [`TransportError::Unavailable`]
 //!   with a one-line reason.
 //! - Layers: `sys` is the raw function table (hand-written from `nixl-sys` 1.5.2's `wrapper.h`),
-//!   `agent` the safe owner of every C handle, this module the [`Transport`] on top, and [`raw`]
-//!   a bare-C-API baseline for benchmarks. This folder is the only `unsafe` in handoff; every
-//!   `unsafe` block carries a `SAFETY:` comment (enforced by clippy below).
+//!   `library` finds and loads it, `agent` is the safe owner of every C handle, `config` and
+//!   `metadata` hold what needs no NIXL call (the settings, the metadata codec), this module is
+//!   the [`Transport`] on top, and [`raw`] a bare-C-API baseline for benchmarks. Every `unsafe`
+//!   block carries a `SAFETY:` comment (clippy's `undocumented_unsafe_blocks`, denied
+//!   workspace-wide).
 //!
 //! # Behaviour
 //!
@@ -61,17 +63,19 @@
 //!   default) makes each agent's progress thread busy-spin on a core, which halves throughput on
 //!   a 2-core host.
 //!
-//! One file, over 800 lines: every function here crosses into NIXL under the same invariants (the
-//! agent's life, the table of posted requests, the transfers NIXL could not abort); the pieces that
-//! do not share them (the C API table, the agent wrapper, CUDA) are submodules.
+//! One file, over 800 lines: the transport, every function of which calls NIXL under the same
+//! invariants (the agent's life, the table of posted requests, the transfers NIXL could not
+//! abort); the pieces that do not share them are submodules.
 
 #![allow(unsafe_code)]
 
 mod agent;
 // GPU memory for the raw baseline only.
+mod config;
 #[cfg(any(test, feature = "testing"))]
 mod cuda;
-mod find;
+mod library;
+mod metadata;
 /// The bare-C-API baseline the benchmarks compare with (feature `testing`; not API).
 #[cfg(any(test, feature = "testing"))]
 pub mod raw;
@@ -79,13 +83,11 @@ mod sys;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
 
 use crate::{
     check_bounds, KvRegion, Notification, OwnedReadGuard, OwnedWriteGuard, RegionId, Transport,
@@ -93,262 +95,20 @@ use crate::{
 };
 use agent::{Agent, AgentSettings, CallError, PreppedList, Registration, XferReq};
 
-pub use find::{LIB_NAME, VENV_DIR};
+pub use config::{
+    parse_backend_params, NixlConfig, Spread, MIN_SPREAD_PIECE, MIN_SPREAD_TOTAL,
+    UCX_DEFAULT_PARAMS,
+};
+use library::{load_api, unavailable};
+pub use library::{locate, LIB_NAME, VENV_DIR};
+pub use metadata::MAX_METADATA_BYTES;
+use metadata::{decode_md, encode_md, MdBody, MAX_NAME_BYTES};
 
 const BACKEND: &str = "nixl";
 
 /// The notification `check_peer` sends to learn whether a peer's connection is still up;
 /// receivers drop it.
 const PROBE: &[u8] = b"\0handoff/nixl/probe\0";
-
-/// How to load and configure NIXL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NixlConfig {
-    /// `libnixl_capi.so`; `None` searches for it (see [`locate`]).
-    pub lib_path: Option<PathBuf>,
-    /// Sleep of each agent's progress thread between polls, in µs (NIXL's `pthr_delay_us`).
-    pub progress_delay_us: u64,
-    /// NIXL backend plugin, `"UCX"` by default.
-    pub backend: String,
-    /// Backend parameters passed to `create_backend` (`key`, `value`); by default
-    /// [`UCX_DEFAULT_PARAMS`].
-    pub backend_params: Vec<(String, String)>,
-}
-
-/// The UCX backend's parameters unless configured otherwise: two worker threads, and a
-/// transfer of 128 descriptors or more (two parts of at least 64) split between them; a
-/// transfer of fewer, large descriptors is cut to that count first ([`Spread`]).
-///
-/// Why: between processes of one host UCX copies with CMA (`process_vm_readv`) on the thread
-/// that posts, so one transfer moves at one core's copy speed, about half of a memcpy
-/// (NIXL's C API header, `nixl_capi.h`). NIXL's UCX thread pool (`num_threads`) posts the halves of a
-/// transfer from its own threads at once: on 2 cores a 256 MiB transfer of 64 KiB blocks went
-/// from about 4 to about 6.5 GB/s, and 1 MiB blocks from about 5 to about 7.8 GB/s. NIXL's own
-/// split threshold (`split_batch_size`, 1024 descriptors) would leave a typical handoff (tens to
-/// hundreds of descriptors) on one thread. Idle pool threads block; they do not spin.
-pub const UCX_DEFAULT_PARAMS: [(&str, &str); 2] =
-    [("num_threads", "2"), ("split_batch_size", "64")];
-
-/// A descriptor as NIXL takes it: address and length.
-type AddrLen = (usize, usize);
-
-/// Smallest piece a descriptor is cut into to spread a post over the thread pool: below this the
-/// cost per descriptor (and per thread hand-off) eats what the second core brings.
-pub const MIN_SPREAD_PIECE: usize = 64 << 10;
-
-/// Smallest post spread over the thread pool. A post the pool runs completes after the caller's
-/// next status check, a poll tick later (the connector polls every millisecond), while one that
-/// runs on the caller's worker is done when `post_xfer_req` returns. A few MiB copy in well under
-/// that tick: a layer-wise pull's stages (one layer of a contiguous run, 8 MiB in `bench
-/// transfer`'s model) moved at 0.18× bare NIXL spread, against ~1× inline.
-pub const MIN_SPREAD_TOTAL: usize = 32 << 20;
-
-/// How a post reaches every thread of the UCX backend's thread pool.
-///
-/// NIXL's UCX backend (1.5) runs a list of `n` descriptors on the caller's worker when
-/// `n < split_batch_size`; otherwise it cuts it into parts of `max(n / num_threads,
-/// split_batch_size)` descriptors, one per pool thread. A handoff between pools of equal shape
-/// is often a few descriptors of many MiB (contiguous blocks coalesce), which would leave all
-/// but one core idle: such a post is cut into `threads × batch` pieces first. Measured on
-/// 2 cores, one 256 MiB descriptor went from about 5 to about 7 GB/s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Spread {
-    /// `num_threads` (at least 2, else there is nothing to spread over).
-    pub threads: usize,
-    /// `split_batch_size` (NIXL's default 1024 when not set).
-    pub batch: usize,
-}
-
-impl Spread {
-    /// The spread of the UCX backend configured by `cfg`, if it runs two pool threads or more.
-    pub fn of(cfg: &NixlConfig) -> Option<Spread> {
-        if cfg.backend != "UCX" {
-            return None;
-        }
-        let param = |key: &str, default: usize| {
-            cfg.backend_params
-                .iter()
-                .find(|(k, _)| k == key)
-                .map_or(Some(default), |(_, v)| v.trim().parse().ok())
-        };
-        let threads = param("num_threads", 0)?;
-        let batch = param("split_batch_size", 1024)?.max(1);
-        (threads >= 2).then_some(Spread { threads, batch })
-    }
-
-    /// Descriptors a list needs for every pool thread to get a part.
-    pub fn wanted(&self) -> usize {
-        self.threads.saturating_mul(self.batch)
-    }
-
-    /// `local` and `remote` (address, length) pairs cut into at least [`Spread::wanted`] pieces
-    /// of equal length (the last of each descriptor shorter), or `None` when the list is long
-    /// enough already, the post is under [`MIN_SPREAD_TOTAL`] or pieces would be shorter than
-    /// [`MIN_SPREAD_PIECE`]. Pieces keep their
-    /// order and cover exactly the same bytes.
-    pub fn cut(
-        &self,
-        local: &[AddrLen],
-        remote: &[AddrLen],
-    ) -> Option<(Vec<AddrLen>, Vec<AddrLen>)> {
-        let wanted = self.wanted();
-        if local.len() >= wanted {
-            return None;
-        }
-        let total: usize = local.iter().map(|&(_, len)| len).sum();
-        if total < MIN_SPREAD_TOTAL {
-            return None;
-        }
-        // Whole pages, so pieces of page-aligned descriptors stay page-aligned.
-        let piece = (total / wanted) & !4095;
-        if piece < MIN_SPREAD_PIECE {
-            return None;
-        }
-        let n = total.div_ceil(piece) + local.len();
-        let (mut l, mut r) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (&(la, len), &(ra, _)) in local.iter().zip(remote) {
-            let mut at = 0;
-            while at < len {
-                let k = piece.min(len - at);
-                l.push((la + at, k));
-                r.push((ra + at, k));
-                at += k;
-            }
-        }
-        Some((l, r))
-    }
-}
-
-impl Default for NixlConfig {
-    fn default() -> Self {
-        NixlConfig {
-            lib_path: None,
-            progress_delay_us: 100,
-            backend: "UCX".to_string(),
-            backend_params: UCX_DEFAULT_PARAMS
-                .iter()
-                .map(|&(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        }
-    }
-}
-
-impl NixlConfig {
-    /// Sets backend parameter `key` to `value`, replacing an earlier value of it.
-    pub fn set_backend_param(&mut self, key: &str, value: &str) {
-        match self.backend_params.iter_mut().find(|(k, _)| k == key) {
-            Some(kv) => kv.1 = value.to_string(),
-            None => self
-                .backend_params
-                .push((key.to_string(), value.to_string())),
-        }
-    }
-}
-
-impl NixlConfig {
-    /// Defaults, overridden by `HANDOFF_NIXL_LIB` (path to `libnixl_capi.so`),
-    /// `HANDOFF_NIXL_PROGRESS_DELAY_US`, `HANDOFF_NIXL_BACKEND` (another backend starts with no
-    /// parameters) and `HANDOFF_NIXL_BACKEND_PARAMS` (`key=value,...`, each replacing the
-    /// default of its key; `num_threads=0` turns UCX's thread pool off). A malformed delay or
-    /// parameter list is ignored with a warning.
-    pub fn from_env() -> Self {
-        let mut cfg = NixlConfig::default();
-        if let Some(p) = std::env::var_os("HANDOFF_NIXL_LIB").filter(|p| !p.is_empty()) {
-            cfg.lib_path = Some(PathBuf::from(p));
-        }
-        if let Ok(v) = std::env::var("HANDOFF_NIXL_PROGRESS_DELAY_US") {
-            match v.trim().parse() {
-                Ok(d) => cfg.progress_delay_us = d,
-                Err(_) => tracing::warn!(
-                    "ignoring HANDOFF_NIXL_PROGRESS_DELAY_US={v:?} (not a number of µs)"
-                ),
-            }
-        }
-        if let Ok(b) = std::env::var("HANDOFF_NIXL_BACKEND") {
-            if !b.trim().is_empty() && b.trim() != cfg.backend {
-                cfg.backend = b.trim().to_string();
-                cfg.backend_params.clear();
-            }
-        }
-        if let Ok(v) = std::env::var("HANDOFF_NIXL_BACKEND_PARAMS") {
-            match parse_backend_params(&v) {
-                Ok(p) => {
-                    for (k, v) in p {
-                        cfg.set_backend_param(&k, &v);
-                    }
-                }
-                Err(e) => tracing::warn!("ignoring HANDOFF_NIXL_BACKEND_PARAMS={v:?}: {e}"),
-            }
-        }
-        cfg
-    }
-}
-
-/// `key=value` pairs separated by commas (`num_threads=2,split_batch_size=512`), as given in
-/// `HANDOFF_NIXL_BACKEND_PARAMS`.
-pub fn parse_backend_params(s: &str) -> Result<Vec<(String, String)>, String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|kv| !kv.is_empty())
-        .map(|kv| match kv.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => {
-                Ok((k.trim().to_string(), v.trim().to_string()))
-            }
-            _ => Err(format!("{kv:?} is not key=value")),
-        })
-        .collect()
-}
-
-/// Where `libnixl_capi.so` is for `cfg`: `cfg.lib_path` if set; else `.venv-nixl/` in the
-/// current directory or one of its ancestors, then in one of the executable's ancestors; else
-/// the `nixl_cu12` package `python3` knows. The error is [`TransportError::Unavailable`] with one
-/// line saying what was looked for and how to install.
-pub fn locate(cfg: &NixlConfig) -> Result<PathBuf, TransportError> {
-    find::locate(cfg.lib_path.as_deref()).map_err(unavailable)
-}
-
-fn unavailable(reason: String) -> TransportError {
-    TransportError::Unavailable {
-        backend: BACKEND,
-        reason: reason.split_whitespace().collect::<Vec<_>>().join(" "),
-    }
-}
-
-/// Loads (once per path, for the life of the process) the function table of `path`.
-///
-/// Libraries are never unloaded: NIXL and UCX keep threads and static destructors that must not
-/// outlive their code.
-fn load_api(path: &Path) -> Result<&'static sys::Api, TransportError> {
-    static LOADED: OnceLock<Mutex<Vec<(PathBuf, &'static sys::Api)>>> = OnceLock::new();
-    let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let mut loaded = LOADED
-        .get_or_init(|| Mutex::new(Vec::new()))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some((_, api)) = loaded.iter().find(|(p, _)| *p == key) {
-        return Ok(api);
-    }
-    if key.file_name().and_then(|n| n.to_str()) != Some(LIB_NAME) {
-        return Err(unavailable(format!(
-            "{} is not {LIB_NAME}; set HANDOFF_NIXL_LIB to NIXL's C API library",
-            key.display()
-        )));
-    }
-    // SAFETY: the file is named libnixl_capi.so and was chosen as NIXL's C API library by the
-    // user or by the search in `find`; every symbol is then resolved by name and checked present.
-    let api = unsafe { sys::Api::load(&key) }
-        .map_err(|e| unavailable(format!("cannot load {}: {e}", key.display())))?;
-    // SAFETY: `is_stub` takes no arguments and only returns a flag.
-    if unsafe { (api.is_stub)() } {
-        return Err(unavailable(format!(
-            "{} is the nixl-sys stub library, not NIXL; run scripts/install-nixl",
-            key.display()
-        )));
-    }
-    let api: &'static sys::Api = Box::leak(Box::new(api));
-    loaded.push((key, api));
-    Ok(api)
-}
 
 /// A handoff transport over one NIXL agent. See the module docs for its behaviour.
 pub struct NixlTransport {
@@ -424,101 +184,6 @@ impl NixlTransport {
         // so the state is still consistent.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-const MAX_NAME_BYTES: usize = 256;
-
-// ---------------------------------------------------------------------------------------------
-// Metadata: magic, version, FNV-1a checksum of the body, then the postcard body.
-
-const MD_MAGIC: &[u8; 8] = b"HNDFNIXL";
-const MD_VERSION: u8 = 2;
-/// Magic, version, checksum.
-const MD_HEADER: usize = 8 + 1 + 8;
-/// Largest metadata accepted (NIXL's own part is about 500 bytes per agent).
-pub const MAX_METADATA_BYTES: usize = 1 << 20;
-const MAX_REGIONS: usize = 1 << 16;
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct MdBody {
-    name: String,
-    /// (region id, base address, length, lock chunk size).
-    regions: Vec<(RegionId, u64, u64, u64)>,
-    nixl: Vec<u8>,
-}
-
-fn encode_md(body: &MdBody) -> Result<Vec<u8>, TransportError> {
-    let enc = postcard::to_allocvec(body).map_err(|e| TransportError::Io(e.to_string()))?;
-    let mut out = Vec::with_capacity(MD_HEADER + enc.len());
-    out.extend_from_slice(MD_MAGIC);
-    out.push(MD_VERSION);
-    out.extend_from_slice(&fnv1a64(&enc).to_le_bytes());
-    out.extend_from_slice(&enc);
-    Ok(out)
-}
-
-/// FNV-1a, 64 bits: catches truncated or corrupted metadata before NIXL parses it (NIXL 1.5
-/// can be left unable to reload a peer after failing on a damaged blob of that peer).
-fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
-    let bad = |s: String| TransportError::BadMetadata(s);
-    if bytes.len() > MAX_METADATA_BYTES {
-        return Err(bad(format!(
-            "{} bytes exceeds the {MAX_METADATA_BYTES}-byte limit",
-            bytes.len()
-        )));
-    }
-    let Some(rest) = bytes.strip_prefix(MD_MAGIC.as_slice()) else {
-        return Err(bad("not nixl metadata (bad magic)".into()));
-    };
-    let Some((&version, rest)) = rest.split_first() else {
-        return Err(bad("truncated".into()));
-    };
-    if version != MD_VERSION {
-        return Err(bad(format!(
-            "nixl metadata version {version}, expected {MD_VERSION}"
-        )));
-    }
-    let Some((sum, rest)) = rest.split_first_chunk::<8>() else {
-        return Err(bad("truncated".into()));
-    };
-    if u64::from_le_bytes(*sum) != fnv1a64(rest) {
-        return Err(bad("checksum mismatch (truncated or corrupted)".into()));
-    }
-    let (body, trailing): (MdBody, _) =
-        postcard::take_from_bytes(rest).map_err(|e| bad(format!("undecodable: {e}")))?;
-    if !trailing.is_empty() {
-        return Err(bad(format!("{} trailing bytes", trailing.len())));
-    }
-    if body.name.is_empty() || body.name.contains('\0') || body.name.len() > MAX_NAME_BYTES {
-        return Err(bad(format!("invalid agent name {:?}", body.name)));
-    }
-    if body.nixl.is_empty() {
-        return Err(bad("no NIXL agent metadata".into()));
-    }
-    if body.regions.len() > MAX_REGIONS {
-        return Err(bad(format!("{} regions", body.regions.len())));
-    }
-    let mut seen = HashSet::new();
-    for &(id, addr, len, chunk) in &body.regions {
-        if chunk == 0 {
-            return Err(bad(format!("region {id} has a chunk size of 0")));
-        }
-        if !seen.insert(id) {
-            return Err(bad(format!("region {id} listed twice")));
-        }
-        if addr.checked_add(len).is_none() || usize::try_from(addr + len).is_err() {
-            return Err(bad(format!(
-                "region {id} wraps the address space ({addr:#x} + {len})"
-            )));
-        }
-    }
-    Ok(body)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,8 +22,12 @@ why: what Kubernetes' readiness probe and a router's health check should read; v
 ``Authorization: Bearer $HANDOFF_ADMIN_TOKEN`` it turns ``/ready`` false, waits
 ``HANDOFF_DRAIN_GRACE_S`` (5) so routers stop sending, then sends this API server SIGTERM,
 which starts vLLM's own drain (it serves the reads of every handoff the connector holds when
-vLLM runs with ``--shutdown-timeout``), and answers; and ``/metrics`` with
-``handoff_compat_info{key="..."} 1`` appended, the compatibility key routers pair P and D by.
+vLLM runs with ``--shutdown-timeout``), and answers; and ``/metrics`` with the connector's own
+metrics appended (``handoff_*``, the families ``ops/`` alerts and draws on: KV blocks held per
+state, reclaims by reason, transfers, leases; and ``handoff_compat_info{key="..."} 1``, the
+compatibility key routers pair P and D by). The connector's registry lives in EngineCore, the
+page is served here: each scrape asks EngineCore for the metrics' text. When the connector does
+not answer, vLLM's page goes out as it is.
 """
 
 from __future__ import annotations
@@ -142,6 +146,15 @@ async def _answer(send, status: int, body) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _connector_metrics(scope) -> str:
+    """This engine's connector metrics in Prometheus' text format; raises when the connector
+    does not answer."""
+    text = _native.engine_metrics(engine_id(scope["app"].state.vllm_config))
+    if text.startswith("error: "):
+        raise RuntimeError(text[len("error: "):])
+    return text
+
+
 def _connector_info(scope) -> dict:
     """This engine's connector info (``GET /v1/handoff/info``'s body); raises when the
     connector does not answer."""
@@ -202,14 +215,18 @@ class HandoffOps:
         await _answer(send, 202, {"draining": True, "sigterm_after_s": grace if first else 0})
 
     async def _metrics(self, scope, receive, send):
-        try:
-            key = (await asyncio.to_thread(_connector_info, scope)).get("compat_key")
-        except Exception:
-            key = None
-        if not key or scope.get("method") != "GET":
+        if scope.get("method") != "GET":
             return await self.app(scope, receive, send)
-        line = f'# HELP handoff_compat_info What a P and a D must share to exchange KV\n' \
-               f'# TYPE handoff_compat_info gauge\nhandoff_compat_info{{key="{key}"}} 1.0\n'
+        try:
+            ours = await asyncio.to_thread(_connector_metrics, scope)
+        except Exception as e:
+            logger.debug("handoff: no connector metrics for /metrics: %s", e)
+            return await self.app(scope, receive, send)
+        ours = (ours if ours.endswith("\n") else ours + "\n").encode()
+        # vLLM's page compressed (Prometheus asks for gzip) could not be appended to: ask for it
+        # plain. A scrape is small and local; the page still goes out whole.
+        scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or []
+                                     if k.lower() != b"accept-encoding"])
         start, chunks = None, []
 
         async def collect(m):
@@ -220,8 +237,12 @@ class HandoffOps:
                 chunks.append(m.get("body", b""))
                 if not m.get("more_body"):
                     body = b"".join(chunks)
-                    if start is not None and start.get("status") == 200:
-                        body += line.encode()
+                    encoded = any(k.lower() == b"content-encoding"
+                                  for k, _ in start.get("headers", []))
+                    if start is not None and start.get("status") == 200 and not encoded:
+                        if body and not body.endswith(b"\n"):
+                            body += b"\n"
+                        body += ours
                     headers = [(k, v) for k, v in start.get("headers", [])
                                if k.lower() != b"content-length"]
                     headers.append((b"content-length", str(len(body)).encode()))

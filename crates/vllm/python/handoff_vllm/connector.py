@@ -28,6 +28,7 @@ writes still read them. From the step that starts such a push until ``request_fi
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -153,8 +154,12 @@ def _extra(vllm_config) -> dict[str, Any]:
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
     unknown = sorted(set(extra) - EXTRA_KEYS)
     if unknown:
+        def named(key: str) -> str:
+            near = difflib.get_close_matches(key, EXTRA_KEYS, n=1)
+            return f"{key} (did you mean {near[0]}?)" if near else key
+
         raise ValueError(
-            f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
+            f"kv_connector_extra_config: unknown key(s) {', '.join(map(named, unknown))} "
             f"(HandoffConnector reads: {', '.join(sorted(EXTRA_KEYS))})"
         )
     return extra

@@ -404,16 +404,19 @@ def cluster(single):
         "p": Server("p", connector("vllm-p", kv_digest=True,
                                    initial_lease_ms=int(INITIAL_LEASE_S * 1000),
                                    record_trace=str(TRACES / "p.jsonl")),
-                    extra_args=["--max-model-len", str(P_MAX_MODEL_LEN)],
+                    extra_args=["--max-model-len", str(P_MAX_MODEL_LEN),
+                                "--middleware", "handoff_vllm.HandoffOps"],
                     env_extra={"RUST_LOG": "info,handoff_vllm=debug"}, log_stats=True),
         # D logs each KV digest it checked (the tests count them).
         # D names requests its API server refuses to its connector (handoff_vllm.RefusalRelease).
+        # Both append the connector's metrics to vLLM's /metrics (handoff_vllm.HandoffOps).
         "d": Server("d", connector("vllm-d", kv_digest=True,
                                    record_trace=str(TRACES / "d.jsonl")),
-                    extra_args=["--middleware", "handoff_vllm.RefusalRelease"],
+                    extra_args=["--middleware", "handoff_vllm.RefusalRelease",
+                                "--middleware", "handoff_vllm.HandoffOps"],
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
                                "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),
-                               "RUST_LOG": "info,handoff_core::connector::transfers=debug"}),
+                               "RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
     }
     try:
         deadline = time.monotonic() + STARTUP_S

@@ -1,5 +1,5 @@
 """The API-server middleware ``handoff_vllm.HandoffOps`` (readiness, the preStop drain route, the
-compatibility key on /metrics), driven as vLLM's API server drives it: an ASGI app behind it,
+connector's metrics on /metrics), driven as vLLM's API server drives it: an ASGI app behind it,
 with the connector's answers and the process's signal stood in for. No server, no model.
 The served suite runs it for real (the chaos module's P drains through it)."""
 
@@ -16,6 +16,14 @@ from handoff_vllm import api_server
 from handoff_vllm.api_server import HandoffOps
 
 TOKEN = "a-token-of-32-characters-0123456"
+# What EngineCore's connector answers `metrics` with (the Rust side's text format, no # EOF).
+CONNECTOR_METRICS = (
+    "# HELP handoff_compat_info What a P and a D must share.\n"
+    "# TYPE handoff_compat_info gauge\n"
+    'handoff_compat_info{key="0123abcd4567"} 1\n'
+    "# HELP handoff_kv_blocks_held KV blocks held.\n"
+    "# TYPE handoff_kv_blocks_held gauge\n"
+    'handoff_kv_blocks_held{side="prefill",state="leased"} 7\n')
 
 
 def fake_scope(path: str, method: str = "GET", headers: list | None = None) -> dict:
@@ -60,6 +68,7 @@ def ops(monkeypatch):
     monkeypatch.setattr(HandoffOps, "draining", False)
     monkeypatch.setattr(api_server._native, "engine_info",
                         lambda engine: json.dumps({"engine_id": engine, "compat_key": "0123abcd4567"}))
+    monkeypatch.setattr(api_server._native, "engine_metrics", lambda engine: CONNECTOR_METRICS)
     killed = []
     monkeypatch.setattr(api_server.os, "kill", lambda pid, sig: killed.append(sig))
     monkeypatch.setenv("HANDOFF_DRAIN_GRACE_S", "0.05")
@@ -103,13 +112,40 @@ def test_no_token_configured_means_no_drain(ops, monkeypatch):
     assert status == 401 and not ops
 
 
-def test_metrics_carry_the_compatibility_key(ops):
-    status, headers, body = call(fake_scope("/metrics"))
+def test_metrics_carry_the_connectors_metrics(ops, monkeypatch):
+    scope = fake_scope("/metrics", headers=[(b"accept-encoding", b"gzip")])
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(dict(scope["headers"]))
+        await vllm_app(scope, receive, send)
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(m):
+        sent.append(m)
+
+    asyncio.run(HandoffOps(app)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     text = body.decode()
-    assert status == 200
+    assert start["status"] == 200
     assert "vllm:num_requests_running 0.0" in text, "vLLM's own metrics are kept"
-    assert 'handoff_compat_info{key="0123abcd4567"} 1.0' in text
-    assert int(headers[b"content-length"]) == len(body)
+    assert 'handoff_compat_info{key="0123abcd4567"} 1' in text
+    assert 'handoff_kv_blocks_held{side="prefill",state="leased"} 7' in text
+    assert int(dict(start["headers"])[b"content-length"]) == len(body)
+    assert b"accept-encoding" not in seen[0], "vLLM is asked for a page that can be appended to"
+
+    # A connector that does not answer leaves vLLM's page as it is.
+    def unreachable(engine):
+        raise OSError("no engine socket")
+
+    monkeypatch.setattr(api_server._native, "engine_metrics", unreachable)
+    status, _, body = call(fake_scope("/metrics"))
+    assert status == 200 and b"handoff_" not in body and b"vllm:num_requests_running" in body
 
 
 def test_other_paths_pass_through(ops):

@@ -606,5 +606,19 @@ def test_a_kv_cache_off_the_host_is_refused_at_registration_with_its_device_name
 def test_a_typo_in_the_extra_config_is_refused_with_its_name():
     """A key of kv_connector_extra_config the connector does not read fails the engine's start,
     naming it, instead of leaving a setting silently at its default."""
-    with pytest.raises(ValueError, match="registration_lease_msec"):
+    with pytest.raises(ValueError,
+                       match=r"registration_lease_msec \(did you mean registration_lease_ms\?\)"):
         Engine("typo-p", registration_lease_msec=5000)
+
+
+@pytest.mark.parametrize("setting", ["side_channel_host", "data_bind"])
+def test_an_unspecified_bind_without_an_advertised_address_is_refused(setting):
+    """Binding 0.0.0.0 (as a pod does) without `advertise_host` would tell every peer to dial
+    0.0.0.0, itself: the engine refuses to start, naming the setting to give. With one, and with
+    a DNS name where an address is configured, it starts."""
+    bind = {"side_channel_host": "0.0.0.0"} if setting == "side_channel_host" \
+        else {"data_bind": "0.0.0.0:0"}
+    with pytest.raises(Exception, match=f"advertise_host must be set when {setting} is 0.0.0.0"):
+        Engine(f"any-{setting}", insecure=True, **bind)
+    Engine(f"named-{setting}", insecure=True, advertise_host="localhost", **bind)
+    Engine(f"dns-{setting}", side_channel_host="localhost", data_bind="localhost:0")

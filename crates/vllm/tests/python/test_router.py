@@ -14,6 +14,10 @@ Two backends behind it, the same checks for each:
 Completions (streamed and not), chat (streamed and not), ``n=2``, and a client that leaves
 mid-stream: outputs equal the single engine's (text, and token ids where vLLM gives them), and
 P's KV usage is back to idle within 2 s after each.
+
+With reference engines only (they start in a second): a P drained under load behind the router
+started as the docs say (health check on ``/ready``) fails no request, and a D of another model
+shape that the router pairs with P anyway does not leave P holding the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -214,3 +219,115 @@ def test_reference_engines_behind_vllm_router_answer_like_a_monolithic_one(refer
     with router(reference["prefill"], reference["decode"], "reference") as url:
         out = run_all_checks(b, url)
     REPORT["reference_n2_p_idle_after_s"] = out["n2_p_idle_after_s"]
+
+
+def reference_engine(role: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """One more reference engine on loopback; returns (process, URL) once it answers."""
+    port = free_port()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"router-{name}.log", "w")
+    proc = subprocess.Popen(
+        [str(HANDOFF_BIN), "engine", "--role", role, "--host", "127.0.0.1", "--port", str(port),
+         "--engine-id", name, *args],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, RUST_LOG="info"))
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(url + "/health", 30, f"reference engine {name}", proc)
+    return proc, url
+
+
+# As the docs say to start vllm-router in front of engines that drain (guides/vllm.md,
+# ops/kubernetes/router.yaml).
+READY_HEALTH = ["--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
+                "--health-failure-threshold", "1"]
+
+
+def drain_one_p_under_load(extra: list[str], name: str) -> tuple[int, int, int]:
+    """Two reference P and one D behind vllm-router (`extra` flags), six clients for 14 s; P a is
+    SIGTERMed 2 s in (it drains: /ready 503 for its 5 s grace, serves what it holds, exits; the
+    clients go on for about 6 s after it exited).
+    Returns (requests sent after the SIGTERM, how many of them failed, P a's exit status)."""
+    procs = []
+    try:
+        pa, a_url = reference_engine("prefill", f"{name}-pa")
+        procs.append(pa)
+        pb, b_url = reference_engine("prefill", f"{name}-pb")
+        procs.append(pb)
+        d, d_url = reference_engine("decode", f"{name}-d")
+        procs.append(d)
+        results: list[tuple[float, int]] = []
+        stop_at = time.monotonic() + 14
+
+        def client(i: int):
+            n = 0
+            while time.monotonic() < stop_at:
+                n += 1
+                sent = time.monotonic()
+                try:
+                    r = requests.post(url + "/v1/completions", timeout=30, json={
+                        "model": "handoff", "prompt": f"client {i} request {n}: " + PROMPT,
+                        "max_tokens": 4, "temperature": 0})
+                    status = r.status_code
+                except requests.RequestException:
+                    status = 0
+                results.append((sent, status))
+
+        with router(a_url, d_url, name, extra=["--prefill", b_url, *extra]) as url:
+            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(2)
+            killed_at = time.monotonic()
+            pa.terminate()
+            for t in threads:
+                t.join(40)
+            status = pa.wait(timeout=30)
+        after = [s for t, s in results if t >= killed_at]
+        return len(after), sum(1 for s in after if s != 200), status
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_p_drained_behind_vllm_router_fails_no_request():
+    """Scale-down behind vllm-router started as the docs say (its health check on /ready): one
+    of two P engines is SIGTERMed under six clients' load; it drains and exits 0, and not one
+    request sent after the SIGTERM fails. The negative control, the router's default health
+    check, keeps sending to the P after it exited: requests fail (the issue that asked for this
+    measured 189 of 461)."""
+    sent, failed, status = drain_one_p_under_load(READY_HEALTH, "drain-ready")
+    REPORT["router_drain_failed_after_sigterm"] = f"{failed} of {sent}"
+    assert status == 0, f"the drained P exited {status}"
+    assert sent > 20 and failed == 0, f"{failed} of {sent} requests after the SIGTERM failed"
+    sent, failed, _ = drain_one_p_under_load([], "drain-default")
+    REPORT["router_drain_failed_without_ready_check"] = f"{failed} of {sent}"
+    assert failed > 0, f"control: none of {sent} failed with the default health check"
+
+
+def test_an_incompatible_d_behind_vllm_router_frees_p_at_once():
+    """vllm-router does not read the compatibility key, so it may pair P with a D of another
+    model shape: D refuses the handshake and recomputes (the answer is right), and P holds the
+    prompt's blocks for less than a second — the refused D sends its release on the refused
+    connection — not until its initial lease ends (10 s)."""
+    procs = []
+    try:
+        p, p_url = reference_engine("prefill", "incompat-p")
+        procs.append(p)
+        d, d_url = reference_engine("decode", "incompat-d", "--set", "num_layers=6")
+        procs.append(d)
+        with router(p_url, d_url, "incompat") as url:
+            r = requests.post(url + "/v1/completions", timeout=60, json={
+                "model": "handoff", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+            done = time.time()
+            assert r.status_code == 200, r.text[:400]
+            back = back_to(lambda: held_by_p(p_url), 0.0, done, 5)
+        REPORT["incompatible_d_p_idle_after_s"] = back
+        assert back is not None and back < 1.0, f"P held the blocks {back} s after the answer"
+        metrics = requests.get(d_url + "/metrics", timeout=5).text
+        assert 'handoff_requests_failed_total{reason="incompatible"}' in metrics, metrics[-2000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)

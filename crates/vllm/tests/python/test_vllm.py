@@ -11,6 +11,7 @@ import time
 from datetime import datetime, timezone
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 from test_router import check_vllm_behind_router
 
 from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HANDOFF_BIN, HOLD_FILE,
@@ -89,6 +90,46 @@ def test_decode_from_pulled_kv_equals_a_single_engine(cluster):
     assert not mismatches, mismatches
     assert not unchecked, f"no matching KV digest on D for prompts of {unchecked} tokens"
     assert REPORT["digest_mismatches"] == 0
+
+
+def handoff_samples(server) -> dict[str, list]:
+    """The handoff_* samples of the server's /metrics, by name, parsed as Prometheus parses the
+    page (a malformed line anywhere on it raises)."""
+    text = requests.get(server.url + "/metrics", timeout=5).text
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("handoff_"):
+                out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_vllm_s_metrics_page_carries_the_connector_s_own_metrics(cluster):
+    """P's and D's /metrics (vLLM's own page, with ``handoff_vllm.HandoffOps``) carry the
+    connector's metrics from EngineCore, what ``ops/``'s alerts and dashboard read: KV blocks
+    held per state, handoffs ended by reason, bytes moved, digests checked, the compatibility
+    key once. After one P/D request P counted its handoff's end and D the bytes it read; the
+    page parses whole. (Before, vLLM exported the compatibility key alone.)"""
+    p_before = handoff_samples(cluster["p"])
+    assert "handoff_kv_blocks_held" in p_before, sorted(p_before)
+    assert len(p_before.get("handoff_compat_info", [])) == 1, p_before.get("handoff_compat_info")
+
+    def ended(samples) -> float:
+        return sum(s.value for s in samples.get("handoff_handoffs_ended_total", []))
+
+    def moved(samples) -> float:
+        return sum(s.value for s in samples.get("handoff_transfer_bytes_total", []))
+
+    d_before = handoff_samples(cluster["d"])
+    disaggregated(cluster, prompt(200, seed=4242), 2)
+    deadline = time.monotonic() + 5
+    while ended(handoff_samples(cluster["p"])) <= ended(p_before):
+        assert time.monotonic() < deadline, "P's handoff did not end on its /metrics within 5 s"
+        time.sleep(0.2)
+    d_after = handoff_samples(cluster["d"])
+    assert moved(d_after) > moved(d_before), "D's /metrics counted no bytes read"
+    assert "handoff_kv_digests_checked_total" in d_after, sorted(d_after)
+    assert len(d_after.get("handoff_compat_info", [])) == 1
 
 
 def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_pull_mode(cluster):

@@ -3,6 +3,11 @@ to P's by a veth pair whose P→D direction is shaped (tc tbf) to a slow link, s
 a long prompt takes seconds and D can be killed while it is truly under way (bytes of the KV on
 the wire, not all of them yet). Off loopback, so P and D prove a cluster key.
 
+Addresses are configured as an operator of a Kubernetes fleet writes them: by name. The names
+(``p.handoff.test``, ``d.handoff.test``) resolve only inside D's namespace, through its own
+``/etc/hosts`` (``/etc/netns/NS/hosts``, which ``ip netns exec`` mounts there): D binds its side
+channel and data listener by name, and reaches P at the name P advertises.
+
 Needs root and iproute2 (scripts/test installs it); with HANDOFF_REQUIRE_NETNS=1 (CI) a missing
 one is a failure, never a skip. The namespace and its links are removed at the end.
 """
@@ -24,6 +29,8 @@ from conftest import (BLOCK_SIZE, REPORT, STARTUP_S, Server, connector,
 
 NS = f"hv-vllm-{os.getpid()}"
 P_HOST, D_HOST = "10.231.7.1", "10.231.7.2"
+P_NAME, D_NAME = "p.handoff.test", "d.handoff.test"
+HOSTS_DIR = f"/etc/netns/{NS}"
 P_LINK, D_LINK = f"hvp{os.getpid() % 100000}", f"hvd{os.getpid() % 100000}"
 LINK_RATE = "200mbit"  # 25 MB/s: a 1,000-token prompt's KV (~47 MB) takes about two seconds
 # KV bytes per token of the real model (30 layers × K and V × 3 kv heads × 64 × 4 bytes).
@@ -66,6 +73,10 @@ def hosts(single, tmp_path_factory):
         # hold the side channel's messages behind the KV for seconds).
         subprocess.run(["tc", "qdisc", "add", "dev", P_LINK, "root", "tbf", "rate", LINK_RATE,
                         "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
+        # The names resolve inside D's namespace only.
+        os.makedirs(HOSTS_DIR, exist_ok=True)
+        with open(f"{HOSTS_DIR}/hosts", "w") as f:
+            f.write(f"127.0.0.1 localhost\n{P_HOST} {P_NAME}\n{D_HOST} {D_NAME}\n")
         side = {"cluster_key_file": str(key), "kv_digest": True}
         # The transport's handshake may take its own deadline (5 s) or the dead-peer limit,
         # whichever is longer. On this shaped link a READ's bytes fill the tail-dropping queue
@@ -76,11 +87,12 @@ def hosts(single, tmp_path_factory):
         slow = {"HANDOFF_TCP_DEAD_AFTER_MS": "10000"}
         servers["p"] = Server(
             "hosts-p", connector("vllm-hosts-p", side_channel_host=P_HOST,
-                                 data_bind=f"{P_HOST}:0", initial_lease_ms=10000, **side),
+                                 data_bind=f"{P_HOST}:0", advertise_host=P_NAME,
+                                 initial_lease_ms=10000, **side),
             env_extra={"RUST_LOG": "info,handoff_vllm=debug", **slow}, log_stats=True)
         servers["d"] = Server(
-            "hosts-d", connector("vllm-hosts-d", side_channel_host=D_HOST,
-                                 data_bind=f"{D_HOST}:0", **side),
+            "hosts-d", connector("vllm-hosts-d", side_channel_host=D_NAME,
+                                 data_bind=f"{D_NAME}:0", **side),
             env_extra=slow, host=D_HOST, netns=NS)
         deadline = time.monotonic() + STARTUP_S
         for s in servers.values():
@@ -91,6 +103,7 @@ def hosts(single, tmp_path_factory):
             s.kill()
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
         subprocess.run(["ip", "link", "del", P_LINK], capture_output=True)
+        shutil.rmtree(HOSTS_DIR, ignore_errors=True)
 
 
 def link_bytes() -> int:
@@ -103,7 +116,9 @@ def link_bytes() -> int:
 
 
 def test_a_pull_across_hosts_over_a_slow_link_decodes_like_a_single_engine(hosts):
-    """A prompt of two blocks and a bit crosses the slow link in under a second; one of 640
+    """P advertises itself by a name only D's namespace resolves (and D binds by name): the
+    params carry the name, and D reads from P through it. A prompt of two blocks and a bit
+    crosses the slow link in under a second; one of 640
     tokens (~30 MB of KV, ~1.2 s at 200 Mbit/s, several heartbeats) too. D's tokens equal the
     single engine's (P and D proved the cluster key to each other: off loopback it is
     required). (A READ must end within P's grant, ~3.5 s at most with vLLM's defaults: 1,000
@@ -112,7 +127,9 @@ def test_a_pull_across_hosts_over_a_slow_link_decodes_like_a_single_engine(hosts
     for n in (2 * BLOCK_SIZE + 3, 640):
         ids = prompt(n, seed=n)
         want = hosts["single"].complete(ids, 6)["choices"][0]["token_ids"]
-        got = disaggregated(hosts, ids, 6)[1]["choices"][0]["token_ids"]
+        params, d = disaggregated(hosts, ids, 6)
+        assert params["remote_host"] == P_NAME, params
+        got = d["choices"][0]["token_ids"]
         assert got == want, f"{n} tokens: D {got} vs single {want}"
 
 

@@ -42,7 +42,7 @@ def push(single):
         # The registration grant is the default although the real model prefills 2,000 tokens
         # here for seconds: D's renewals reach P's worker during the forward (the grant line).
         "d": Server("push-d", connector("vllm-push-d", mode="push", kv_digest=True),
-                    env_extra={"RUST_LOG": "info,handoff_core::connector::push_digest=debug"},
+                    env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"},
                     log_stats=True),
     }
     try:

@@ -10,7 +10,7 @@ use handoff_proto::{
 };
 
 use super::*;
-use crate::step::{PushLayer, WorkerHello, WorkerOp, WorkerReport};
+use crate::worker_protocol::{PushLayer, WorkerHello, WorkerOp, WorkerReport};
 
 fn spec() -> KvSpec {
     KvSpec {
@@ -177,6 +177,60 @@ fn a_connection_without_a_handshake_is_refused_and_reaches_no_ledger() {
     p.handle_accepted(8, rel, None, t(2));
     assert!(p.ready().events.is_empty());
     assert_eq!(p.held_blocks().0, 2);
+}
+
+/// A D of another shape is refused at the handshake, but the connection stays open a little for
+/// the releases of what it came for: P ends that handoff at once, not when its lease ends. Any
+/// other frame closes the connection, and so does the end of the linger.
+#[test]
+fn a_refused_d_releases_what_it_came_for_on_the_refused_connection() {
+    let mut p = core("p", Role::Prefill);
+    let prm = params(&mut p, 1);
+    let h = prm.handoff_id.unwrap();
+    p.ready();
+    assert_eq!(p.held_blocks().0, 2);
+    let mut other = hello_of(&core("d", Role::Decode));
+    other.memory = vec![];
+    p.handle_accepted(103, Message::Hello(other.clone()), None, t(3));
+    let r = p.ready();
+    assert!(
+        matches!(
+            &r.messages[..],
+            [(103, Message::HelloReply(HelloReply::Refused { .. }))]
+        ),
+        "{:?}",
+        r.messages
+    );
+    assert!(r.closes.is_empty(), "closed before its peer could release");
+    p.advance(r);
+    let release = |reason| {
+        Message::Release(handoff_proto::Release {
+            handoff: h,
+            epoch: Epoch::FIRST,
+            reason,
+        })
+    };
+    p.handle_frame(103, release(ReleaseReason::Rejected), t(4));
+    let r = p.ready();
+    assert!(
+        r.events.iter().any(
+            |e| matches!(e, ConnectorEvent::BlocksReleased { handoff, reason, .. } if *handoff == h && reason == "rejected")
+        ),
+        "{:?}",
+        r.events
+    );
+    assert_eq!(p.held_blocks().0, 0);
+    p.advance(r);
+    // Anything but a release closes it.
+    p.handle_frame(103, Message::Hello(other.clone()), t(5));
+    assert_eq!(p.ready().closes, vec![103]);
+    // A refused connection that says nothing closes when its linger ends.
+    p.handle_accepted(104, Message::Hello(other), None, t(6));
+    let r = p.ready();
+    p.advance(r);
+    assert_eq!(p.poll_timeout(), Some(t(6) + side_channel::REFUSED_LINGER));
+    p.handle_timeout(t(6) + side_channel::REFUSED_LINGER);
+    assert_eq!(p.ready().closes, vec![104]);
 }
 
 #[test]

@@ -7,11 +7,15 @@ use handoff_proto::{Fingerprint, Hello, HelloReply, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
-use crate::step::{WorkerHello, WorkerOp};
+use crate::worker_protocol::{WorkerHello, WorkerOp};
 use crate::{CoreError, Role};
 
 /// One agent of a peer as its hello announces it: name and transport metadata.
 type AgentInfo = (String, Vec<u8>);
+
+/// How long a connection whose hello we refused stays open for the releases its peer sends
+/// (a D sends them at once, on the reply).
+pub(super) const REFUSED_LINGER: Time = Time::from_secs(2);
 
 /// This engine's hello: identity, fingerprint, every rank's layout and agent.
 pub(super) fn own_hello(
@@ -271,7 +275,7 @@ impl ConnectorCore {
                     "the hello names {:?}, not the engine id the connection proved",
                     h.engine_id.chars().take(64).collect::<String>()
                 );
-                self.refuse_hello(conn, &h.engine_id, reason);
+                self.refuse_impostor(conn, &h.engine_id, reason);
             }
             Message::Hello(h) => {
                 match self.check_hello(&h) {
@@ -293,10 +297,10 @@ impl ConnectorCore {
                                     tracing::info!(peer = %h.engine_id, "peer is back");
                                 }
                             }
-                            Err(reason) => self.refuse_hello(conn, &h.engine_id, reason),
+                            Err(reason) => self.refuse_impostor(conn, &h.engine_id, reason),
                         }
                     }
-                    Err(reason) => self.refuse_hello(conn, &h.engine_id, reason),
+                    Err(reason) => self.refuse_hello(conn, &h.engine_id, reason, now),
                 }
             }
             other => {
@@ -307,13 +311,60 @@ impl ConnectorCore {
         self.pump(now);
     }
 
-    fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: String) {
+    /// Refuses a peer's hello. The connection stays open a little ([`REFUSED_LINGER`]) for
+    /// the releases of the handoffs that peer came for (it cannot read them: without those, P
+    /// would hold their blocks until their leases end); then, or at its first other frame, it
+    /// closes.
+    fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: String, now: Time) {
+        self.out.observations.push(Observation::HandshakeRefused);
+        tracing::warn!(peer = %engine, %reason, "handshake refused");
+        self.out
+            .messages
+            .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
+        if !self.peers.linger_refused(conn, now + REFUSED_LINGER) {
+            self.out.closes.push(conn);
+        }
+    }
+
+    /// Refuses a hello that claims what is not its own (another engine's id or agent names):
+    /// an impostor, heard no further.
+    fn refuse_impostor(&mut self, conn: ConnId, engine: &str, reason: String) {
         self.out.observations.push(Observation::HandshakeRefused);
         tracing::warn!(peer = %engine, %reason, "handshake refused");
         self.out
             .messages
             .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
         self.out.closes.push(conn);
+    }
+
+    /// A frame on a connection whose hello we refused: a release of a handoff this engine
+    /// holds, from the D it was meant for, ends it as a proxy's release does (at once when no
+    /// D reads it, else after the fence); anything else closes the connection.
+    fn handle_refused_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
+        match msg {
+            Message::Release(r) if self.producer.is_some() => {
+                tracing::info!(handoff = %r.handoff, "released by a D whose handshake was refused");
+                if let Some(p) = self.producer.as_mut() {
+                    p.release_unclaimed(r, now);
+                }
+            }
+            other => {
+                tracing::debug!(
+                    conn,
+                    kind = other.kind(),
+                    "frame after a refused handshake: closed"
+                );
+                self.peers.conn_closed(conn);
+                self.out.closes.push(conn);
+            }
+        }
+    }
+
+    /// Closes the refused connections whose linger has passed.
+    pub(super) fn expire_refused(&mut self, now: Time) {
+        for conn in self.peers.expire_refused(now) {
+            self.out.closes.push(conn);
+        }
     }
 
     /// A connection that never said hello is refused and closed: whatever it says, it is no
@@ -333,6 +384,8 @@ impl ConnectorCore {
     pub(crate) fn handle_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
         if self.peers.is_anonymous(conn) {
             self.handle_anonymous(conn, msg);
+        } else if self.peers.is_refused(conn) {
+            self.handle_refused_frame(conn, msg, now);
         } else if let Some(peer) = self.peers.by_conn(conn) {
             self.deliver(peer, msg, now);
         }
@@ -372,6 +425,17 @@ impl ConnectorCore {
         match outcome {
             Ok(()) => self.flush_queued(peer),
             Err(reason) => {
+                // P holds the prompts we came for until their leases end unless told: the
+                // releases go on this connection before it closes (a P that refused us reads
+                // them there; one we refused has us as a peer already).
+                let releases = self
+                    .consumer
+                    .as_mut()
+                    .map(|c| c.handle_peer_refused(peer, now))
+                    .unwrap_or_default();
+                for r in releases {
+                    self.out.messages.push((conn, Message::Release(r)));
+                }
                 self.out.closes.push(conn);
                 self.out.observations.push(Observation::HandshakeRefused);
                 tracing::warn!(peer = %engine, %reason, "handshake with P failed");

@@ -17,7 +17,7 @@ mod grants;
 mod peers;
 mod prefill;
 mod push_digest;
-mod side;
+mod side_channel;
 #[cfg(test)]
 mod tests;
 mod transfers;
@@ -40,7 +40,7 @@ pub use peers::ConnId;
 use peers::PeerTable;
 use transfers::Transfers;
 
-use crate::step::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
+use crate::worker_protocol::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
 use crate::{ConnectorEvent, CoreError, Role};
 
 /// What the core needs to know of its engine.
@@ -229,7 +229,7 @@ impl ConnectorCore {
             dtype: cfg.dtype.clone(),
             mode: cfg.mode,
         };
-        let hello = side::own_hello(&cfg, &fingerprint, &ranks)?;
+        let hello = side_channel::own_hello(&cfg, &fingerprint, &ranks)?;
         let mut producer_cfg = cfg.producer.clone();
         producer_cfg.tp = spec.tp as u16;
         let mut consumer_cfg = cfg.consumer.clone();
@@ -317,6 +317,7 @@ impl ConnectorCore {
             self.producer.as_ref().and_then(|p| p.poll_timeout()),
             self.consumer.as_ref().and_then(|c| c.poll_timeout()),
             self.next_push_check_deadline(),
+            self.peers.next_refused_deadline(),
         ]
         .into_iter()
         .flatten()
@@ -335,6 +336,7 @@ impl ConnectorCore {
             }
         }
         self.expire_push_checks(now);
+        self.expire_refused(now);
         self.pump(now);
     }
 

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use handoff_ledger::PeerId;
+use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
 use handoff_proto::Message;
 
@@ -47,6 +47,10 @@ impl Peer {
     }
 }
 
+/// Refused connections kept open at once, at most: a storm of refused handshakes closes the
+/// rest at once (their Ds' requests recompute anyway; their blocks wait for their leases).
+pub(crate) const MAX_REFUSED: usize = 256;
+
 #[derive(Default, Debug)]
 pub(crate) struct PeerTable {
     // Ordered where iterated (forgetting peers, closing connections): deterministic output.
@@ -56,6 +60,8 @@ pub(crate) struct PeerTable {
     by_agent: HashMap<String, PeerId>,
     /// Connections that sent no handshake (a proxy's release).
     anonymous: BTreeSet<ConnId>,
+    /// Connections whose hello was refused, open until the deadline for their peer's releases.
+    refused: BTreeMap<ConnId, Time>,
     next: u32,
     attempts: u64,
 }
@@ -143,6 +149,7 @@ impl PeerTable {
     /// Forgets a connection that closed; returns its peer when it was that peer's current one.
     pub fn conn_closed(&mut self, conn: ConnId) -> Option<PeerId> {
         self.anonymous.remove(&conn);
+        self.refused.remove(&conn);
         let id = self.by_conn.remove(&conn)?;
         let p = self.by_id.get_mut(&id)?;
         if p.conn == Some(conn) {
@@ -208,6 +215,39 @@ impl PeerTable {
         self.anonymous.contains(&conn)
     }
 
+    /// Keeps `conn`, whose hello was refused, open until `until`; false (close it now) when
+    /// [`MAX_REFUSED`] are open already.
+    pub fn linger_refused(&mut self, conn: ConnId, until: Time) -> bool {
+        if self.refused.len() >= MAX_REFUSED {
+            return false;
+        }
+        self.refused.insert(conn, until);
+        true
+    }
+
+    pub fn is_refused(&self, conn: ConnId) -> bool {
+        self.refused.contains_key(&conn)
+    }
+
+    /// The earliest end of a refused connection's linger.
+    pub fn next_refused_deadline(&self) -> Option<Time> {
+        self.refused.values().min().copied()
+    }
+
+    /// Forgets the refused connections whose linger ended by `now`; returns them (to close).
+    pub fn expire_refused(&mut self, now: Time) -> Vec<ConnId> {
+        let due: Vec<ConnId> = self
+            .refused
+            .iter()
+            .filter(|(_, &until)| until <= now)
+            .map(|(&c, _)| c)
+            .collect();
+        for c in &due {
+            self.refused.remove(c);
+        }
+        due
+    }
+
     /// Peers whose connection is gone (their blocks are reclaimable at once).
     pub fn down(&self) -> Vec<PeerId> {
         self.by_id
@@ -222,6 +262,7 @@ impl PeerTable {
         self.by_conn
             .keys()
             .chain(self.anonymous.iter())
+            .chain(self.refused.keys())
             .copied()
             .collect()
     }

@@ -19,7 +19,7 @@ use super::peers::PeerState;
 use super::push_digest::PushDigest;
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
-use crate::step::{JobId, PushLayer, TransferJob, TransferPart, WorkerOp};
+use crate::worker_protocol::{JobId, PushLayer, TransferJob, TransferPart, WorkerOp};
 
 #[derive(Debug, Clone, Copy)]
 enum JobOwner {

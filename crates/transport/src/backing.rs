@@ -1,9 +1,10 @@
-//! Memory that others write behind Rust's back: the bytes under a [`KvRegion`]. A registered
+//! The memory under a [`KvRegion`]: handoff's own allocation or an engine's KV tensors (foreign
+//! memory), both written behind Rust's back. A registered
 //! region is written by NIXL's DMA engine or a peer's transfer, and a region over an engine's
 //! own KV tensors ([`KvRegion::from_foreign`]) by the engine's kernels too. So no Rust reference
 //! to that memory lives longer than one access under its chunk's lock: a region holds raw
 //! pointers and lengths ([`Chunk`]), and a slice over a chunk exists only while the lock that
-//! guards it is held. With the NIXL binding, the only `unsafe` in handoff.
+//! guards it is held.
 
 #![allow(unsafe_code)]
 

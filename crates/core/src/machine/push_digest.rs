@@ -13,7 +13,7 @@ use handoff_proto::HandoffId;
 
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
-use crate::step::WorkerOp;
+use crate::worker_protocol::WorkerOp;
 
 /// P: where a push's digest stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! Finding `libnixl_capi.so` when no path is given.
+//! Finding and loading `libnixl_capi.so`: where it is when no path is given, and its function
+//! table, loaded once per path for the life of the process.
 //!
 //! The `nixl-cu12` wheel puts it in `site-packages/.nixl_cu12.mesonpy.libs/` (beside its
 //! `plugins/` folder, with the bundled UCX in `site-packages/nixl_cu12.libs/`); every library
@@ -10,7 +11,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use super::{sys, NixlConfig, BACKEND};
+use crate::TransportError;
 
 /// The library's file name.
 pub const LIB_NAME: &str = "libnixl_capi.so";
@@ -26,7 +31,7 @@ const SITE_SUBDIRS: &[&str] = &[
 ];
 
 /// Where the library is, or one line saying what was looked for.
-pub fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
+fn search(explicit: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(p) = explicit {
         return if p.is_file() {
             Ok(p.to_path_buf())
@@ -127,13 +132,64 @@ fn from_python() -> Option<PathBuf> {
     in_site_packages(pkg.parent()?)
 }
 
+/// Where `libnixl_capi.so` is for `cfg`: `cfg.lib_path` if set; else `.venv-nixl/` in the
+/// current directory or one of its ancestors, then in one of the executable's ancestors; else
+/// the `nixl_cu12` package `python3` knows. The error is [`TransportError::Unavailable`] with one
+/// line saying what was looked for and how to install.
+pub fn locate(cfg: &NixlConfig) -> Result<PathBuf, TransportError> {
+    search(cfg.lib_path.as_deref()).map_err(unavailable)
+}
+
+pub(super) fn unavailable(reason: String) -> TransportError {
+    TransportError::Unavailable {
+        backend: BACKEND,
+        reason: reason.split_whitespace().collect::<Vec<_>>().join(" "),
+    }
+}
+
+/// Loads (once per path, for the life of the process) the function table of `path`.
+///
+/// Libraries are never unloaded: NIXL and UCX keep threads and static destructors that must not
+/// outlive their code.
+pub(super) fn load_api(path: &Path) -> Result<&'static sys::Api, TransportError> {
+    static LOADED: OnceLock<Mutex<Vec<(PathBuf, &'static sys::Api)>>> = OnceLock::new();
+    let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let mut loaded = LOADED
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some((_, api)) = loaded.iter().find(|(p, _)| *p == key) {
+        return Ok(api);
+    }
+    if key.file_name().and_then(|n| n.to_str()) != Some(LIB_NAME) {
+        return Err(unavailable(format!(
+            "{} is not {LIB_NAME}; set HANDOFF_NIXL_LIB to NIXL's C API library",
+            key.display()
+        )));
+    }
+    // SAFETY: the file is named libnixl_capi.so and was chosen as NIXL's C API library by the
+    // user or by [`search`]; every symbol is then resolved by name and checked present.
+    let api = unsafe { sys::Api::load(&key) }
+        .map_err(|e| unavailable(format!("cannot load {}: {e}", key.display())))?;
+    // SAFETY: `is_stub` takes no arguments and only returns a flag.
+    if unsafe { (api.is_stub)() } {
+        return Err(unavailable(format!(
+            "{} is the nixl-sys stub library, not NIXL; run scripts/install-nixl",
+            key.display()
+        )));
+    }
+    let api: &'static sys::Api = Box::leak(Box::new(api));
+    loaded.push((key, api));
+    Ok(api)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn nixl_missing_explicit_path_is_one_line() {
-        let err = locate(Some(Path::new("/nonexistent/libnixl_capi.so"))).unwrap_err();
+        let err = search(Some(Path::new("/nonexistent/libnixl_capi.so"))).unwrap_err();
         assert!(!err.contains('\n'));
         assert!(err.contains("/nonexistent/libnixl_capi.so"));
     }

@@ -158,7 +158,7 @@ impl ConnectorCore {
     /// P, push mode, for engines whose workers run a step's forward pass after the scheduler
     /// side planned it (vLLM): the step about to run computes the rest of the prompt, every
     /// layer of it. The handoff starts as if every layer were saved; the writes planned now
-    /// carry their layer ([`crate::step::PushLayer`]) and the worker holds each until the
+    /// carry their layer ([`crate::worker_protocol::PushLayer`]) and the worker holds each until the
     /// forward saved that layer, and the push digest until the forward ended.
     pub(crate) fn on_push_forward(
         &mut self,

@@ -24,7 +24,7 @@ use handoff_proto::{HandoffId, Message, PullBlocks};
 
 use super::ConnectorCore;
 use crate::digest::{DigestOf, Shares};
-use crate::step::WorkerOp;
+use crate::worker_protocol::WorkerOp;
 
 /// Which of this engine's memory a grant opens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,0 +1,103 @@
+//! The metadata one NIXL transport gives its peers: magic, version, an FNV-1a checksum of the
+//! body, then the postcard body: the agent's name, its regions (id → address, length, lock chunk
+//! size) and NIXL's own agent metadata. Decoding checks everything a hostile peer could get
+//! wrong before NIXL sees a byte. No NIXL call here.
+
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{RegionId, TransportError};
+
+/// Longest agent name, ours or a peer's.
+pub(super) const MAX_NAME_BYTES: usize = 256;
+
+const MD_MAGIC: &[u8; 8] = b"HNDFNIXL";
+const MD_VERSION: u8 = 2;
+/// Magic, version, checksum.
+const MD_HEADER: usize = 8 + 1 + 8;
+/// Largest metadata accepted (NIXL's own part is about 500 bytes per agent).
+pub const MAX_METADATA_BYTES: usize = 1 << 20;
+const MAX_REGIONS: usize = 1 << 16;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct MdBody {
+    pub(super) name: String,
+    /// (region id, base address, length, lock chunk size).
+    pub(super) regions: Vec<(RegionId, u64, u64, u64)>,
+    pub(super) nixl: Vec<u8>,
+}
+
+pub(super) fn encode_md(body: &MdBody) -> Result<Vec<u8>, TransportError> {
+    let enc = postcard::to_allocvec(body).map_err(|e| TransportError::Io(e.to_string()))?;
+    let mut out = Vec::with_capacity(MD_HEADER + enc.len());
+    out.extend_from_slice(MD_MAGIC);
+    out.push(MD_VERSION);
+    out.extend_from_slice(&fnv1a64(&enc).to_le_bytes());
+    out.extend_from_slice(&enc);
+    Ok(out)
+}
+
+/// FNV-1a, 64 bits: catches truncated or corrupted metadata before NIXL parses it (NIXL 1.5
+/// can be left unable to reload a peer after failing on a damaged blob of that peer).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+pub(super) fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
+    let bad = |s: String| TransportError::BadMetadata(s);
+    if bytes.len() > MAX_METADATA_BYTES {
+        return Err(bad(format!(
+            "{} bytes exceeds the {MAX_METADATA_BYTES}-byte limit",
+            bytes.len()
+        )));
+    }
+    let Some(rest) = bytes.strip_prefix(MD_MAGIC.as_slice()) else {
+        return Err(bad("not nixl metadata (bad magic)".into()));
+    };
+    let Some((&version, rest)) = rest.split_first() else {
+        return Err(bad("truncated".into()));
+    };
+    if version != MD_VERSION {
+        return Err(bad(format!(
+            "nixl metadata version {version}, expected {MD_VERSION}"
+        )));
+    }
+    let Some((sum, rest)) = rest.split_first_chunk::<8>() else {
+        return Err(bad("truncated".into()));
+    };
+    if u64::from_le_bytes(*sum) != fnv1a64(rest) {
+        return Err(bad("checksum mismatch (truncated or corrupted)".into()));
+    }
+    let (body, trailing): (MdBody, _) =
+        postcard::take_from_bytes(rest).map_err(|e| bad(format!("undecodable: {e}")))?;
+    if !trailing.is_empty() {
+        return Err(bad(format!("{} trailing bytes", trailing.len())));
+    }
+    if body.name.is_empty() || body.name.contains('\0') || body.name.len() > MAX_NAME_BYTES {
+        return Err(bad(format!("invalid agent name {:?}", body.name)));
+    }
+    if body.nixl.is_empty() {
+        return Err(bad("no NIXL agent metadata".into()));
+    }
+    if body.regions.len() > MAX_REGIONS {
+        return Err(bad(format!("{} regions", body.regions.len())));
+    }
+    let mut seen = HashSet::new();
+    for &(id, addr, len, chunk) in &body.regions {
+        if chunk == 0 {
+            return Err(bad(format!("region {id} has a chunk size of 0")));
+        }
+        if !seen.insert(id) {
+            return Err(bad(format!("region {id} listed twice")));
+        }
+        if addr.checked_add(len).is_none() || usize::try_from(addr + len).is_err() {
+            return Err(bad(format!(
+                "region {id} wraps the address space ({addr:#x} + {len})"
+            )));
+        }
+    }
+    Ok(body)
+}
