@@ -552,6 +552,14 @@ impl ConsumerLedger {
         }
     }
 
+    /// The handoffs that use P engine `peer`, in a list the caller may change the ledger under.
+    fn handoffs_of(&self, peer: PeerId) -> Vec<HandoffId> {
+        self.by_peer
+            .get(&peer)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// The handshake with P engine `peer` was refused (by P or by us): the two cannot exchange
     /// KV. The handoffs that waited for it fail `incompatible` and end here, and the releases
     /// P must hear are returned, to go on the refused connection before it closes (P would
@@ -559,13 +567,8 @@ impl ConsumerLedger {
     /// dead one.
     pub fn handle_peer_refused(&mut self, peer: PeerId, now: Time) -> Vec<Release> {
         self.last_now = self.last_now.max(now);
-        let ids: Vec<HandoffId> = self
-            .by_peer
-            .get(&peer)
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
         let mut releases = Vec::new();
-        for id in ids {
+        for id in self.handoffs_of(peer) {
             let Some(h) = self.handoffs.get(&id) else {
                 continue;
             };
@@ -588,12 +591,7 @@ impl ConsumerLedger {
     /// The transport reports P engine `peer` dead.
     pub fn handle_peer_dead(&mut self, peer: PeerId, now: Time) {
         self.last_now = self.last_now.max(now);
-        let ids: Vec<HandoffId> = self
-            .by_peer
-            .get(&peer)
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
-        for id in ids {
+        for id in self.handoffs_of(peer) {
             let Some(h) = self.handoffs.get_mut(&id) else {
                 continue;
             };

@@ -47,7 +47,8 @@ async def vllm_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"not found"})
 
 
-def call(scope) -> tuple[int, dict, bytes]:
+def call(scope, app=vllm_app) -> tuple[int, dict, bytes]:
+    """`scope` through HandoffOps in front of `app` (vLLM's stand-in by default)."""
     sent = []
 
     async def receive():
@@ -56,7 +57,7 @@ def call(scope) -> tuple[int, dict, bytes]:
     async def send(m):
         sent.append(m)
 
-    asyncio.run(HandoffOps(vllm_app)(scope, receive, send))
+    asyncio.run(HandoffOps(app)(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start["status"], dict(start.get("headers", [])), body
@@ -113,6 +114,9 @@ def test_no_token_configured_means_no_drain(ops, monkeypatch):
 
 
 def test_metrics_carry_the_connectors_metrics(ops, monkeypatch):
+    """/metrics is vLLM's page with the connector's metrics (from EngineCore's socket) after
+    it, asked of vLLM uncompressed (a gzip page could not be appended to), its length right;
+    without an answer from the connector, vLLM's page alone."""
     scope = fake_scope("/metrics", headers=[(b"accept-encoding", b"gzip")])
     seen = []
 
@@ -120,23 +124,13 @@ def test_metrics_carry_the_connectors_metrics(ops, monkeypatch):
         seen.append(dict(scope["headers"]))
         await vllm_app(scope, receive, send)
 
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b""}
-
-    async def send(m):
-        sent.append(m)
-
-    asyncio.run(HandoffOps(app)(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    status, headers, body = call(scope, app)
     text = body.decode()
-    assert start["status"] == 200
+    assert status == 200
     assert "vllm:num_requests_running 0.0" in text, "vLLM's own metrics are kept"
     assert 'handoff_compat_info{key="0123abcd4567"} 1' in text
     assert 'handoff_kv_blocks_held{side="prefill",state="leased"} 7' in text
-    assert int(dict(start["headers"])[b"content-length"]) == len(body)
+    assert int(headers[b"content-length"]) == len(body)
     assert b"accept-encoding" not in seen[0], "vLLM is asked for a page that can be appended to"
 
     # A connector that does not answer leaves vLLM's page as it is.
