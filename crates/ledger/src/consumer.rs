@@ -563,8 +563,8 @@ impl ConsumerLedger {
     /// The handshake with P engine `peer` was refused (by P or by us): the two cannot exchange
     /// KV. The handoffs that waited for it fail `incompatible` and end here, and the releases
     /// P must hear are returned, to go on the refused connection before it closes (P would
-    /// otherwise hold their blocks until its lease ends). What else used `peer` ends as for a
-    /// dead one.
+    /// otherwise hold their blocks until its lease ends). The caller then reports `peer` dead
+    /// ([`Self::handle_peer_dead`]) for whatever else used it.
     pub fn handle_peer_refused(&mut self, peer: PeerId, now: Time) -> Vec<Release> {
         self.last_now = self.last_now.max(now);
         let mut releases = Vec::new();
@@ -584,7 +584,6 @@ impl ConsumerLedger {
                 self.end_handoff(id, now);
             }
         }
-        self.handle_peer_dead(peer, now);
         releases
     }
 

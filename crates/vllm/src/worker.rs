@@ -197,10 +197,9 @@ impl WorkerBridge {
     /// Carries out this rank's part of a step (vLLM `start_load_kv`).
     pub fn apply(&mut self, meta: &StepMeta) {
         if let Some(step) = meta.steps.get(self.rank) {
-            #[cfg(feature = "test-switches")]
-            let step = self.switches.filter(step.clone());
-            #[cfg(not(feature = "test-switches"))]
             let step = step.clone();
+            #[cfg(feature = "test-switches")]
+            let step = self.switches.filter(step);
             if meta.forward.is_empty() {
                 self.side.apply(step);
             } else {

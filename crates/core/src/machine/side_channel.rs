@@ -316,11 +316,7 @@ impl ConnectorCore {
     /// would hold their blocks until their leases end); then, or at its first other frame, it
     /// closes.
     fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: String, now: Time) {
-        self.out.observations.push(Observation::HandshakeRefused);
-        tracing::warn!(peer = %engine, %reason, "handshake refused");
-        self.out
-            .messages
-            .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
+        self.send_refusal(conn, engine, reason);
         if !self.peers.linger_refused(conn, now + REFUSED_LINGER) {
             self.out.closes.push(conn);
         }
@@ -329,26 +325,28 @@ impl ConnectorCore {
     /// Refuses a hello that claims what is not its own (another engine's id or agent names):
     /// an impostor, heard no further.
     fn refuse_impostor(&mut self, conn: ConnId, engine: &str, reason: String) {
+        self.send_refusal(conn, engine, reason);
+        self.out.closes.push(conn);
+    }
+
+    fn send_refusal(&mut self, conn: ConnId, engine: &str, reason: String) {
         self.out.observations.push(Observation::HandshakeRefused);
         tracing::warn!(peer = %engine, %reason, "handshake refused");
         self.out
             .messages
             .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
-        self.out.closes.push(conn);
     }
 
     /// A frame on a connection whose hello we refused: a release of a handoff this engine
     /// holds, from the D it was meant for, ends it as a proxy's release does (at once when no
     /// D reads it, else after the fence); anything else closes the connection.
     fn handle_refused_frame(&mut self, conn: ConnId, msg: Message, now: Time) {
-        match msg {
-            Message::Release(r) if self.producer.is_some() => {
+        match (msg, self.producer.as_mut()) {
+            (Message::Release(r), Some(p)) => {
                 tracing::info!(handoff = %r.handoff, "released by a D whose handshake was refused");
-                if let Some(p) = self.producer.as_mut() {
-                    p.release_unclaimed(r, now);
-                }
+                p.release_unclaimed(r, now);
             }
-            other => {
+            (other, _) => {
                 tracing::debug!(
                     conn,
                     kind = other.kind(),

@@ -237,8 +237,8 @@ class HandoffOps:
                 chunks.append(m.get("body", b""))
                 if not m.get("more_body"):
                     body = b"".join(chunks)
-                    encoded = any(k.lower() == b"content-encoding"
-                                  for k, _ in start.get("headers", []))
+                    encoded = start is not None and any(
+                        k.lower() == b"content-encoding" for k, _ in start.get("headers", []))
                     if start is not None and start.get("status") == 200 and not encoded:
                         if body and not body.endswith(b"\n"):
                             body += b"\n"
