@@ -160,6 +160,19 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
 
+    def gone_at(self, limit_s: float = 30.0) -> float | None:
+        """Unix time at which no process of this server's group (the API server and its engine
+        core) is alive any more, polled after a kill; None if one still is after `limit_s`. The
+        kernel closes a process's sockets as it exits, so this is when a peer can first see the
+        server gone: tearing down an engine's gigabytes of memory takes a second or more on a
+        loaded machine, time that no connector can save."""
+        deadline = time.time() + limit_s
+        while time.time() < deadline:
+            if not any(alive_in_group(self.proc.pid)):
+                return time.time()
+            time.sleep(0.01)
+        return None
+
     def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
         body = {
             "model": self.model,
@@ -211,6 +224,22 @@ def settled_usage(server: Server, quiet_s: float = 0.5, limit_s: float = 5.0) ->
 
 # A prompt no test uses (token ids above the tests' range): fresh_usage's local request.
 STEP_PROMPT = [4001, 4002, 4003]
+
+
+def alive_in_group(pgid: int):
+    """The pids of the processes of group `pgid` that have not exited (zombies have: their
+    sockets are closed)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            yield int(entry.name)
 
 
 def fresh_usage(server: Server) -> float:

