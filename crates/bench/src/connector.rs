@@ -164,6 +164,7 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             opaque_blocks: false,
             kv_digest: false,
             peer_hosts: Vec::new(),
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
         },
         vec![WorkerHello {
             rank: 0,

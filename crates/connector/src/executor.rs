@@ -158,6 +158,7 @@ impl Connector {
                 key: cfg.key.clone(),
                 max_connections: cfg.max_side_connections,
                 max_handshakes_per_source: cfg.max_side_handshakes_per_source,
+                protocol_version: cfg.protocol_version,
             },
             side_sink,
         );
@@ -178,6 +179,7 @@ impl Connector {
                 opaque_blocks: cfg.opaque_blocks,
                 kv_digest: cfg.kv_digest,
                 peer_hosts: cfg.peer_hosts.clone(),
+                protocol_version: cfg.protocol_version,
             },
             hellos,
         );

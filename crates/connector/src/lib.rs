@@ -83,6 +83,9 @@ pub struct ConnectorConfig {
     pub max_side_handshakes_per_source: usize,
     /// Record every core input to a trace (`handoff replay` reads it; see [`recorder`]).
     pub record: Option<recorder::RecordConfig>,
+    /// See [`CoreConfig::protocol_version`]: the newest protocol version spoken on the side
+    /// channel and in transfer notifications.
+    pub protocol_version: u8,
 }
 
 /// Default of [`ConnectorConfig::max_side_connections`].

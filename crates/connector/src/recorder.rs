@@ -210,6 +210,7 @@ mod tests {
             opaque_blocks: false,
             kv_digest: false,
             peer_hosts: Vec::new(),
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
         };
         let ranks = vec![WorkerHello {
             rank: 0,

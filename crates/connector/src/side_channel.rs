@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use handoff_proto::{decode, encode, Message, MAX_MESSAGE_BYTES};
+use handoff_proto::{decode_up_to, encode_as, Message, MAX_MESSAGE_BYTES, OLDEST_PROTOCOL_VERSION};
 use handoff_transport::auth::{self, ClusterKey, FrameOpener, FrameSealer, TAG_BYTES};
 
 use handoff_core::ConnId;
@@ -55,6 +55,10 @@ pub struct SideConfig {
     /// on one host cannot hold the whole inbound cap with connections that never prove
     /// anything. One more is closed at once and counted.
     pub max_handshakes_per_source: usize,
+    /// The newest protocol version this engine speaks (`handoff_proto::versions`): a hello in
+    /// a newer one is closed without a reply, as a build that does not know it would. It says
+    /// hello in this version, and once more in the oldest when the peer closes without a reply.
+    pub protocol_version: u8,
 }
 
 /// Why an inbound connection was turned away before it reached the connector core.
@@ -148,6 +152,8 @@ pub struct ConnWriter {
     queue: SyncSender<Outgoing>,
     socket: Arc<TcpStream>,
     closed: Arc<AtomicBool>,
+    /// The protocol version the connection's handshake settled on: every frame is in it.
+    version: u8,
 }
 
 impl ConnWriter {
@@ -156,10 +162,14 @@ impl ConnWriter {
         if self.closed.load(Ordering::Relaxed) {
             return Err(SendError::Closed);
         }
-        let Ok(bytes) = encode(msg) else {
-            // Every message the ledgers make fits (they split batches to the cap).
-            tracing::error!(kind = msg.kind(), "cannot encode a control message");
-            return Ok(());
+        let bytes = match encode_as(msg, self.version) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // Every message the ledgers make fits (they split batches to the cap), and the
+                // core refuses a peer whose version cannot carry its hello.
+                tracing::error!(kind = msg.kind(), error = %e, "cannot encode a control message");
+                return Ok(());
+            }
         };
         match self.queue.try_send(Outgoing::Frame(bytes)) {
             Ok(()) => Ok(()),
@@ -192,14 +202,51 @@ impl ConnWriter {
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
+/// Why no frame was read.
+#[derive(Debug)]
+struct FrameError {
+    text: String,
+    /// The peer closed the connection before the frame began.
+    closed: bool,
+}
+
+impl From<String> for FrameError {
+    fn from(text: String) -> Self {
+        FrameError {
+            text,
+            closed: false,
+        }
+    }
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
 /// Reads one frame: `[u32 length][message]`, then, on an authenticated connection, the
 /// frame's tag, which must check (a relay cannot change, drop, reorder or inject frames).
-fn read_frame(r: &mut impl Read, opener: Option<&mut FrameOpener>) -> Result<Message, String> {
+/// The message may be in any protocol version from the oldest this build speaks to `newest`;
+/// returns it with its version.
+fn read_frame(
+    r: &mut impl Read,
+    opener: Option<&mut FrameOpener>,
+    newest: u8,
+) -> Result<(Message, u8), FrameError> {
     let mut len = [0u8; 4];
-    r.read_exact(&mut len).map_err(|e| e.to_string())?;
+    r.read_exact(&mut len).map_err(|e| FrameError {
+        closed: matches!(
+            e.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+        ),
+        text: e.to_string(),
+    })?;
     let len = u32::from_le_bytes(len) as usize;
     if len == 0 || len > MAX_MESSAGE_BYTES {
-        return Err(format!("frame of {len} bytes refused"));
+        return Err(format!("frame of {len} bytes refused").into());
     }
     let mut buf = vec![0; len];
     r.read_exact(&mut buf).map_err(|e| e.to_string())?;
@@ -207,10 +254,10 @@ fn read_frame(r: &mut impl Read, opener: Option<&mut FrameOpener>) -> Result<Mes
         let mut tag = [0u8; TAG_BYTES];
         r.read_exact(&mut tag).map_err(|e| e.to_string())?;
         if !o.open(&buf, &tag) {
-            return Err("a frame failed authentication".into());
+            return Err(String::from("a frame failed authentication").into());
         }
     }
-    decode(&buf).map_err(|e| e.to_string())
+    Ok(decode_up_to(&buf, newest).map_err(|e| e.to_string())?)
 }
 
 /// The frame reader for the fuzz targets (feature `fuzzing`; not API), as a connection's
@@ -224,7 +271,7 @@ pub fn fuzz_read_frames(bytes: &[u8], authenticated: bool) -> usize {
     let mut n = 0;
     if !authenticated {
         let mut r = bytes;
-        while read_frame(&mut r, None).is_ok() {
+        while read_frame(&mut r, None, handoff_proto::PROTOCOL_VERSION).is_ok() {
             n += 1;
         }
         return n;
@@ -252,7 +299,7 @@ pub fn fuzz_read_frames(bytes: &[u8], authenticated: bool) -> usize {
         rest = tail;
     }
     let mut r = &stream[..];
-    while read_frame(&mut r, Some(&mut opener)).is_ok() {
+    while read_frame(&mut r, Some(&mut opener), handoff_proto::PROTOCOL_VERSION).is_ok() {
         n += 1;
     }
     n
@@ -271,8 +318,13 @@ fn write_frame(
     Ok(())
 }
 
-/// Starts the writing thread of `stream`; returns its id and writer.
-fn open(stream: &TcpStream, sealer: Option<FrameSealer>) -> std::io::Result<(ConnId, ConnWriter)> {
+/// Starts the writing thread of `stream`, whose frames are in `version`; returns its id and
+/// writer.
+fn open(
+    stream: &TcpStream,
+    sealer: Option<FrameSealer>,
+    version: u8,
+) -> std::io::Result<(ConnId, ConnWriter)> {
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let socket = Arc::new(stream.try_clone()?);
@@ -283,6 +335,7 @@ fn open(stream: &TcpStream, sealer: Option<FrameSealer>) -> std::io::Result<(Con
         queue,
         socket,
         closed: Arc::new(AtomicBool::new(false)),
+        version,
     };
     let w = writer.clone();
     std::thread::Builder::new()
@@ -348,7 +401,8 @@ impl Drop for FrameTicket {
 }
 
 /// Reads frames until the connection ends; every frame goes to the executor, at most
-/// [`MAX_UNHANDLED_FRAMES`] of them unhandled at once.
+/// [`MAX_UNHANDLED_FRAMES`] of them unhandled at once. A frame in another version than the
+/// handshake's ends the connection.
 fn read_loop(
     conn: ConnId,
     writer: ConnWriter,
@@ -356,6 +410,7 @@ fn read_loop(
     mut opener: Option<FrameOpener>,
     sink: Sink,
 ) {
+    let version = writer.version;
     let unhandled = Arc::new(AtomicUsize::new(0));
     loop {
         if unhandled.load(Ordering::Acquire) >= MAX_UNHANDLED_FRAMES {
@@ -366,8 +421,12 @@ fn read_loop(
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        match read_frame(&mut r, opener.as_mut()) {
-            Ok(msg) => {
+        match read_frame(&mut r, opener.as_mut(), version) {
+            Ok((_, v)) if v != version => {
+                tracing::debug!(conn, "side channel closed: a frame in version {v} on a connection that speaks {version}");
+                break;
+            }
+            Ok((msg, _)) => {
                 let ticket = FrameTicket::take(&unhandled);
                 if !sink(SideEvent::Frame { conn, msg, ticket }) {
                     break;
@@ -549,13 +608,15 @@ impl SideChannel {
             }),
             Err(_) => return,
         };
-        let first = match read_frame(&mut r, opener.as_mut()) {
+        // The hello's version is the connection's: this engine answers in it.
+        let (first, version) = match read_frame(&mut r, opener.as_mut(), self.cfg.protocol_version)
+        {
             Ok(m) => m,
-            Err(e) => return refuse(RefusedBy::Handshake, e),
+            Err(e) => return refuse(RefusedBy::Handshake, e.text),
         };
         r.get_mut().established();
         drop(ticket);
-        let Ok((conn, writer)) = open(&stream, sealer) else {
+        let Ok((conn, writer)) = open(&stream, sealer, version) else {
             let _ = stream.shutdown(Shutdown::Both);
             return;
         };
@@ -606,41 +667,22 @@ impl SideChannel {
 
     fn dial(&self, engine: String, attempt: u64, addr: String, hello: Message, slot: Slot) {
         let sink = self.sink.clone();
-        let result = (|| -> Result<_, String> {
-            let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-            let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
-                .map_err(|e| format!("cannot resolve {addr}: {e}"))?
-                .next()
-                .ok_or_else(|| format!("cannot resolve {addr}"))?;
-            let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
-                .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-            let (mut sealer, mut opener) = match &self.cfg.key {
-                Some(key) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let session =
-                        auth::dial(&stream, key, "side", &self.cfg.engine_id, &engine, left)
-                            .map_err(|e| format!("{addr}: {e}"))?;
-                    let (s, o) = session.split();
-                    (Some(s), Some(o))
-                }
-                None => (None, None),
-            };
-            let bytes = encode(&hello).map_err(|e| e.to_string())?;
-            stream
-                .set_write_timeout(Some(WRITE_TIMEOUT))
-                .map_err(|e| e.to_string())?;
-            write_frame(&mut &stream, &bytes, sealer.as_mut())
-                .map_err(|e| format!("{addr}: {e}"))?;
-            let mut r = BufReader::new(DeadlineRead {
-                stream: stream.try_clone().map_err(|e| e.to_string())?,
-                deadline: Some(deadline),
-            });
-            let reply = read_frame(&mut r, opener.as_mut())
-                .map_err(|e| format!("no handshake reply from {addr}: {e}"))?;
-            r.get_mut().established();
-            let (conn, writer) = open(&stream, sealer).map_err(|e| e.to_string())?;
-            Ok((conn, writer, r, opener, reply))
-        })();
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let newest = self.cfg.protocol_version;
+        let mut result = self.say_hello(&engine, &addr, &hello, newest, deadline);
+        if let Err(e) = &result {
+            // A build that does not know this version closes without a reply: say it once
+            // more in the oldest version this one speaks.
+            if e.closed && newest > OLDEST_PROTOCOL_VERSION {
+                tracing::debug!(engine, addr, "no reply to a version-{newest} hello: trying version {OLDEST_PROTOCOL_VERSION}");
+                result = self
+                    .say_hello(&engine, &addr, &hello, OLDEST_PROTOCOL_VERSION, deadline)
+                    .map_err(|older| FrameError {
+                        text: format!("{e}; in version {OLDEST_PROTOCOL_VERSION}: {older}"),
+                        closed: older.closed,
+                    });
+            }
+        }
         match result {
             Ok((conn, writer, r, opener, reply)) => {
                 if sink(SideEvent::Connected {
@@ -659,13 +701,72 @@ impl SideChannel {
                 sink(SideEvent::ConnectFailed {
                     engine,
                     attempt,
-                    error,
+                    error: error.text,
                 });
             }
         }
         drop(slot);
     }
+
+    /// One connection to `addr`: proves the cluster key, says `hello` in `version`, reads the
+    /// reply (which must be in the same version).
+    fn say_hello(
+        &self,
+        engine: &str,
+        addr: &str,
+        hello: &Message,
+        version: u8,
+        deadline: Instant,
+    ) -> Result<Dialled, FrameError> {
+        let sock: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("cannot resolve {addr}"))?;
+        let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
+            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        let (mut sealer, mut opener) = match &self.cfg.key {
+            Some(key) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let session = auth::dial(&stream, key, "side", &self.cfg.engine_id, engine, left)
+                    .map_err(|e| format!("{addr}: {e}"))?;
+                let (s, o) = session.split();
+                (Some(s), Some(o))
+            }
+            None => (None, None),
+        };
+        let bytes = encode_as(hello, version).map_err(|e| e.to_string())?;
+        stream
+            .set_write_timeout(Some(WRITE_TIMEOUT))
+            .map_err(|e| e.to_string())?;
+        write_frame(&mut &stream, &bytes, sealer.as_mut()).map_err(|e| format!("{addr}: {e}"))?;
+        let mut r = BufReader::new(DeadlineRead {
+            stream: stream.try_clone().map_err(|e| e.to_string())?,
+            deadline: Some(deadline),
+        });
+        let (reply, got) =
+            read_frame(&mut r, opener.as_mut(), version).map_err(|e| FrameError {
+                text: format!("no handshake reply from {addr}: {e}"),
+                closed: e.closed,
+            })?;
+        if got != version {
+            return Err(
+                format!("{addr} replied in version {got} to a version-{version} hello").into(),
+            );
+        }
+        r.get_mut().established();
+        let (conn, writer) = open(&stream, sealer, version).map_err(|e| e.to_string())?;
+        Ok((conn, writer, r, opener, reply))
+    }
 }
+
+/// A dialled connection after its handshake: id, writer, reader, frame opener, the reply.
+type Dialled = (
+    ConnId,
+    ConnWriter,
+    BufReader<DeadlineRead>,
+    Option<FrameOpener>,
+    Message,
+);
 
 /// A socket's reading half with a deadline for everything read until [`Self::established`]
 /// (each read's timeout is what is left), none after.
@@ -693,7 +794,7 @@ impl Read for DeadlineRead {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use handoff_proto::Heartbeat;
+    use handoff_proto::{decode, encode, Heartbeat};
     use std::sync::mpsc::{channel, Receiver};
 
     fn p_side(key: &ClusterKey) -> (SocketAddr, Receiver<SideEvent>, Arc<AtomicBool>) {
@@ -712,6 +813,7 @@ mod tests {
                 key: Some(key.clone()),
                 max_connections: 8,
                 max_handshakes_per_source: per_source,
+                protocol_version: handoff_proto::PROTOCOL_VERSION,
             },
             sink,
         );

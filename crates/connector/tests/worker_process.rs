@@ -54,6 +54,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         max_side_connections: handoff_connector::DEFAULT_MAX_SIDE_CONNECTIONS,
         max_side_handshakes_per_source: handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
         record: None,
+        protocol_version: handoff_proto::PROTOCOL_VERSION,
     }
 }
 

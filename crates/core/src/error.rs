@@ -27,6 +27,14 @@ pub enum CoreError {
     Alloc(#[from] handoff_ledger::AllocError),
     #[error("no rank given")]
     NoRanks,
+    #[error("protocol version {version}: this build speaks {oldest} to {newest}", oldest = handoff_proto::OLDEST_PROTOCOL_VERSION, newest = handoff_proto::PROTOCOL_VERSION)]
+    ProtocolVersion { version: u8 },
+    #[error("protocol version {version} cannot describe rank {rank}'s KV in {memory}: pin to {newest} at least", newest = handoff_proto::PROTOCOL_VERSION)]
+    VersionMemory {
+        version: u8,
+        rank: u16,
+        memory: handoff_proto::MemoryKind,
+    },
     #[error("{ranks} ranks given for tp {tp}")]
     RankCount { ranks: usize, tp: u32 },
     #[error("rank {rank}: its layout names another rank or another KV spec")]

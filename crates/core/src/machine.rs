@@ -31,8 +31,8 @@ use handoff_ledger::{
 };
 use handoff_plan::KvSpec;
 use handoff_proto::{
-    Epoch, Fingerprint, HandoffId, Hello, KvTransferParams, Message, ReleaseReason, TransferMode,
-    PROTOCOL_VERSION,
+    Epoch, Fingerprint, HandoffId, Hello, KvTransferParams, MemoryKind, Message, ReleaseReason,
+    TransferMode, PROTOCOL_VERSION,
 };
 
 use grants::{Grants, Opens};
@@ -71,6 +71,16 @@ pub struct CoreConfig {
     /// refused before anything is dialled, so a client that reaches D directly cannot make it
     /// dial elsewhere (and use up its connection slots).
     pub peer_hosts: Vec<String>,
+    /// The newest protocol version this engine speaks ([`handoff_proto::versions`]): its own
+    /// by default, the previous one to pin an upgraded engine to what the rest of its fleet
+    /// speaks. Its hello's fingerprint says it; a peer's hello may be in any version from the
+    /// oldest this build speaks up to it.
+    #[serde(default = "newest_protocol_version")]
+    pub protocol_version: u8,
+}
+
+fn newest_protocol_version() -> u8 {
+    PROTOCOL_VERSION
 }
 
 /// A connection to open: dial `addr`, send `hello`, report the outcome under `attempt`.
@@ -220,8 +230,22 @@ impl ConnectorCore {
                 return Err(CoreError::RankMismatch { rank: i as u16 });
             }
         }
+        if !handoff_proto::versions::speaks(cfg.protocol_version) {
+            return Err(CoreError::ProtocolVersion {
+                version: cfg.protocol_version,
+            });
+        }
+        if cfg.protocol_version < 8 {
+            if let Some(r) = ranks.iter().find(|r| r.memory != MemoryKind::Host) {
+                return Err(CoreError::VersionMemory {
+                    version: cfg.protocol_version,
+                    rank: r.rank,
+                    memory: r.memory,
+                });
+            }
+        }
         let fingerprint = Fingerprint {
-            protocol_version: PROTOCOL_VERSION as u16,
+            protocol_version: u16::from(cfg.protocol_version),
             model: cfg.model.clone(),
             num_layers: spec.shape.num_layers,
             num_kv_heads: spec.shape.num_kv_heads,
@@ -385,9 +409,9 @@ impl ConnectorCore {
                 self.out.observations.push(Observation::UnknownNotification);
                 continue;
             };
-            match handoff_proto::decode(&bytes) {
+            match handoff_proto::decode_up_to(&bytes, self.cfg.protocol_version) {
                 // Only what rides on a transfer may come this way: a completion.
-                Ok(msg @ (Message::PullDone(_) | Message::PushDone(_))) => {
+                Ok((msg @ (Message::PullDone(_) | Message::PushDone(_)), _)) => {
                     self.deliver(peer, msg, now)
                 }
                 Ok(_) | Err(_) => self.out.observations.push(Observation::UnknownNotification),

@@ -160,6 +160,10 @@ pub struct EngineConfig {
     /// Pull: check each handoff's KV digest (P computes it over its blocks, D over what landed;
     /// a mismatch fails the transfer). Costs one pass over the KV on each side.
     pub kv_digest: bool,
+    /// The newest handoff protocol version this engine speaks (this build's own by default):
+    /// the previous release's pins an upgraded engine to what the rest of its fleet speaks.
+    /// It pairs with engines of either version both ways (guides/upgrading.md).
+    pub protocol_version: u8,
     /// Drain (SIGTERM, or `POST /drain` on the admin listener): how long readiness is false
     /// while new requests are still taken, so that routers stop sending before this engine
     /// refuses (longer than their health-check period).
@@ -249,6 +253,7 @@ impl Default for EngineConfig {
             max_side_handshakes_per_source:
                 handoff_connector::DEFAULT_MAX_SIDE_HANDSHAKES_PER_SOURCE,
             kv_digest: false,
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
             drain_grace_ms: 5_000,
             drain_timeout_ms: 20_000,
             admin_token: String::new(),
@@ -548,6 +553,16 @@ impl EngineConfig {
         if self.wait_deadline_ms == 0 {
             return Err(bad("wait_deadline_ms", "must be at least 1"));
         }
+        if !handoff_proto::versions::speaks(self.protocol_version) {
+            return Err(bad(
+                "protocol_version",
+                format!(
+                    "this build speaks {} to {}",
+                    handoff_proto::OLDEST_PROTOCOL_VERSION,
+                    handoff_proto::PROTOCOL_VERSION
+                ),
+            ));
+        }
         // P writes only while a grant has more than its write margin left, and renews it once
         // per heartbeat: a shorter grant lapses between two renewals.
         let margin = ProducerConfig::default().write_margin.as_millis() as u64;
@@ -788,6 +803,7 @@ mod tests {
             ("dtype", Box::new(|c| c.dtype = "int3".into())),
             ("transport", Box::new(|c| c.transport = "udp".into())),
             ("fence_grace_ms", Box::new(|c| c.fence_grace_ms = 100)),
+            ("protocol_version", Box::new(|c| c.protocol_version = 6)),
             ("num_blocks", Box::new(|c| c.num_blocks = 0)),
             (
                 "http_header_read_timeout_ms",

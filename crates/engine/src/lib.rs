@@ -178,6 +178,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             max_side_connections: cfg.max_side_connections,
             max_side_handshakes_per_source: cfg.max_side_handshakes_per_source,
             record: cfg.record(),
+            protocol_version: cfg.protocol_version,
         },
         ranks,
         &mut registry,

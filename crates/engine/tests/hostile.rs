@@ -128,6 +128,7 @@ fn side_client(engine_id: &str, key: Option<&ClusterKey>) -> (SideChannel, Recei
             key: key.cloned(),
             max_connections: 8,
             max_handshakes_per_source: 8,
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
         },
         Arc::new(move |ev| tx.lock().send(ev).is_ok()),
     );
@@ -183,6 +184,7 @@ fn hello_as(
             opaque_blocks: false,
             kv_digest: false,
             peer_hosts: Vec::new(),
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
         },
         vec![WorkerHello {
             rank: 0,

@@ -1,78 +1,57 @@
-//! Binary encoding: `[PROTOCOL_VERSION][postcard(Message)]`, at most [`MAX_MESSAGE_BYTES`].
+//! Binary encoding: `[version][postcard(Message)]`, at most [`MAX_MESSAGE_BYTES`], in any
+//! version this build speaks ([`crate::versions`]).
 
 use crate::batch::MAX_BATCH_ENTRIES;
+use crate::error::{DecodeError, EncodeError};
 use crate::message::*;
-
-/// Bumped on any incompatible change of [`Message`].
-/// 2: `BlocksQuery` / `PullBlocks` (D reads the blocks P names).
-/// 6: `BlockList::layers` (layer-wise pull).
-pub const PROTOCOL_VERSION: u8 = 8;
-/// Hard cap on one encoded message. Heartbeats and grant batches are split to stay under it
-/// ([`crate::split_heartbeat`]), so a peer can size its receive buffer once.
-pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EncodeError {
-    #[error("message of {size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
-    TooLarge { size: usize },
-    /// A field over the limit every receiver enforces: refused here so that a peer never
-    /// silently drops what we sent (split batches with [`crate::split_heartbeat`]).
-    #[error("{0}")]
-    OverLimit(DecodeError),
-    #[error("message cannot be encoded: {0}")]
-    Serialize(String),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DecodeError {
-    #[error("empty message")]
-    Empty,
-    #[error("message of {size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
-    TooLarge { size: usize },
-    #[error("protocol version {got} is not supported (this build speaks {PROTOCOL_VERSION})")]
-    UnsupportedVersion { got: u8 },
-    #[error("malformed message: {0}")]
-    Malformed(String),
-    #[error("{trailing} trailing bytes after the message")]
-    TrailingBytes { trailing: usize },
-    #[error("{field} too long: {len} > {max}")]
-    FieldTooLong {
-        field: &'static str,
-        len: usize,
-        max: usize,
-    },
-}
-
+use crate::v7;
+use crate::versions::{OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION};
+/// `msg` in this build's own version.
 pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
+    encode_as(msg, PROTOCOL_VERSION)
+}
+
+/// `msg` in `version` (one this build speaks: what the connection to its receiver negotiated).
+pub fn encode_as(msg: &Message, version: u8) -> Result<Vec<u8>, EncodeError> {
     validate(msg).map_err(EncodeError::OverLimit)?;
-    let out = postcard::to_extend(msg, vec![PROTOCOL_VERSION])
-        .map_err(|e| EncodeError::Serialize(e.to_string()))?;
+    let out = v7::encode_body(msg, version, vec![version])?;
     if out.len() > MAX_MESSAGE_BYTES {
         return Err(EncodeError::TooLarge { size: out.len() });
     }
     Ok(out)
 }
 
-/// Decodes one message. Never panics, whatever the bytes; the input is capped at
-/// [`MAX_MESSAGE_BYTES`], so what a decode may allocate is bounded too (serde may reserve up to
-/// 1 MiB for a list whose declared length the input cannot back, before failing).
+/// Decodes one message of any version this build speaks. Never panics, whatever the bytes; the
+/// input is capped at [`MAX_MESSAGE_BYTES`], so what a decode may allocate is bounded too
+/// (serde may reserve up to 1 MiB for a list whose declared length the input cannot back,
+/// before failing).
 pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+    decode_up_to(bytes, PROTOCOL_VERSION).map(|(msg, _)| msg)
+}
+
+/// Decodes one message of a version from the oldest this build speaks up to `newest` (an
+/// engine pinned to an older version refuses newer ones, as a build of that version would);
+/// returns it with its version.
+pub fn decode_up_to(bytes: &[u8], newest: u8) -> Result<(Message, u8), DecodeError> {
     let (&version, body) = bytes.split_first().ok_or(DecodeError::Empty)?;
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(DecodeError::TooLarge { size: bytes.len() });
     }
-    if version != PROTOCOL_VERSION {
-        return Err(DecodeError::UnsupportedVersion { got: version });
+    let newest = newest.min(PROTOCOL_VERSION);
+    if !(OLDEST_PROTOCOL_VERSION..=newest).contains(&version) {
+        return Err(DecodeError::UnsupportedVersion {
+            got: version,
+            newest,
+        });
     }
-    let (msg, rest) = postcard::take_from_bytes::<Message>(body)
-        .map_err(|e| DecodeError::Malformed(e.to_string()))?;
+    let (msg, rest) = v7::decode_body(version, body)?;
     if !rest.is_empty() {
         return Err(DecodeError::TrailingBytes {
             trailing: rest.len(),
         });
     }
     validate(&msg)?;
-    Ok(msg)
+    Ok((msg, version))
 }
 
 fn check(field: &'static str, len: usize, max: usize) -> Result<(), DecodeError> {

@@ -3,7 +3,8 @@
 //! In the book (`docs/` in the repository): `docs/src/design/wire-and-trust.md`.
 //!
 //! Design choices (the book: `docs/src/design/wire-and-trust.md`):
-//! - Every encoded message starts with a version byte ([`PROTOCOL_VERSION`]) and is at most
+//! - Every encoded message starts with a version byte ([`PROTOCOL_VERSION`], or an older one a
+//!   connection negotiated: [`versions`]) and is at most
 //!   [`MAX_MESSAGE_BYTES`] long, and its lists and texts are bounded (checked on both encode and
 //!   decode). A decoder never panics: bad bytes from a peer are an error and nothing else.
 //! - Only durations cross the wire, never timestamps (`lease_ms`): each side measures its leases on
@@ -16,14 +17,19 @@
 
 mod batch;
 mod codec;
+mod error;
 mod ids;
 mod message;
 mod params;
+mod v7;
+pub mod versions;
 pub mod xfer;
 
 pub use batch::{split_block_lists, split_grants, split_heartbeat, MAX_BATCH_ENTRIES};
-pub use codec::{decode, encode, DecodeError, EncodeError, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+pub use codec::{decode, decode_up_to, encode, encode_as};
+pub use error::{DecodeError, EncodeError};
 pub use ids::{Epoch, HandoffId, ParseHandoffIdError};
 pub use message::*;
 pub use params::{Flow, KvTransferParams, ParamsError, TransferMode};
+pub use versions::{OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION};
 pub use xfer::MemoryKind;

@@ -6,11 +6,15 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{Epoch, HandoffId};
 pub use crate::params::TransferMode;
 
+/// Hard cap on one encoded message. Heartbeats and grant batches are split to stay under it
+/// ([`crate::split_heartbeat`]), so a peer can size its receive buffer once.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
 /// Longest engine id, reason text or model name accepted from a peer.
 pub const MAX_TEXT_BYTES: usize = 256;
 /// Largest opaque blob (transport agent metadata, serialized layout) inside a handshake. Both
 /// blobs and every text of a [`Hello`] at their limits must still fit in one message
-/// ([`crate::MAX_MESSAGE_BYTES`]): 2 x 31 KiB + about 800 bytes < 64 KiB.
+/// ([`MAX_MESSAGE_BYTES`]): 2 x 31 KiB + about 800 bytes < 64 KiB.
 pub const MAX_BLOB_BYTES: usize = 31 * 1024;
 /// Most ranks one hello describes where KV lives for (with two blobs at their limit, a hello of
 /// this many still fits one message).
@@ -92,10 +96,13 @@ impl Fingerprint {
     /// Says in words why two fingerprints cannot pair, or `None` when they can.
     pub fn mismatch(&self, peer: &Fingerprint) -> Option<String> {
         let mut diffs = Vec::new();
-        if self.protocol_version != peer.protocol_version {
+        // A peer's hello is in the version its connection speaks: any this engine speaks, up
+        // to its own (crate::versions).
+        let oldest = u16::from(crate::versions::OLDEST_PROTOCOL_VERSION);
+        if peer.protocol_version > self.protocol_version || peer.protocol_version < oldest {
             diffs.push(format!(
-                "protocol version {} here, {} on the peer",
-                self.protocol_version, peer.protocol_version
+                "protocol version {} on the peer, this engine speaks {oldest} to {}",
+                peer.protocol_version, self.protocol_version
             ));
         }
         if self.model != peer.model {
@@ -147,11 +154,13 @@ impl Fingerprint {
     /// this fingerprint, the block layout inside a block (`head-major` or `token-major`) and
     /// whether the KV digest is checked. Equal keys pair; TP size, block size and pool layout
     /// are left out, since the planner handles any of them. A stable hash (FNV-1a), not a
-    /// secret: the same settings give the same key on every host and every build.
+    /// secret: the same settings give the same key on every host and every build. The version
+    /// in it is the oldest this build speaks, not its own: a release keeps the key of the one
+    /// before, whose engines it pairs with during a rolling upgrade.
     pub fn compat_key(&self, block_layout: &str, kv_digest: bool) -> String {
         let canonical = format!(
             "handoff-compat|v{}|{}|{}|{}|{}|{}|{}|{}|digest={}",
-            self.protocol_version,
+            crate::versions::OLDEST_PROTOCOL_VERSION,
             self.model,
             self.num_layers,
             self.num_kv_heads,

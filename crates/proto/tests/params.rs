@@ -483,7 +483,7 @@ proptest! {
 
 fn base_fingerprint() -> Fingerprint {
     Fingerprint {
-        protocol_version: 1,
+        protocol_version: PROTOCOL_VERSION as u16,
         model: "Qwen/Qwen3-0.6B".into(),
         num_layers: 28,
         num_kv_heads: 8,
@@ -500,8 +500,8 @@ fn fingerprint_mismatch_lists_each_differing_field_in_words() {
     type Edit = fn(&mut Fingerprint);
     let cases: [(Edit, &str); 7] = [
         (
-            |f| f.protocol_version = 2,
-            "protocol version 1 here, 2 on the peer",
+            |f| f.protocol_version = PROTOCOL_VERSION as u16 + 1,
+            "protocol version 9 on the peer, this engine speaks 7 to 8",
         ),
         (
             |f| f.model = "Qwen/Qwen3-8B".into(),
@@ -535,11 +535,42 @@ fn fingerprint_mismatch_lists_each_differing_field_in_words() {
     assert_eq!(every, format!("incompatible peer: {}", words.join("; ")));
 }
 
+#[test]
+fn a_peer_of_the_previous_protocol_version_pairs_and_one_older_does_not() {
+    let a = base_fingerprint();
+    let mut previous = a.clone();
+    previous.protocol_version = OLDEST_PROTOCOL_VERSION as u16;
+    assert_eq!(
+        a.mismatch(&previous),
+        None,
+        "a rolling upgrade pairs old and new"
+    );
+    // The old engine's own check: it sees the version its connection speaks, its own.
+    assert_eq!(previous.mismatch(&previous.clone()), None);
+    let mut older = a.clone();
+    older.protocol_version = OLDEST_PROTOCOL_VERSION as u16 - 1;
+    assert_eq!(
+        a.mismatch(&older),
+        Some("incompatible peer: protocol version 6 on the peer, this engine speaks 7 to 8".into())
+    );
+    // The compatibility key stays the previous release's, so routers pair old and new.
+    assert_eq!(
+        a.compat_key("head-major", false),
+        previous.compat_key("head-major", false)
+    );
+}
+
 proptest! {
     #[test]
     fn fingerprint_mismatch_iff_different(a in fingerprint(), b in fingerprint(), same in any::<bool>()) {
         let b = if same { a.clone() } else { b };
-        prop_assert_eq!(a.mismatch(&b).is_none(), a == b);
-        prop_assert_eq!(b.mismatch(&a).is_none(), a == b);
+        // Everything but the version equal, and the peer's version one this side speaks.
+        let pairs = |me: &Fingerprint, peer: &Fingerprint| {
+            Fingerprint { protocol_version: me.protocol_version, ..peer.clone() } == *me
+                && peer.protocol_version <= me.protocol_version
+                && peer.protocol_version >= u16::from(OLDEST_PROTOCOL_VERSION)
+        };
+        prop_assert_eq!(a.mismatch(&b).is_none(), pairs(&a, &b));
+        prop_assert_eq!(b.mismatch(&a).is_none(), pairs(&b, &a));
     }
 }

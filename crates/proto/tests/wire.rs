@@ -43,10 +43,13 @@ fn check_decode(bytes: &[u8]) {
         assert_eq!(result, Err(DecodeError::Empty));
     } else if bytes.len() > MAX_MESSAGE_BYTES {
         assert_eq!(result, Err(DecodeError::TooLarge { size: bytes.len() }));
-    } else if bytes[0] != PROTOCOL_VERSION {
+    } else if !versions::speaks(bytes[0]) {
         assert_eq!(
             result,
-            Err(DecodeError::UnsupportedVersion { got: bytes[0] })
+            Err(DecodeError::UnsupportedVersion {
+                got: bytes[0],
+                newest: PROTOCOL_VERSION
+            })
         );
     }
 }
@@ -360,10 +363,13 @@ proptest! {
 
     #[test]
     fn other_version_byte_is_rejected(m in message(), v in any::<u8>()) {
-        prop_assume!(v != PROTOCOL_VERSION);
+        prop_assume!(!versions::speaks(v));
         let mut bytes = encode(&m).unwrap();
         bytes[0] = v;
-        prop_assert_eq!(decode(&bytes), Err(DecodeError::UnsupportedVersion { got: v }));
+        prop_assert_eq!(
+            decode(&bytes),
+            Err(DecodeError::UnsupportedVersion { got: v, newest: PROTOCOL_VERSION })
+        );
     }
 
     #[test]
@@ -375,7 +381,10 @@ proptest! {
         if i == 0 {
             prop_assert_eq!(
                 decode(&bytes),
-                Err(DecodeError::UnsupportedVersion { got: PROTOCOL_VERSION ^ (1 << bit) })
+                Err(DecodeError::UnsupportedVersion {
+                    got: PROTOCOL_VERSION ^ (1 << bit),
+                    newest: PROTOCOL_VERSION,
+                })
             );
         }
     }
@@ -508,8 +517,17 @@ fn decode_rejects_every_other_version() {
         b[0] = v;
         if v == PROTOCOL_VERSION {
             assert!(decode(&b).is_ok());
+        } else if versions::speaks(v) {
+            // A version-8 hello is no version-7 one (it has one more field).
+            assert!(matches!(decode(&b), Err(DecodeError::TrailingBytes { .. })));
         } else {
-            assert_eq!(decode(&b), Err(DecodeError::UnsupportedVersion { got: v }));
+            assert_eq!(
+                decode(&b),
+                Err(DecodeError::UnsupportedVersion {
+                    got: v,
+                    newest: PROTOCOL_VERSION
+                })
+            );
         }
     }
 }

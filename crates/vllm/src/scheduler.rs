@@ -111,6 +111,11 @@ pub struct SchedulerConfig {
     /// (default 2 s).
     #[serde(default)]
     pub registration_lease_ms: Option<u64>,
+    /// The newest handoff protocol version this engine speaks (default: this build's own). Set
+    /// it to the previous version while a fleet upgrades, so that no upgraded engine says
+    /// hello in a version the others do not know (they pair either way: see the upgrade page).
+    #[serde(default)]
+    pub protocol_version: Option<u8>,
     /// Workers' KV blocks are opaque pages (set from the layout the workers found).
     #[serde(default)]
     pub opaque_blocks: bool,
@@ -359,6 +364,9 @@ impl SchedulerSide {
                         files: 4,
                     }
                 }),
+                protocol_version: cfg
+                    .protocol_version
+                    .unwrap_or(handoff_proto::PROTOCOL_VERSION),
             },
             hellos,
             &mut registry,

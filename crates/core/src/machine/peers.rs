@@ -39,6 +39,9 @@ pub(crate) struct Peer {
     pub queued: VecDeque<Message>,
     /// Number of the latest connect attempt; an outcome of an older one is stale.
     pub attempt: u64,
+    /// The protocol version its connection speaks (its hello's): the notifications that ride
+    /// on transfers to it are encoded in it too.
+    pub version: u8,
 }
 
 impl Peer {
@@ -114,6 +117,7 @@ impl PeerTable {
                 agents: vec![],
                 queued: VecDeque::new(),
                 attempt: 0,
+                version: handoff_proto::PROTOCOL_VERSION,
             },
         );
         id

@@ -3,7 +3,7 @@
 
 use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
-use handoff_proto::{Fingerprint, Hello, HelloReply, Message, TransferMode};
+use handoff_proto::{Fingerprint, Hello, HelloReply, MemoryKind, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
@@ -12,6 +12,10 @@ use crate::{CoreError, Role};
 
 /// One agent of a peer as its hello announces it: name and transport metadata.
 type AgentInfo = (String, Vec<u8>);
+
+/// What a peer's hello said, checked: its layouts, its agents, and the protocol version its
+/// connection speaks.
+type CheckedHello = (Vec<RankLayout>, Vec<AgentInfo>, u8);
 
 /// How long a connection whose hello we refused stays open for the releases its peer sends
 /// (a D sends them at once, on the reply).
@@ -40,10 +44,20 @@ pub(super) fn own_hello(
 }
 
 impl ConnectorCore {
-    /// Checks a peer's hello; returns its layouts and agents.
-    fn check_hello(&self, h: &Hello) -> Result<(Vec<RankLayout>, Vec<AgentInfo>), String> {
+    /// Checks a peer's hello; returns its layouts, agents and protocol version.
+    fn check_hello(&self, h: &Hello) -> Result<CheckedHello, String> {
         if let Some(why) = self.fingerprint.mismatch(&h.fingerprint) {
             return Err(why);
+        }
+        // The mismatch check kept the version to one this engine speaks.
+        let version = u8::try_from(h.fingerprint.protocol_version).unwrap_or(u8::MAX);
+        if version < 8 {
+            if let Some(m) = self.hello.memory.iter().find(|m| **m != MemoryKind::Host) {
+                return Err(format!(
+                    "the peer speaks protocol version {version}, which cannot describe this \
+                     engine's KV in {m}: upgrade the peer"
+                ));
+            }
         }
         if h.engine_id == self.cfg.engine_id {
             return Err(format!("peer claims this engine's id {:?}", h.engine_id));
@@ -88,7 +102,7 @@ impl ConnectorCore {
                  must have the same TP size, block size and layout (P {p:?}, D {d:?})"
             ));
         }
-        Ok((layouts, agents))
+        Ok((layouts, agents, version))
     }
 
     /// Makes `peer` ready on `conn` with what its hello said; every local worker loads its
@@ -98,8 +112,7 @@ impl ConnectorCore {
         &mut self,
         peer: PeerId,
         conn: ConnId,
-        layouts: Vec<RankLayout>,
-        agents: Vec<AgentInfo>,
+        (layouts, agents, version): CheckedHello,
     ) -> Result<(), String> {
         let names: Vec<String> = agents.iter().map(|(a, _)| a.clone()).collect();
         self.peers.set_agents(peer, names)?;
@@ -109,6 +122,7 @@ impl ConnectorCore {
         if let Some(p) = self.peers.get_mut(peer) {
             p.layouts = layouts;
             p.state = PeerState::Ready;
+            p.version = version;
         }
         for (agent, metadata) in agents {
             for rank in 0..self.ranks.len() as u16 {
@@ -279,11 +293,11 @@ impl ConnectorCore {
             }
             Message::Hello(h) => {
                 match self.check_hello(&h) {
-                    Ok((layouts, agents)) => {
+                    Ok(checked) => {
                         let peer = self.peer_named(&h.engine_id);
                         // Whatever this peer was before, it is the one on this connection now.
                         let was_down = self.peers.get(peer).is_some_and(|p| p.is_down());
-                        match self.bind_peer(peer, conn, layouts, agents) {
+                        match self.bind_peer(peer, conn, checked) {
                             Ok(()) => {
                                 if let Some(p) = self.peers.get_mut(peer) {
                                     p.addr = None;
@@ -418,8 +432,7 @@ impl ConnectorCore {
             Message::HelloReply(HelloReply::Refused { reason }) => Err(reason),
             other => Err(format!("unexpected handshake reply {}", other.kind())),
         };
-        let outcome =
-            outcome.and_then(|(layouts, agents)| self.bind_peer(peer, conn, layouts, agents));
+        let outcome = outcome.and_then(|checked| self.bind_peer(peer, conn, checked));
         match outcome {
             Ok(()) => self.flush_queued(peer),
             Err(reason) => {

@@ -59,6 +59,7 @@ fn core_of(
             opaque_blocks: false,
             kv_digest,
             peer_hosts: Vec::new(),
+            protocol_version: handoff_proto::PROTOCOL_VERSION,
         },
         vec![WorkerHello {
             rank: 0,

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use handoff_ledger::{PeerId, PushWrite, StartRead, Time};
 use handoff_plan::RankLayout;
 use handoff_proto::xfer::{XferDesc, XferOp};
-use handoff_proto::{encode, HandoffId, Message, PushDone};
+use handoff_proto::{encode_as, HandoffId, Message, PushDone};
 
 use super::peers::PeerState;
 use super::push_digest::PushDigest;
@@ -364,7 +364,7 @@ impl ConnectorCore {
                 .done
                 .iter()
                 .find(|n| last && n.consumer_rank == d_rank && n.p_rank == p_rank)
-                .and_then(|n| encode(&Message::PullDone(*n)).ok());
+                .and_then(|n| encode_as(&Message::PullDone(*n), peer.version).ok());
             let agent = peer
                 .agents
                 .get(p_rank as usize)
@@ -695,7 +695,8 @@ impl ConnectorCore {
                             .find(|n| n.p_rank == p_rank && n.d_rank == *d_rank)
                             .and_then(|n| {
                                 let digest = st.digest.value();
-                                encode(&Message::PushDone(PushDone { digest, ..*n })).ok()
+                                let done = Message::PushDone(PushDone { digest, ..*n });
+                                encode_as(&done, peer.version).ok()
                             })
                     } else {
                         None

@@ -349,6 +349,7 @@ impl Sim {
                     opaque_blocks: false,
                     kv_digest: false,
                     peer_hosts: Vec::new(),
+                    protocol_version: handoff_proto::PROTOCOL_VERSION,
                 },
                 vec![WorkerHello {
                     rank: 0,

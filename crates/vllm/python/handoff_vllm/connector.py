@@ -144,6 +144,7 @@ EXTRA_KEYS = frozenset({
     "advertise_host", "cluster_key_file", "insecure", "peer_hosts", "initial_lease_ms",
     "wait_deadline_ms", "registration_lease_ms", "read_timeout_ms", "transfer_floor_mb_per_s",
     "push_deadline_ms", "hard_cap_ms", "kv_digest", "record_trace", "timeline", "model_name",
+    "protocol_version",
 })
 
 
@@ -391,6 +392,7 @@ class HandoffConnector(KVConnectorBase_V1):
             "transfer_floor_mb_per_s": self._extra.get("transfer_floor_mb_per_s"),
             "push_deadline_ms": self._extra.get("push_deadline_ms"),
             "hard_cap_ms": self._extra.get("hard_cap_ms"),
+            "protocol_version": self._extra.get("protocol_version"),
             "opaque_blocks": self._opaque,
             "kv_digest": bool(self._extra.get("kv_digest", False)),
             "record_trace": self._extra.get("record_trace"),
