@@ -203,3 +203,45 @@ fn the_metrics_page_is_what_an_engine_exports() {
     }
     check("metrics.md", &s);
 }
+
+/// `1 000`, as the vLLM page writes numbers.
+fn spaced(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// One set of defaults: the vLLM connector and the reference engine both take the ledgers' own
+/// (`ProducerConfig::default`, `ConsumerConfig::default`), which the engine settings page is
+/// generated from; the vLLM settings page (written by hand) must state the same numbers.
+#[test]
+fn the_vllm_settings_page_states_the_engine_s_defaults() {
+    let d = EngineConfig::default();
+    let text = std::fs::read_to_string(page("vllm-extra-config.md")).unwrap();
+    for (key, value) in [
+        ("initial_lease_ms", d.lease_ms),
+        ("wait_deadline_ms", d.wait_deadline_ms),
+        ("read_timeout_ms", d.read_timeout_ms),
+        ("transfer_floor_mb_per_s", d.transfer_floor_mb_per_s),
+        ("push_deadline_ms", d.push_deadline_ms),
+        ("hard_cap_ms", d.hard_cap_ms),
+        ("registration_lease_ms", d.registration_lease_ms),
+    ] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{key}` |")))
+            .unwrap_or_else(|| panic!("no row for {key} in vllm-extra-config.md"));
+        let default = row.split('|').nth(3).unwrap_or_default().trim();
+        assert_eq!(
+            default,
+            spaced(value),
+            "vllm-extra-config.md: {key}'s default differs from the engine's"
+        );
+    }
+}

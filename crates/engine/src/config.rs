@@ -189,8 +189,17 @@ pub struct EngineConfig {
     pub record_trace_files: usize,
 }
 
+/// Milliseconds of a default duration.
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
 impl Default for EngineConfig {
+    /// Every timing and capacity of the ledgers comes from their own defaults, which vLLM's
+    /// connector uses too: one set of defaults for every engine.
     fn default() -> Self {
+        let producer = ProducerConfig::default();
+        let consumer = ConsumerConfig::default();
         EngineConfig {
             role: "both".into(),
             host: "127.0.0.1".into(),
@@ -221,22 +230,22 @@ impl Default for EngineConfig {
             transport_faults: String::new(),
             mode: "pull".into(),
             failure_policy: "recompute".into(),
-            lease_ms: 10_000,
-            heartbeat_interval_ms: 250,
-            heartbeat_extension_ms: 1_500,
-            fence_grace_ms: 1_000,
-            hard_cap_ms: 120_000,
-            read_timeout_ms: 5_000,
-            transfer_floor_mb_per_s: 1_000,
-            registration_lease_ms: 1_500,
-            push_deadline_ms: 30_000,
-            read_grace_ms: 300,
-            wait_deadline_ms: 30_000,
-            staging_capacity: 4096,
-            staging_per_peer: 1024,
-            staging_ttl_ms: 10_000,
-            tombstone_capacity: 65_536,
-            tombstone_ttl_ms: 300_000,
+            lease_ms: ms(producer.initial_lease),
+            heartbeat_interval_ms: ms(consumer.heartbeat_interval),
+            heartbeat_extension_ms: ms(producer.heartbeat_extension),
+            fence_grace_ms: ms(producer.fence_grace),
+            hard_cap_ms: ms(producer.hard_cap),
+            read_timeout_ms: ms(consumer.read_timeout),
+            transfer_floor_mb_per_s: consumer.read_floor_rate / 1_000_000,
+            registration_lease_ms: ms(consumer.registration_lease),
+            push_deadline_ms: ms(consumer.push_deadline),
+            read_grace_ms: ms(consumer.read_grace),
+            wait_deadline_ms: ms(consumer.wait_deadline),
+            staging_capacity: producer.staging_capacity,
+            staging_per_peer: producer.staging_per_peer,
+            staging_ttl_ms: ms(producer.staging_ttl),
+            tombstone_capacity: producer.tombstone_capacity,
+            tombstone_ttl_ms: ms(producer.tombstone_ttl),
             http_header_read_timeout_ms: 10_000,
             http_body_read_timeout_ms: 30_000,
             http_idle_timeout_ms: 60_000,

@@ -45,15 +45,7 @@ async fn disaggregated(
     text: &str,
     n: u32,
 ) -> (u16, Value) {
-    let (s, pr) = post(
-        c,
-        &p.url(),
-        json!({"prompt": text, "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
-    )
-    .await;
-    assert_eq!(s, 200, "{pr}");
-    post(c, &d.url(), json!({"prompt": text, "max_tokens": 10, "n": n, "kv_transfer_params": pr["kv_transfer_params"]})).await
+    common::pulled(c, p, d, text, 10, n).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{both_legs, info, metric, metric_with, metrics_text, post, released_within, texts};
+use common::{
+    both_legs, info, metric, metric_with, metrics_text, post, pulled, released_within, texts,
+};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -49,20 +51,7 @@ async fn through(
     id: u64,
 ) -> (u16, Value) {
     if mode == "pull" {
-        let (s, pr) = post(
-            c,
-            &p.url(),
-            json!({"prompt": text, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
-        )
-        .await;
-        assert_eq!(s, 200, "{pr}");
-        return post(
-            c,
-            &d.url(),
-            json!({"prompt": text, "max_tokens": 8, "kv_transfer_params": pr["kv_transfer_params"]}),
-        )
-        .await;
+        return pulled(c, p, d, text, 8, 1).await;
     }
     let pi = info(c, p).await;
     let hid = format!("{:032x}", 0x7570_6772_6164_6500_u128 << 64 | u128::from(id));

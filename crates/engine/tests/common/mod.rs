@@ -167,3 +167,30 @@ pub async fn both_legs(
     let d_leg = post_later(c, d.url(), d_body, d_delay);
     (p_leg.await.unwrap(), d_leg.await.unwrap())
 }
+
+/// A pull as the proxy runs it: P with `max_tokens` 1 and `do_remote_decode`, then D with P's
+/// `kv_transfer_params`, `max_tokens` and `n`. D's status and answer.
+pub async fn pulled(
+    c: &reqwest::Client,
+    p: &RunningEngine,
+    d: &RunningEngine,
+    text: &str,
+    max_tokens: u32,
+    n: u32,
+) -> (u16, Value) {
+    let (s, pr) = post(
+        c,
+        &p.url(),
+        serde_json::json!({"prompt": text, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{pr}");
+    post(
+        c,
+        &d.url(),
+        serde_json::json!({"prompt": text, "max_tokens": max_tokens, "n": n,
+            "kv_transfer_params": pr["kv_transfer_params"]}),
+    )
+    .await
+}
