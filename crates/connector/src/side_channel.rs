@@ -166,9 +166,11 @@ impl ConnWriter {
             Ok(bytes) => bytes,
             Err(e) => {
                 // Every message the ledgers make fits (they split batches to the cap), and the
-                // core refuses a peer whose version cannot carry its hello.
-                tracing::error!(kind = msg.kind(), error = %e, "cannot encode a control message");
-                return Ok(());
+                // core refuses a peer whose version cannot carry its hello; should one still
+                // not encode, the peer must not wait for it: the connection ends.
+                tracing::error!(kind = msg.kind(), error = %e, "cannot encode a control message: closing the connection");
+                self.close();
+                return Err(SendError::Closed);
             }
         };
         match self.queue.try_send(Outgoing::Frame(bytes)) {
@@ -236,12 +238,9 @@ fn read_frame(
 ) -> Result<(Message, u8), FrameError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).map_err(|e| FrameError {
-        closed: matches!(
-            e.kind(),
-            std::io::ErrorKind::UnexpectedEof
-                | std::io::ErrorKind::ConnectionReset
-                | std::io::ErrorKind::ConnectionAborted
-        ),
+        // A clean end of stream, as a build that refuses a version's hello closes after reading
+        // all of it (a reset is something else: a peer at its connection cap, a crash).
+        closed: e.kind() == std::io::ErrorKind::UnexpectedEof,
         text: e.to_string(),
     })?;
     let len = u32::from_le_bytes(len) as usize;
@@ -614,6 +613,9 @@ impl SideChannel {
             Ok(m) => m,
             Err(e) => return refuse(RefusedBy::Handshake, e.text),
         };
+        if let Err(e) = says_its_version(&first, version) {
+            return refuse(RefusedBy::Handshake, e);
+        }
         r.get_mut().established();
         drop(ticket);
         let Ok((conn, writer)) = open(&stream, sealer, version) else {
@@ -669,14 +671,20 @@ impl SideChannel {
         let sink = self.sink.clone();
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let newest = self.cfg.protocol_version;
-        let mut result = self.say_hello(&engine, &addr, &hello, newest, deadline);
+        let mut result = encode_as(&hello, newest)
+            .map_err(|e| FrameError::from(e.to_string()))
+            .and_then(|bytes| self.say_hello(&engine, &addr, &bytes, newest, deadline));
         if let Err(e) = &result {
             // A build that does not know this version closes without a reply: say it once
-            // more in the oldest version this one speaks.
-            if e.closed && newest > OLDEST_PROTOCOL_VERSION {
+            // more in the oldest version this one speaks, if that version can say it (device
+            // memory it cannot).
+            let older = (e.closed && newest > OLDEST_PROTOCOL_VERSION)
+                .then(|| encode_as(&hello, OLDEST_PROTOCOL_VERSION).ok())
+                .flatten();
+            if let Some(bytes) = older {
                 tracing::debug!(engine, addr, "no reply to a version-{newest} hello: trying version {OLDEST_PROTOCOL_VERSION}");
                 result = self
-                    .say_hello(&engine, &addr, &hello, OLDEST_PROTOCOL_VERSION, deadline)
+                    .say_hello(&engine, &addr, &bytes, OLDEST_PROTOCOL_VERSION, deadline)
                     .map_err(|older| FrameError {
                         text: format!("{e}; in version {OLDEST_PROTOCOL_VERSION}: {older}"),
                         closed: older.closed,
@@ -708,13 +716,13 @@ impl SideChannel {
         drop(slot);
     }
 
-    /// One connection to `addr`: proves the cluster key, says `hello` in `version`, reads the
-    /// reply (which must be in the same version).
+    /// One connection to `addr`: proves the cluster key, says `hello` (encoded in `version`),
+    /// reads the reply (which must be in the same version), all before `deadline`.
     fn say_hello(
         &self,
         engine: &str,
         addr: &str,
-        hello: &Message,
+        hello: &[u8],
         version: u8,
         deadline: Instant,
     ) -> Result<Dialled, FrameError> {
@@ -722,7 +730,11 @@ impl SideChannel {
             .map_err(|e| format!("cannot resolve {addr}: {e}"))?
             .next()
             .ok_or_else(|| format!("cannot resolve {addr}"))?;
-        let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(3))
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("{addr}: no time left in the handshake's deadline").into());
+        }
+        let stream = TcpStream::connect_timeout(&sock, left.min(Duration::from_secs(3)))
             .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
         let (mut sealer, mut opener) = match &self.cfg.key {
             Some(key) => {
@@ -734,11 +746,10 @@ impl SideChannel {
             }
             None => (None, None),
         };
-        let bytes = encode_as(hello, version).map_err(|e| e.to_string())?;
         stream
             .set_write_timeout(Some(WRITE_TIMEOUT))
             .map_err(|e| e.to_string())?;
-        write_frame(&mut &stream, &bytes, sealer.as_mut()).map_err(|e| format!("{addr}: {e}"))?;
+        write_frame(&mut &stream, hello, sealer.as_mut()).map_err(|e| format!("{addr}: {e}"))?;
         let mut r = BufReader::new(DeadlineRead {
             stream: stream.try_clone().map_err(|e| e.to_string())?,
             deadline: Some(deadline),
@@ -753,10 +764,30 @@ impl SideChannel {
                 format!("{addr} replied in version {got} to a version-{version} hello").into(),
             );
         }
+        if let Err(e) = says_its_version(&reply, version) {
+            return Err(format!("{addr}: {e}").into());
+        }
         r.get_mut().established();
         let (conn, writer) = open(&stream, sealer, version).map_err(|e| e.to_string())?;
         Ok((conn, writer, r, opener, reply))
     }
+}
+
+/// A hello (or an accepted reply's hello) names in its fingerprint the version of the frame it
+/// came in: the core keeps that version for the peer's notifications, the connection's writer
+/// the frame's, and a peer must not make them differ.
+fn says_its_version(msg: &Message, version: u8) -> Result<(), String> {
+    let hello = match msg {
+        Message::Hello(h) | Message::HelloReply(handoff_proto::HelloReply::Accepted(h)) => h,
+        _ => return Ok(()),
+    };
+    if hello.fingerprint.protocol_version != u16::from(version) {
+        return Err(format!(
+            "a hello naming protocol version {} in a version-{version} frame",
+            hello.fingerprint.protocol_version
+        ));
+    }
+    Ok(())
 }
 
 /// A dialled connection after its handshake: id, writer, reader, frame opener, the reply.
@@ -892,6 +923,62 @@ mod tests {
 
     /// A relay that passed the handshake through (to a P address a client chose) cannot change
     /// what crosses afterwards: a frame whose tag does not check closes the connection.
+    /// A hello whose fingerprint names another version than its frame's is refused before the
+    /// core sees it (the core would keep the fingerprint's version for the peer, the connection
+    /// the frame's); the same hello in a frame of its own version is accepted.
+    #[test]
+    fn a_hello_must_name_the_version_of_its_frame() {
+        let key = ClusterKey::generate().unwrap();
+        let (addr, events, stop) = p_side(&key);
+        let hello = |protocol_version: u16| {
+            Message::Hello(handoff_proto::Hello {
+                engine_id: "d".into(),
+                rank: 0,
+                tp: 1,
+                fingerprint: handoff_proto::Fingerprint {
+                    protocol_version,
+                    model: "m".into(),
+                    num_layers: 1,
+                    num_kv_heads: 1,
+                    head_dim: 8,
+                    dtype: "bf16".into(),
+                    mode: handoff_proto::TransferMode::Pull,
+                },
+                layout: vec![],
+                agent_metadata: vec![],
+                memory: vec![handoff_proto::MemoryKind::Host],
+            })
+        };
+        let say = |bytes: Vec<u8>| {
+            let s = TcpStream::connect(addr).unwrap();
+            let session = auth::dial(&s, &key, "side", "d", "p", Duration::from_secs(2)).unwrap();
+            let (mut sealer, _) = session.split();
+            write_frame(&mut &s, &bytes, Some(&mut sealer)).unwrap();
+            let event = events
+                .recv_timeout(Duration::from_secs(5))
+                .expect("an event");
+            (s, event)
+        };
+        // Version 7's encoder writes 7 into the fingerprint: put 8 back into its bytes (the
+        // fingerprint's version is the first byte after the variant, the engine id and two
+        // ranks: 0x00, 0x01 'd', 0x00, 0x01, then 0x07).
+        let mut lying = handoff_proto::encode_as(&hello(8), 7).unwrap();
+        assert_eq!(lying[6], 7, "{lying:?}");
+        lying[6] = 8;
+        assert!(matches!(
+            handoff_proto::decode(&lying),
+            Ok(Message::Hello(h)) if h.fingerprint.protocol_version == 8
+        ));
+        let (_s, event) = say(lying);
+        assert!(
+            matches!(event, SideEvent::Refused(RefusedBy::Handshake)),
+            "{event:?}"
+        );
+        let (_s, event) = say(handoff_proto::encode_as(&hello(8), 7).unwrap());
+        assert!(matches!(event, SideEvent::Accepted { .. }), "{event:?}");
+        stop.store(true, Ordering::Relaxed);
+    }
+
     #[test]
     fn a_frame_changed_after_the_handshake_is_refused() {
         let key = ClusterKey::generate().unwrap();

@@ -154,13 +154,13 @@ impl Fingerprint {
     /// this fingerprint, the block layout inside a block (`head-major` or `token-major`) and
     /// whether the KV digest is checked. Equal keys pair; TP size, block size and pool layout
     /// are left out, since the planner handles any of them. A stable hash (FNV-1a), not a
-    /// secret: the same settings give the same key on every host and every build. The version
-    /// in it is the oldest this build speaks, not its own: a release keeps the key of the one
-    /// before, whose engines it pairs with during a rolling upgrade.
+    /// secret: the same settings give the same key on every host and every build. It does not
+    /// cover the protocol version (the handshake negotiates one both ends speak, or refuses):
+    /// see [`COMPAT_KEY_VERSION`].
     pub fn compat_key(&self, block_layout: &str, kv_digest: bool) -> String {
         let canonical = format!(
             "handoff-compat|v{}|{}|{}|{}|{}|{}|{}|{}|digest={}",
-            crate::versions::OLDEST_PROTOCOL_VERSION,
+            COMPAT_KEY_VERSION,
             self.model,
             self.num_layers,
             self.num_kv_heads,
@@ -178,6 +178,13 @@ impl Fingerprint {
         format!("{:012x}", h >> 16)
     }
 }
+
+/// The protocol version written into every compatibility key. Up to version 7 the key covered
+/// the engine's version; since 8 the handshake negotiates one both ends speak, and the key keeps
+/// 7 so that the same settings give the same key in every release: routers pair old and new
+/// engines during a rolling upgrade, and a pair that shares no version is refused at the
+/// handshake.
+const COMPAT_KEY_VERSION: u8 = 7;
 
 /// First message on a side channel: who I am and what my KV looks like.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -553,7 +553,7 @@ fn a_peer_of_the_previous_protocol_version_pairs_and_one_older_does_not() {
         a.mismatch(&older),
         Some("incompatible peer: protocol version 6 on the peer, this engine speaks 7 to 8".into())
     );
-    // The compatibility key stays the previous release's, so routers pair old and new.
+    // The compatibility key does not depend on the version, so routers pair old and new.
     assert_eq!(
         a.compat_key("head-major", false),
         previous.compat_key("head-major", false)

@@ -167,3 +167,20 @@ fn a_version_this_build_does_not_speak_is_an_error_both_ways() {
         Err(DecodeError::UnsupportedVersion { got: 6, .. })
     ));
 }
+
+#[test]
+fn the_compatibility_key_is_the_previous_release_s() {
+    // What the previous release's own code (commit ba238f9) computed for this fingerprint: a
+    // router that pairs by key pairs its engines with this release's.
+    let Message::Hello(hello) = message("hello") else {
+        unreachable!()
+    };
+    let mut f = hello.fingerprint;
+    assert_eq!(f.compat_key("head-major", false), "a53e8b810322");
+    assert_eq!(f.compat_key("token-major", true), "f0e54059d1e7");
+    f.protocol_version = PROTOCOL_VERSION as u16;
+    assert_eq!(f.compat_key("head-major", false), "a53e8b810322");
+    // It still covers what must match: another model is another key.
+    f.model = "other".into();
+    assert_ne!(f.compat_key("head-major", false), "a53e8b810322");
+}
