@@ -33,7 +33,7 @@ import pytest
 import requests
 
 from conftest import (BLOCK_SIZE, FENCE_GRACE_S, INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT,
-                      Server, back_to, connector, fresh_usage, prompt)
+                      Server, back_to, connector, fresh_usage, ignore_errors, prompt)
 from test_router import router
 
 CLIENTS = 2
@@ -87,7 +87,7 @@ def chaos(single):
                 os.killpg(s.proc.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-            s.kill()
+            s.stop()
 
 
 def why_failed(resp: requests.Response) -> str:
@@ -175,7 +175,17 @@ def test_one_d_killed_and_another_stopped_under_load_behind_vllm_router(chaos):
         start = time.monotonic()
         time.sleep(KILL_AT_S - 2)
         open(HOLD_D1, "w").close()  # D1's next READs wait: P holds blocks for D1 at the kill
-        time.sleep(2)
+        # One request of our own into D1 besides the router's, so that P surely holds a handoff
+        # for D1 at the kill (the router's two clients may send none there in these seconds:
+        # a CI run once killed D1 while P held nothing for it).
+        ids = prompt(2 * BLOCK_SIZE + 5, seed=49_999)
+        own = p.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+        d1_leg = threading.Thread(
+            target=lambda: ignore_errors(d1.complete, ids, 4,
+                                         kv_transfer_params=own["kv_transfer_params"]),
+            daemon=True)
+        d1_leg.start()
+        time.sleep(2)  # D1 has claimed it; its READ waits on the hold
         before = len(ends_for_peer_dead(p))
         killed = time.time()
         d1.kill()

@@ -100,7 +100,7 @@ def hosts(single, tmp_path_factory):
         yield dict(servers, single=single)
     finally:
         for s in servers.values():
-            s.kill()
+            s.stop()
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
         subprocess.run(["ip", "link", "del", P_LINK], capture_output=True)
         shutil.rmtree(HOSTS_DIR, ignore_errors=True)

@@ -57,7 +57,7 @@ def push(single):
         yield dict(servers, single=single, side_port=side_port)
     finally:
         for s in servers.values():
-            s.kill()
+            s.stop()
 
 
 def legs(push) -> tuple[dict, dict]:
