@@ -162,7 +162,7 @@ impl ConnWriter {
         if self.closed.load(Ordering::Relaxed) {
             return Err(SendError::Closed);
         }
-        let bytes = match encode_as(msg, self.version) {
+        let bytes = match encode_as(&in_version(msg, self.version), self.version) {
             Ok(bytes) => bytes,
             Err(e) => {
                 // Every message the ledgers make fits (they split batches to the cap), and the
@@ -671,7 +671,7 @@ impl SideChannel {
         let sink = self.sink.clone();
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let newest = self.cfg.protocol_version;
-        let mut result = encode_as(&hello, newest)
+        let mut result = encode_as(&in_version(&hello, newest), newest)
             .map_err(|e| FrameError::from(e.to_string()))
             .and_then(|bytes| self.say_hello(&engine, &addr, &bytes, newest, deadline));
         if let Err(e) = &result {
@@ -679,7 +679,10 @@ impl SideChannel {
             // more in the oldest version this one speaks, if that version can say it (device
             // memory it cannot).
             let older = (e.closed && newest > OLDEST_PROTOCOL_VERSION)
-                .then(|| encode_as(&hello, OLDEST_PROTOCOL_VERSION).ok())
+                .then(|| {
+                    let older = in_version(&hello, OLDEST_PROTOCOL_VERSION);
+                    encode_as(&older, OLDEST_PROTOCOL_VERSION).ok()
+                })
                 .flatten();
             if let Some(bytes) = older {
                 tracing::debug!(engine, addr, "no reply to a version-{newest} hello: trying version {OLDEST_PROTOCOL_VERSION}");
@@ -770,6 +773,28 @@ impl SideChannel {
         r.get_mut().established();
         let (conn, writer) = open(&stream, sealer, version).map_err(|e| e.to_string())?;
         Ok((conn, writer, r, opener, reply))
+    }
+}
+
+/// `msg` as said on a connection of `version`: a hello (or an accepted reply's) names that
+/// version in its fingerprint, whatever this engine's newest is.
+fn in_version(msg: &Message, version: u8) -> std::borrow::Cow<'_, Message> {
+    use handoff_proto::HelloReply;
+    let named = |h: &handoff_proto::Hello| {
+        let mut h = h.clone();
+        h.fingerprint.protocol_version = u16::from(version);
+        h
+    };
+    match msg {
+        Message::Hello(h) if h.fingerprint.protocol_version != u16::from(version) => {
+            std::borrow::Cow::Owned(Message::Hello(named(h)))
+        }
+        Message::HelloReply(HelloReply::Accepted(h))
+            if h.fingerprint.protocol_version != u16::from(version) =>
+        {
+            std::borrow::Cow::Owned(Message::HelloReply(HelloReply::Accepted(named(h))))
+        }
+        other => std::borrow::Cow::Borrowed(other),
     }
 }
 
@@ -959,12 +984,8 @@ mod tests {
                 .expect("an event");
             (s, event)
         };
-        // Version 7's encoder writes 7 into the fingerprint: put 8 back into its bytes (the
-        // fingerprint's version is the first byte after the variant, the engine id and two
-        // ranks: 0x00, 0x01 'd', 0x00, 0x01, then 0x07).
-        let mut lying = handoff_proto::encode_as(&hello(8), 7).unwrap();
-        assert_eq!(lying[6], 7, "{lying:?}");
-        lying[6] = 8;
+        // A version-7 frame whose hello names version 8.
+        let lying = handoff_proto::encode_as(&hello(8), 7).unwrap();
         assert!(matches!(
             handoff_proto::decode(&lying),
             Ok(Message::Hello(h)) if h.fingerprint.protocol_version == 8
@@ -974,7 +995,7 @@ mod tests {
             matches!(event, SideEvent::Refused(RefusedBy::Handshake)),
             "{event:?}"
         );
-        let (_s, event) = say(handoff_proto::encode_as(&hello(8), 7).unwrap());
+        let (_s, event) = say(handoff_proto::encode_as(&in_version(&hello(8), 7), 7).unwrap());
         assert!(matches!(event, SideEvent::Accepted { .. }), "{event:?}");
         stop.store(true, Ordering::Relaxed);
     }

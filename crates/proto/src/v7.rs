@@ -45,10 +45,7 @@ fn hello_to_v7(h: &Hello) -> Result<HelloV7, EncodeError> {
         engine_id: h.engine_id.clone(),
         rank: h.rank,
         tp: h.tp,
-        fingerprint: Fingerprint {
-            protocol_version: 7,
-            ..h.fingerprint.clone()
-        },
+        fingerprint: h.fingerprint.clone(),
         layout: h.layout.clone(),
         agent_metadata: h.agent_metadata.clone(),
     })
