@@ -29,7 +29,7 @@ pub enum CoreError {
     NoRanks,
     #[error("protocol version {version}: this build speaks {oldest} to {newest}", oldest = handoff_proto::OLDEST_PROTOCOL_VERSION, newest = handoff_proto::PROTOCOL_VERSION)]
     ProtocolVersion { version: u8 },
-    #[error("protocol version {version} cannot describe rank {rank}'s KV in {memory}: pin to {newest} at least", newest = handoff_proto::PROTOCOL_VERSION)]
+    #[error("protocol version {version} cannot describe rank {rank}'s KV in {memory}: pin to {since} at least", since = handoff_proto::versions::DEVICE_MEMORY_SINCE)]
     VersionMemory {
         version: u8,
         rank: u16,

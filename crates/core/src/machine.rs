@@ -31,7 +31,7 @@ use handoff_ledger::{
 };
 use handoff_plan::KvSpec;
 use handoff_proto::{
-    Epoch, Fingerprint, HandoffId, Hello, KvTransferParams, MemoryKind, Message, ReleaseReason,
+    versions, Epoch, Fingerprint, HandoffId, Hello, KvTransferParams, Message, ReleaseReason,
     TransferMode, PROTOCOL_VERSION,
 };
 
@@ -235,14 +235,13 @@ impl ConnectorCore {
                 version: cfg.protocol_version,
             });
         }
-        if cfg.protocol_version < 8 {
-            if let Some(r) = ranks.iter().find(|r| r.memory != MemoryKind::Host) {
-                return Err(CoreError::VersionMemory {
-                    version: cfg.protocol_version,
-                    rank: r.rank,
-                    memory: r.memory,
-                });
-            }
+        let described = |r: &&WorkerHello| versions::describes(cfg.protocol_version, r.memory);
+        if let Some(r) = ranks.iter().find(|r| !described(r)) {
+            return Err(CoreError::VersionMemory {
+                version: cfg.protocol_version,
+                rank: r.rank,
+                memory: r.memory,
+            });
         }
         let fingerprint = Fingerprint {
             protocol_version: u16::from(cfg.protocol_version),

@@ -5,7 +5,8 @@ use crate::batch::MAX_BATCH_ENTRIES;
 use crate::error::{DecodeError, EncodeError};
 use crate::message::*;
 use crate::v7;
-use crate::versions::{OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use crate::versions::{speaks, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION};
+
 /// `msg` in this build's own version.
 pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
     encode_as(msg, PROTOCOL_VERSION)
@@ -14,7 +15,19 @@ pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
 /// `msg` in `version` (one this build speaks: what the connection to its receiver negotiated).
 pub fn encode_as(msg: &Message, version: u8) -> Result<Vec<u8>, EncodeError> {
     validate(msg).map_err(EncodeError::OverLimit)?;
-    let out = v7::encode_body(msg, version, vec![version])?;
+    let out = match version {
+        7 => v7::encode(msg, vec![version])?,
+        v if speaks(v) => postcard::to_extend(msg, vec![v])
+            .map_err(|e| EncodeError::Serialize(e.to_string()))?,
+        v => {
+            return Err(EncodeError::NotInVersion {
+                version: v,
+                what: format!(
+                    "anything: this build speaks versions {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
+                ),
+            })
+        }
+    };
     if out.len() > MAX_MESSAGE_BYTES {
         return Err(EncodeError::TooLarge { size: out.len() });
     }
@@ -44,7 +57,12 @@ pub fn decode_up_to(bytes: &[u8], newest: u8) -> Result<(Message, u8), DecodeErr
             newest,
         });
     }
-    let (msg, rest) = v7::decode_body(version, body)?;
+    let (msg, rest) = if version == 7 {
+        v7::decode(body)?
+    } else {
+        postcard::take_from_bytes::<Message>(body)
+            .map_err(|e| DecodeError::Malformed(e.to_string()))?
+    };
     if !rest.is_empty() {
         return Err(DecodeError::TrailingBytes {
             trailing: rest.len(),

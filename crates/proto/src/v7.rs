@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{DecodeError, EncodeError};
 use crate::message::{Fingerprint, Hello, HelloReply, Message, MAX_HELLO_RANKS};
-use crate::versions::{speaks, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use crate::versions;
 use crate::xfer::MemoryKind;
 
 /// [`Hello`] as version 7 encodes it: no `memory`.
@@ -35,7 +35,7 @@ enum HandshakeV7 {
 }
 
 fn hello_to_v7(h: &Hello) -> Result<HelloV7, EncodeError> {
-    if let Some(m) = h.memory.iter().find(|m| **m != MemoryKind::Host) {
+    if let Some(m) = h.memory.iter().find(|m| !versions::describes(7, **m)) {
         return Err(EncodeError::NotInVersion {
             version: 7,
             what: format!("a hello naming {m} (version 7 knows host memory only)"),
@@ -70,55 +70,45 @@ fn hello_from_v7(h: HelloV7) -> Result<Hello, DecodeError> {
     })
 }
 
-/// `msg` encoded in `version` after the version byte, appended to `out`.
-pub(crate) fn encode_body(
-    msg: &Message,
-    version: u8,
-    out: Vec<u8>,
-) -> Result<Vec<u8>, EncodeError> {
+/// `msg` in version 7, appended to `out` (after the version byte).
+pub(crate) fn encode(msg: &Message, out: Vec<u8>) -> Result<Vec<u8>, EncodeError> {
     let serialize = |e: postcard::Error| EncodeError::Serialize(e.to_string());
-    match (version, msg) {
-        (7, Message::Hello(h)) => {
+    match msg {
+        Message::Hello(h) => {
             postcard::to_extend(&HandshakeV7::Hello(hello_to_v7(h)?), out).map_err(serialize)
         }
-        (7, Message::HelloReply(HelloReply::Accepted(h))) => postcard::to_extend(
+        Message::HelloReply(HelloReply::Accepted(h)) => postcard::to_extend(
             &HandshakeV7::HelloReply(HelloReplyV7::Accepted(hello_to_v7(h)?)),
             out,
         )
         .map_err(serialize),
-        (7, Message::HelloReply(HelloReply::Refused { reason })) => postcard::to_extend(
+        Message::HelloReply(HelloReply::Refused { reason }) => postcard::to_extend(
             &HandshakeV7::HelloReply(HelloReplyV7::Refused {
                 reason: reason.clone(),
             }),
             out,
         )
         .map_err(serialize),
-        (v, _) if speaks(v) => postcard::to_extend(msg, out).map_err(serialize),
-        (v, _) => Err(EncodeError::NotInVersion {
-            version: v,
-            what: format!(
-                "anything: this build speaks versions {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
-            ),
-        }),
+        other => postcard::to_extend(other, out).map_err(serialize),
     }
 }
 
-/// One message of `version` (one this build speaks) from `body`; returns it and what is left.
-pub(crate) fn decode_body(version: u8, body: &[u8]) -> Result<(Message, &[u8]), DecodeError> {
+/// One version-7 message from `body`; returns it and what is left.
+pub(crate) fn decode(body: &[u8]) -> Result<(Message, &[u8]), DecodeError> {
     let malformed = |e: postcard::Error| DecodeError::Malformed(e.to_string());
     // Postcard writes the variant index first, as a varint: 0 and 1 are a hello and its reply.
-    if version == 7 && body.first().is_some_and(|&variant| variant <= 1) {
-        let (msg, rest) = postcard::take_from_bytes::<HandshakeV7>(body).map_err(malformed)?;
-        let msg = match msg {
-            HandshakeV7::Hello(h) => Message::Hello(hello_from_v7(h)?),
-            HandshakeV7::HelloReply(HelloReplyV7::Accepted(h)) => {
-                Message::HelloReply(HelloReply::Accepted(hello_from_v7(h)?))
-            }
-            HandshakeV7::HelloReply(HelloReplyV7::Refused { reason }) => {
-                Message::HelloReply(HelloReply::Refused { reason })
-            }
-        };
-        return Ok((msg, rest));
+    if !body.first().is_some_and(|&variant| variant <= 1) {
+        return postcard::take_from_bytes::<Message>(body).map_err(malformed);
     }
-    postcard::take_from_bytes::<Message>(body).map_err(malformed)
+    let (msg, rest) = postcard::take_from_bytes::<HandshakeV7>(body).map_err(malformed)?;
+    let msg = match msg {
+        HandshakeV7::Hello(h) => Message::Hello(hello_from_v7(h)?),
+        HandshakeV7::HelloReply(HelloReplyV7::Accepted(h)) => {
+            Message::HelloReply(HelloReply::Accepted(hello_from_v7(h)?))
+        }
+        HandshakeV7::HelloReply(HelloReplyV7::Refused { reason }) => {
+            Message::HelloReply(HelloReply::Refused { reason })
+        }
+    };
+    Ok((msg, rest))
 }

@@ -15,12 +15,23 @@
 //!   on every rank; a hello that names device memory cannot be said in version 7 (an error: the
 //!   old peer would take device addresses for host ones).
 
+use crate::xfer::MemoryKind;
+
 /// The version this build says hello in.
 pub const PROTOCOL_VERSION: u8 = 8;
 /// The oldest version this build still speaks (the previous release's).
 pub const OLDEST_PROTOCOL_VERSION: u8 = 7;
 
+/// The first version whose hello says where each rank's KV lives.
+pub const DEVICE_MEMORY_SINCE: u8 = 8;
+
 /// Whether this build speaks `version`.
 pub fn speaks(version: u8) -> bool {
     (OLDEST_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version)
+}
+
+/// Whether a hello of `version` can describe KV in `memory` (before
+/// [`DEVICE_MEMORY_SINCE`], every KV cache is host memory).
+pub fn describes(version: u8, memory: MemoryKind) -> bool {
+    memory == MemoryKind::Host || version >= DEVICE_MEMORY_SINCE
 }

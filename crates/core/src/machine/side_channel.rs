@@ -3,7 +3,7 @@
 
 use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
-use handoff_proto::{Fingerprint, Hello, HelloReply, MemoryKind, Message, TransferMode};
+use handoff_proto::{versions, Fingerprint, Hello, HelloReply, MemoryKind, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
 use super::{Connect, ConnectorCore, CoreConfig, Observation};
@@ -51,13 +51,12 @@ impl ConnectorCore {
         }
         // The mismatch check kept the version to one this engine speaks.
         let version = u8::try_from(h.fingerprint.protocol_version).unwrap_or(u8::MAX);
-        if version < 8 {
-            if let Some(m) = self.hello.memory.iter().find(|m| **m != MemoryKind::Host) {
-                return Err(format!(
-                    "the peer speaks protocol version {version}, which cannot describe this \
-                     engine's KV in {m}: upgrade the peer"
-                ));
-            }
+        let described = |m: &&MemoryKind| versions::describes(version, **m);
+        if let Some(m) = self.hello.memory.iter().find(|m| !described(m)) {
+            return Err(format!(
+                "the peer speaks protocol version {version}, which cannot describe this \
+                 engine's KV in {m}: upgrade the peer"
+            ));
         }
         if h.engine_id == self.cfg.engine_id {
             return Err(format!("peer claims this engine's id {:?}", h.engine_id));

@@ -5,8 +5,8 @@ at that moment), later the other is SIGSTOPped past the dead-peer timeout and re
 
 What a user relies on, asserted: P gives back the blocks it held for the killed D within 2 s of
 D's last process exiting (P's log names each handoff's end, reason ``peer_dead``; the report
-also has the time from the SIGKILL, which adds the kernel's teardown of D's memory); every request that succeeds
-equals the single engine's output; no request hangs past its deadline; once the load is over
+also has the time from the SIGKILL, which adds the kernel's teardown of D's memory); every
+request that succeeds equals the single engine's output; no request hangs past its deadline; once the load is over
 P's KV usage is back to idle within the initial lease and its fence (and 2 s). The router
 checks its workers' health every second here; until it notices the dead D, it still sends P
 legs whose D leg then fails: nobody claims those handoffs, and P frees them when the initial
