@@ -343,9 +343,20 @@ def engine_main(conn, name, role, mode, tp, layout, device, options, env):
             conn.send(("error", traceback.format_exc()))
 
 
+def engine_processes():
+    """Where engine processes come from: a fork server that imported torch once.
+
+    Every case starts a P and a D process (more for TP); spawning each anew imports torch
+    again, seconds apiece (three minutes of the CPU check went to that). The server forks
+    before any CUDA call, so each engine still initialises CUDA itself."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 class Handle:
     def __init__(self, name, role, mode, tp, layout, device, options, env):
-        ctx = mp.get_context("spawn")
+        ctx = engine_processes()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main,
                                 args=(child, name, role, mode, tp, layout, device, options, env),
@@ -545,7 +556,7 @@ def raw_sender(port, nbytes, device, ready):
 
 def raw_pipeline_gbps(nbytes):
     """GB/s of pinned copies and raw TCP between two processes, device to device."""
-    ctx = mp.get_context("spawn")
+    ctx = engine_processes()
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)

@@ -2,18 +2,23 @@
 every query of the Grafana dashboard must return data; the alert rules must load and evaluate.
 
     python3 ops_check.py --bin target/debug/handoff --work TMPDIR \
-        --dashboard ops/grafana/handoff-dashboard.json --rules ops/prometheus/alerts.yml
+        --dashboard ops/grafana/handoff-dashboard.json --rules ops/prometheus/alerts.yml \
+        [--prefill URL --decode URL --model NAME]
 
-On loopback only: a prefill engine and a decode engine (tcp transport, pull, KV digest on), a
+On loopback only: a prefill engine and a decode engine (tcp transport, pull, KV digest on) —
+the reference engine's, started here, or, with --prefill and --decode, engines already running
+(vLLM with HandoffConnector and `handoff_vllm.HandoffOps`, serving --model) — a
 `handoff proxy` in front, and `prometheus` (its own config and TSDB under TMPDIR) scraping the
 three every second with the rules loaded. A bounded load goes through the proxy (plain, n=2 and
 streamed completions) in two bursts, one before Prometheus starts (so that its first scrape has
 every series the load makes) and one after, and each burst injects two faults so that the
-series that exist only after an event exist and grow: D is sent a request naming a handoff P
-does not hold (recomputed after D's wait_deadline_ms, counted in
-handoff_requests_failed_total{reason}), and P's side channel is sent bytes that are not a
-handshake (handoff_side_connections_refused_total{reason}). No panel uses `or vector(0)`: a
-panel returns data because the cluster produced it.
+series that exist only after an event exist and grow: D is sent a request whose params name a
+P that nobody runs, at a port nobody listens on (D's dial is refused and the request's transfer
+fails at once: handoff_requests_failed_total{reason}), and P's side channel is sent bytes that
+are not a handshake (handoff_side_connections_refused_total{reason}). No panel uses
+`or vector(0)`: a panel returns data because the cluster produced it. (A panel reads the
+reference engine's `engine_*` series `or` vLLM's own `vllm:*` ones: each returns data from
+either kind of engine.)
 
 Then, against Prometheus' HTTP API:
 - every target of every panel (`$__rate_interval` replaced by 1m, Grafana's value for this
@@ -196,8 +201,9 @@ def dashboard_queries(path: Path) -> list[tuple[str, str, str]]:
     names = {v.get("name") for v in dash.get("templating", {}).get("list", [])}
     walk(dash.get("panels", []))
     for title, ref, expr in out:
-        # Variables Prometheus cannot evaluate: only $__rate_interval is replaced here.
-        for var in re.findall(r"\$\{?(\w+)", expr):
+        # Variables Prometheus cannot evaluate: only $__rate_interval is replaced here. (`$1`
+        # is label_replace's capture group: Grafana leaves a name no variable has alone.)
+        for var in re.findall(r"\$\{?([A-Za-z_]\w*)", expr):
             if var != "__rate_interval":
                 raise CheckFailed(f"panel {title!r} target {ref}: expr uses ${var}, which only "
                                   f"Grafana knows (templating: {sorted(n for n in names if n)})")
@@ -237,13 +243,13 @@ def completion(url: str, body: dict) -> dict:
     return json.loads(raw)
 
 
-def load(proxy: str, n: int) -> int:
+def load(proxy: str, model: str, n: int) -> int:
     words = ("the prefill engine computes a prompt and the decode engine reads its blocks "
              "over the transport while the lease holds").split()
     bodies = []
     for i in range(n):
         prompt = " ".join(words[j % len(words)] for j in range(i, i + 6 + (i * 37) % 180))
-        body = {"model": "handoff-synthetic-8b", "prompt": prompt, "max_tokens": 8}
+        body = {"model": model, "prompt": prompt, "max_tokens": 8}
         if i % 4 == 1:
             body["n"] = 2
         if i % 6 == 5:
@@ -257,35 +263,46 @@ def load(proxy: str, n: int) -> int:
     return n
 
 
-def recompute_fault(decode: str, p_info: dict, i: int) -> None:
-    """A D request whose kv_transfer_params name a handoff P does not hold: D waits its
-    wait_deadline_ms for P, then recomputes (handoff_requests_failed_total{reason})."""
-    prompt = "a request for a handoff that nobody holds"
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": p_info["engine_id"],
-        "remote_host": p_info["remote_host"],
-        "remote_port": p_info["remote_port"],
-        "remote_block_ids": [[1]],
-        "tp_size": p_info["tp_size"],
-        "remote_num_tokens": len(prompt.split()),  # the synthetic model's tokens are words
-        "remote_block_size": p_info["block_size"],
-        "handoff_id": f"{0xdead0000 + i:032x}",
-        "epoch": 1,
-        "lease_ms": 10000,
-        "transfer_mode": "pull",
-    }
-    answer = completion(decode, {"prompt": prompt, "max_tokens": 2,
-                                 "kv_transfer_params": params})
-    if not answer.get("choices"):
-        raise CheckFailed(f"D did not recompute the request: {answer!r}")
+HANDOFF_PROMPT = "the prefill engine hands this prompt's blocks to the decode engine"
 
 
-def side_channel_fault(p_info: dict) -> None:
+def one_handoff(prefill: str, decode: str, model: str) -> dict:
+    """One request P prefills for a remote D and D decodes from P's KV (what the proxy does):
+    P's kv_transfer_params, whose shape the faults copy (P's handoff is consumed, nothing is
+    left to expire)."""
+    first = completion(prefill, {"model": model, "prompt": HANDOFF_PROMPT, "max_tokens": 1,
+                                 "kv_transfer_params": {"do_remote_decode": True}})
+    params = first.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("remote_port"):
+        raise CheckFailed(f"P answered no kv_transfer_params: {first!r}")
+    completion(decode, {"model": model, "prompt": HANDOFF_PROMPT, "max_tokens": 2,
+                        "kv_transfer_params": params})
+    return params
+
+
+def transfer_fault(decode: str, model: str, p_params: dict, i: int) -> None:
+    """A D request whose kv_transfer_params name a P nobody runs, at a loopback port nobody
+    listens on: D's dial is refused and the request's transfer fails at once
+    (handoff_requests_failed_total{reason}); D recomputes or fails the request, as its policy
+    says, so its answer is not checked."""
+    # Bound and never listening until D's answer: Linux refuses connections to it, and nothing
+    # else can take the port meanwhile.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        params = dict(p_params, remote_engine_id=f"ops-check-nobody-{i}",
+                      remote_host="127.0.0.1", remote_port=s.getsockname()[1],
+                      handoff_id=f"{0xdead0000 + i:032x}")
+        http("POST", f"{decode}/v1/completions",
+             {"model": model, "prompt": HANDOFF_PROMPT, "max_tokens": 2,
+              "kv_transfer_params": params})
+
+
+def side_channel_fault(p_params: dict) -> None:
     """Bytes that are not a handshake on P's side channel: P closes the connection before its
     first frame (handoff_side_connections_refused_total{reason})."""
-    host, port = p_info["remote_host"], p_info["remote_port"]
-    assert host == "127.0.0.1", host
+    host, port = p_params["remote_host"], p_params["remote_port"]
+    if host != "127.0.0.1":
+        raise CheckFailed(f"P's side channel is at {host}, not on loopback: this check stays there")
     with socket.create_connection((host, port), timeout=5) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
         try:
@@ -295,13 +312,13 @@ def side_channel_fault(p_info: dict) -> None:
             pass
 
 
-def burst(proxy: str, decode: str, p_info: dict, n: int, i: int) -> int:
-    """n completions through the proxy, with one injected recompute and one side-channel
-    refusal at the same time (the recompute takes D's wait_deadline_ms)."""
+def burst(proxy: str, decode: str, model: str, p_params: dict, n: int, i: int) -> int:
+    """n completions through the proxy, with one injected transfer failure and one
+    side-channel refusal at the same time."""
     with concurrent.futures.ThreadPoolExecutor(3) as ex:
-        sent = ex.submit(load, proxy, n)
-        failed = ex.submit(recompute_fault, decode, p_info, i)
-        refused = ex.submit(side_channel_fault, p_info)
+        sent = ex.submit(load, proxy, model, n)
+        failed = ex.submit(transfer_fault, decode, model, p_params, i)
+        refused = ex.submit(side_channel_fault, p_params)
         refused.result()
         failed.result()
         return sent.result()
@@ -317,7 +334,12 @@ def main() -> int:
     ap.add_argument("--rules", required=True)
     ap.add_argument("--prometheus", default="prometheus")
     ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--prefill", help="a running P's URL (with --decode): check it, start none")
+    ap.add_argument("--decode", help="a running D's URL (with --prefill)")
+    ap.add_argument("--model", default="handoff-synthetic-8b", help="the model the engines serve")
     args = ap.parse_args()
+    if bool(args.prefill) != bool(args.decode):
+        ap.error("--prefill and --decode go together")
     work = Path(args.work).resolve()
     rules_file = Path(args.rules).resolve()
 
@@ -328,28 +350,35 @@ def main() -> int:
     want_rules = re.findall(r"^\s*- alert:\s*(\S+)", rules_text, re.M)
 
     t0 = time.monotonic()
-    # The cluster: P and D with the KV digest on (so its panel has data), D with a short
-    # wait_deadline_ms (so the injected recompute takes 2 s, not 30).
-    common = ["--host", "127.0.0.1", "--port", "0", "--transport", "tcp", "--mode", "pull",
-              "--set", "kv_digest=true"]
-    p, p_out, p_err = start("prefill", [args.bin, "engine", "--role", "prefill",
-                                        "--engine-id", "ops-p0", *common], work)
-    d, d_out, d_err = start("decode", [args.bin, "engine", "--role", "decode",
-                                       "--engine-id", "ops-d0", *common,
-                                       "--set", "wait_deadline_ms=2000"], work)
-    prefill = first_line_url(p, p_out, p_err, "the prefill engine")
-    decode = first_line_url(d, d_out, d_err, "the decode engine")
+    # The cluster: P and D with the KV digest on (so its panel has data).
+    engines: list[tuple[subprocess.Popen, str]] = []
+    if args.prefill:
+        prefill, decode = args.prefill.rstrip("/"), args.decode.rstrip("/")
+        for url in (prefill, decode):
+            status, _ = http("GET", f"{url}/health", timeout=5)  # loopback only
+            if status != 200:
+                raise CheckFailed(f"GET {url}/health answered {status}")
+    else:
+        common = ["--host", "127.0.0.1", "--port", "0", "--transport", "tcp", "--mode", "pull",
+                  "--set", "kv_digest=true"]
+        p, p_out, p_err = start("prefill", [args.bin, "engine", "--role", "prefill",
+                                            "--engine-id", "ops-p0", *common], work)
+        d, d_out, d_err = start("decode", [args.bin, "engine", "--role", "decode",
+                                           "--engine-id", "ops-d0", *common], work)
+        prefill = first_line_url(p, p_out, p_err, "the prefill engine")
+        decode = first_line_url(d, d_out, d_err, "the decode engine")
+        engines = [(p, "prefill engine"), (d, "decode engine")]
     x, x_out, x_err = start("proxy", [args.bin, "proxy", "--bind", "127.0.0.1:0",
                                       "--admin-listen", "off", "--health-interval-ms", "200",
                                       "--prefill", prefill, "--decode", decode], work)
     proxy = first_line_url(x, x_out, x_err, "the proxy")
     wait_until("the proxy's /ready", 20, lambda: http("GET", f"{proxy}/ready", timeout=2)[0] == 200)
-    p_info = get_json(f"{prefill}/v1/handoff/info")
+    p_params = one_handoff(prefill, decode, args.model)
     log(f"cluster up: P {prefill}, D {decode}, proxy {proxy}")
 
     # A first burst before Prometheus starts, so that its first scrape already has every series
-    # the load makes (those of n=2 and streamed requests, of a recompute and of a refusal).
-    warm = burst(proxy, decode, p_info, 6, 0)
+    # the load makes (those of n=2 and streamed requests, of a failed transfer and a refusal).
+    warm = burst(proxy, decode, args.model, p_params, 6, 0)
 
     # Prometheus: scrapes the three every second, evaluates the rules every second.
     targets = {"handoff-engine": [prefill, decode], "handoff-proxy": [proxy]}
@@ -405,8 +434,8 @@ def main() -> int:
     # The load, with the faults a second time: every series Prometheus saw after the first
     # burst increases (rate() needs two samples: a series' first one is no increase), however
     # many scrapes a busy machine misses meanwhile.
-    sent = warm + burst(proxy, decode, p_info, args.requests, 1)
-    log(f"load: {sent} completions through the proxy, 2 recomputes and 2 side-channel refusals injected")
+    sent = warm + burst(proxy, decode, args.model, p_params, args.requests, 1)
+    log(f"load: {sent} completions through the proxy, 2 failed transfers and 2 side-channel refusals injected")
     wait_until("Prometheus to scrape the load", 20, lambda: scraped(sent, 2))
     time.sleep(2.5)  # two more scrapes and rule evaluations
 
@@ -492,7 +521,7 @@ def main() -> int:
     pending = sorted(f"{a['labels']['alertname']}{{reason={a['labels'].get('reason')}}}"
                      for a in alerts if a["labels"]["alertname"] in expected)
 
-    for proc, name in ((p, "prefill engine"), (d, "decode engine"), (x, "proxy")):
+    for proc, name in (*engines, (x, "proxy")):
         if proc.poll() is not None:
             raise CheckFailed(f"the {name} exited ({proc.returncode}) during the check")
 
@@ -500,7 +529,9 @@ def main() -> int:
         f"negative control empty; {len(got_rules)} rules in {len(got_groups)} groups evaluate ok; "
         f"pending on the injected faults: {', '.join(pending)} ({time.monotonic() - t0:.0f}s)")
     print(json.dumps({"prometheus": version, "panels": len(panels), "queries": len(queries),
-                      "rules": len(got_rules), "groups": len(got_groups)}))
+                      "rules": len(got_rules), "groups": len(got_groups),
+                      "engines": "running" if args.prefill else "reference",
+                      "pending": pending}))
     return 0
 
 

@@ -18,6 +18,7 @@ use handoff_connector::{
     WorkerReport,
 };
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
+use handoff_plan::testing::tiny_spec;
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
 use handoff_proto::{HandoffId, KvTransferParams, Message, TransferMode};
 use serde::Serialize;
@@ -120,17 +121,7 @@ fn digest_cost() -> anyhow::Result<DigestCost> {
 }
 
 fn spec() -> KvSpec {
-    KvSpec {
-        shape: ModelShape {
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 8,
-            dtype_size: 2,
-        },
-        tp: 1,
-        block_size: 16,
-        block_layout: BlockLayout::HeadMajor,
-    }
+    tiny_spec(2)
 }
 
 fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> {
@@ -165,6 +156,8 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             kv_digest: false,
             peer_hosts: Vec::new(),
             protocol_version: handoff_proto::PROTOCOL_VERSION,
+            layerwise_pull: false,
+            layer_reports: Default::default(),
         },
         vec![WorkerHello {
             rank: 0,
@@ -211,16 +204,25 @@ impl Core {
         blocks: Vec<u32>,
         now: Duration,
     ) -> anyhow::Result<KvTransferParams> {
-        match self.try_input(
-            Input::PrefillFinished {
+        // The engine's two events of a pull's prefill: started, then ended.
+        self.try_input(
+            Input::PrefillStarted {
                 request_id: "r".into(),
+                params: KvTransferParams::for_prefill_leg(),
                 handoff: id(n),
                 blocks,
                 num_tokens: 16,
             },
             now,
-        )? {
-            Answer::Params(p) => Ok(p),
+        )?;
+        let ended = Input::PrefillEnded {
+            request_id: "r".into(),
+            outcome: handoff_core::PrefillOutcome::Finished,
+        };
+        match self.try_input(ended, now)? {
+            Answer::Ended {
+                params: Some(p), ..
+            } => Ok(*p),
             other => bail!("P answered a prefill with {other:?}"),
         }
     }

@@ -5,23 +5,24 @@
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use anyhow::{bail, Context};
+
 static NEXT_NET: AtomicU32 = AtomicU32::new(0);
 
 /// Runs `ip` with `args`; the error names the command and what `ip` said.
-pub fn ip(args: &[&str]) -> Result<(), String> {
+pub fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| format!("cannot run ip (iproute2): {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
+        .context("cannot run ip (iproute2)")?;
+    if !out.status.success() {
+        bail!(
             "ip {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        );
     }
+    Ok(())
 }
 
 /// Why network namespaces cannot be used here, if they cannot. Probed once per process: the
@@ -44,6 +45,7 @@ fn probe() -> Option<String> {
     ip(&["netns", "add", &probe])
         .and_then(|()| ip(&["netns", "del", &probe]))
         .err()
+        .map(|e| format!("{e:#}"))
 }
 
 /// Hosts on one bridge: node i is namespace `<prefix><name>` at `10.199.<subnet>.<i + 2>`.
@@ -57,7 +59,7 @@ pub struct Net {
 
 impl Net {
     /// Creates the hub and one namespace per node.
-    pub fn create(nodes: &[&str]) -> Result<Net, String> {
+    pub fn create(nodes: &[&str]) -> anyhow::Result<Net> {
         let n = NEXT_NET.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let mut net = Net {
@@ -110,7 +112,7 @@ impl Net {
         format!("{}{}b", self.prefix, self.index(name))
     }
 
-    fn add(&mut self, name: &str) -> Result<(), String> {
+    fn add(&mut self, name: &str) -> anyhow::Result<()> {
         self.nodes.push(name.to_string());
         let i = self.nodes.len() - 1;
         let (ns, hub) = (self.ns(name), self.hub());
@@ -130,11 +132,11 @@ impl Net {
 
     /// Partitions a node: its link goes down at the hub, so nothing it sends arrives and no FIN
     /// or RST reaches anyone.
-    pub fn cut(&self, name: &str) -> Result<(), String> {
+    pub fn cut(&self, name: &str) -> anyhow::Result<()> {
         ip(&["-n", &self.hub(), "link", "set", &self.port(name), "down"])
     }
 
-    pub fn heal(&self, name: &str) -> Result<(), String> {
+    pub fn heal(&self, name: &str) -> anyhow::Result<()> {
         ip(&["-n", &self.hub(), "link", "set", &self.port(name), "up"])
     }
 
@@ -151,6 +153,21 @@ impl Net {
             .status()
     }
 
+    /// Makes each `(address, name)` of `entries` resolve inside node `node` only: the node's
+    /// hosts file, `/etc/netns/<namespace>/hosts`, which `ip netns exec` mounts over
+    /// `/etc/hosts` for what it starts there (write it before starting them). Rewritten in
+    /// place, so a process already running in the node sees a change at its next lookup.
+    pub fn write_hosts(&self, node: &str, entries: &[(&str, &str)]) -> std::io::Result<()> {
+        let dir = format!("/etc/netns/{}", self.ns(node));
+        std::fs::create_dir_all(&dir)?;
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for (addr, name) in entries {
+            text.push_str(&format!("{addr} {name}\n"));
+        }
+        // `fs::write` truncates the file it opens: the same inode, the one mounted.
+        std::fs::write(format!("{dir}/hosts"), text)
+    }
+
     /// `ip netns exec <node's namespace>`, ready for the program and its arguments.
     pub fn exec(&self, name: &str) -> Command {
         let mut c = Command::new("ip");
@@ -165,7 +182,10 @@ impl Drop for Net {
             return;
         }
         for name in self.nodes.clone() {
-            let _ = ip(&["netns", "del", &self.ns(&name)]);
+            let ns = self.ns(&name);
+            let _ = ip(&["netns", "del", &ns]);
+            // The hosts file `write_hosts` may have made.
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
         }
         let _ = ip(&["netns", "del", &self.hub()]);
     }

@@ -353,7 +353,7 @@ fn run_in_namespaces() -> anyhow::Result<()> {
     if let Some(why) = handoff_bench::netns::unavailable() {
         bail!("handoff demo --netns needs network namespaces (root and iproute2): {why}");
     }
-    let net = Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;
+    let net = Net::create(&NETNS_NODES)?;
     eprintln!(
         "network namespaces {}*: {}",
         net.prefix,
@@ -592,7 +592,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
                     // Across hosts: the link goes down, nothing tells P; it learns from silence.
                     Some(net) => {
                         bar.set_message(format!("partitioning {}: its link is cut", e.id));
-                        net.cut(&e.id).map_err(anyhow::Error::msg)?;
+                        net.cut(&e.id)?;
                         report.partitioned_engine = Some(e.id.clone());
                     }
                     None => {

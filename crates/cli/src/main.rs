@@ -73,8 +73,17 @@ struct ProxyArgs {
     /// pull or push (push: every P answers `GET /v1/handoff/info`).
     #[arg(long, default_value = "pull")]
     mode: String,
+    /// Time between two health checks of every instance.
     #[arg(long, default_value_t = 1000)]
     health_interval_ms: u64,
+    /// Limit of one health check (`GET /health`, and `/ready` where the engine has it).
+    #[arg(long, default_value_t = 1000)]
+    health_timeout_ms: u64,
+    /// Health checks in a row without an answer in time before a healthy instance is taken out
+    /// (a busy engine answers late); no connection (refused, or not made within half the
+    /// check's limit) or an error status takes it out at once.
+    #[arg(long, default_value_t = 3)]
+    health_timeouts_to_fail: u32,
     /// Address of the admin API (`/admin/instances`), or `off`. Not loopback: needs a token.
     #[arg(long, default_value = "127.0.0.1:8001")]
     admin_listen: String,
@@ -145,6 +154,8 @@ fn main() -> anyhow::Result<()> {
                 policy,
                 mode,
                 health_interval: Duration::from_millis(a.health_interval_ms),
+                health_timeout: Duration::from_millis(a.health_timeout_ms),
+                health_timeouts_to_fail: a.health_timeouts_to_fail,
                 ..Default::default()
             };
             tokio::runtime::Builder::new_multi_thread()

@@ -321,3 +321,110 @@ fn the_sans_io_crates_depend_only_on_data_crates() {
         .iter()
         .any(|d| !SANS_IO_DEPENDENCIES.contains(&d.as_str())));
 }
+
+/// Calls through which an engine tells its core about a request (see `handoff_core::Hooks`).
+const ENGINE_HOOKS: [&str; 6] = [
+    ".prefill_started",
+    ".prefill_ended",
+    ".layers_saved",
+    ".prefilled(",
+    ".prefill_planned",
+    ".request_arrived(",
+];
+
+/// What reads a request's flow from its params.
+const FLOW_READS: [&str; 8] = [
+    "transfer_mode",
+    "Flow::",
+    ".flow()",
+    "is_layerwise_pull",
+    ".layerwise",
+    "TransferMode::Push",
+    "TransferMode::Pull",
+    ".mode()",
+];
+
+/// The flow reads in `code` when it also calls an engine hook: the core decides the flow, so an
+/// engine that branched on it to pick a hook would decide it a second time.
+fn flow_choices(code: &str) -> Vec<&'static str> {
+    if !ENGINE_HOOKS.iter().any(|h| code.contains(h)) {
+        return Vec::new();
+    }
+    FLOW_READS
+        .iter()
+        .copied()
+        .filter(|r| names(code, r))
+        .collect()
+}
+
+/// Whether `code` has `name` as a whole name (`.layerwise` is not `.layerwise_pull`).
+fn names(code: &str, name: &str) -> bool {
+    code.match_indices(name).any(|(at, _)| {
+        let next = code[at + name.len()..].chars().next();
+        !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+    })
+}
+
+/// Python source without comments and docstrings (lines inside triple quotes).
+fn python_code_of(text: &str) -> String {
+    let mut out = String::new();
+    let mut in_doc = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        let quotes = t.matches("\"\"\"").count();
+        if in_doc || t.starts_with("\"\"\"") {
+            if quotes % 2 == 1 {
+                in_doc = !in_doc;
+            }
+            continue;
+        }
+        out.push_str(line.split('#').next().unwrap_or(""));
+        out.push('\n');
+    }
+    out
+}
+
+#[test]
+fn no_engine_glue_reads_the_flow_to_pick_a_hook() {
+    let root = workspace();
+    let mut found = Vec::new();
+    for krate in ["engine", "vllm", "connector", "proxy", "cli", "bench"] {
+        for f in rust_files(&root.join(krate).join("src")) {
+            let code = code_of(&std::fs::read_to_string(&f).unwrap());
+            for r in flow_choices(&code) {
+                found.push(format!("{} reads {r}", f.display()));
+            }
+        }
+    }
+    let python = root.join("vllm/python/handoff_vllm");
+    for e in std::fs::read_dir(&python).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "py") {
+            let code = python_code_of(&std::fs::read_to_string(&p).unwrap());
+            for r in flow_choices(&code) {
+                found.push(format!("{} reads {r}", p.display()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the core decides the flow:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_flow_check_finds_a_flow_read_beside_a_hook() {
+    // The shape the vLLM glue had before the core decided the flow.
+    let glue = r#"if params.transfer_mode == Some(TransferMode::Push) { c.prefilled(..) }"#;
+    // (`layerwise_pull: false`, an engine's setting, is not a read of a request's flow.)
+    assert_eq!(flow_choices(glue), ["transfer_mode", "TransferMode::Push"]);
+    let python =
+        "if params.get(\"transfer_mode\") == \"push\":  # a comment\n    s.prefill_planned(r)\n";
+    assert_eq!(flow_choices(&python_code_of(python)), ["transfer_mode"]);
+    // A file that calls no hook may read the flow (a router picks it).
+    assert!(flow_choices("p.flow() == Flow::Push").is_empty());
+    // Comments are not code.
+    assert!(flow_choices(&code_of("// transfer_mode\nc.prefill_started(..)")).is_empty());
+    assert!(flow_choices("c.prefill_started(..); cfg.layerwise_pull").is_empty());
+}

@@ -471,6 +471,117 @@ fn a_slow_link_moves_a_long_prompt_over_several_heartbeats() {
     );
 }
 
+/// Operators name their engines (a Kubernetes Service, a pod's DNS name), and a restarted pod
+/// comes back at another IP address. P is known to D and to the proxy only as `p.handoff.test`
+/// (each one's own hosts file, nothing else resolves it); P is killed and started again, with
+/// the same engine id, on another host; once the name points there, requests go through the
+/// same D and proxy, neither restarted, and D reads the KV from the new P: both resolve the name
+/// at each dial, none keeps the old address. Before the name moves, nothing reaches a P.
+#[test]
+fn a_prefill_engine_restarted_at_a_new_address_is_reached_by_its_name() {
+    if !netns_available() {
+        return;
+    }
+    const NAME: &str = "p.handoff.test";
+    let net = Net::new(&["p", "p2", "d", "proxy"]);
+    let point_name_at = |node: &str| {
+        for from in ["d", "proxy"] {
+            net.write_hosts(from, &[(&net.addr(node), NAME)])
+                .expect("hosts file");
+        }
+    };
+    // Both P's run as engine "p", as a restarted pod keeps its name.
+    let prefill_on = |node: &str| {
+        let mut args = engine_args(&net, node, "prefill", "pull", &["--advertise-host", NAME]);
+        let id = args
+            .iter()
+            .position(|a| a == "--engine-id")
+            .expect("engine id")
+            + 1;
+        args[id] = "p".into();
+        net.spawn(node, &args)
+    };
+    point_name_at("p");
+    let p = prefill_on("p");
+    let d = net.spawn("d", &engine_args(&net, "d", "decode", "pull", &[]));
+    let mono = net.spawn("proxy", &engine_args(&net, "proxy", "both", "pull", &[]));
+    let proxy_args: Vec<String> = [
+        "proxy",
+        "--bind",
+        &format!("{}:8000", net.addr("proxy")),
+        "--mode",
+        "pull",
+        "--health-interval-ms",
+        "200",
+        "--prefill",
+        &format!("http://{NAME}:8100"),
+        "--decode",
+        &d.url,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let proxy = net.spawn("proxy", &proxy_args);
+    let completions = format!("{}/v1/completions", proxy.url);
+    // One request through the proxy, retried while the proxy has no healthy P (it has just
+    // started, or P has just come back); its text must be the monolithic engine's.
+    let through_p = |seed: usize| {
+        let req = json!({"prompt": prompt(seed, 200), "max_tokens": 6});
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (status, via) = loop {
+            let (status, via) = net.http("proxy", "POST", &completions, req.clone());
+            if status == 200 || Instant::now() > deadline {
+                break (status, via);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert_eq!(status, 200, "seed {seed}: {via}");
+        let mono_url = format!("{}/v1/completions", mono.url);
+        let (_, want) = net.http("proxy", "POST", &mono_url, req);
+        assert_eq!(
+            via["choices"][0]["text"], want["choices"][0]["text"],
+            "seed {seed}"
+        );
+    };
+    let moved = || net.metric("proxy", &d, "handoff_transfer_bytes_total");
+
+    through_p(1);
+    let before_restart = moved();
+    assert!(before_restart > 0.0, "D read no KV from the first P");
+    drop(p);
+    let p2 = prefill_on("p2");
+    // Its own address answers; the name still points at the dead host.
+    let (status, _) = net.http("proxy", "GET", &format!("{}/health", p2.url), Value::Null);
+    assert_eq!(status, 200, "the new P does not answer");
+    let (status, body) = net.http(
+        "proxy",
+        "POST",
+        &completions,
+        json!({"prompt": prompt(2, 20), "max_tokens": 2}),
+    );
+    assert_ne!(
+        status, 200,
+        "a request went through while the name pointed at no P: {body}"
+    );
+
+    // D may have taken that request's leg (a layer-wise pull sends both legs at once) and
+    // failed it when P could not be reached: that failure is right, and not what this counts.
+    let failed_before_the_move = net.metric("proxy", &d, "handoff_requests_failed_total");
+    point_name_at("p2");
+    for seed in 3..5 {
+        through_p(seed);
+    }
+    assert!(
+        moved() > before_restart,
+        "D read no KV from the restarted P"
+    );
+    assert_eq!(
+        net.metric("proxy", &d, "handoff_requests_failed_total"),
+        failed_before_the_move,
+        "D recomputed a request once the name pointed at the new P"
+    );
+}
+
 /// D stops (SIGSTOP) in the middle of a read that a slow link stretches, for longer than P's
 /// transport waits for a silent peer (1.5 s), then continues. P declares D dead and takes its
 /// blocks back at once; the read D resumes cannot count (its connection is gone, or it lands

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use handoff_ledger::Time;
 use handoff_plan::KvSpec;
-use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason};
+use handoff_proto::{HandoffId, KvTransferParams};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 
@@ -33,8 +33,8 @@ mod hooks;
 mod observe;
 
 use handoff_core::{
-    Answer, ConnId, ConnectorCore, CoreConfig, CoreMemory, Input, LedgerCounters, Observation,
-    Ready,
+    Answer, ConnId, ConnectorCore, CoreConfig, CoreMemory, Hooks, Input, LedgerCounters,
+    Observation, Ready,
 };
 use observe::FallbackLog;
 
@@ -180,6 +180,8 @@ impl Connector {
                 kv_digest: cfg.kv_digest,
                 peer_hosts: cfg.peer_hosts.clone(),
                 protocol_version: cfg.protocol_version,
+                layerwise_pull: cfg.layerwise_pull,
+                layer_reports: cfg.layer_reports,
             },
             hellos,
         );

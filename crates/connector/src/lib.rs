@@ -35,8 +35,9 @@ use handoff_proto::TransferMode;
 pub use executor::{Connector, ReportSink, WorkerLink};
 pub use forward_gate::Fence;
 pub use handoff_core::{
-    worker_protocol, Answer, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig, CoreError,
-    CoreMemory, Input, LedgerCounters, Observation, Ready, Role,
+    worker_protocol, Answer, Arrival, ConnId, Connect, ConnectorCore, ConnectorEvent, CoreConfig,
+    CoreError, CoreMemory, Hooks, Input, LayerReports, LedgerCounters, Observation, PrefillEnd,
+    PrefillOutcome, Ready, Role,
 };
 pub use handoff_transport::auth::ClusterKey;
 pub use metrics::Metrics;
@@ -63,11 +64,13 @@ pub struct ConnectorConfig {
     pub opaque_blocks: bool,
     /// See [`CoreConfig::kv_digest`].
     pub kv_digest: bool,
-    /// The engine takes part in a layer-wise pull (pull mode): as P it drives
-    /// `on_pull_prefill_start` / `on_layer_saved` / `on_pull_prefill_finished`, as D it admits
-    /// such a request only after [`ConnectorEvent::RemoteStarted`]. Said in its info
-    /// (`layerwise_pull`), which is what makes the proxy choose one. vLLM: false.
+    /// The engine takes part in a layer-wise pull (pull mode): as P it reports each layer as
+    /// it is saved (`LayersSaved`, [`LayerReports::Saved`]), as D it admits such a request only
+    /// after [`ConnectorEvent::RemoteStarted`]. Said in its info (`layerwise_pull`), which is
+    /// what makes the proxy choose one. vLLM: false.
     pub layerwise_pull: bool,
+    /// See [`CoreConfig::layer_reports`] (vLLM: `Planned`).
+    pub layer_reports: LayerReports,
     /// See [`CoreConfig::peer_hosts`].
     pub peer_hosts: Vec<String>,
     /// The cluster key every side-channel connection proves in both directions (the
@@ -152,8 +155,6 @@ pub enum ConnectorError {
     Stopped,
     #[error("cannot record the trace at {0}: {1}")]
     Record(std::path::PathBuf, std::io::Error),
-    #[error("the core answered with another kind of answer ({0}): a bug")]
-    UnexpectedAnswer(String),
     #[error("cannot digest layer {layer}: its rows are not addressable in this layout")]
     Digest { layer: u32 },
 }

@@ -267,7 +267,7 @@ impl Metrics {
         );
         r.register(
             "kv_digests_checked",
-            "Pulled handoffs whose landed KV digest D compared with P's, by result (matched=false: the transfer failed, never decoded)",
+            "Handoffs whose landed KV digest D compared with P's, by result (matched=false: the transfer failed, never decoded; matched=not_compared: D's prefix cache held the prompt's first blocks, which P's digest covers)",
             m.digests_checked.clone(),
         );
         r.register(

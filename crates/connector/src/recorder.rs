@@ -211,6 +211,8 @@ mod tests {
             kv_digest: false,
             peer_hosts: Vec::new(),
             protocol_version: handoff_proto::PROTOCOL_VERSION,
+            layerwise_pull: false,
+            layer_reports: Default::default(),
         };
         let ranks = vec![WorkerHello {
             rank: 0,
@@ -222,7 +224,8 @@ mod tests {
         (cfg, ranks)
     }
 
-    /// Runs `n` prefills through a recorded core, as the executor does.
+    /// Runs `n` pull prefills (started, then ended) through a recorded core, as the executor
+    /// does.
     fn record(path: &Path, n: u64, max_bytes: u64, files: usize) {
         let (cfg, ranks) = core();
         let mut rec = Recorder::create(
@@ -238,17 +241,24 @@ mod tests {
         let mut core = ConnectorCore::new(cfg, ranks).unwrap();
         for i in 0..n {
             let now = Duration::from_millis(i);
-            let input = Input::PrefillFinished {
+            let started = Input::PrefillStarted {
                 request_id: format!("r{i}"),
+                params: handoff_proto::KvTransferParams::for_prefill_leg(),
                 handoff: HandoffId::from_bytes((i as u128 + 1).to_le_bytes()),
                 blocks: vec![i as u32 % 200],
                 num_tokens: 16,
             };
-            let answer = core.handle(input.clone(), now);
-            rec.input(now, input, &answer);
-            let ready = core.ready();
-            rec.batch(&ready);
-            core.advance(ready);
+            let ended = Input::PrefillEnded {
+                request_id: format!("r{i}"),
+                outcome: handoff_core::PrefillOutcome::Finished,
+            };
+            for input in [started, ended] {
+                let answer = core.handle(input.clone(), now);
+                rec.input(now, input, &answer);
+                let ready = core.ready();
+                rec.batch(&ready);
+                core.advance(ready);
+            }
         }
     }
 
@@ -268,8 +278,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.jsonl");
-        // A few segments, all kept: the whole run replays.
-        record(&path, 40, 4000, 8);
+        // A few segments, all kept: the whole run replays (two inputs per prefill).
+        record(&path, 20, 4000, 8);
         assert!(segment_path(&path, 2).exists(), "it rotated");
         let r = replay(&path, 8).unwrap();
         assert_eq!(r.inputs, 40);
@@ -277,7 +287,7 @@ mod tests {
         assert!(r.violations.is_empty(), "{:?}", r.violations);
         // The previous run is kept aside; two files kept: the first segment is gone, and the
         // replay says so.
-        record(&path, 40, 4000, 2);
+        record(&path, 20, 4000, 2);
         assert!(segment_path(&path, 1).exists());
         assert!(!segment_path(&path, 2).exists(), "at most two files");
         assert!(

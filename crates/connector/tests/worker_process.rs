@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_connector::{remote, Connector, ConnectorConfig, ConnectorEvent, RankMemory, Role};
+use handoff_connector::{
+    remote, Connector, ConnectorConfig, ConnectorEvent, Hooks, RankMemory, Role,
+};
 use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
 use handoff_proto::TransferMode;
 use handoff_transport::conformance::fill;
@@ -48,6 +50,7 @@ fn config(engine: &str, role: Role) -> ConnectorConfig {
         opaque_blocks: false,
         kv_digest: false,
         layerwise_pull: false,
+        layer_reports: Default::default(),
         peer_hosts: Vec::new(),
         key: None,
         insecure: false,
@@ -145,12 +148,14 @@ fn workers_in_another_process_serve_a_pull() {
 
     // A 40-token prompt in P's blocks 3..6 lands in D's blocks 9..12.
     let (p_blocks, d_blocks, tokens) = (vec![3, 4, 5], vec![9, 10, 11], 40);
+    let leg = handoff_proto::KvTransferParams::for_prefill_leg();
+    let handoff = Connector::new_handoff_id().unwrap();
     let params = p
-        .on_prefill_finished("req-1", p_blocks.clone(), tokens)
+        .prefilled("req-1", &leg, handoff, p_blocks.clone(), tokens)
+        .map(|end| end.params.expect("a finished pull answers its params"))
         .expect("P creates the handoff");
-    d.on_request_arrived(1, &params, tokens)
-        .expect("D tracks it");
-    d.on_blocks_allocated(1, d_blocks.clone())
+    d.request_arrived(1, &params, tokens).expect("D tracks it");
+    d.blocks_allocated(1, Vec::new(), d_blocks.clone())
         .expect("D admits it");
     let ready = wait_for(&d, "Ready on D", |e| {
         matches!(e, ConnectorEvent::Ready { .. })

@@ -17,6 +17,10 @@ pub enum CoreError {
     WrongRole(&'static str),
     #[error("request {0} is not tracked")]
     UnknownRequest(u64),
+    #[error("request {0:?}: its prefill started twice")]
+    PrefillStartedTwice(String),
+    #[error("request {0:?}: no prefill for a remote decode started")]
+    UnknownPrefill(String),
     #[error("remote_host {0:?} is not one of the prefill hosts this engine may dial (peer_hosts)")]
     PeerHostNotAllowed(String),
     #[error(transparent)]

@@ -11,6 +11,7 @@ use handoff_ledger::Time;
 use handoff_proto::{HandoffId, KvTransferParams, Message, ReleaseReason};
 use serde::{Deserialize, Serialize};
 
+use crate::flow::{Arrival, PrefillOutcome};
 use crate::machine::{ConnId, ConnectorCore};
 use crate::worker_protocol::WorkerReport;
 use crate::CoreError;
@@ -19,62 +20,29 @@ use crate::CoreError;
 /// method each one reaches documents what the core does with it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Input {
-    // ----- P: scheduler hooks -----
-    /// A prompt's prefill ended (pull): create handoff `handoff` over `blocks`. Answers
-    /// [`Answer::Params`].
-    PrefillFinished {
+    // ----- P: engine events -----
+    /// A prefill for a remote decode starts on `blocks` (the prompt's `num_tokens` tokens). The
+    /// core picks the flow from `params` and its config: a push starts its handoff now (under
+    /// the router's id), a layer-wise pull holds the blocks now, a pull waits for the end (its
+    /// handoff then takes `handoff`, 128 random bits from the caller). Answers
+    /// [`Answer::Holding`].
+    PrefillStarted {
         request_id: String,
+        params: KvTransferParams,
         handoff: HandoffId,
         blocks: Vec<u32>,
         num_tokens: u32,
     },
-    /// Push: the prefill of a request D registered blocks for starts. Answers
-    /// [`Answer::Handoff`].
-    PushPrefillStart {
-        params: KvTransferParams,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-    },
-    /// The forward pass saved `layer` of `handoff` (push, layer-wise pull).
-    LayerSaved {
-        handoff: HandoffId,
-        layer: u32,
-    },
-    /// Layer-wise pull: the prefill starts. Answers [`Answer::MaybeHandoff`].
-    PullPrefillStart {
-        params: KvTransferParams,
-        blocks: Vec<u32>,
-    },
-    /// Layer-wise pull: the prefill ended. Answers [`Answer::Params`].
-    PullPrefillFinished {
-        params: KvTransferParams,
+    /// Layers `0..through` of the request's KV are in its blocks, or, when the config's
+    /// [`LayerReports`] is `Planned`, are computed by the step about to run.
+    LayersSaved {
         request_id: String,
-        blocks: Vec<u32>,
-        num_tokens: u32,
+        through: u32,
     },
-    /// Layer-wise pull: the prefill failed before it ended.
-    PullPrefillFailed {
-        handoff: HandoffId,
-    },
-    /// Push, learnt once the whole prefill ended (vLLM). Answers [`Answer::Params`].
-    PushPrefilled {
-        params: KvTransferParams,
+    /// The prefill ended (every layer saved, when it finished). Answers [`Answer::Ended`].
+    PrefillEnded {
         request_id: String,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-    },
-    /// Push, every layer at once after a forward pass. Answers [`Answer::Handoff`].
-    PushForward {
-        params: KvTransferParams,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-    },
-    /// Push: the response's parameters once the prefill ended. Answers [`Answer::Params`].
-    PushParams {
-        params: KvTransferParams,
-        request_id: String,
-        blocks: Vec<u32>,
-        num_tokens: u32,
+        outcome: PrefillOutcome,
     },
     /// The proxy says D never got the request.
     ReleaseFromProxy {
@@ -82,7 +50,7 @@ pub enum Input {
     },
 
     // ----- D: scheduler hooks -----
-    /// A request naming a remote prefill arrived.
+    /// A request naming a remote prefill arrived. Answers [`Answer::Arrived`].
     RequestArrived {
         request: u64,
         params: KvTransferParams,
@@ -146,27 +114,28 @@ pub enum Input {
 pub enum Answer {
     /// The input needs no answer.
     Done,
-    /// The `kv_transfer_params` for the prefill's response.
-    Params(KvTransferParams),
-    /// The handoff the prefill's KV belongs to.
-    Handoff(HandoffId),
-    /// Layer-wise pull: the handoff, or `None` when the request is no layer-wise pull.
-    MaybeHandoff(Option<HandoffId>),
+    /// [`Input::PrefillStarted`]: the handoff that holds the prompt's blocks from now on (they
+    /// come back only through [`crate::ConnectorEvent::BlocksReleased`]), or `None` when the
+    /// engine still owns them.
+    Holding(Option<HandoffId>),
+    /// [`Input::PrefillEnded`]: the `kv_transfer_params` for the response (none when it failed
+    /// or nobody waits for it), and the handoff that holds the prompt's blocks (none: the
+    /// engine frees them).
+    Ended {
+        params: Option<Box<KvTransferParams>>,
+        holding: Option<HandoffId>,
+    },
+    /// [`Input::RequestArrived`]: what the engine does with the request, by its flow.
+    Arrived(Arrival),
 }
 
 impl Input {
     /// The variant's name, for logs and replay reports.
     pub fn name(&self) -> &'static str {
         match self {
-            Input::PrefillFinished { .. } => "prefill_finished",
-            Input::PushPrefillStart { .. } => "push_prefill_start",
-            Input::LayerSaved { .. } => "layer_saved",
-            Input::PullPrefillStart { .. } => "pull_prefill_start",
-            Input::PullPrefillFinished { .. } => "pull_prefill_finished",
-            Input::PullPrefillFailed { .. } => "pull_prefill_failed",
-            Input::PushPrefilled { .. } => "push_prefilled",
-            Input::PushForward { .. } => "push_forward",
-            Input::PushParams { .. } => "push_params",
+            Input::PrefillStarted { .. } => "prefill_started",
+            Input::LayersSaved { .. } => "layers_saved",
+            Input::PrefillEnded { .. } => "prefill_ended",
             Input::ReleaseFromProxy { .. } => "release_from_proxy",
             Input::RequestArrived { .. } => "request_arrived",
             Input::BlocksAllocated { .. } => "blocks_allocated",
@@ -189,69 +158,32 @@ impl ConnectorCore {
     /// to do is in the next [`crate::Ready`] batch. An error leaves the core as it was.
     pub fn handle(&mut self, input: Input, now: Time) -> Result<Answer, CoreError> {
         Ok(match input {
-            Input::PrefillFinished {
+            Input::PrefillStarted {
                 request_id,
+                params,
                 handoff,
                 blocks,
                 num_tokens,
-            } => Answer::Params(self.on_prefill_finished(
-                &request_id,
-                handoff,
-                blocks,
-                num_tokens,
-                now,
-            )?),
-            Input::PushPrefillStart {
-                params,
-                blocks,
-                num_tokens,
-            } => Answer::Handoff(self.on_push_prefill_start(&params, blocks, num_tokens, now)?),
-            Input::LayerSaved { handoff, layer } => {
-                self.on_layer_saved(handoff, layer, now);
+            } => Answer::Holding(
+                self.on_prefill_started(request_id, &params, handoff, blocks, num_tokens, now)?,
+            ),
+            Input::LayersSaved {
+                request_id,
+                through,
+            } => {
+                self.on_layers_saved(&request_id, through, now);
                 Answer::Done
             }
-            Input::PullPrefillStart { params, blocks } => {
-                Answer::MaybeHandoff(self.on_pull_prefill_start(&params, blocks, now)?)
+            Input::PrefillEnded {
+                request_id,
+                outcome,
+            } => {
+                let (params, holding) = self.on_prefill_ended(&request_id, outcome, now)?;
+                Answer::Ended {
+                    params: params.map(Box::new),
+                    holding,
+                }
             }
-            Input::PullPrefillFinished {
-                params,
-                request_id,
-                blocks,
-                num_tokens,
-            } => Answer::Params(self.on_pull_prefill_finished(
-                &params,
-                &request_id,
-                blocks,
-                num_tokens,
-                now,
-            )?),
-            Input::PullPrefillFailed { handoff } => {
-                self.on_pull_prefill_failed(handoff, now);
-                Answer::Done
-            }
-            Input::PushPrefilled {
-                params,
-                request_id,
-                blocks,
-                num_tokens,
-            } => Answer::Params(self.on_push_prefilled(
-                &params,
-                &request_id,
-                blocks,
-                num_tokens,
-                now,
-            )?),
-            Input::PushForward {
-                params,
-                blocks,
-                num_tokens,
-            } => Answer::Handoff(self.on_push_forward(&params, blocks, num_tokens, now)?),
-            Input::PushParams {
-                params,
-                request_id,
-                blocks,
-                num_tokens,
-            } => Answer::Params(self.push_params(&params, &request_id, blocks, num_tokens)?),
             Input::ReleaseFromProxy { params } => {
                 self.release_from_proxy(&params, now)?;
                 Answer::Done
@@ -262,7 +194,10 @@ impl ConnectorCore {
                 prompt_tokens,
             } => {
                 self.on_request_arrived(request, &params, prompt_tokens, now)?;
-                Answer::Done
+                Answer::Arrived(Arrival {
+                    reserve_now: params.flow() == handoff_proto::Flow::Push,
+                    after_remote_start: params.flow() == handoff_proto::Flow::LayerwisePull,
+                })
             }
             Input::BlocksAllocated {
                 request,

@@ -17,15 +17,20 @@
 
 pub mod digest;
 mod error;
+mod flow;
+mod hooks;
 mod input;
 mod machine;
 pub mod trace;
 pub mod worker_protocol;
 
 pub use error::CoreError;
+pub use flow::{Arrival, LayerReports, PrefillOutcome};
+pub use hooks::{Hooks, PrefillEnd};
 pub use input::{Answer, Input};
 pub use machine::{
-    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, LedgerCounters, Observation, Ready,
+    ConnId, Connect, ConnectorCore, CoreConfig, CoreMemory, HandshakeRefusal, LedgerCounters,
+    Observation, Ready,
 };
 pub use worker_protocol::{
     Digested, JobId, PushLayer, TransferJob, TransferPart, WorkerHello, WorkerOp, WorkerReport,

@@ -17,6 +17,7 @@ mod grants;
 mod peers;
 mod prefill;
 mod push_digest;
+mod refusal;
 mod side_channel;
 #[cfg(test)]
 mod tests;
@@ -38,6 +39,7 @@ use handoff_proto::{
 use grants::{Grants, Opens};
 pub use peers::ConnId;
 use peers::PeerTable;
+pub use refusal::HandshakeRefusal;
 use transfers::Transfers;
 
 use crate::worker_protocol::{Digested, JobId, TransferJob, WorkerHello, WorkerOp, WorkerReport};
@@ -77,6 +79,14 @@ pub struct CoreConfig {
     /// oldest this build speaks up to it.
     #[serde(default = "newest_protocol_version")]
     pub protocol_version: u8,
+    /// P: serve layer-wise pulls (the engine reports each layer as it is saved, and says so in
+    /// its info, which is what makes a router ask for one). Off, a request asking for one is
+    /// refused.
+    #[serde(default)]
+    pub layerwise_pull: bool,
+    /// P: what the engine's [`crate::Input::LayersSaved`] means.
+    #[serde(default)]
+    pub layer_reports: crate::LayerReports,
 }
 
 fn newest_protocol_version() -> u8 {
@@ -134,6 +144,9 @@ pub enum Observation {
     DigestChecked {
         matched: bool,
     },
+    /// D did not compare a landed handoff's KV digest with P's: its prefix cache held the
+    /// prompt's first blocks (see `digest_comparable`).
+    DigestNotCompared,
     /// D: a handoff's KV is ready; where its wait went.
     KvWait(handoff_ledger::WaitTimeline),
 }
@@ -202,6 +215,9 @@ pub struct ConnectorCore {
     /// P, pull, with `kv_digest`: each live handoff's prompt length (its digest covers those
     /// tokens). Emptied when the handoff's blocks are released.
     prompt_tokens: HashMap<HandoffId, u32>,
+    /// P: prefills for a remote decode between their start and their end, by request id (one
+    /// per prompt the engine is prefilling for a D).
+    prefills: HashMap<String, prefill::Prefill>,
     /// Peer table size at which the next new peer first prunes forgotten ones.
     prune_at: usize,
     out: Ready,
@@ -277,6 +293,7 @@ impl ConnectorCore {
             push_tails: BTreeSet::new(),
             grants: Grants::default(),
             prompt_tokens: HashMap::new(),
+            prefills: HashMap::new(),
             prune_at: MIN_PRUNE_AT,
             out: Ready::default(),
             spare: None,
@@ -742,6 +759,7 @@ impl ConnectorCore {
             jobs: self.transfers.jobs_len(),
             grants: self.grants.len(),
             prompt_tokens: self.prompt_tokens.len(),
+            prefills: self.prefills.len(),
         }
     }
 }
@@ -791,6 +809,8 @@ pub struct CoreMemory {
     pub grants: usize,
     /// P's prompt lengths kept for the KV digest (one per live pull handoff at most).
     pub prompt_tokens: usize,
+    /// P's prefills for a remote decode between their start and their end.
+    pub prefills: usize,
 }
 
 /// The proxy's handoff id of a layer-wise pull's P leg.

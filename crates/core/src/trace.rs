@@ -26,8 +26,9 @@ pub use check::{Checker, Violation};
 
 use crate::{Answer, ConnectorCore, CoreConfig, CoreError, Input, Ready, WorkerHello};
 
-/// The trace format's version: a reader refuses others.
-pub const TRACE_VERSION: u32 = 1;
+/// The trace format's version: a reader refuses others. 2: P's inputs are the engine events
+/// (`PrefillStarted`, `LayersSaved`, `PrefillEnded`), D's arrival answers what to do.
+pub const TRACE_VERSION: u32 = 2;
 
 /// The first line of each trace file.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
-use handoff_connector::Connector;
+use handoff_connector::{Connector, Hooks};
 use handoff_proto::KvTransferParams;
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
@@ -94,22 +94,42 @@ async fn ready(State(s): State<Arc<ApiState>>) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn health(State(s): State<Arc<ApiState>>) -> Json<Value> {
-    let held = s.connector.as_ref().map(|c| c.held_blocks());
-    let by_engine: serde_json::Map<String, Value> = s
-        .connector
-        .as_ref()
-        .map(|c| c.held_blocks_by_engine())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(e, n)| (e, json!(n)))
-        .collect();
-    Json(json!({
-        "status": "ok",
-        "held_blocks": held.map(|(p, d)| json!({"prefill": p, "decode": d})),
-        "prefill_blocks_held_for": by_engine,
-        "staged_messages": s.connector.as_ref().map(|c| c.staged_messages()),
-    }))
+async fn health(State(s): State<Arc<ApiState>>) -> Response {
+    let Some(c) = s.connector.as_ref() else {
+        return Json(json!({
+            "status": "ok",
+            "held_blocks": null,
+            "prefill_blocks_held_for": {},
+            "staged_messages": null,
+        }))
+        .into_response();
+    };
+    let snapshot = (|| {
+        Ok::<_, handoff_connector::ConnectorError>((
+            c.held_blocks()?,
+            c.held_blocks_by_engine()?,
+            c.staged_messages()?,
+        ))
+    })();
+    match snapshot {
+        Ok(((p, d), by_engine, staged)) => {
+            let by_engine: serde_json::Map<String, Value> =
+                by_engine.into_iter().map(|(e, n)| (e, json!(n))).collect();
+            Json(json!({
+                "status": "ok",
+                "held_blocks": {"prefill": p, "decode": d},
+                "prefill_blocks_held_for": by_engine,
+                "staged_messages": staged,
+            }))
+            .into_response()
+        }
+        // The thread that owns the connector's state is gone: nothing it held can be told.
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "connector stopped", "error": e.to_string()})),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(s): State<Arc<ApiState>>) -> Response {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use handoff_connector::{ClusterKey, Role};
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
-use handoff_plan::{BlockLayout, KvSpec, ModelShape, PoolLayout};
+use handoff_plan::{check_heads, BlockLayout, KvSpec, ModelShape, PoolLayout};
 use handoff_proto::TransferMode;
 use serde::{Deserialize, Serialize};
 
@@ -37,7 +37,8 @@ pub struct EngineConfig {
     pub model: String,
     /// KV shape: layers of the (synthetic) model.
     pub num_layers: u32,
-    /// KV shape: KV heads, split over the `tp` ranks.
+    /// KV shape: KV heads, split over the `tp` ranks (or, with more ranks than heads, each
+    /// replicated on `tp / num_kv_heads` of them).
     pub num_kv_heads: u32,
     /// KV shape: elements per head.
     pub head_dim: u32,
@@ -485,15 +486,9 @@ impl EngineConfig {
         if self.tp == 0 || self.tp > 64 {
             return Err(bad("tp", "must be 1..=64"));
         }
-        if self.num_kv_heads % self.tp != 0 {
-            return Err(bad(
-                "tp",
-                format!(
-                    "{} KV heads cannot be split evenly over {} ranks",
-                    self.num_kv_heads, self.tp
-                ),
-            ));
-        }
+        // Heads split evenly over the ranks, or each replicated on the same number of ranks: the
+        // planner's own rule, reported against the `tp` setting.
+        check_heads(self.tp, self.num_kv_heads).map_err(|e| bad("tp", e.to_string()))?;
         self.spec()?;
         self.pool_layout()?;
         if self.num_blocks == 0 {

@@ -145,7 +145,12 @@ pub(crate) async fn run(drain: Arc<Drain>, e: Engine) {
     tracing::info!("draining: new requests are refused; waiting for what is in flight");
     let report = loop {
         let (idle, pool_left) = scheduler_idle(&e.scheduler).await;
-        let (p, d) = e.connector.as_ref().map_or((0, 0), |c| c.held_blocks());
+        // A stopped connector holds nothing any more: its executor ended every handoff.
+        let (p, d) = e
+            .connector
+            .as_ref()
+            .map_or(Ok((0, 0)), |c| c.held_blocks())
+            .unwrap_or((0, 0));
         let handoff_left = p + d;
         let clean = idle && handoff_left == 0;
         if clean || Instant::now() >= deadline {

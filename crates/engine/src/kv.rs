@@ -1,14 +1,16 @@
 //! The engine's KV memory: one registered region per rank, arranged by the configured
 //! [`PoolLayout`] (blocks outermost, or heads outermost), and the model's reads and writes of it.
-//! Rank `r` holds KV heads `r·hpr..(r+1)·hpr` of every block, as a tensor-parallel worker would.
+//! Rank `r` holds the KV heads `KvSpec::owned_heads(r)` of every block (`r·hpr..(r+1)·hpr`, or one
+//! head replicated on `tp / heads` ranks when there are more ranks than heads), as a
+//! tensor-parallel worker would.
 //! Every address comes from [`RankLayout::row_offset`], the same function the planner uses, so
 //! what the model writes is exactly what a transfer moves.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use handoff_plan::{BlockLayout, KvSpec, PoolLayout, RankLayout};
-use handoff_transport::KvRegion;
+use handoff_plan::{BlockLayout, KvSpec, LayoutError, PoolLayout, RankLayout};
+use handoff_transport::{KvRegion, TransportError};
 
 use crate::model;
 
@@ -33,6 +35,19 @@ fn lock_chunk(layout: &RankLayout) -> usize {
     }
 }
 
+/// Why the engine could not build, write or read its KV memory (a request fails with it).
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    #[error("KV layout: {0}")]
+    Layout(#[from] LayoutError),
+    #[error("block {block} layer {layer} is outside the KV pool")]
+    OutsidePool { block: u32, layer: u32 },
+    #[error("position {0} is past the allocated blocks")]
+    PastBlocks(usize),
+    #[error(transparent)]
+    Memory(#[from] TransportError),
+}
+
 pub struct KvMemory {
     pub spec: KvSpec,
     pub layouts: Vec<RankLayout>,
@@ -40,13 +55,11 @@ pub struct KvMemory {
 }
 
 impl KvMemory {
-    pub fn new(spec: KvSpec, num_blocks: u32, pool: PoolLayout) -> Result<Self, String> {
+    pub fn new(spec: KvSpec, num_blocks: u32, pool: PoolLayout) -> Result<Self, KvError> {
         let mut layouts = Vec::new();
         let mut regions = Vec::new();
         for rank in 0..spec.tp {
-            let layout = pool
-                .rank_layout(spec, rank, num_blocks, 0)
-                .map_err(|e| e.to_string())?;
+            let layout = pool.rank_layout(spec, rank, num_blocks, 0)?;
             let len = layout.regions[0].len as usize;
             let chunk = lock_chunk(&layout);
             regions.push(Arc::new(KvRegion::new(len, chunk)));
@@ -72,11 +85,11 @@ impl KvMemory {
         kv: usize,
         head: u32,
         slot: u32,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, KvError> {
         self.layouts[rank]
             .row_offset(layer, kv, block, head, slot)
             .map(|o| o as usize)
-            .ok_or_else(|| format!("block {block} layer {layer} is outside the KV pool"))
+            .ok_or(KvError::OutsidePool { block, layer })
     }
 
     /// Writes the KV of positions `range` (prefix hashes `prefix[i]`) into `blocks`
@@ -86,7 +99,7 @@ impl KvMemory {
         prefix: &[u64],
         range: Range<usize>,
         blocks: &[u32],
-    ) -> Result<(), String> {
+    ) -> Result<(), KvError> {
         self.write_positions_layers(prefix, range, blocks, 0..self.spec.shape.num_layers)
     }
 
@@ -99,7 +112,7 @@ impl KvMemory {
         range: Range<usize>,
         blocks: &[u32],
         layers: Range<u32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KvError> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
@@ -107,7 +120,7 @@ impl KvMemory {
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
-            let block = *blocks.get(bi).ok_or("position past the allocated blocks")?;
+            let block = *blocks.get(bi).ok_or(KvError::PastBlocks(pos))?;
             let end = ((bi + 1) * bs).min(range.end);
             let first = pos % bs;
             // Slots written in this block: the range's, plus the zeroed rest of a fresh block.
@@ -116,13 +129,15 @@ impl KvMemory {
             let positions = pos..end;
             for rank in 0..self.spec.tp as usize {
                 let region = &self.regions[rank];
+                // The global head of this rank's local head 0 (its copy, when heads are replicated).
+                let head0 = self.spec.owned_heads(rank as u32).start;
                 for layer in layers.clone() {
                     for kv in 0..2 {
                         match self.spec.block_layout {
                             // A head's slots of one block are contiguous: one write per head.
                             BlockLayout::HeadMajor => {
                                 for h in 0..hpr {
-                                    let global = rank as u32 * hpr + h;
+                                    let global = head0 + h;
                                     buf.clear();
                                     buf.resize(slots.len() * row, 0);
                                     for (i, p) in positions.clone().enumerate() {
@@ -142,7 +157,7 @@ impl KvMemory {
                                         h,
                                         slots.start as u32,
                                     )?;
-                                    region.write(off, &buf).map_err(|e| e.to_string())?;
+                                    region.write(off, &buf)?;
                                 }
                             }
                             // Token-major (heads always inside the block): the slots' rows of
@@ -157,14 +172,14 @@ impl KvMemory {
                                             prefix[p],
                                             layer,
                                             kv as u32,
-                                            rank as u32 * hpr + h,
+                                            head0 + h,
                                             &mut buf[at..at + row],
                                         );
                                     }
                                 }
                                 let off =
                                     self.row_offset(rank, block, layer, kv, 0, slots.start as u32)?;
-                                region.write(off, &buf).map_err(|e| e.to_string())?;
+                                region.write(off, &buf)?;
                             }
                         }
                     }
@@ -182,7 +197,7 @@ impl KvMemory {
         mut digest: u64,
         range: Range<usize>,
         blocks: &[u32],
-    ) -> Result<u64, String> {
+    ) -> Result<u64, KvError> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank() as usize;
         let heads = self.spec.shape.num_kv_heads as usize;
@@ -193,7 +208,7 @@ impl KvMemory {
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
-            let block = *blocks.get(bi).ok_or("position past the allocated blocks")?;
+            let block = *blocks.get(bi).ok_or(KvError::PastBlocks(pos))?;
             let end = ((bi + 1) * bs).min(range.end);
             let (first, n) = (pos % bs, end - pos);
             // This block's rows in logical order: [layer][plane][global head][slot].
@@ -203,13 +218,14 @@ impl KvMemory {
             rows.clear();
             rows.resize(layers * 2 * heads * n * row, 0);
             for (rank, region) in self.regions.iter().enumerate() {
+                let head0 = self.spec.owned_heads(rank as u32).start as usize;
                 for layer in 0..layers {
                     for kv in 0..2 {
                         let l = layer as u32;
                         match self.spec.block_layout {
                             BlockLayout::HeadMajor => {
                                 for h in 0..hpr {
-                                    let g = rank * hpr + h;
+                                    let g = head0 + h;
                                     let off = self.row_offset(
                                         rank,
                                         block,
@@ -218,23 +234,21 @@ impl KvMemory {
                                         h as u32,
                                         first as u32,
                                     )?;
-                                    region
-                                        .read(
-                                            off,
-                                            &mut rows[at(layer, kv, g, 0)..at(layer, kv, g, n)],
-                                        )
-                                        .map_err(|e| e.to_string())?;
+                                    region.read(
+                                        off,
+                                        &mut rows[at(layer, kv, g, 0)..at(layer, kv, g, n)],
+                                    )?;
                                 }
                             }
                             BlockLayout::TokenMajor => {
                                 plane.clear();
                                 plane.resize(n * hpr * row, 0);
                                 let off = self.row_offset(rank, block, l, kv, 0, first as u32)?;
-                                region.read(off, &mut plane).map_err(|e| e.to_string())?;
+                                region.read(off, &mut plane)?;
                                 for i in 0..n {
                                     for h in 0..hpr {
                                         let src = (i * hpr + h) * row;
-                                        let dst = at(layer, kv, rank * hpr + h, i);
+                                        let dst = at(layer, kv, head0 + h, i);
                                         rows[dst..dst + row]
                                             .copy_from_slice(&plane[src..src + row]);
                                     }

@@ -105,9 +105,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
     }
     let role = cfg.role()?;
     let spec = cfg.spec()?;
-    let kv = Arc::new(
-        kv::KvMemory::new(spec, cfg.num_blocks, cfg.pool_layout()?).map_err(anyhow::Error::msg)?,
-    );
+    let kv = Arc::new(kv::KvMemory::new(spec, cfg.num_blocks, cfg.pool_layout()?)?);
     let mut registry = Registry::default();
     let metrics = metrics::EngineMetrics::new(&mut registry);
     let http_admin_metrics =
@@ -172,6 +170,8 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             opaque_blocks: false,
             kv_digest: cfg.kv_digest,
             layerwise_pull: cfg.layerwise_pull,
+            // The scheduler says each layer once its KV is in the blocks.
+            layer_reports: handoff_connector::LayerReports::Saved,
             peer_hosts: cfg.peer_hosts(),
             key: key.clone(),
             insecure: cfg.insecure,

@@ -11,8 +11,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_connector::{Connector, ConnectorEvent};
-use handoff_proto::{Flow, KvTransferParams, ReleaseReason};
+use handoff_connector::{Connector, ConnectorEvent, Hooks, PrefillEnd, PrefillOutcome};
+use handoff_proto::{KvTransferParams, ReleaseReason};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
@@ -88,9 +88,11 @@ struct Request {
     prompt_blocks: Vec<u32>,
     /// D: the transfer failed and the policy says prefill here.
     recompute: bool,
-    /// P, push: the prompt blocks belong to the connector's handoff since the prefill started
-    /// (`on_push_prefill_start`); they come back through `BlocksReleased`, never freed here.
+    /// P: the prompt blocks belong to a connector's handoff (since the prefill started, in a
+    /// push or a layer-wise pull): they come back through `BlocksReleased`, never freed here.
     handed_over: bool,
+    /// P: the connector was told this prefill started and not yet that it ended.
+    prefilling: bool,
     /// D, layer-wise pull: P's prefill has not started yet (`ConnectorEvent::RemoteStarted`),
     /// so the request is not admitted: blocks held here for a request P cannot start, while P's
     /// pool is full of requests waiting for D's blocks, would deadlock the two engines.
@@ -258,6 +260,7 @@ impl Scheduler {
                 ),
             );
         }
+        let mut awaits_remote_start = false;
         if self.waiting.len() >= self.cfg.max_waiting {
             return self.reject(
                 &sub,
@@ -286,12 +289,14 @@ impl Scheduler {
                 return self.reject(&sub, 400, "this engine has no connector".into());
             };
             // Tracking (and heartbeats) start now, while the request still waits in the queue.
-            if let Err(e) = c.on_request_arrived(sub.id, params, prompt as u32) {
-                return self.reject(&sub, 400, e.to_string());
-            }
-            if params.mode() == handoff_proto::TransferMode::Push {
+            let arrival = match c.request_arrived(sub.id, params, prompt as u32) {
+                Ok(arrival) => arrival,
+                Err(e) => return self.reject(&sub, 400, e.to_string()),
+            };
+            if arrival.reserve_now {
                 return self.reserve_for_push(sub);
             }
+            awaits_remote_start = arrival.after_remote_start;
         }
         if matches!(sub.kind, Kind::RemoteDecode(_)) && self.connector.is_none() {
             return self.reject(
@@ -300,8 +305,6 @@ impl Scheduler {
                 "this engine does not prefill for remote decode".into(),
             );
         }
-        let awaits_remote_start =
-            matches!(&sub.kind, Kind::RemotePrefill(p) if p.is_layerwise_pull());
         self.waiting.push_back(Request {
             sub,
             arrived: Instant::now(),
@@ -310,6 +313,7 @@ impl Scheduler {
             prompt_blocks: vec![],
             recompute: false,
             handed_over: false,
+            prefilling: false,
             awaits_remote_start,
         });
     }
@@ -324,7 +328,7 @@ impl Scheduler {
             return;
         };
         if self.pool.free_count() < need {
-            c.on_request_ended(sub.id, ReleaseReason::Rejected);
+            c.request_ended(sub.id, ReleaseReason::Rejected);
             self.metrics.outcome("rejected_full");
             let _ = sub.events.send(SeqEvent::Error {
                 status: 503,
@@ -348,10 +352,11 @@ impl Scheduler {
             prompt_blocks: prompt.clone(),
             recompute: false,
             handed_over: false,
+            prefilling: false,
             awaits_remote_start: false,
             sub,
         };
-        match c.on_blocks_allocated(r.sub.id, prompt) {
+        match c.blocks_allocated(r.sub.id, Vec::new(), prompt) {
             Ok(()) => {
                 self.awaiting_kv.insert(r.sub.id, r);
             }
@@ -504,7 +509,7 @@ impl Scheduler {
             self.pool.free(&gen);
             if let (Kind::RemotePrefill(_), Some(c)) = (&kind, &self.connector) {
                 // The prompt blocks are the connector's until it releases them.
-                c.on_request_ended(id, ReleaseReason::Aborted);
+                c.request_ended(id, ReleaseReason::Aborted);
             }
         }
     }
@@ -555,7 +560,7 @@ impl Scheduler {
             if is_remote {
                 let result = match &self.connector {
                     Some(c) => c
-                        .on_blocks_allocated(r.sub.id, r.prompt_blocks.clone())
+                        .blocks_allocated(r.sub.id, Vec::new(), r.prompt_blocks.clone())
                         .map_err(|e| e.to_string()),
                     None => Err("no connector".to_string()),
                 };
@@ -593,32 +598,32 @@ impl Scheduler {
         let prefix = model::prefix_hashes(prompt, 0);
         let layers = self.cfg.num_layers.max(1) as f64;
         let per_layer = prompt.len() as f64 * self.cfg.prefill_us_per_token / layers;
-        // The flow, read once from the params the router chose it in. Push: P writes each
-        // layer into D's blocks as it is saved. A layer-wise pull: D got its leg at the same
-        // time and reads each layer once saved. A classic pull: nothing until the prefill ends.
-        let (push, layerwise) = match &r.sub.kind {
-            Kind::RemoteDecode(Some(p)) => match p.flow() {
-                Flow::Push => (Some(p.clone()), None),
-                Flow::LayerwisePull => (None, Some(p.clone())),
-                Flow::Pull => (None, None),
-            },
-            _ => (None, None),
+        // A prefill for a remote decode: the connector picks the flow (pull, layer-wise pull,
+        // push) from the params the router sent and says whether its handoff holds the blocks
+        // from now on.
+        let remote = match &r.sub.kind {
+            Kind::RemoteDecode(p) => Some(
+                p.as_deref()
+                    .cloned()
+                    .unwrap_or_else(KvTransferParams::for_prefill_leg),
+            ),
+            _ => None,
         };
-        if let (Some(params), Some(c)) = (&push, &self.connector) {
-            if let Err(e) =
-                c.on_push_prefill_start(params, r.prompt_blocks.clone(), prompt.len() as u32)
-            {
-                return self.fail_local(r, e.to_string());
-            }
-            r.handed_over = true;
-        }
-        if let (Some(params), Some(c)) = (&layerwise, &self.connector) {
-            match c.on_pull_prefill_start(params, r.prompt_blocks.clone()) {
-                Ok(held) => r.handed_over = held.is_some(),
+        let connector = self.connector.clone().filter(|_| remote.is_some());
+        if let (Some(params), Some(c)) = (&remote, &connector) {
+            match c.prefill_started_now(
+                &r.sub.external_id,
+                params,
+                r.prompt_blocks.clone(),
+                prompt.len() as u32,
+            ) {
+                Ok(holding) => {
+                    r.handed_over = holding.is_some();
+                    r.prefilling = true;
+                }
                 Err(e) => return self.fail_local(r, e.to_string()),
             }
         }
-        let saved_for = push.as_ref().or(layerwise.as_ref());
         // The forward pass, layer by layer: each layer's KV exists once its share of the cost is
         // spent, and in push mode it leaves for D at once, overlapping the rest of the prefill.
         // The share is spent first and the KV written at its end: on a GPU the layer's time is
@@ -634,12 +639,10 @@ impl Scheduler {
                 &r.prompt_blocks,
                 layer..layer + 1,
             ) {
-                return self.fail_local(r, e);
+                return self.fail_local(r, e.to_string());
             }
-            if let (Some(params), Some(c)) = (saved_for, &self.connector) {
-                if let Some(h) = params.handoff_id {
-                    c.on_layer_saved(h, layer);
-                }
+            if let Some(c) = &connector {
+                c.layers_saved(&r.sub.external_id, layer + 1);
             }
         }
         self.metrics.phase("prefill", started.elapsed());
@@ -653,94 +656,93 @@ impl Scheduler {
                 let last = prompt.len() - 1..prompt.len();
                 let digest = match self.kv.digest_positions(0, last, &r.prompt_blocks) {
                     Ok(d) => d,
-                    Err(e) => return self.fail_local(r, e),
+                    Err(e) => return self.fail_local(r, e.to_string()),
                 };
                 let Some(c) = self.connector.clone() else {
                     return self.fail_local(r, "no connector".into());
                 };
-                let params = match (&push, &layerwise) {
-                    (Some(p), _) => c.on_push_prefill_finished(
-                        p,
-                        &r.sub.external_id,
-                        r.prompt_blocks.clone(),
-                        prompt.len() as u32,
-                    ),
-                    (None, Some(p)) => c.on_pull_prefill_finished(
-                        p,
-                        &r.sub.external_id,
-                        r.prompt_blocks.clone(),
-                        prompt.len() as u32,
-                    ),
-                    (None, None) => c.on_prefill_finished(
-                        &r.sub.external_id,
-                        r.prompt_blocks.clone(),
-                        prompt.len() as u32,
-                    ),
+                // A client that left during the prefill waits for no params: a pull then
+                // creates no handoff at all (a flow whose D got its leg with P's goes on).
+                let outcome = if r.sub.events.is_closed() {
+                    PrefillOutcome::Abandoned
+                } else {
+                    PrefillOutcome::Finished
                 };
-                match params {
-                    Ok(params) => {
-                        self.metrics.ttft.observe(r.arrived.elapsed().as_secs_f64());
-                        self.metrics.outcome("prefilled_for_remote");
-                        let ev = &r.sub.events;
-                        // n>1: one prefill and one handoff for every choice (D fans out after
-                        // one pull); each choice gets its own first token, as on D.
-                        for choice in 0..r.sub.n {
-                            let _ = ev.send(SeqEvent::Token {
-                                choice,
-                                text: model::detokenize(model::sample(digest, choice)),
-                            });
-                        }
-                        let release =
-                            (push.is_none() && layerwise.is_none()).then(|| params.clone());
-                        if ev.send(SeqEvent::KvParams(Box::new(params))).is_err() {
-                            // The client left during the prefill: nobody will ever see these
-                            // params, so no D will read or release them. Pull: release now
-                            // instead of at lease end. (Push and layer-wise pull: D got its leg
-                            // at the same time and takes the KV anyway.)
-                            if let Some(params) = release {
-                                tracing::info!(
-                                    request = %r.sub.external_id,
-                                    "client left before its KV params were returned; releasing"
-                                );
-                                if let Err(e) = c.release_from_proxy(&params) {
-                                    tracing::warn!(error = %e, "cannot release an unclaimed handoff");
-                                }
-                            }
-                        }
-                        for choice in 0..r.sub.n {
-                            let _ = ev.send(SeqEvent::Finished {
-                                choice,
-                                reason: "length",
-                            });
-                        }
-                        let _ = ev.send(SeqEvent::Done {
-                            prompt_tokens: prompt.len() as u32,
-                            completion_tokens: r.sub.n,
-                        });
-                    }
-                    Err(e) => self.fail_local(r, e.to_string()),
+                r.prefilling = false;
+                let end = match c.prefill_ended(&r.sub.external_id, outcome) {
+                    Ok(end) => end,
+                    Err(e) => return self.fail_local(r, e.to_string()),
+                };
+                let PrefillEnd { params, holding } = end;
+                r.handed_over = holding.is_some();
+                if !r.handed_over {
+                    self.pool.free(&r.prompt_blocks);
                 }
+                let Some(params) = params else {
+                    tracing::info!(
+                        request = %r.sub.external_id,
+                        "client left during the prefill: no handoff kept for it"
+                    );
+                    self.metrics.outcome("aborted");
+                    return;
+                };
+                self.metrics.ttft.observe(r.arrived.elapsed().as_secs_f64());
+                self.metrics.outcome("prefilled_for_remote");
+                let ev = &r.sub.events;
+                // n>1: one prefill and one handoff for every choice (D fans out after one
+                // pull); each choice gets its own first token, as on D.
+                for choice in 0..r.sub.n {
+                    let _ = ev.send(SeqEvent::Token {
+                        choice,
+                        text: model::detokenize(model::sample(digest, choice)),
+                    });
+                }
+                if ev
+                    .send(SeqEvent::KvParams(Box::new(params.clone())))
+                    .is_err()
+                {
+                    // The client left between the check above and now: nobody will read or
+                    // release this handoff (a D that got its leg already keeps what it
+                    // claimed: the release ends only what no D claimed).
+                    tracing::info!(
+                        request = %r.sub.external_id,
+                        "client left before its KV params were returned; releasing"
+                    );
+                    if let Err(e) = c.release_from_proxy(&params) {
+                        tracing::warn!(error = %e, "cannot release an unclaimed handoff");
+                    }
+                }
+                for choice in 0..r.sub.n {
+                    let _ = ev.send(SeqEvent::Finished {
+                        choice,
+                        reason: "length",
+                    });
+                }
+                let _ = ev.send(SeqEvent::Done {
+                    prompt_tokens: prompt.len() as u32,
+                    completion_tokens: r.sub.n,
+                });
             }
             Kind::Local | Kind::RemotePrefill(_) => self.start_decoding(r),
         }
     }
 
-    fn fail_local(&mut self, r: Request, message: String) {
+    fn fail_local(&mut self, mut r: Request, message: String) {
         tracing::error!(request = %r.sub.external_id, %message, "request failed");
-        // A push handoff that started keeps its blocks until it ends (D gives up on it by its
-        // push deadline, P's lease runs out): freeing them here would free them twice, and let
-        // another request take blocks a WRITE may still read.
+        // A prefill the connector was told of ends failed: a handoff that holds the blocks
+        // keeps them until it ends (a push's WRITE, a layer-wise pull's READ may still use
+        // them); freeing them here would free them twice.
+        if let (true, Some(c)) = (r.prefilling, &self.connector) {
+            r.prefilling = false;
+            match c.prefill_ended(&r.sub.external_id, PrefillOutcome::Failed) {
+                Ok(end) => r.handed_over = end.holding.is_some(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the connector did not take the failed prefill")
+                }
+            }
+        }
         if !r.handed_over {
             self.pool.free(&r.prompt_blocks);
-        }
-        // A layer-wise pull's handoff ends with its prefill (after the fence when D may be
-        // reading the layers saved so far).
-        if let (true, Kind::RemoteDecode(Some(p)), Some(c)) =
-            (r.handed_over, &r.sub.kind, &self.connector)
-        {
-            if let (true, Some(h)) = (p.is_layerwise_pull(), p.handoff_id) {
-                c.on_pull_prefill_failed(h);
-            }
         }
         self.pool.free(&r.gen_blocks.concat());
         self.metrics.outcome("failed");
@@ -760,7 +762,7 @@ impl Scheduler {
         let prompt_len = r.sub.prompt.len();
         let digest = match self.kv.digest_positions(0, 0..prompt_len, &r.prompt_blocks) {
             Ok(d) => d,
-            Err(e) => return self.fail_local(r, e),
+            Err(e) => return self.fail_local(r, e.to_string()),
         };
         let last_prefix = model::prefix_hashes(&r.sub.prompt, 0)
             .last()
@@ -939,6 +941,7 @@ mod tests {
             prompt_blocks,
             recompute: false,
             handed_over: false,
+            prefilling: false,
             awaits_remote_start: false,
         };
         s.awaiting_kv.insert(id, r);

@@ -144,7 +144,7 @@ async fn a_draining_prefill_serves_every_handoff_it_holds_then_stops() {
         |m| metric(m, "engine_requests_waiting") >= (N - 1) as f64,
     )
     .await;
-    let held_at_drain = p.connector.as_ref().unwrap().held_blocks().0;
+    let held_at_drain = p.connector.as_ref().unwrap().held_blocks().unwrap().0;
     assert!(
         held_at_drain > 0,
         "P holds the handoffs' blocks when the drain starts"

@@ -48,6 +48,24 @@ async fn disaggregated(
     common::pulled(c, p, d, text, 10, n).await
 }
 
+/// `text` through P and D answers as through `mono`, with one sequence and with four (n=4).
+async fn answers_like(
+    c: &reqwest::Client,
+    mono: &RunningEngine,
+    (p, d): (&RunningEngine, &RunningEngine),
+    text: &str,
+    case: &str,
+) {
+    for n in [1, 4] {
+        let body = json!({"prompt": text, "max_tokens": 10, "n": n});
+        let (s, m) = post(c, &mono.url(), body).await;
+        assert_eq!(s, 200);
+        let (s, dis) = disaggregated(c, p, d, text, n).await;
+        assert_eq!(s, 200, "{case}: {dis}");
+        assert_eq!(texts(&dis), texts(&m), "{case}, n={n}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatched_tp_and_block_sizes_match_monolithic() {
     let c = reqwest::Client::new();
@@ -82,25 +100,63 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
             .unwrap();
         for (i, words) in [3usize, 16, 33, 250].into_iter().enumerate() {
             let text = prompt(i + ptp as usize * 10 + dtp as usize, words);
-            for n in [1, 4] {
-                let (s, m) = post(
-                    &c,
-                    &mono.url(),
-                    json!({"prompt": text, "max_tokens": 10, "n": n}),
-                )
-                .await;
-                assert_eq!(s, 200);
-                let (s, dis) = disaggregated(&c, &p, &d, &text, n).await;
-                let case = format!("P tp {ptp} bs {pbs} {p_pool} -> D tp {dtp} bs {dbs} {d_pool}");
-                assert_eq!(s, 200, "{case}: {dis}");
-                assert_eq!(texts(&dis), texts(&m), "{case}, {words} words, n={n}");
-            }
+            let case = format!(
+                "P tp {ptp} bs {pbs} {p_pool} -> D tp {dtp} bs {dbs} {d_pool}, {words} words"
+            );
+            answers_like(&c, &mono, (&p, &d), &text, &case).await;
         }
         released_within(&p, Duration::from_secs(1)).await;
         p.stop().await;
         d.stop().await;
     }
     mono.stop().await;
+}
+
+/// More ranks than KV heads: each head is replicated on `tp / heads` ranks (as vLLM does for a
+/// model with fewer KV heads than GPUs). P/D pairs of a one-head and a two-head model across TP
+/// sizes answer like one engine, and D reads one copy of each head: a handoff moves the bytes an
+/// unreplicated TP 1 pair moves (a P rank whose copy another rank gave only confirms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_kv_heads_match_monolithic_and_move_one_copy() {
+    let c = reqwest::Client::new();
+    let of = |heads: u32, role: &str, tp: u32| EngineConfig {
+        num_kv_heads: heads,
+        ..cfg(role, tp, 16)
+    };
+    for (heads, pairs) in [
+        (1, &[(2, 1), (1, 2), (4, 2), (2, 4)][..]),
+        (2, &[(4, 1), (1, 4), (4, 2)][..]),
+    ] {
+        let mono = start(of(heads, "both", 1)).await.unwrap();
+        let bytes_read = |m: &str| metric(m, "handoff_transfer_bytes_total");
+        let text = prompt(heads as usize, 250);
+        // What a TP 1 pair moves for this prompt: one copy of every head.
+        let (p, d) = (
+            start(of(heads, "prefill", 1)).await.unwrap(),
+            start(of(heads, "decode", 1)).await.unwrap(),
+        );
+        let (s, _) = disaggregated(&c, &p, &d, &text, 1).await;
+        assert_eq!(s, 200);
+        let one_copy = bytes_read(&metrics_text(&c, &d).await);
+        p.stop().await;
+        d.stop().await;
+        for &(ptp, dtp) in pairs {
+            let case = format!("{heads} KV heads, P tp {ptp} -> D tp {dtp}");
+            let p = start(of(heads, "prefill", ptp)).await.unwrap();
+            let d = start(of(heads, "decode", dtp)).await.unwrap();
+            let (s, dis) = disaggregated(&c, &p, &d, &text, 1).await;
+            assert_eq!(s, 200, "{case}: {dis}");
+            // Every D rank holds its own copy: D tp 2 over one head reads it twice.
+            let copies = f64::from(dtp / dtp.min(heads));
+            let read = bytes_read(&metrics_text(&c, &d).await);
+            assert_eq!(read, one_copy * copies, "{case}: bytes D read");
+            answers_like(&c, &mono, (&p, &d), &text, &case).await;
+            released_within(&p, Duration::from_secs(1)).await;
+            p.stop().await;
+            d.stop().await;
+        }
+        mono.stop().await;
+    }
 }
 
 /// Descriptors D posted for one handoff of `words` tokens, on fresh engines (so both allocations
@@ -319,7 +375,8 @@ async fn incompatible_pairs_are_refused_with_a_reason() {
         p.stop().await;
         d.stop().await;
     }
-    // More ranks than KV heads: refused at start, naming the field.
-    let e = start(cfg("decode", 8, 16)).await.err().expect("refused");
+    // More ranks than KV heads, but not a whole number of copies of each: refused at start,
+    // naming the field.
+    let e = start(cfg("decode", 6, 16)).await.err().expect("refused");
     assert!(e.to_string().contains("tp"), "{e}");
 }

@@ -185,6 +185,8 @@ fn hello_as(
             kv_digest: false,
             peer_hosts: Vec::new(),
             protocol_version: handoff_proto::PROTOCOL_VERSION,
+            layerwise_pull: false,
+            layer_reports: Default::default(),
         },
         vec![WorkerHello {
             rank: 0,
@@ -575,7 +577,7 @@ async fn suite() {
     let bytes = handoff_proto::encode(&done(unread)).unwrap();
     mallory_t.send_notification(&p_agents[0].0, &bytes).unwrap();
     let cnt = counted(&c, &p, "handoff_not_from_reader_refused_total", m0 + 1.0).await;
-    let held = p.connector.as_ref().unwrap().held_blocks().0;
+    let held = p.connector.as_ref().unwrap().held_blocks().unwrap().0;
     row(
         "forged completions (side channel, transport notification)",
         held >= params.block_ids().map_or(1, <[u32]>::len),
@@ -607,7 +609,7 @@ async fn suite() {
             .unwrap();
     }
     let cnt = counted(&c, &p, "handoff_staged_over_quota_total", m0 + 2000.0).await;
-    let staged = p.connector.as_ref().unwrap().staged_messages();
+    let staged = p.connector.as_ref().unwrap().staged_messages().unwrap();
     row(
         "flood of made-up handoff ids (3,000)",
         staged <= 64 + 16,
@@ -647,7 +649,7 @@ async fn suite() {
         m0 + 1.0,
     )
     .await;
-    let still = p.connector.as_ref().unwrap().held_blocks().0;
+    let still = p.connector.as_ref().unwrap().held_blocks().unwrap().0;
     row(
         "anonymous heartbeat and release",
         res && still >= params.block_ids().map_or(1, <[u32]>::len),

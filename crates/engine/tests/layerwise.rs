@@ -109,7 +109,7 @@ async fn layerwise_pull_output_equals_monolithic_and_reads_during_the_prefill() 
         // A bound against leaks, not a timing assertion.
         released_within(&p, Duration::from_secs(10)).await;
         released_within(&d, Duration::from_secs(10)).await;
-        let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+        let (_, ended) = common::producer_stats(&p);
         assert_eq!(
             ended.get("done").copied().unwrap_or(0),
             handoffs,
@@ -136,7 +136,7 @@ async fn a_layerwise_pull_d_refuses_frees_p_after_its_prefill() {
     let (s, v) = layerwise(&c, &p, &d, &prompt(3, 600), 1, 900, false).await;
     assert_eq!(s, 400, "{v}");
     released_within(&p, Duration::from_secs(5)).await;
-    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    let (_, ended) = common::producer_stats(&p);
     assert_eq!(ended.get("rejected"), Some(&1), "{ended:?}");
     p.stop().await;
     d.stop().await;

@@ -123,7 +123,7 @@ async fn push_output_equals_monolithic_in_both_orders() {
         // can send a handoff through its grace periods before the blocks come back.
         released_within(&p, Duration::from_secs(10)).await;
         released_within(&d, Duration::from_secs(10)).await;
-        let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+        let (_, ended) = common::producer_stats(&p);
         assert_eq!(ended.get("done").copied().unwrap_or(0), 16, "{ended:?}");
         p.stop().await;
         d.stop().await;
@@ -154,9 +154,9 @@ async fn push_d_pool_full_answers_at_once_and_releases_p() {
     let (s, v) = push(&c, &p, &d, &prompt(1, 400), 1, 999, true).await;
     assert_eq!(s, 503, "{v}");
     assert!(start_t.elapsed() < Duration::from_secs(5));
-    let held = p.connector.as_ref().unwrap().held_blocks();
+    let held = p.connector.as_ref().unwrap().held_blocks().unwrap();
     released_within(&p, Duration::from_secs(2)).await;
-    let (_, ended) = p.connector.as_ref().unwrap().producer_stats().unwrap();
+    let (_, ended) = common::producer_stats(&p);
     assert_eq!(ended.get("rejected"), Some(&1), "{ended:?} (held {held:?})");
     drop(hog);
     p.stop().await;

@@ -111,6 +111,9 @@ struct Handoff {
     parts: Vec<Part>,
     /// What only this handoff's flow tracks.
     flow: ProducerFlow,
+    /// Created when its prefill started (layer-wise pull, push): P's forward pass still writes
+    /// the blocks, so they cannot go back before [`ProducerLedger::prefill_ended`] (rule 2).
+    filling: Option<Filling>,
     timer: TimerSlot,
 }
 
@@ -122,8 +125,6 @@ enum ProducerFlow {
         /// The reader asked for the block list (and gets every later one of a layer-wise
         /// pull).
         asked: bool,
-        /// Layer-wise: P's prefill still writes the blocks.
-        filling: Option<Filling>,
     },
     Push {
         registrations: Vec<Registration>,
@@ -134,7 +135,7 @@ enum ProducerFlow {
     },
 }
 
-/// A layer-wise pull's prefill, still running.
+/// The prefill of a handoff created at its start (layer-wise pull, push), still running.
 #[derive(Debug, Clone, Copy, Default)]
 struct Filling {
     /// Layers whose KV is in the blocks.
@@ -198,12 +199,9 @@ impl Handoff {
         matches!(self.flow, ProducerFlow::Pull { asked: true, .. })
     }
 
-    /// Layer-wise pull: the prefill still running.
+    /// The prefill still running (a handoff created at its start).
     fn filling(&self) -> Option<&Filling> {
-        match &self.flow {
-            ProducerFlow::Pull { filling, .. } => filling.as_ref(),
-            ProducerFlow::Push { .. } => None,
-        }
+        self.filling.as_ref()
     }
 
     /// Push: D's registrations (none for a pull).
@@ -422,15 +420,13 @@ impl ProducerLedger {
             reader: None,
             parts: vec![Part::default(); self.cfg.tp.max(1) as usize],
             flow: match mode {
-                TransferMode::Pull => ProducerFlow::Pull {
-                    asked: false,
-                    filling,
-                },
+                TransferMode::Pull => ProducerFlow::Pull { asked: false },
                 TransferMode::Push => ProducerFlow::Push {
                     registrations: Vec::new(),
                     cancel_acked: false,
                 },
             },
+            filling,
             timer: TimerSlot::default(),
         };
         h.timer.arm(&mut self.timers, id, lease_end);
@@ -723,10 +719,7 @@ impl ProducerLedger {
 
     fn release_now(&mut self, id: HandoffId, reason: EndReason, now: Time) {
         if let Some(h) = self.handoffs.get_mut(&id) {
-            if let ProducerFlow::Pull {
-                filling: Some(f), ..
-            } = &mut h.flow
-            {
+            if let Some(f) = &mut h.filling {
                 // P's forward pass still writes these blocks: they go back when it ends
                 // (`prefill_ended`). Meanwhile the handoff is over for everyone else.
                 f.ended = Some(f.ended.unwrap_or(reason));

@@ -84,12 +84,14 @@ pub enum SpecError {
         /// The field's name.
         field: &'static str,
     },
-    /// More ranks than KV heads: a rank would own a fraction of a head.
+    /// More ranks than KV heads, and not a whole number of copies of each: a rank would own a
+    /// fraction of a head, or heads would have copies on different numbers of ranks.
     #[error(
-        "tensor-parallel size {tp} exceeds the model's {num_kv_heads} KV heads: each rank must own \
-         at least one whole KV head (splitting or replicating heads across ranks is not supported)"
+        "tensor-parallel size {tp} exceeds the model's {num_kv_heads} KV heads and is not a \
+         multiple of it: each head is replicated on tp / num_kv_heads ranks (as vLLM does), which \
+         must be a whole number"
     )]
-    TpExceedsHeads {
+    HeadsNotReplicable {
         /// Tensor-parallel size.
         tp: u32,
         /// KV heads of the model.
@@ -118,6 +120,41 @@ pub enum SpecError {
     },
 }
 
+/// Whether `num_kv_heads` KV heads can be laid out over `tp` ranks: split evenly (`tp` divides
+/// the heads) or replicated evenly (the heads divide `tp`). Both nonzero.
+pub fn check_heads(tp: u32, num_kv_heads: u32) -> Result<(), SpecError> {
+    if tp > num_kv_heads && tp % num_kv_heads != 0 {
+        return Err(SpecError::HeadsNotReplicable { tp, num_kv_heads });
+    }
+    if tp <= num_kv_heads && num_kv_heads % tp != 0 {
+        return Err(SpecError::HeadsNotDivisible { tp, num_kv_heads });
+    }
+    Ok(())
+}
+
+/// KV heads each of `tp` ranks owns: `num_kv_heads / tp`, or 1 when `tp > num_kv_heads` (each
+/// head replicated); 0 when `tp` is 0.
+pub(crate) fn heads_per_rank(tp: u32, num_kv_heads: u32) -> u32 {
+    match tp {
+        0 => 0,
+        t if t > num_kv_heads => num_kv_heads.min(1),
+        t => num_kv_heads / t,
+    }
+}
+
+/// The global KV heads `rank` of `tp` ranks owns. Ranks own consecutive, equal head ranges in
+/// rank order (as Megatron-style TP shards the KV projection); with more ranks than heads, each
+/// head is held by `tp / num_kv_heads` consecutive ranks (as vLLM replicates the KV projection),
+/// so rank `r` owns head `r / (tp / num_kv_heads)` alone.
+pub(crate) fn owned_heads(tp: u32, num_kv_heads: u32, rank: u32) -> Range<u32> {
+    if tp > num_kv_heads && num_kv_heads > 0 {
+        let h = rank / (tp / num_kv_heads);
+        return h..h.saturating_add(1);
+    }
+    let hpr = heads_per_rank(tp, num_kv_heads);
+    rank.saturating_mul(hpr)..rank.saturating_add(1).saturating_mul(hpr)
+}
+
 impl KvSpec {
     /// Checks that the spec describes something plannable on its own (nonzero sizes, whole heads
     /// per rank, sizes that fit in `u64`).
@@ -135,18 +172,7 @@ impl KvSpec {
                 return Err(SpecError::Zero { field });
             }
         }
-        if self.tp > s.num_kv_heads {
-            return Err(SpecError::TpExceedsHeads {
-                tp: self.tp,
-                num_kv_heads: s.num_kv_heads,
-            });
-        }
-        if s.num_kv_heads % self.tp != 0 {
-            return Err(SpecError::HeadsNotDivisible {
-                tp: self.tp,
-                num_kv_heads: s.num_kv_heads,
-            });
-        }
+        check_heads(self.tp, s.num_kv_heads)?;
         let too_large = SpecError::TooLarge {
             heads_per_rank: self.heads_per_rank(),
             block_size: self.block_size,
@@ -162,16 +188,15 @@ impl KvSpec {
         Ok(())
     }
 
-    /// KV heads each rank owns (`num_kv_heads / tp`; 0 for a spec with `tp == 0`).
+    /// KV heads each rank owns: `num_kv_heads / tp`, or 1 when heads are replicated (`tp >
+    /// num_kv_heads`); 0 for a spec with `tp == 0`.
     pub fn heads_per_rank(&self) -> u32 {
-        self.shape.num_kv_heads.checked_div(self.tp).unwrap_or(0)
+        heads_per_rank(self.tp, self.shape.num_kv_heads)
     }
 
-    /// The global KV heads `rank` owns: ranks own consecutive, equal head ranges in rank order
-    /// (as Megatron-style TP shards the KV projection).
+    /// The global KV heads `rank` owns (see [`owned_heads`]).
     pub fn owned_heads(&self, rank: u32) -> Range<u32> {
-        let hpr = self.heads_per_rank();
-        rank.saturating_mul(hpr)..rank.saturating_add(1).saturating_mul(hpr)
+        owned_heads(self.tp, self.shape.num_kv_heads, rank)
     }
 
     /// Bytes of one plane (K or V) of one block of one layer of one rank:

@@ -27,11 +27,14 @@
 //!
 //! # Topology
 //!
-//! TP sizes must divide each other and every rank must own at least one whole head
-//! ([`check_compatible`]). A (D rank, P rank) pair moves the heads both own
-//! ([`Topology::pairs`]): with equal TP, rank r ↔ rank r, all heads; with P tp > D tp a D rank
-//! gathers head slices from `P/D` P ranks; with D tp > P tp, `D/P` D ranks each read their slice of
-//! one P rank, which therefore waits for [`Topology::consumers`] notifications.
+//! TP sizes must divide each other, and the heads must split evenly over each side's ranks or,
+//! with more ranks than heads, be replicated evenly on them (each head on `tp / heads`
+//! consecutive ranks, as vLLM does) ([`check_compatible`]). A (D rank, P rank) pair moves the
+//! heads both own ([`Topology::pairs`]): with equal TP, rank r ↔ rank r, all heads; with P tp >
+//! D tp a D rank gathers head slices from `P/D` P ranks; with D tp > P tp, `D/P` D ranks each read
+//! their slice of one P rank, which therefore waits for [`Topology::consumers`] notifications. A
+//! replicated head is read once per D rank, from the first source holding it; a source whose
+//! heads were all read from another only confirms (its pair moves no byte).
 //!
 //! # Planning
 //!
@@ -57,12 +60,12 @@
 //!
 //! # Supported and refused
 //!
-//! Planned: any TP pair where one divides the other and both split the heads evenly; block sizes
+//! Planned: any TP pair where one divides the other and each splits or replicates the heads
+//! evenly; block sizes
 //! whose ratio is a power of two; head-major on both sides; token-major on both sides (equal TP
 //! coalesces as well as head-major; heterogeneous TP is correct but costs a descriptor per token).
-//! Refused ([`Incompatible`]): different model shape or dtype size, TP larger than the head count
-//! (heads would have to be split or replicated, as vLLM does for GQA; not supported), head-major on
-//! one side and token-major on the other (one descriptor per token per head, or a permute after
+//! Refused ([`Incompatible`]): different model shape or dtype size, a TP that neither divides the
+//! head count nor is a multiple of it, head-major on one side and token-major on the other (one descriptor per token per head, or a permute after
 //! receipt), other block-size ratios.
 
 #![forbid(unsafe_code)]
@@ -73,8 +76,8 @@ mod planner;
 mod topology;
 
 pub use layout::{
-    BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc, PoolLayout, RankLayout,
-    Region, Side, SpecError,
+    check_heads, BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc,
+    PoolLayout, RankLayout, Region, Side, SpecError,
 };
 pub use planner::{
     block_spans, plan, plan_layers, plan_pair, plan_pair_layers, uncovered_dst, Descriptor,
@@ -83,6 +86,10 @@ pub use planner::{
 pub use topology::{
     check_compatible, rank_consumers, rank_pairs, rank_sources, Incompatible, RankPair, Topology,
 };
+
+/// The workspace's shared test support (feature `testing`; not API).
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 #[cfg(test)]
 mod tests;

@@ -587,6 +587,10 @@ impl<'a> Request<'a> {
         d: &RankLayout,
         heads: Range<u32>,
     ) -> Result<Vec<Descriptor>, PlanError> {
+        if heads.is_empty() {
+            // A pair that only confirms: another source gave D these replicated heads.
+            return Ok(Vec::new());
+        }
         let (ps, ds) = (&p.spec, &d.spec);
         let row = ps.shape.row_bytes();
         let (p_hpr, d_hpr) = (ps.heads_per_rank(), ds.heads_per_rank());

@@ -95,6 +95,77 @@ fn topology_d_wider_than_p() {
     assert_eq!(t.consumers(1), 0);
 }
 
+/// More ranks than KV heads (vLLM replicates each head on `tp / heads` ranks): D reads each
+/// head it needs once, from the first of its sources that holds it; a source holding only copies
+/// already read is a pair that moves nothing and only confirms, so the pairs are still the
+/// ledgers' (`rank_pairs`), who count on every source to hear from D.
+#[test]
+fn replicated_heads_are_read_once_and_their_other_copies_only_confirm() {
+    let pair = |d_rank, p_rank, heads| RankPair {
+        d_rank,
+        p_rank,
+        heads,
+    };
+    // One head on P's two ranks, D tp 1: read from P rank 0; P rank 1 confirms.
+    let t = Topology::new(2, 1, 1).unwrap();
+    assert_eq!(t.pairs(), vec![pair(0, 0, 0..1), pair(0, 1, 1..1)]);
+    assert_eq!((t.consumers(0), t.consumers(1)), (1, 1));
+    // Two heads on P's four ranks (0, 1: head 0; 2, 3: head 1), D tp 2.
+    let t = Topology::new(4, 2, 2).unwrap();
+    let want = [(0, 0, 0..1), (0, 1, 1..1), (1, 2, 1..2), (1, 3, 2..2)];
+    assert_eq!(t.pairs(), want.map(|(d, p, h)| pair(d, p, h)));
+    // Copies on D: every D rank reads its own copy (its memory is its own).
+    let t = Topology::new(1, 2, 1).unwrap();
+    assert_eq!(t.pairs(), vec![pair(0, 0, 0..1), pair(1, 0, 0..1)]);
+    assert_eq!(t.consumers(0), 2);
+    // Copies on both sides: D ranks 0, 1 read P rank 0's copy, 2, 3 P rank 1's.
+    let t = Topology::new(2, 4, 1).unwrap();
+    let want = [(0, 0, 0..1), (1, 0, 0..1), (2, 1, 0..1), (3, 1, 0..1)];
+    assert_eq!(t.pairs(), want.map(|(d, p, h)| pair(d, p, h)));
+    for (p_tp, d_tp, heads) in [
+        (2, 1, 1),
+        (4, 2, 2),
+        (1, 2, 1),
+        (2, 4, 1),
+        (8, 2, 2),
+        (4, 8, 2),
+    ] {
+        let t = Topology::new(p_tp, d_tp, heads).unwrap();
+        let pairs: Vec<(u16, u16)> = t
+            .pairs()
+            .iter()
+            .map(|x| (x.d_rank as u16, x.p_rank as u16))
+            .collect();
+        assert_eq!(
+            pairs,
+            rank_pairs(p_tp as u16, d_tp as u16),
+            "{p_tp} -> {d_tp}"
+        );
+        // Every D rank gets every head it owns exactly once.
+        for d in 0..d_tp {
+            let mut got: Vec<u32> = t
+                .pairs()
+                .iter()
+                .filter(|x| x.d_rank == d)
+                .flat_map(|x| x.heads.clone())
+                .collect();
+            got.sort_unstable();
+            let want: Vec<u32> = crate::layout::owned_heads(d_tp, heads, d).collect();
+            assert_eq!(got, want, "{p_tp} -> {d_tp}, D rank {d}");
+        }
+    }
+    // A plan moves one copy: P tp 2 to D tp 1 moves what P tp 1 to D tp 1 moves.
+    let one = |tp| ranks(layers(spec(1, tp, 16, HeadMajor), 2), 8);
+    let blocks = [3, 5];
+    let via = |p_tp: u32| plan(&one(p_tp), &one(1), &blocks, &blocks, 32).unwrap();
+    let (two, single) = (via(2), via(1));
+    assert_eq!(two.bytes(), single.bytes());
+    assert!(
+        two.pairs[1].descriptors.is_empty(),
+        "P rank 1's copy is not read"
+    );
+}
+
 #[test]
 fn equal_tp_contiguous_is_one_descriptor_per_layer() {
     let s = layers(spec(4, 2, 16, HeadMajor), 2);
@@ -482,9 +553,10 @@ fn incompatible_messages_say_why() {
         "KV dtype size differs: 2 bytes per element on P but 1 on D (no conversion is done)"
     );
     assert_eq!(
-        check(with(&|s| s.tp = 16), base),
-        "P engine: tensor-parallel size 16 exceeds the model's 8 KV heads: each rank must own at \
-         least one whole KV head (splitting or replicating heads across ranks is not supported)"
+        check(with(&|s| s.tp = 12), base),
+        "P engine: tensor-parallel size 12 exceeds the model's 8 KV heads and is not a multiple \
+         of it: each head is replicated on tp / num_kv_heads ranks (as vLLM does), which must be \
+         a whole number"
     );
     assert_eq!(
         check(base, with(&|s| s.tp = 3)),

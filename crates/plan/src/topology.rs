@@ -5,7 +5,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::layout::{BlockLayout, KvSpec, Side, SpecError};
+use crate::layout::{check_heads, owned_heads, BlockLayout, KvSpec, Side, SpecError};
 
 /// Why two engines cannot exchange KV. Every message says what differs, with both values.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -124,14 +124,16 @@ pub fn check_compatible(p: &KvSpec, d: &KvSpec) -> Result<Topology, Incompatible
     Topology::new(p.tp, d.tp, ps.num_kv_heads)
 }
 
-/// One (D rank, P rank) pair that moves data, and the global KV heads it moves.
+/// One (D rank, P rank) pair of a transfer, and the global KV heads it moves (none when it only
+/// confirms: see [`Topology::pair_heads`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RankPair {
     /// The D rank (destination).
     pub d_rank: u32,
     /// The P rank (source).
     pub p_rank: u32,
-    /// Global KV heads this pair moves (owned by both ranks).
+    /// Global KV heads this pair moves (owned by both ranks; empty for a pair that only
+    /// confirms).
     pub heads: Range<u32>,
 }
 
@@ -139,7 +141,8 @@ pub struct RankPair {
 ///
 /// Ranks own consecutive equal head ranges, so with `P tp > D tp` each D rank gathers from
 /// `P/D` consecutive P ranks, and with `D tp > P tp` each P rank is read by `D/P` consecutive D
-/// ranks, each taking its own head slice.
+/// ranks, each taking its own head slice. With more ranks than heads each head has copies on
+/// consecutive ranks; D reads each head it needs from one of them.
 ///
 /// Deserialising re-runs [`Topology::new`]'s checks, so a `Topology` from the wire is as valid as
 /// one built here (its methods divide by the TP sizes).
@@ -176,10 +179,8 @@ impl Topology {
                 SpecError::Zero {
                     field: "num_kv_heads",
                 }
-            } else if tp > num_kv_heads {
-                SpecError::TpExceedsHeads { tp, num_kv_heads }
-            } else if num_kv_heads % tp != 0 {
-                SpecError::HeadsNotDivisible { tp, num_kv_heads }
+            } else if let Err(e) = check_heads(tp, num_kv_heads) {
+                e
             } else {
                 continue;
             };
@@ -211,8 +212,7 @@ impl Topology {
     }
 
     fn heads_of(&self, tp: u32, rank: u32) -> Range<u32> {
-        let hpr = self.num_kv_heads / tp;
-        rank * hpr..(rank + 1) * hpr
+        owned_heads(tp, self.num_kv_heads, rank)
     }
 
     /// The P ranks D rank `d_rank` reads from (empty if `d_rank` is out of range).
@@ -241,20 +241,34 @@ impl Topology {
         r.end - r.start
     }
 
-    /// The global heads the pair (`d_rank`, `p_rank`) moves, or `None` if they share none.
+    /// The global heads the pair (`d_rank`, `p_rank`) moves, or `None` if `p_rank` is not one of
+    /// `d_rank`'s sources. Each head D needs is read once, from the first of its sources that
+    /// holds it: with replicated heads, a later source holding only heads read already moves
+    /// nothing (an empty range) and its pair only confirms the transfer, so that P rank, which
+    /// the ledgers count on to hear from D, lets its blocks go as the others do.
     pub fn pair_heads(&self, d_rank: u32, p_rank: u32) -> Option<Range<u32>> {
-        if d_rank >= self.d_tp || p_rank >= self.p_tp {
+        if d_rank >= self.d_tp || p_rank >= self.p_tp || !self.sources(d_rank).contains(&p_rank) {
             return None;
         }
-        let (d, p) = (
-            self.heads_of(self.d_tp, d_rank),
-            self.heads_of(self.p_tp, p_rank),
-        );
-        let heads = d.start.max(p.start)..d.end.min(p.end);
-        (!heads.is_empty()).then_some(heads)
+        let d = self.heads_of(self.d_tp, d_rank);
+        let shared = |p: u32| {
+            let p = self.heads_of(self.p_tp, p);
+            d.start.max(p.start)..d.end.min(p.end)
+        };
+        // Heads are owned in rank order, so what earlier sources gave is a prefix of D's heads.
+        let read = self
+            .sources(d_rank)
+            .take_while(|&p| p < p_rank)
+            .map(|p| shared(p).end)
+            .max()
+            .unwrap_or(d.start);
+        let heads = shared(p_rank);
+        Some(heads.start.max(read).min(heads.end)..heads.end)
     }
 
-    /// Every pair that moves data, ordered by D rank, then P rank.
+    /// Every (D rank, P rank) pair of a transfer, ordered by D rank, then P rank: the pairs the
+    /// ledgers count ([`rank_pairs`]). A pair whose `heads` are empty moves no byte and only
+    /// confirms (a replica another source already gave that D rank).
     pub fn pairs(&self) -> Vec<RankPair> {
         let mut out = Vec::new();
         for d_rank in 0..self.d_tp {

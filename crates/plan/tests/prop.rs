@@ -10,30 +10,12 @@ use std::collections::{BTreeSet, HashMap};
 
 use handoff_plan::{
     plan, uncovered_dst, BlockLayout, Descriptor, KvSpec, LayerPlacement, ModelShape, Plan,
-    PlaneLoc, RankLayout, Region,
+    PlaneLoc, RankLayout, Region, Topology,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
-
-/// Small deterministic generator for the parts of a case that depend on other parts.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-}
+// For the parts of a case that depend on other parts.
+use handoff_plan::testing::Rng;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -81,8 +63,9 @@ fn case() -> impl Strategy<Value = Case> {
                         dtype_size: dtype,
                     },
                     token_major: tm,
-                    // {1,2,4} always divide each other; keep every rank at ≥ 1 head.
-                    tp: (ptp.min(heads), dtp.min(heads)),
+                    // {1,2,4} always divide each other and the head counts {1,2,4,8}, or are
+                    // multiples of them: a TP above the heads replicates each head.
+                    tp: (ptp, dtp),
                     bs: (pbs, dbs),
                     style,
                     extra,
@@ -271,7 +254,9 @@ fn in_block(
 }
 
 /// Every row the transfer must move: for each D rank, layer, plane, D head and token, where it
-/// comes from (the P rank owning that global head, the P block holding that token).
+/// comes from (the P rank owning that global head, the P block holding that token). With
+/// replicated heads (more ranks than heads) several P ranks own it: the first of D's sources
+/// that does, so that each head is read once.
 fn naive_rows(
     p: &[RankLayout],
     d: &[RankLayout],
@@ -280,15 +265,20 @@ fn naive_rows(
     num_tokens: u32,
 ) -> Vec<Row> {
     let (ps, ds) = (p[0].spec, d[0].spec);
-    let (p_hpr, d_hpr) = (ps.shape.num_kv_heads / ps.tp, ds.shape.num_kv_heads / ds.tp);
+    let (p_hpr, d_hpr) = (ps.heads_per_rank(), ds.heads_per_rank());
+    let topology = Topology::new(ps.tp, ds.tp, ps.shape.num_kv_heads).unwrap();
     let row = u64::from(ps.shape.head_dim * ps.shape.dtype_size);
     let mut rows = Vec::new();
     for dl in d {
         for l in 0..ps.shape.num_layers as usize {
             for kv in 0..2 {
                 for dh in 0..d_hpr {
-                    let global = dl.rank * d_hpr + dh;
-                    let (pr, ph) = (global / p_hpr, global % p_hpr);
+                    let global = ds.owned_heads(dl.rank).start + dh;
+                    let pr = topology
+                        .sources(dl.rank)
+                        .find(|&r| ps.owned_heads(r).contains(&global))
+                        .expect("a source owns every head of its D rank");
+                    let ph = global - ps.owned_heads(pr).start;
                     let pl = &p[pr as usize];
                     let (sloc, dloc) = if kv == 0 {
                         (pl.layers[l].k, dl.layers[l].k)
@@ -402,14 +392,22 @@ fn check(c: &Case) {
         assert_eq!(got, want, "init {init:#x}");
     }
 
-    // (c): the pairs are the ones the heads imply, and each pair's descriptor count is the
-    // number of maximal runs of rows contiguous on both sides.
+    // (c): the pairs that move heads are the ones the heads imply, and each pair's descriptor
+    // count is the number of maximal runs of rows contiguous on both sides. A pair that moves no
+    // head (a replica another source gave) has no descriptor: it only confirms.
     let mut by_pair: HashMap<(u32, u32), Vec<Row>> = HashMap::new();
     for r in &rows {
         by_pair.entry((r.d_rank, r.p_rank)).or_default().push(*r);
     }
-    let planned: BTreeSet<(u32, u32)> =
-        plan.pairs.iter().map(|pp| (pp.d_rank, pp.p_rank)).collect();
+    for pp in plan.pairs.iter().filter(|pp| pp.heads.is_empty()) {
+        assert!(pp.descriptors.is_empty(), "a confirming pair moves bytes");
+    }
+    let planned: BTreeSet<(u32, u32)> = plan
+        .pairs
+        .iter()
+        .filter(|pp| !pp.heads.is_empty())
+        .map(|pp| (pp.d_rank, pp.p_rank))
+        .collect();
     let expected: BTreeSet<(u32, u32)> = if c.num_tokens == 0 {
         planned.clone()
     } else {

@@ -23,6 +23,13 @@ impl TransferMode {
             TransferMode::Push => "push",
         }
     }
+
+    /// The mode [`Self::as_str`] names (an engine's setting).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [TransferMode::Pull, TransferMode::Push]
+            .into_iter()
+            .find(|m| m.as_str() == name)
+    }
 }
 
 /// How a request's KV goes from P to D. The router chooses it when it routes the request and

@@ -96,8 +96,13 @@ pub(crate) fn encode(msg: &Message, out: Vec<u8>) -> Result<Vec<u8>, EncodeError
 /// One version-7 message from `body`; returns it and what is left.
 pub(crate) fn decode(body: &[u8]) -> Result<(Message, &[u8]), DecodeError> {
     let malformed = |e: postcard::Error| DecodeError::Malformed(e.to_string());
-    // Postcard writes the variant index first, as a varint: 0 and 1 are a hello and its reply.
-    if !body.first().is_some_and(|&variant| variant <= 1) {
+    // Postcard writes the variant index first, as a u32 varint: 0 and 1 are a hello and its
+    // reply. The index is read as the varint it is, not as its first byte: postcard also takes
+    // an over-long varint (0x80 0x00 is 0), and a hello under that spelling must still be read
+    // as version 7's (read as this version's, it would bring a `memory` that version 7 cannot
+    // say back).
+    let (variant, _) = postcard::take_from_bytes::<u32>(body).map_err(malformed)?;
+    if variant > 1 {
         return postcard::take_from_bytes::<Message>(body).map_err(malformed);
     }
     let (msg, rest) = postcard::take_from_bytes::<HandshakeV7>(body).map_err(malformed)?;

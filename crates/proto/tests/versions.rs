@@ -184,3 +184,33 @@ fn the_compatibility_key_is_the_previous_release_s() {
     f.model = "other".into();
     assert_ne!(f.compat_key("head-major", false), "a53e8b810322");
 }
+
+#[test]
+fn a_hello_under_an_over_long_variant_index_is_still_version_7_s() {
+    // Postcard takes 0x80 0x00 for the variant index 0 (a hello). Read by its first byte alone,
+    // such a frame was decoded as this version's hello, `memory` included (here a CUDA rank),
+    // which version 7 cannot say back: the decode fuzz target's crash in CI.
+    let Message::Hello(mut hello) = message("hello") else {
+        unreachable!()
+    };
+    hello.fingerprint.protocol_version = PROTOCOL_VERSION as u16;
+    hello.memory[1] = MemoryKind::Cuda { device: 1 };
+    let now = encode(&Message::Hello(hello)).unwrap();
+    assert_eq!(now[1], 0, "a hello's variant index");
+    let mut over_long = vec![7, 0x80];
+    over_long.extend_from_slice(&now[1..]);
+    // Read as version 7's hello, which has no `memory`: its bytes are left over.
+    assert!(
+        decode_up_to(&over_long, PROTOCOL_VERSION).is_err(),
+        "a version-8 hello decoded as version 7's"
+    );
+    // The same frame in canonical spelling is no version-7 hello either.
+    let mut canonical = now.clone();
+    canonical[0] = 7;
+    assert!(decode(&canonical).is_err());
+    // And version 7's own hello under the over-long index is read as the hello it is.
+    let v7 = encode_as(&message("hello"), 7).unwrap();
+    let mut v7_long = vec![7, 0x80];
+    v7_long.extend_from_slice(&v7[1..]);
+    assert_eq!(decode(&v7_long), Ok(message("hello")));
+}

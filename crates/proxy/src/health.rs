@@ -3,6 +3,7 @@
 //! whether the engine takes a layer-wise pull).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use tokio::sync::watch;
@@ -15,21 +16,42 @@ use crate::{Shared, TransferMode};
 /// Checks one instance and records the verdict (logging changes).
 pub(crate) async fn check(shared: &Shared, inst: &Instance) {
     let url = format!("{}/health", inst.url);
+    // Whether the check failed only for want of an answer in time, on a connection the
+    // instance accepted: a host that does not even connect (down, partitioned) is no late one.
+    let mut late = false;
+    let limit = shared.cfg.health_timeout;
+    // reqwest's own limit ends the request first; this one only bounds the call.
     let verdict = match tokio::time::timeout(
-        shared.cfg.health_timeout,
-        shared
-            .http
-            .get(&url)
-            .timeout(shared.cfg.health_timeout)
-            .send(),
+        limit + Duration::from_millis(250),
+        shared.health_http.get(&url).timeout(limit).send(),
     )
     .await
     {
         Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
         Ok(Ok(resp)) => Err(format!("HTTP {}", resp.status())),
+        Ok(Err(e)) if e.is_connect() => Err(chain(&e)),
+        Ok(Err(e)) if e.is_timeout() => {
+            late = true;
+            Err(format!("no answer within {limit:?}"))
+        }
         Ok(Err(e)) => Err(chain(&e)),
-        Err(_) => Err(format!("no answer within {:?}", shared.cfg.health_timeout)),
+        Err(_) => {
+            late = true;
+            Err(format!("no answer within {limit:?}"))
+        }
     };
+    // A busy engine answers late (vLLM's API server on a loaded host can take seconds); a dead
+    // one refuses at once. A healthy instance stays so through a few late answers in a row:
+    // marking it unhealthy at the first would answer clients 503 while it serves fine.
+    if let Err(reason) = &verdict {
+        if late && inst.is_healthy() {
+            let n = inst.late_check();
+            if n < shared.cfg.health_timeouts_to_fail.max(1) {
+                tracing::debug!(role = %inst.role, url = %inst.url, %reason, late = n, "late health answer: still healthy");
+                return;
+            }
+        }
+    }
     // Alive is not enough: an engine that says it is not ready (`/ready` 503) gets no new work.
     // One without a readiness endpoint (vLLM: 404) is judged by `/health` alone.
     let verdict = match verdict {

@@ -162,7 +162,9 @@
 //! # Health
 //!
 //! Every `health_interval` the proxy GETs `{url}/health` of every instance (timeout
-//! `health_timeout`); a success status makes it healthy, anything else unhealthy. Instances start
+//! `health_timeout`); a success status makes it healthy, anything else unhealthy, except that a
+//! healthy instance stays so until `health_timeouts_to_fail` checks in a row got no answer in
+//! time (a busy engine answers late; a dead one refuses at once). Instances start
 //! unhealthy: [`start`] runs one round of checks before it returns, and an added instance is
 //! checked before the admin answer, so traffic never goes to an instance no check has seen.
 //! In push mode a P must also answer `GET {url}/v1/handoff/info` as a push-capable prefill engine
@@ -228,6 +230,11 @@ pub struct ProxyConfig {
     pub health_interval: Duration,
     /// Overall limit of one health check.
     pub health_timeout: Duration,
+    /// A healthy instance turns unhealthy after this many health checks in a row got no answer
+    /// within `health_timeout` on a connection it accepted (a busy engine answers late). Any
+    /// other failure (no connection: refused, or not made within half of `health_timeout`, as
+    /// for a host down or cut off; an error status; `/ready` 503) turns it unhealthy at once.
+    pub health_timeouts_to_fail: u32,
     /// Limit for opening a TCP connection to any instance.
     pub connect_timeout: Duration,
     /// Overall limit of the P leg and of a non-streaming D leg; for a streaming D leg, the limit
@@ -259,6 +266,7 @@ impl Default for ProxyConfig {
             mode: TransferMode::Pull,
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(1),
+            health_timeouts_to_fail: 3,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(120),
             stream_idle_timeout: Duration::from_secs(60),
@@ -336,6 +344,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub(crate) struct Shared {
     pub(crate) cfg: ProxyConfig,
     pub(crate) http: reqwest::Client,
+    /// Health checks' own client: a new connection per check (a pooled one would hide a host
+    /// that stopped answering behind a mere late answer), connecting within half the check's
+    /// limit, so that an unreachable host fails at connect and counts as down at once.
+    pub(crate) health_http: reqwest::Client,
     pub(crate) prefill: Pool,
     pub(crate) decode: Pool,
     pub(crate) metrics: Metrics,
@@ -532,20 +544,33 @@ fn validate(cfg: &ProxyConfig) -> anyhow::Result<()> {
 /// instances once.
 pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
     validate(&cfg)?;
-    let http = reqwest::Client::builder()
-        // Engines are reached directly: an HTTP(S)_PROXY in the environment must not divert
-        // (or break) traffic between the proxy and its engines.
-        .no_proxy()
-        // An instance is the URL it was added with: a redirect would send the client's request
-        // (and its Authorization header) somewhere nobody vetted.
-        .redirect(reqwest::redirect::Policy::none())
+    let client = || {
+        reqwest::Client::builder()
+            // Engines are reached directly: an HTTP(S)_PROXY in the environment must not
+            // divert (or break) traffic between the proxy and its engines.
+            .no_proxy()
+            // An instance is the URL it was added with: a redirect would send the client's
+            // request (and its Authorization header) somewhere nobody vetted.
+            .redirect(reqwest::redirect::Policy::none())
+            .tcp_nodelay(true)
+    };
+    let http = client()
         .connect_timeout(cfg.connect_timeout)
-        .tcp_nodelay(true)
-        .pool_idle_timeout(Duration::from_secs(30))
+        // Under the keep-alive of the servers in front of which the proxy runs (vLLM's API
+        // server, uvicorn: 5 s): a connection idle that long is being closed by the server, and
+        // a request sent on it just then is reset (a check-ops run against vLLM lost a prefill
+        // leg so, after a 5 s pause in its load).
+        .pool_idle_timeout(Duration::from_secs(3))
         .build()
         .context("building the HTTP client")?;
+    let health_http = client()
+        .connect_timeout(cfg.connect_timeout.min(cfg.health_timeout / 2))
+        .pool_max_idle_per_host(0)
+        .build()
+        .context("building the health checks' HTTP client")?;
     let shared = Arc::new(Shared {
         http,
+        health_http,
         prefill: Pool::new(Role::Prefill),
         decode: Pool::new(Role::Decode),
         metrics: Metrics::new(),

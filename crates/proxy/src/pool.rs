@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -180,6 +180,8 @@ pub(crate) struct Instance {
     pub(crate) role: Role,
     // Instances start unhealthy: nothing is sent to one until a health check has passed.
     healthy: AtomicBool,
+    /// Health checks in a row that got no answer in time (see `ProxyConfig::health_timeouts_to_fail`).
+    late_checks: AtomicU32,
     in_flight: AtomicUsize,
     in_flight_gauge: Gauge,
     healthy_gauge: Gauge,
@@ -195,8 +197,14 @@ impl Instance {
 
     /// Records a health verdict; returns the previous one so the caller can log transitions.
     pub(crate) fn set_healthy(&self, healthy: bool) -> bool {
+        self.late_checks.store(0, Ordering::Relaxed);
         self.healthy_gauge.set(i64::from(healthy));
         self.healthy.swap(healthy, Ordering::Relaxed)
+    }
+
+    /// One more health check in a row got no answer in time; returns how many now.
+    pub(crate) fn late_check(&self) -> u32 {
+        self.late_checks.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     pub(crate) fn in_flight(&self) -> usize {
@@ -292,6 +300,7 @@ impl Pool {
             url,
             role: self.role,
             healthy: AtomicBool::new(false),
+            late_checks: AtomicU32::new(0),
             in_flight: AtomicUsize::new(0),
             in_flight_gauge: metrics.in_flight.get_or_create(&labels).clone(),
             healthy_gauge,

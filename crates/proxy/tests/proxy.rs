@@ -708,6 +708,121 @@ async fn an_instance_failing_health_checks_gets_no_traffic() {
     .await
 }
 
+/// A busy engine answers its health checks late; a dead or failing one refuses them or answers
+/// an error. A healthy D whose `/health` answers after the timeout keeps its traffic through
+/// `health_timeouts_to_fail - 1` late checks in a row (answering clients 503 while it serves
+/// would be the proxy's own outage), is taken out at the limit, and is back at its first answer
+/// in time; an error status still takes it out at the next check.
+#[tokio::test]
+async fn late_health_answers_take_an_instance_out_only_after_several_in_a_row() {
+    bounded(async {
+        let log = Log::default();
+        let p = Fake::prefill("P1", &log).await;
+        let d = Fake::decode("D1", &log).await;
+        let mut cfg = config(&[&p], &[&d]);
+        cfg.health_interval = Duration::from_millis(50);
+        cfg.health_timeout = Duration::from_millis(800);
+        cfg.health_timeouts_to_fail = 3;
+        let proxy = start(cfg).await.unwrap();
+        let healthy = |proxy: &RunningProxy| find(&proxy.instances(), &d.url).healthy;
+
+        d.set_health_delay(Duration::from_millis(1600));
+        let late_from = d.health_checks();
+        // The third late check has started: two answered late already.
+        wait_until(|| d.health_checks() >= late_from + 3).await;
+        assert!(healthy(&proxy), "taken out after two late answers");
+        assert_eq!(post(&proxy, "/v1/completions", &completion()).await.0, 200);
+        wait_until(|| !healthy(&proxy)).await;
+        assert!(d.health_checks() >= late_from + 3);
+
+        // In time again: back.
+        d.set_health_delay(Duration::ZERO);
+        wait_until(|| healthy(&proxy)).await;
+        assert_eq!(post(&proxy, "/v1/completions", &completion()).await.0, 200);
+
+        // An error status is no late answer: out at the next check.
+        let failing_from = d.health_checks();
+        d.set_health(500);
+        wait_until(|| !healthy(&proxy)).await;
+        assert!(
+            d.health_checks() <= failing_from + 2,
+            "an error status was tolerated"
+        );
+    })
+    .await
+}
+
+/// A host that stopped answering altogether (a lost node, a partition: its SYNs go unanswered)
+/// is no busy engine: its health check fails at connect, and it is taken out at once, however
+/// many late answers a busy one is allowed (here: any number; the test's 30 s bound fails it
+/// otherwise). Played by a D whose listener stops
+/// accepting, with its accept queue filled so that the kernel answers no new SYN.
+#[tokio::test]
+async fn a_host_that_no_longer_connects_is_taken_out_without_waiting_for_late_answers() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    bounded(async {
+        let log = Log::default();
+        let p = Fake::prefill("P1", &log).await;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = socket.local_addr().unwrap();
+        let listener = socket.listen(1).unwrap();
+        let gone = Arc::new(AtomicBool::new(false));
+        let serving = gone.clone();
+        // Answers every request 200 (health, ready, info) until the host is "gone".
+        tokio::spawn(async move {
+            while !serving.load(Ordering::SeqCst) {
+                let Ok(Ok((mut s, _))) =
+                    tokio::time::timeout(Duration::from_millis(20), listener.accept()).await
+                else {
+                    continue;
+                };
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = s
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                });
+            }
+            // Never accepts again; the listener stays open with a full queue.
+            std::future::pending::<()>().await;
+            drop(listener);
+        });
+        let d_url = format!("http://{addr}");
+        let mut cfg = config(&[&p], &[]);
+        cfg.decode = vec![d_url.clone()];
+        cfg.health_interval = Duration::from_millis(100);
+        cfg.health_timeout = Duration::from_millis(800);
+        // Late answers alone would never take it out: only a failure to connect can.
+        cfg.health_timeouts_to_fail = u32::MAX;
+        let proxy = start(cfg).await.unwrap();
+        wait_until(|| find(&proxy.instances(), &d_url).healthy).await;
+
+        gone.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Fill the accept queue (backlog 1): later SYNs get no answer.
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            if let Ok(Ok(c)) = tokio::time::timeout(
+                Duration::from_millis(200),
+                tokio::net::TcpStream::connect(addr),
+            )
+            .await
+            {
+                fillers.push(c);
+            }
+        }
+        wait_until(|| !find(&proxy.instances(), &d_url).healthy).await;
+        drop(fillers);
+    })
+    .await
+}
+
 #[tokio::test]
 async fn client_disconnect_mid_stream_closes_the_decode_stream() {
     bounded(async {

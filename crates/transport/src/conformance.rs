@@ -67,20 +67,8 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// A small deterministic generator (the suite must replay from a seed).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
+/// The workspace's deterministic generator: the suite must replay from a seed.
+pub use handoff_plan::testing::Rng;
 
 /// `n` descriptors of 1..=`max_len` bytes that overlap neither locally nor remotely.
 pub fn random_descs(

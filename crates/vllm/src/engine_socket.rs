@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_connector::Connector;
+use handoff_connector::{Connector, Hooks};
 use handoff_proto::KvTransferParams;
 use prometheus_client::registry::Registry;
 

@@ -201,7 +201,9 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
             heads, block_size, ..
         } => (*heads, facts.head_dim, *block_size),
     };
-    let heads_per_rank = facts.num_kv_heads / facts.tp.max(1);
+    // vLLM's rule (`max(1, total // tp)`): with more ranks than KV heads each rank holds one
+    // replicated head, which the planner reads once (`handoff_plan::Topology::pair_heads`).
+    let heads_per_rank = (facts.num_kv_heads / facts.tp.max(1)).max(1);
     if heads != heads_per_rank || head_dim != facts.head_dim {
         return Err(mismatch(format!(
             "{heads} heads of {head_dim} elements, the model has {heads_per_rank} per rank of {}",
@@ -539,6 +541,23 @@ mod tests {
         assert_eq!(hnd.regions, vec![(0, 1 << 32, 2 * 100 * plane)]);
         assert_eq!(hnd.block_bytes, plane);
         assert_eq!(hnd.device, Some(0));
+    }
+
+    /// A model with fewer KV heads than ranks: vLLM gives each rank one replicated head, and the
+    /// layout says which (rank 3 of TP 4 over 2 heads holds head 1).
+    #[test]
+    fn a_rank_of_a_replicated_head_holds_one_head_and_says_which() {
+        let t = permuted("l0", &[2, 100, 16, 1, 64], &[0, 1, 3, 2, 4]);
+        let facts = ModelFacts {
+            num_kv_heads: 2,
+            block_size: 16,
+            tp: 4,
+            rank: 3,
+            ..facts()
+        };
+        let l = derive(&[t], facts).unwrap().layout;
+        assert_eq!(l.spec.heads_per_rank(), 1);
+        assert_eq!(l.owned_heads(), 1..2);
     }
 
     #[test]

@@ -112,18 +112,18 @@ impl PyScheduler {
         self.inner.no_load(request_id)
     }
 
-    /// P, push: the step being built completes this request's prompt (see
-    /// [`SchedulerSide::push_forward`]).
-    fn push_forward(
+    /// P: the step being built completes this request's prompt; returns whether the
+    /// connector holds its blocks from now on (see [`SchedulerSide::prefill_planned`]).
+    fn prefill_planned(
         &mut self,
         request_id: &str,
         params_json: &str,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> PyResult<()> {
+    ) -> PyResult<bool> {
         let p = params(Some(params_json)).ok_or_else(|| err("invalid kv_transfer_params"))?;
         self.inner
-            .push_forward(request_id, &p, blocks, num_tokens)
+            .prefill_planned(request_id, &p, blocks, num_tokens)
             .map_err(err)
     }
 

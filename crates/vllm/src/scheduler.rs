@@ -12,8 +12,8 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 
 use handoff_connector::{
-    Connector, ConnectorConfig, ConnectorError, ConnectorEvent, ReportSink, Role, WorkerHello,
-    WorkerLink, WorkerOp, WorkerReport, WorkerStep,
+    Connector, ConnectorConfig, ConnectorError, ConnectorEvent, Hooks, Input, PrefillOutcome,
+    ReportSink, Role, WorkerHello, WorkerLink, WorkerOp, WorkerReport, WorkerStep,
 };
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
@@ -239,9 +239,9 @@ pub struct SchedulerSide {
     pending: StepMeta,
     /// D requests vLLM must not be told about twice.
     settled: HashSet<u64>,
-    /// P: push requests whose handoff started with their last prefill step ([`Self::push_forward`]),
-    /// until vLLM finishes them.
-    forwarded: HashSet<String>,
+    /// P: requests whose handoff holds their blocks since their last prefill step
+    /// ([`Self::prefill_planned`]), until vLLM finishes them.
+    planned: HashSet<String>,
     /// What the API server asks: requests it refused before any hook ran, this engine's info
     /// (none if the socket could not be bound: refused handoffs then end at P's lease, and a
     /// push proxy needs P's side channel from its own configuration).
@@ -252,11 +252,8 @@ impl SchedulerSide {
     /// Starts the scheduler side once every worker said hello (vLLM:
     /// `set_xfer_handshake_metadata`).
     pub fn start(cfg: SchedulerConfig, hellos: Vec<WorkerHello>) -> Result<Self, SchedulerError> {
-        let mode = match cfg.mode.as_str() {
-            "pull" => TransferMode::Pull,
-            "push" => TransferMode::Push,
-            other => return Err(SchedulerError::Config(format!("mode {other:?}"))),
-        };
+        let mode = TransferMode::from_name(&cfg.mode)
+            .ok_or_else(|| SchedulerError::Config(format!("mode {:?}", cfg.mode)))?;
         let side_channel_bind = address::resolve_bind(
             "side_channel_host",
             &cfg.side_channel_host,
@@ -349,8 +346,10 @@ impl SchedulerSide {
                 consumer,
                 opaque_blocks: cfg.opaque_blocks,
                 kv_digest: cfg.kv_digest,
-                // vLLM's P hands its KV over once vLLM finished the request.
+                // vLLM's P says no layer before its forward pass (no layer-wise pull); its
+                // workers learn each layer from the forward itself (`save_kv_layer`).
                 layerwise_pull: false,
+                layer_reports: handoff_connector::LayerReports::Planned,
                 peer_hosts: cfg.peer_hosts.clone(),
                 key: crate::cluster_key(cfg.cluster_key_file.as_deref())?,
                 insecure: cfg.insecure,
@@ -408,7 +407,7 @@ impl SchedulerSide {
             next_id: 1,
             pending: StepMeta::default(),
             settled: HashSet::new(),
-            forwarded: HashSet::new(),
+            planned: HashSet::new(),
         })
     }
 
@@ -434,7 +433,7 @@ impl SchedulerSide {
     ) -> Result<(bool, Option<KvTransferParams>), SchedulerError> {
         if let Some(&n) = self.ids.get(request_id) {
             if !self.settled.contains(&n) {
-                self.connector.on_request_ended(n, ReleaseReason::Aborted);
+                self.connector.request_ended(n, ReleaseReason::Aborted);
             }
             let mut keep = false;
             if let Some(&first) = self.first_block.get(&n) {
@@ -447,83 +446,87 @@ impl SchedulerSide {
             self.forget(n);
             return Ok((keep, None));
         }
-        if self.forwarded.remove(request_id) {
-            // Its writes may be reading the blocks: they stay until the handoff ends, and D
-            // gets the KV even if this request was aborted meanwhile (it holds a
-            // registration, as in the reference engine).
-            let Some(handoff) = params.and_then(|p| p.handoff_id) else {
+        // The prefill started at its last step (`prefill_planned`), or vLLM tells of it only
+        // now, once every layer of every chunk is in P's blocks. `params` none: vLLM did not
+        // finish it normally, or an n>1 sibling keeps the handoff.
+        let finished = params
+            .filter(|p| p.do_remote_decode)
+            .filter(|_| !blocks.is_empty());
+        let outcome = match finished {
+            Some(_) => PrefillOutcome::Finished,
+            None => PrefillOutcome::Failed,
+        };
+        if !self.planned.remove(request_id) {
+            let Some(params) = finished else {
                 return Ok((false, None));
             };
-            if blocks.is_empty() {
-                return Ok((false, None));
-            }
-            self.sending.insert(handoff, request_id.to_string());
-            let out = params.filter(|p| p.do_remote_decode).and_then(|p| {
-                self.connector
-                    .on_push_prefill_finished(p, request_id, blocks, num_tokens)
-                    .map_err(|e| tracing::warn!(request_id, error = %e, "no params for a pushed prefill"))
-                    .ok()
-            });
-            return Ok((true, out));
-        }
-        let Some(params) = params.filter(|p| p.do_remote_decode) else {
-            return Ok((false, None));
-        };
-        if blocks.is_empty() {
-            return Ok((false, None));
-        }
-        let first = blocks[0];
-        let made = if params.transfer_mode == Some(TransferMode::Push) {
-            // vLLM tells the connector of a prefill only here, once every layer of every chunk
-            // is in P's blocks: the writes go now, into the blocks D registered meanwhile.
-            self.connector
-                .on_push_prefilled(params, request_id, blocks, num_tokens)
-        } else {
-            self.connector
-                .on_prefill_finished(request_id, blocks, num_tokens)
-        };
-        let out = match made {
-            Ok(out) => out,
-            Err(e) => {
+            if let Err(e) = self
+                .connector
+                .prefill_started_now(request_id, params, blocks, num_tokens)
+            {
                 // vLLM frees the blocks; the response carries no params for a D.
                 tracing::warn!(request_id, error = %e, "no handoff for this prefill");
                 return Ok((false, None));
             }
+        }
+        let end = match self.connector.prefill_ended(request_id, outcome) {
+            Ok(end) => end,
+            Err(e) => {
+                tracing::warn!(request_id, error = %e, "no handoff for this prefill");
+                return Ok((false, None));
+            }
         };
-        let Some(handoff) = out.handoff_id else {
-            // Params without a handoff name nothing a D could read: nothing is kept.
-            tracing::warn!(request_id, "no handoff id in the params for this prefill");
-            return Ok((false, None));
+        let Some(handoff) = end.holding else {
+            return Ok((false, end.params));
         };
-        tracing::debug!(request_id, %handoff, first, "P keeps blocks for D");
+        // Its writes or reads may use the blocks: they stay until the handoff ends (a push D
+        // registered for gets the KV even if this request was aborted meanwhile).
+        tracing::debug!(request_id, %handoff, "P keeps blocks for D");
         self.sending.insert(handoff, request_id.to_string());
-        Ok((true, Some(out)))
+        Ok((true, end.params))
     }
 
-    /// P, push mode, from vLLM's `build_connector_meta`: the step being built completes the
-    /// prompt of `request_id` in `blocks` (its last prefill chunk). The handoff starts now, so
-    /// that each layer's writes go from the worker as soon as the forward saved it, while the
-    /// next layers compute. On error the request falls back to pushing at `request_finished`.
-    ///
-    /// Only for a request vLLM finishes right after that step (one output token): a request
-    /// that ran on could be preempted, and vLLM frees a preempted request's blocks without
-    /// asking the connector.
-    pub fn push_forward(
+    /// P, from vLLM's `build_connector_meta`: the step being built completes the prompt of
+    /// `request_id` in `blocks` (its last prefill chunk), a request vLLM finishes right after
+    /// that step (one output token: a request that ran on could be preempted, and vLLM frees a
+    /// preempted request's blocks without asking the connector). The connector is told the
+    /// prefill starts; when its flow holds the blocks from now on (a push), each layer's
+    /// writes go from the workers as soon as the forward saved it, while the next layers
+    /// compute. Returns whether the blocks are held. On error the prefill is told of at
+    /// `request_finished` instead.
+    pub fn prefill_planned(
         &mut self,
         request_id: &str,
         params: &KvTransferParams,
         blocks: Vec<u32>,
         num_tokens: u32,
-    ) -> Result<(), SchedulerError> {
+    ) -> Result<bool, SchedulerError> {
         if blocks.is_empty() || !params.do_remote_decode {
             return Err(SchedulerError::Params(
-                "a push forward needs blocks and do_remote_decode".into(),
+                "a planned prefill needs blocks and do_remote_decode".into(),
             ));
         }
-        let handoff = self.connector.on_push_forward(params, blocks, num_tokens)?;
-        self.forwarded.insert(request_id.to_string());
+        let holding = self
+            .connector
+            .prefill_started_now(request_id, params, blocks, num_tokens)?;
+        let Some(handoff) = holding else {
+            // Nothing holds the blocks before the prefill ends (a pull): vLLM may still move
+            // them (a preemption), so the core forgets this start and hears of the prefill at
+            // `request_finished`, with the blocks vLLM has then.
+            self.connector
+                .prefill_ended(request_id, PrefillOutcome::Failed)?;
+            return Ok(false);
+        };
+        self.planned.insert(request_id.to_string());
+        // The step about to run computes every layer ([`LayerReports::Planned`]). Waited for:
+        // the writes it plans must be in this step's metadata, built right after.
+        let layers = self.connector.spec().shape.num_layers;
+        self.connector.give(Input::LayersSaved {
+            request_id: request_id.to_string(),
+            through: layers,
+        })?;
         self.pending.forward.push(handoff);
-        Ok(())
+        Ok(true)
     }
 
     // ----- D -----
@@ -558,7 +561,7 @@ impl SchedulerSide {
         }
         let n = self.next_id;
         self.next_id += 1;
-        if let Err(e) = self.connector.on_request_arrived(n, params, prompt_tokens) {
+        if let Err(e) = self.connector.request_arrived(n, params, prompt_tokens) {
             // What a client sends must not stop vLLM's scheduler: the request is served
             // without P's KV (its prompt computed here), and nothing else changes.
             tracing::warn!(request_id, error = %e, "kv_transfer_params refused; computing the prompt locally");
@@ -605,10 +608,7 @@ impl SchedulerSide {
         // The request's own first block names it in the ledger's events (a cached block may
         // start several requests' prompts).
         let first = blocks.first().copied();
-        match self
-            .connector
-            .on_blocks_allocated_after_cached(n, cached, blocks)
-        {
+        match self.connector.blocks_allocated(n, cached, blocks) {
             Ok(()) => {
                 if let Some(b) = first {
                     self.first_block.insert(n, b);
@@ -635,7 +635,7 @@ impl SchedulerSide {
             return;
         }
         if !self.settled.contains(&n) {
-            self.connector.on_request_ended(n, ReleaseReason::Done);
+            self.connector.request_ended(n, ReleaseReason::Done);
         }
         self.forget(n);
     }

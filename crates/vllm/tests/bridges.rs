@@ -205,17 +205,21 @@ fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
     kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
-/// With the digest on, D checks the whole prompt's KV, its cached prefix included: the prefix D
-/// computed itself (the same bytes as P's) and what landed sum to P's digest.
+/// With the digest on, D's cached prefix may hold D's own computation of those tokens (the KV of
+/// tokens it generated for an earlier request, cached once their block filled): right, but not
+/// bit for bit what P computed (here a marker that differs from P's bytes). P's digest covers
+/// the whole prompt and D did not read the prefix, so nothing can be compared: the request gets
+/// its KV, the rest landed as P's. (Compared, such a request failed `kv_digest_mismatch`: one in
+/// 36 of a vLLM load with repeated text, a false alarm answered 500.)
 #[test]
-fn the_digest_of_a_pull_after_a_prefix_cache_hit_covers_the_whole_prompt() {
+fn a_pull_after_a_prefix_cache_hit_lands_with_its_digest_not_compared() {
     let (mut p, mut d) = cached_prefix_pull("vllm-p-cache2", "vllm-d-cache2", true);
-    cache_p_s_first_block(&p, &mut d);
+    let cached = mark_cached_block(&p, &mut d);
     d.sched
         .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
         .unwrap();
     resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
-    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+    kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
 /// P prefilled a 40-token prompt into its blocks 5, 6 and 9 (`p-req`); the same prompt arrived
@@ -263,16 +267,6 @@ fn kept_cached_and_landed_the_rest(p: &mut Engine, d: &mut Engine, cached: &[Vec
         }
     }
     all_end(p, d, &[("d-req", vec![20, 12, 13], 40)]);
-}
-
-/// D's block 20 gets P's block 5 (the prompt's first tokens, as D's own prefill would have
-/// written them): with the digest on, the whole prompt then matches P's.
-fn cache_p_s_first_block(p: &Engine, d: &mut Engine) {
-    for l in 0..LAYERS {
-        let bytes = p.block(l, 5).to_vec();
-        let start = l * BLOCKS as usize * block_bytes() + 20 * block_bytes();
-        d.kv.write(start, &bytes);
-    }
 }
 
 /// D allocates blocks 12 and 13 after its hit on block 20 and registers them; P's prefill of
@@ -695,14 +689,15 @@ fn a_push_never_writes_a_block_d_s_prefix_cache_shares() {
     kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
-/// With the digest on, D checks the whole prompt after a push too: its own cached prefix (the
-/// same bytes as P's) and what P wrote sum to P's digest of the whole prompt.
+/// The push counterpart of `a_pull_after_a_prefix_cache_hit_lands_with_its_digest_not_compared`:
+/// D's cached prefix differs from P's bytes for the same tokens, the digest is on, and the
+/// request still gets its KV, what P wrote in D's own blocks.
 #[test]
-fn the_digest_of_a_push_after_a_prefix_cache_hit_covers_the_whole_prompt() {
+fn a_push_after_a_prefix_cache_hit_lands_with_its_digest_not_compared() {
     let (mut p, mut d, p_leg) = cached_prefix_push("vllm-p-pcache2", "vllm-d-pcache2", true);
-    cache_p_s_first_block(&p, &mut d);
+    let cached = mark_cached_block(&p, &mut d);
     push_after_the_hit(&mut p, &mut d, &p_leg);
-    all_end(&mut p, &mut d, &[("d-req", vec![20, 12, 13], 40)]);
+    kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
 }
 
 #[test]
@@ -722,9 +717,12 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     // vLLM's build_connector_meta: the step being built completes P's prompt. Its forward
     // pass has not run: P's blocks hold nothing yet.
     let p_blocks = vec![5u32, 6, 9];
-    p.sched
-        .push_forward("p-req", &p_leg, p_blocks.clone(), 40)
-        .unwrap();
+    assert!(
+        p.sched
+            .prefill_planned("p-req", &p_leg, p_blocks.clone(), 40)
+            .unwrap(),
+        "a push holds P's blocks from its last step on"
+    );
     let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
     assert_eq!(meta.forward, vec![p_leg.handoff_id.unwrap()]);
     p.worker.apply(&meta);
@@ -784,9 +782,12 @@ fn a_push_streams_through_a_forward_pass_five_times_d_s_registration_grant() {
         p.step();
     }
     let p_blocks = vec![5u32, 6, 9];
-    p.sched
-        .push_forward("p-req", &p_leg, p_blocks.clone(), 40)
-        .unwrap();
+    assert!(
+        p.sched
+            .prefill_planned("p-req", &p_leg, p_blocks.clone(), 40)
+            .unwrap(),
+        "a push holds P's blocks from its last step on"
+    );
     let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
     p.worker.apply(&meta);
     assert!(p.worker.waits_for_layer(0));

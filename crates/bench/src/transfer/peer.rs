@@ -224,7 +224,7 @@ pub(super) fn run_in_namespaces() -> anyhow::Result<()> {
     if let Some(why) = crate::netns::unavailable() {
         bail!("bench transfer --netns needs network namespaces (root and iproute2): {why}");
     }
-    let net = crate::netns::Net::create(&NETNS_NODES).map_err(anyhow::Error::msg)?;
+    let net = crate::netns::Net::create(&NETNS_NODES)?;
     let status = net
         .rerun_inside("local")
         .context("cannot run the bench inside the namespaces")?;

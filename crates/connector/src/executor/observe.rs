@@ -135,6 +135,13 @@ impl Executor {
                     .get_or_create(&crate::metrics::MatchedLabels { matched })
                     .inc();
             }
+            Observation::DigestNotCompared => {
+                m.digests_checked
+                    .get_or_create(&crate::metrics::MatchedLabels {
+                        matched: "not_compared",
+                    })
+                    .inc();
+            }
             Observation::KvWait(w) => {
                 let observe = |phase: &'static str, t: Option<std::time::Duration>| {
                     if let Some(t) = t {

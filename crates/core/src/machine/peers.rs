@@ -7,6 +7,8 @@ use handoff_ledger::{PeerId, Time};
 use handoff_plan::RankLayout;
 use handoff_proto::Message;
 
+use super::HandshakeRefusal;
+
 /// A side-channel connection, as the executor numbers it.
 pub type ConnId = u64;
 
@@ -166,16 +168,16 @@ impl PeerTable {
 
     /// Records the peer's agents. Refuses a name another peer holds: a peer cannot take over
     /// another engine's agent (and with it, its notifications and dead-peer reports).
-    pub fn set_agents(&mut self, id: PeerId, agents: Vec<String>) -> Result<(), String> {
+    pub fn set_agents(&mut self, id: PeerId, agents: Vec<String>) -> Result<(), HandshakeRefusal> {
         for a in &agents {
             if let Some(owner) = self.by_agent.get(a) {
                 if *owner != id {
-                    return Err(format!("agent name {a:?} belongs to another engine"));
+                    return Err(HandshakeRefusal::AgentTaken(a.clone()));
                 }
             }
         }
         let Some(p) = self.by_id.get_mut(&id) else {
-            return Err("unknown peer".into());
+            return Err(HandshakeRefusal::UnknownPeer);
         };
         for old in p.agents.drain(..) {
             self.by_agent.remove(&old);

@@ -1,16 +1,180 @@
-//! P's scheduler hooks (the inputs `PrefillFinished`, `PushPrefillStart`, `LayerSaved`,
-//! `PullPrefillStart`, `PullPrefillFinished`, `PullPrefillFailed`, `PushPrefilled`,
-//! `PushForward`, `PushParams`, `ReleaseFromProxy`): one entry per flow's moment, each handing
-//! the handoff to the producer ledger, and the `kv_transfer_params` P answers with.
+//! P's engine events (the inputs `PrefillStarted`, `LayersSaved`, `PrefillEnded`) and the
+//! proxy's `ReleaseFromProxy`. The engine says what happened to a prompt; the flow is decided
+//! here, once, from the request's params and this engine's config: a pull creates its handoff
+//! when the prefill ends, a layer-wise pull holds the blocks from its start and lets D read
+//! each saved layer, a push starts its handoff at once and writes each saved layer into D's
+//! blocks. Every moment ends in the producer ledger, and in the `kv_transfer_params` P answers
+//! with.
 
 use super::*;
+use crate::flow::{LayerReports, PrefillOutcome};
+use handoff_proto::Flow;
+
+/// A prefill between its [`Input::PrefillStarted`] and its [`Input::PrefillEnded`].
+#[derive(Debug, Clone)]
+pub(super) struct Prefill {
+    flow: Flow,
+    /// The handoff under which its blocks are (or, in a pull, will be) held.
+    handoff: HandoffId,
+    params: KvTransferParams,
+    blocks: Vec<u32>,
+    num_tokens: u32,
+    /// A handoff holds the blocks since the start (push; layer-wise pull without the digest).
+    held: bool,
+}
 
 impl ConnectorCore {
+    /// Which flow `params` ask of this engine: a layer-wise pull only where the config takes
+    /// them (the router learnt it from this engine's info; a request asking anyway is refused,
+    /// since its D waits for layers this engine would never announce).
+    fn flow_of(&self, params: &KvTransferParams) -> Result<Flow, CoreError> {
+        if !params.do_remote_decode {
+            return Err(CoreError::BadParams(
+                "a prefill for remote decode needs do_remote_decode",
+            ));
+        }
+        match params.flow() {
+            Flow::LayerwisePull if !self.cfg.layerwise_pull => Err(CoreError::BadParams(
+                "this engine does not serve layer-wise pulls",
+            )),
+            flow => Ok(flow),
+        }
+    }
+
+    /// [`Input::PrefillStarted`]. Returns the handoff holding `blocks` from now on, if any.
+    pub(crate) fn on_prefill_started(
+        &mut self,
+        request_id: String,
+        params: &KvTransferParams,
+        handoff: HandoffId,
+        blocks: Vec<u32>,
+        num_tokens: u32,
+        now: Time,
+    ) -> Result<Option<HandoffId>, CoreError> {
+        if self.producer.is_none() {
+            return Err(CoreError::WrongRole("prefill for remote decode"));
+        }
+        if self.prefills.contains_key(&request_id) {
+            return Err(CoreError::PrefillStartedTwice(request_id));
+        }
+        let flow = self.flow_of(params)?;
+        let (handoff, held) = match flow {
+            Flow::Pull => (handoff, false),
+            Flow::Push => {
+                let h = self.on_push_prefill_start(params, blocks.clone(), num_tokens, now)?;
+                if self.cfg.layer_reports == LayerReports::Planned {
+                    if let Some(st) = self.transfers.push_mut(h) {
+                        st.held_for_forward = true;
+                    }
+                }
+                (h, true)
+            }
+            Flow::LayerwisePull => {
+                let held = self.on_pull_prefill_start(params, blocks.clone(), now)?;
+                (layerwise_handoff(params)?, held.is_some())
+            }
+        };
+        self.prefills.insert(
+            request_id,
+            Prefill {
+                flow,
+                handoff,
+                params: params.clone(),
+                blocks,
+                num_tokens,
+                held,
+            },
+        );
+        Ok(held.then_some(handoff))
+    }
+
+    /// [`Input::LayersSaved`]: push, the layers leave for D as soon as its grant allows;
+    /// layer-wise pull, D may read them; pull, nothing until the end. An unknown request is
+    /// ignored (its start was refused, and the engine was told).
+    pub(crate) fn on_layers_saved(&mut self, request_id: &str, through: u32, now: Time) {
+        let Some(pf) = self.prefills.get(request_id) else {
+            return;
+        };
+        // A pull holds nothing until its end (nor a layer-wise pull under the digest).
+        if !pf.held || through == 0 {
+            return;
+        }
+        let handoff = pf.handoff;
+        self.on_layer_saved(handoff, through - 1, now);
+    }
+
+    /// [`Input::PrefillEnded`]: the response's params (when it finished), and the handoff that
+    /// holds the blocks. The prefill is forgotten even when this fails (the engine keeps its
+    /// blocks then).
+    pub(crate) fn on_prefill_ended(
+        &mut self,
+        request_id: &str,
+        outcome: PrefillOutcome,
+        now: Time,
+    ) -> Result<(Option<KvTransferParams>, Option<HandoffId>), CoreError> {
+        let pf = self
+            .prefills
+            .remove(request_id)
+            .ok_or_else(|| CoreError::UnknownPrefill(request_id.to_string()))?;
+        let Prefill {
+            flow,
+            handoff,
+            params,
+            blocks,
+            num_tokens,
+            held,
+        } = pf;
+        let finished = outcome != PrefillOutcome::Failed;
+        let respond = outcome == PrefillOutcome::Finished;
+        Ok(match flow {
+            Flow::Pull if respond => {
+                let out = self.on_prefill_finished(request_id, handoff, blocks, num_tokens, now)?;
+                (Some(out), Some(handoff))
+            }
+            // Nobody will ever see the params: no D will read or release the handoff.
+            Flow::Pull => (None, None),
+            Flow::LayerwisePull if finished => {
+                // D got its leg with P's: it reads the KV whether or not P's client waits.
+                let out =
+                    self.on_pull_prefill_finished(&params, request_id, blocks, num_tokens, now)?;
+                (respond.then_some(out), Some(handoff))
+            }
+            Flow::LayerwisePull => {
+                // Ends at once when no D learnt of its blocks, else after the fence.
+                if held {
+                    self.on_pull_prefill_failed(handoff, now);
+                }
+                (None, held.then_some(handoff))
+            }
+            Flow::Push => {
+                if finished {
+                    let last = self.spec.shape.num_layers.saturating_sub(1);
+                    self.on_layer_saved(handoff, last, now);
+                }
+                // From now on the handoff's end gives the blocks back.
+                if let Some(p) = self.producer.as_mut() {
+                    p.prefill_ended(handoff, finished, now);
+                }
+                self.pump(now);
+                // A failed push keeps its blocks until the handoff ends (D gives up by its
+                // push deadline, the lease runs out): a WRITE may be reading them.
+                let out = self.params_under_proxy_id(
+                    handoff,
+                    TransferMode::Push,
+                    request_id,
+                    blocks,
+                    num_tokens,
+                );
+                (respond.then_some(out), Some(handoff))
+            }
+        })
+    }
+
     /// A prompt's prefill ended and `blocks` hold its KV: create the handoff (one, whatever n
     /// is) under `handoff` (128 random bits from the caller) and return the
     /// `kv_transfer_params` for the response. The blocks stay out of the pool until a
     /// [`ConnectorEvent::BlocksReleased`] names them.
-    pub(crate) fn on_prefill_finished(
+    fn on_prefill_finished(
         &mut self,
         request_id: &str,
         handoff: HandoffId,
@@ -40,8 +204,9 @@ impl ConnectorCore {
     }
 
     /// P, push mode: the request (handoff id chosen by the proxy) got `blocks` and its prefill
-    /// starts now. D's registration may already be waiting (staged) or come later.
-    pub(crate) fn on_push_prefill_start(
+    /// starts now. D's registration may already be waiting (staged) or come later. The blocks
+    /// stay the handoff's at least until the prefill ended.
+    fn on_push_prefill_start(
         &mut self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
@@ -53,7 +218,7 @@ impl ConnectorCore {
             .producer
             .as_mut()
             .ok_or(CoreError::WrongRole("prefill for remote decode"))?;
-        p.create_handoff(handoff, blocks.clone(), TransferMode::Push, now)?;
+        p.create_filling_handoff(handoff, blocks.clone(), TransferMode::Push, now)?;
         self.transfers
             .start_push(handoff, blocks, num_tokens, self.cfg.kv_digest);
         // A registration staged before the handoff existed may come from a D that died since:
@@ -65,7 +230,7 @@ impl ConnectorCore {
 
     /// P: layer `layer` of the handoff's KV is in its blocks. Push: it is written to D as soon
     /// as D's registration holds a valid grant. Layer-wise pull: D is told it may read it.
-    pub(crate) fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
+    fn on_layer_saved(&mut self, handoff: HandoffId, layer: u32, now: Time) {
         if self.transfers.layer_saved(handoff, layer) {
             self.ask_push_digest(handoff);
             self.advance_push(handoff, now);
@@ -82,7 +247,7 @@ impl ConnectorCore {
     /// covers the final KV): D's early questions wait for it, and it reads every layer at once.
     /// Returns the handoff when it holds `blocks` from now on (they come back only through
     /// [`ConnectorEvent::BlocksReleased`]).
-    pub(crate) fn on_pull_prefill_start(
+    fn on_pull_prefill_start(
         &mut self,
         params: &KvTransferParams,
         blocks: Vec<u32>,
@@ -96,7 +261,7 @@ impl ConnectorCore {
         if self.cfg.kv_digest {
             return Ok(None);
         }
-        p.create_filling_handoff(handoff, blocks, now)?;
+        p.create_filling_handoff(handoff, blocks, TransferMode::Pull, now)?;
         // A query staged before the handoff existed may come from a D that died since.
         self.redeclare_dead(now);
         self.pump(now);
@@ -105,7 +270,7 @@ impl ConnectorCore {
 
     /// P, layer-wise pull: the prefill ended and every layer is saved. Returns the parameters
     /// for the response (the handoff's blocks, for the record: D has them from P already).
-    pub(crate) fn on_pull_prefill_finished(
+    fn on_pull_prefill_finished(
         &mut self,
         params: &KvTransferParams,
         request_id: &str,
@@ -132,60 +297,11 @@ impl ConnectorCore {
 
     /// P, layer-wise pull: the prefill failed or was abandoned. The handoff ends: at once when
     /// no D learned of its blocks, else after the fence (D may be reading saved layers).
-    pub(crate) fn on_pull_prefill_failed(&mut self, handoff: HandoffId, now: Time) {
+    fn on_pull_prefill_failed(&mut self, handoff: HandoffId, now: Time) {
         if let Some(p) = self.producer.as_mut() {
             p.prefill_ended(handoff, false, now);
         }
         self.pump(now);
-    }
-
-    /// P, push mode, for engines that learn of a prompt's KV only once its whole prefill ended
-    /// (vLLM: `request_finished`, after chunked prefill): the handoff starts with every layer
-    /// saved, so its writes go as soon as D's registration (staged if it came first) holds a
-    /// grant. Returns the parameters for the response.
-    pub(crate) fn on_push_prefilled(
-        &mut self,
-        params: &KvTransferParams,
-        request_id: &str,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-        now: Time,
-    ) -> Result<KvTransferParams, CoreError> {
-        self.on_push_forward(params, blocks.clone(), num_tokens, now)?;
-        self.push_params(params, request_id, blocks, num_tokens)
-    }
-
-    /// P, push mode, for engines whose workers run a step's forward pass after the scheduler
-    /// side planned it (vLLM): the step about to run computes the rest of the prompt, every
-    /// layer of it. The handoff starts as if every layer were saved; the writes planned now
-    /// carry their layer ([`crate::worker_protocol::PushLayer`]) and the worker holds each until the
-    /// forward saved that layer, and the push digest until the forward ended.
-    pub(crate) fn on_push_forward(
-        &mut self,
-        params: &KvTransferParams,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-        now: Time,
-    ) -> Result<HandoffId, CoreError> {
-        let handoff = self.on_push_prefill_start(params, blocks, num_tokens, now)?;
-        if let Some(st) = self.transfers.push_mut(handoff) {
-            st.held_for_forward = true;
-        }
-        let last = self.spec.shape.num_layers.saturating_sub(1);
-        self.on_layer_saved(handoff, last, now);
-        Ok(handoff)
-    }
-
-    /// P, push mode: the parameters for the response once the prefill ended.
-    pub(crate) fn push_params(
-        &self,
-        params: &KvTransferParams,
-        request_id: &str,
-        blocks: Vec<u32>,
-        num_tokens: u32,
-    ) -> Result<KvTransferParams, CoreError> {
-        let handoff = push_handoff(params)?;
-        Ok(self.params_under_proxy_id(handoff, TransferMode::Push, request_id, blocks, num_tokens))
     }
 
     /// The response's parameters for a handoff under the proxy's id, created at the prefill's

@@ -50,8 +50,8 @@ pub(crate) struct Landed {
     pub(crate) num_tokens: u32,
     pub(crate) requests: Vec<RequestId>,
     pub(crate) blocks: Vec<u32>,
-    /// D's prefix-cache blocks before `blocks`: P's digest covers the whole prompt, so D's does
-    /// too.
+    /// D's prefix-cache blocks before `blocks`: P's digest covers the whole prompt, so D's
+    /// would have to as well; with any, the digest is not compared (`digest_comparable`).
     pub(crate) cached: Vec<u32>,
     pub(crate) waited: WaitTimeline,
     pub(crate) peer: PeerId,
@@ -103,6 +103,12 @@ impl ConnectorCore {
 
     /// D: every write of `handoff` landed; its ranks digest what landed before it is ready.
     pub(super) fn check_push(&mut self, handoff: HandoffId, landed: Landed, now: Time) {
+        if !Self::digest_comparable(&landed.cached) {
+            tracing::debug!(%handoff, "KV digest not compared: D's prefix cache held the prompt's first blocks");
+            self.out.observations.push(Observation::DigestNotCompared);
+            self.kv_ready(landed.requests, landed.blocks, landed.waited);
+            return;
+        }
         let read_timeout = self
             .consumer
             .as_ref()

@@ -6,7 +6,7 @@ use handoff_plan::RankLayout;
 use handoff_proto::{versions, Fingerprint, Hello, HelloReply, MemoryKind, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
-use super::{Connect, ConnectorCore, CoreConfig, Observation};
+use super::{Connect, ConnectorCore, CoreConfig, HandshakeRefusal, Observation};
 use crate::worker_protocol::{WorkerHello, WorkerOp};
 use crate::{CoreError, Role};
 
@@ -45,48 +45,54 @@ pub(super) fn own_hello(
 
 impl ConnectorCore {
     /// Checks a peer's hello; returns its layouts, agents and protocol version.
-    fn check_hello(&self, h: &Hello) -> Result<CheckedHello, String> {
+    fn check_hello(&self, h: &Hello) -> Result<CheckedHello, HandshakeRefusal> {
         if let Some(why) = self.fingerprint.mismatch(&h.fingerprint) {
-            return Err(why);
+            return Err(HandshakeRefusal::Fingerprint(why));
         }
         // The mismatch check kept the version to one this engine speaks.
         let version = u8::try_from(h.fingerprint.protocol_version).unwrap_or(u8::MAX);
         let described = |m: &&MemoryKind| versions::describes(version, **m);
-        if let Some(m) = self.hello.memory.iter().find(|m| !described(m)) {
-            return Err(format!(
-                "the peer speaks protocol version {version}, which cannot describe this \
-                 engine's KV in {m}: upgrade the peer"
-            ));
+        if let Some(&memory) = self.hello.memory.iter().find(|m| !described(m)) {
+            return Err(HandshakeRefusal::CannotDescribe { version, memory });
         }
         if h.engine_id == self.cfg.engine_id {
-            return Err(format!("peer claims this engine's id {:?}", h.engine_id));
+            return Err(HandshakeRefusal::OwnEngineId(h.engine_id.clone()));
         }
+        let undecodable = |what| {
+            move |e: postcard::Error| HandshakeRefusal::Undecodable {
+                what,
+                error: e.to_string(),
+            }
+        };
         let layouts: Vec<RankLayout> =
-            postcard::from_bytes(&h.layout).map_err(|e| format!("bad layout: {e}"))?;
-        let agents: Vec<AgentInfo> = postcard::from_bytes(&h.agent_metadata)
-            .map_err(|e| format!("bad agent metadata: {e}"))?;
+            postcard::from_bytes(&h.layout).map_err(undecodable("layout"))?;
+        let agents: Vec<AgentInfo> =
+            postcard::from_bytes(&h.agent_metadata).map_err(undecodable("agent metadata"))?;
         if h.tp == 0
             || layouts.len() != h.tp as usize
             || agents.len() != h.tp as usize
             || h.memory.len() != h.tp as usize
         {
-            return Err(format!(
-                "peer announces tp {} with {} layouts, {} agents and {} memory kinds",
-                h.tp,
-                layouts.len(),
-                agents.len(),
-                h.memory.len()
-            ));
+            return Err(HandshakeRefusal::RankCount {
+                tp: h.tp,
+                layouts: layouts.len(),
+                agents: agents.len(),
+                memory: h.memory.len(),
+            });
         }
-        for (i, l) in layouts.iter().enumerate() {
-            l.validate().map_err(|e| format!("peer rank {i}: {e}"))?;
-            if l.rank as usize != i || l.spec != layouts[0].spec {
-                return Err(format!("peer rank {i}: layout names rank {}", l.rank));
+        for (rank, l) in layouts.iter().enumerate() {
+            l.validate()
+                .map_err(|error| HandshakeRefusal::RankLayout { rank, error })?;
+            if l.rank as usize != rank || l.spec != layouts[0].spec {
+                return Err(HandshakeRefusal::RankNamesAnother {
+                    rank,
+                    named: l.rank,
+                });
             }
         }
         for (i, (a, _)) in agents.iter().enumerate() {
             if a.is_empty() || agents[..i].iter().any(|(b, _)| b == a) {
-                return Err(format!("peer agent names are empty or repeated: {a:?}"));
+                return Err(HandshakeRefusal::AgentNames(a.clone()));
             }
         }
         // P's spec first: the check is directional only in its wording.
@@ -94,12 +100,12 @@ impl ConnectorCore {
             Role::Decode => (&layouts[0].spec, &self.spec),
             _ => (&self.spec, &layouts[0].spec),
         };
-        handoff_plan::check_compatible(p, d).map_err(|e| e.to_string())?;
+        handoff_plan::check_compatible(p, d)?;
         if self.cfg.opaque_blocks && p != d {
-            return Err(format!(
-                "this engine's KV blocks are its attention kernel's pages, moved whole: the peer \
-                 must have the same TP size, block size and layout (P {p:?}, D {d:?})"
-            ));
+            return Err(HandshakeRefusal::OpaqueBlocks {
+                p: Box::new(*p),
+                d: Box::new(*d),
+            });
         }
         Ok((layouts, agents, version))
     }
@@ -112,7 +118,7 @@ impl ConnectorCore {
         peer: PeerId,
         conn: ConnId,
         (layouts, agents, version): CheckedHello,
-    ) -> Result<(), String> {
+    ) -> Result<(), HandshakeRefusal> {
         let names: Vec<String> = agents.iter().map(|(a, _)| a.clone()).collect();
         self.peers.set_agents(peer, names)?;
         if let Some(old) = self.peers.bind_conn(peer, conn) {
@@ -284,10 +290,8 @@ impl ConnectorCore {
     ) {
         match msg {
             Message::Hello(h) if proven.is_some_and(|p| p != h.engine_id) => {
-                let reason = format!(
-                    "the hello names {:?}, not the engine id the connection proved",
-                    h.engine_id.chars().take(64).collect::<String>()
-                );
+                let named = h.engine_id.chars().take(64).collect::<String>();
+                let reason = HandshakeRefusal::NotTheProvenEngine(named);
                 self.refuse_impostor(conn, &h.engine_id, reason);
             }
             Message::Hello(h) => {
@@ -328,7 +332,7 @@ impl ConnectorCore {
     /// the releases of the handoffs that peer came for (it cannot read them: without those, P
     /// would hold their blocks until their leases end); then, or at its first other frame, it
     /// closes.
-    fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: String, now: Time) {
+    fn refuse_hello(&mut self, conn: ConnId, engine: &str, reason: HandshakeRefusal, now: Time) {
         self.send_refusal(conn, engine, reason);
         if !self.peers.linger_refused(conn, now + REFUSED_LINGER) {
             self.out.closes.push(conn);
@@ -337,14 +341,15 @@ impl ConnectorCore {
 
     /// Refuses a hello that claims what is not its own (another engine's id or agent names):
     /// an impostor, heard no further.
-    fn refuse_impostor(&mut self, conn: ConnId, engine: &str, reason: String) {
+    fn refuse_impostor(&mut self, conn: ConnId, engine: &str, reason: HandshakeRefusal) {
         self.send_refusal(conn, engine, reason);
         self.out.closes.push(conn);
     }
 
-    fn send_refusal(&mut self, conn: ConnId, engine: &str, reason: String) {
+    fn send_refusal(&mut self, conn: ConnId, engine: &str, reason: HandshakeRefusal) {
         self.out.observations.push(Observation::HandshakeRefused);
-        tracing::warn!(peer = %engine, %reason, "handshake refused");
+        tracing::warn!(peer = %engine, kind = reason.kind(), %reason, "handshake refused");
+        let reason = reason.to_string();
         self.out
             .messages
             .push((conn, Message::HelloReply(HelloReply::Refused { reason })));
@@ -423,13 +428,17 @@ impl ConnectorCore {
             tracing::debug!(peer = %engine, attempt, "connected on an earlier attempt");
         }
         let outcome = match reply {
-            Message::HelloReply(HelloReply::Accepted(h)) if h.engine_id != engine => Err(format!(
-                "{engine:?} answered as {:?}",
-                h.engine_id.chars().take(64).collect::<String>()
-            )),
+            Message::HelloReply(HelloReply::Accepted(h)) if h.engine_id != engine => {
+                Err(HandshakeRefusal::AnsweredAs {
+                    engine: engine.to_string(),
+                    answered: h.engine_id.chars().take(64).collect(),
+                })
+            }
             Message::HelloReply(HelloReply::Accepted(h)) => self.check_hello(&h),
-            Message::HelloReply(HelloReply::Refused { reason }) => Err(reason),
-            other => Err(format!("unexpected handshake reply {}", other.kind())),
+            Message::HelloReply(HelloReply::Refused { reason }) => {
+                Err(HandshakeRefusal::RefusedByPeer(reason))
+            }
+            other => Err(HandshakeRefusal::UnexpectedReply(other.kind())),
         };
         let outcome = outcome.and_then(|checked| self.bind_peer(peer, conn, checked));
         match outcome {
@@ -448,8 +457,8 @@ impl ConnectorCore {
                 }
                 self.out.closes.push(conn);
                 self.out.observations.push(Observation::HandshakeRefused);
-                tracing::warn!(peer = %engine, %reason, "handshake with P failed");
-                self.fail_peer(peer, reason, now);
+                tracing::warn!(peer = %engine, kind = reason.kind(), %reason, "handshake with P failed");
+                self.fail_peer(peer, reason.to_string(), now);
             }
         }
         self.pump(now);

@@ -290,8 +290,12 @@ impl ConnectorCore {
                     self.out.transfers_to_post.push((d_rank, job));
                 }
                 if last {
-                    let digest = read.read.p_digest.filter(|_| self.cfg.kv_digest);
-                    read.digest = digest.map(|p| (p, Shares::default()));
+                    let comparable = Self::digest_comparable(&read.read.cached_blocks);
+                    read.digest = read
+                        .read
+                        .p_digest
+                        .filter(|_| self.cfg.kv_digest && comparable)
+                        .map(|p| (p, Shares::default()));
                 }
             }
             Err(why) => {
@@ -379,16 +383,20 @@ impl ConnectorCore {
                 notification,
             });
         }
-        // The whole prompt's KV is digested, the cached prefix included: P's digest covers
-        // every token.
-        let digested = r.p_digest.filter(|_| last && kv_digest).map(|_| {
-            let blocks = [&r.cached_blocks[..], &r.dst_blocks[..]].concat();
-            let of = DigestOf {
-                num_tokens: r.num_tokens,
-                whole_blocks: opaque,
-            };
-            (blocks, of)
-        });
+        // The whole prompt's KV is digested: P's digest covers every token (and so none is
+        // asked for when D's prefix cache held the first blocks).
+        let comparable = Self::digest_comparable(&r.cached_blocks);
+        let digested = r
+            .p_digest
+            .filter(|_| last && kv_digest && comparable)
+            .map(|_| {
+                let blocks = [&r.cached_blocks[..], &r.dst_blocks[..]].concat();
+                let of = DigestOf {
+                    num_tokens: r.num_tokens,
+                    whole_blocks: opaque,
+                };
+                (blocks, of)
+            });
         let zero_tail = (last && !opaque).then(|| (r.dst_blocks.clone(), tokens));
         let mut out = Vec::new();
         for d_rank in 0..d_tp {
@@ -411,6 +419,18 @@ impl ConnectorCore {
             ));
         }
         Ok(out)
+    }
+
+    /// D: whether the KV digest can be compared for a handoff whose first `cached` blocks came
+    /// from D's prefix cache. P's digest covers the whole prompt; D did not receive those
+    /// blocks, and what they hold may be D's own computation of the same tokens (the KV of
+    /// tokens D generated, cached once their block filled), right but not bit for bit P's: the
+    /// sum would differ although nothing was damaged (a vLLM run under load failed one request
+    /// in 36 this way). Comparing only what moved needs P's digest of the blocks D reads, which
+    /// P does not know when it digests (a pull) — so such a handoff is not compared, and
+    /// counted as such.
+    pub(super) fn digest_comparable<T>(cached: &[T]) -> bool {
+        cached.is_empty()
     }
 
     /// D: the ledger gave up on a read (deadline, dead P, every request gone). Every rank's job
@@ -464,6 +484,16 @@ impl ConnectorCore {
                 self.out
                     .observations
                     .push(Observation::DigestChecked { matched: false });
+            }
+            // P sent a digest and every stage landed, but D's prefix cache held the first blocks.
+            DigestCheck::Unchecked
+                if ok
+                    && self.cfg.kv_digest
+                    && read.read.p_digest.is_some()
+                    && !Self::digest_comparable(&read.read.cached_blocks) =>
+            {
+                tracing::debug!(%handoff, "KV digest not compared: D's prefix cache held the prompt's first blocks");
+                self.out.observations.push(Observation::DigestNotCompared);
             }
             DigestCheck::Unchecked => {}
         }

@@ -18,12 +18,13 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::time::Duration;
 
 use handoff_core::{
-    ConnId, ConnectorEvent, CoreConfig, JobId, Ready, Role, TransferJob, WorkerHello, WorkerOp,
-    WorkerReport,
+    ConnId, ConnectorEvent, CoreConfig, Hooks, Input, JobId, PrefillEnd, PrefillOutcome, Ready,
+    Role, TransferJob, WorkerHello, WorkerOp, WorkerReport,
 };
 use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
-use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_plan::testing::{tiny_spec, Rng};
+use handoff_plan::{KvSpec, RankLayout};
 use handoff_proto::xfer::{GrantId, XferOp};
 use handoff_proto::{
     Epoch, HandoffId, Heartbeat, HeartbeatEntry, KvTransferParams, Message, ReleaseReason,
@@ -38,17 +39,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn spec() -> KvSpec {
-    KvSpec {
-        shape: ModelShape {
-            num_layers: LAYERS,
-            num_kv_heads: 2,
-            head_dim: 8,
-            dtype_size: 2,
-        },
-        tp: 1,
-        block_size: 16,
-        block_layout: BlockLayout::HeadMajor,
-    }
+    tiny_spec(LAYERS)
 }
 
 /// Bytes of one block of every layer (the cross-layer layout: block `b` is one range).
@@ -305,7 +296,7 @@ pub struct Sim {
     reqs: Vec<ReqSpec>,
     state: Vec<Req>,
     faults: Faults,
-    rng: u64,
+    rng: Rng,
     queue: BinaryHeap<Reverse<(Duration, u64)>>,
     events: HashMap<u64, Ev>,
     seq: u64,
@@ -350,6 +341,9 @@ impl Sim {
                     kv_digest: false,
                     peer_hosts: Vec::new(),
                     protocol_version: handoff_proto::PROTOCOL_VERSION,
+                    // Layer-wise pulls are asked for only in the runs that test them.
+                    layerwise_pull: true,
+                    layer_reports: Default::default(),
                 },
                 vec![WorkerHello {
                     rank: 0,
@@ -373,7 +367,7 @@ impl Sim {
             mode,
             layerwise: false,
             state: reqs.iter().map(|_| Req::default()).collect(),
-            rng: faults.seed | 1,
+            rng: Rng(faults.seed | 1),
             faults: faults.clone(),
             reqs,
             queue: BinaryHeap::new(),
@@ -421,19 +415,8 @@ impl Sim {
         sim
     }
 
-    fn rand(&mut self) -> u64 {
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
     fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.rand() % n
-        }
+        self.rng.below(n)
     }
 
     fn at(&mut self, t: Duration, ev: Ev) {
@@ -496,7 +479,7 @@ impl Sim {
                 let now = self.now;
                 let e = &mut self.engines[i];
                 if e.alive && e.core.poll_timeout().is_some_and(|x| x <= now) {
-                    e.core.handle_timeout(now);
+                    let _ = e.core.handle(Input::Timeout, now);
                 }
             }
             self.drain();
@@ -525,12 +508,13 @@ impl Sim {
 
     /// A layer-wise pull's legs as the proxy sends them: P's (to prefill under the proxy's id)
     /// and D's (P found by its info, no block ids).
-    fn layerwise_legs(&self, i: usize, handoff: HandoffId) -> (KvTransferParams, KvTransferParams) {
+    /// The two legs a router sends at once in a layer-wise pull or a push: P's, and D's.
+    fn both_legs(&self, i: usize, handoff: HandoffId) -> (KvTransferParams, KvTransferParams) {
         let p = KvTransferParams {
             do_remote_decode: true,
             handoff_id: Some(handoff),
-            transfer_mode: Some(TransferMode::Pull),
-            layerwise: Some(true),
+            transfer_mode: Some(self.mode),
+            layerwise: self.layerwise.then_some(true),
             ..Default::default()
         };
         let d = KvTransferParams {
@@ -540,6 +524,7 @@ impl Sim {
             remote_port: Some(7000),
             tp_size: Some(1),
             remote_num_tokens: Some(self.tokens(i)),
+            epoch: Some(1),
             ..p.clone()
         };
         (
@@ -549,15 +534,6 @@ impl Sim {
                 ..d
             },
         )
-    }
-
-    fn params_for_push(&self, i: usize, handoff: HandoffId) -> KvTransferParams {
-        KvTransferParams {
-            handoff_id: Some(handoff),
-            transfer_mode: Some(TransferMode::Push),
-            remote_num_tokens: Some(self.tokens(i)),
-            ..Default::default()
-        }
     }
 
     /// P's blocks for request `i`'s prompt, owned by `handoff` in P's pool (none when full).
@@ -580,12 +556,12 @@ impl Sim {
                     return;
                 }
                 let mut id = [0u8; 16];
-                id[..8].copy_from_slice(&self.rand().to_le_bytes());
+                id[..8].copy_from_slice(&self.rng.next_u64().to_le_bytes());
                 id[8..].copy_from_slice(&(i as u64 + 1).to_le_bytes());
                 let handoff = HandoffId::from_bytes(id);
-                if self.layerwise {
+                if self.layerwise || self.mode == TransferMode::Push {
                     // Both legs leave at once; either may arrive first.
-                    let (_, d_params) = self.layerwise_legs(i, handoff);
+                    let (_, d_params) = self.both_legs(i, handoff);
                     self.state[i].handoff = Some(handoff);
                     self.state[i].params = Some(d_params);
                     let lag = ms(self.reqs[i].lag_ms);
@@ -602,27 +578,20 @@ impl Sim {
                     return;
                 };
                 let tokens = self.tokens(i);
-                let prm = self.params_for_push(i, handoff);
-                let p = &mut self.engines[0].core;
-                let params = match self.mode {
-                    TransferMode::Pull => p.on_prefill_finished(
-                        &format!("r{i}"),
-                        handoff,
-                        blocks.clone(),
-                        tokens,
-                        now,
-                    ),
-                    TransferMode::Push => p
-                        .on_push_prefill_start(&prm, blocks.clone(), tokens, now)
-                        .and_then(|_| {
-                            p.push_params(&prm, &format!("r{i}"), blocks.clone(), tokens, now)
-                        }),
-                };
-                let params = match params {
-                    Ok(prm) => prm,
-                    Err(e) => {
+                let request = format!("r{i}");
+                let leg = KvTransferParams::for_prefill_leg();
+                let p = self.engines[0].core.at(now);
+                let ended = p
+                    .prefill_started(&request, &leg, handoff, blocks.clone(), tokens)
+                    .and_then(|_| p.prefill_ended(&request, PrefillOutcome::Finished));
+                let params = match ended {
+                    Ok(PrefillEnd {
+                        params: Some(prm),
+                        holding: Some(_),
+                    }) => prm,
+                    other => {
                         self.errs
-                            .push(format!("P refused to create handoff {i}: {e}"));
+                            .push(format!("P refused to create handoff {i}: {other:?}"));
                         return;
                     }
                 };
@@ -630,11 +599,6 @@ impl Sim {
                 self.state[i].params = Some(params);
                 self.state[i].p_blocks = blocks;
                 let lag = ms(self.reqs[i].lag_ms);
-                if self.mode == TransferMode::Push {
-                    for l in 0..LAYERS {
-                        self.at(now + ms(20 * u64::from(l + 1)), Ev::LayerSaved(i, l));
-                    }
-                }
                 self.at(now + lag, Ev::Arrive(i));
             }
             Ev::PrefillStart(i) => {
@@ -647,15 +611,19 @@ impl Sim {
                 let Some(blocks) = self.p_blocks_for(i, handoff) else {
                     return;
                 };
-                let (p_params, _) = self.layerwise_legs(i, handoff);
-                match self.engines[0]
-                    .core
-                    .on_pull_prefill_start(&p_params, blocks.clone(), now)
-                {
-                    Ok(Some(_)) => {}
+                let (p_params, _) = self.both_legs(i, handoff);
+                let tokens = self.tokens(i);
+                match self.engines[0].core.at(now).prefill_started(
+                    &format!("r{i}"),
+                    &p_params,
+                    handoff,
+                    blocks.clone(),
+                    tokens,
+                ) {
+                    Ok(Some(h)) if h == handoff => {}
                     other => {
                         self.errs
-                            .push(format!("P refused a layer-wise prefill {i}: {other:?}"));
+                            .push(format!("P refused the prefill of {i}: {other:?}"));
                         return;
                     }
                 }
@@ -667,34 +635,32 @@ impl Sim {
                 self.at(now + ms(20 * u64::from(LAYERS) + 5), Ev::PrefillEnd(i));
             }
             Ev::PrefillEnd(i) => {
-                let Some(handoff) = self.state[i].handoff else {
-                    return;
-                };
                 if !self.alive(Node::P) || !self.state[i].filling {
                     return;
                 }
                 self.state[i].filling = false;
-                let (p_params, _) = self.layerwise_legs(i, handoff);
-                let blocks = self.state[i].p_blocks.clone();
-                let tokens = self.tokens(i);
-                if let Err(e) = self.engines[0].core.on_pull_prefill_finished(
-                    &p_params,
-                    &format!("r{i}"),
-                    blocks,
-                    tokens,
-                    now,
+                let ended = self.engines[0]
+                    .core
+                    .at(now)
+                    .prefill_ended(&format!("r{i}"), PrefillOutcome::Finished);
+                if !matches!(
+                    ended,
+                    Ok(PrefillEnd {
+                        params: Some(_),
+                        holding: Some(_)
+                    })
                 ) {
                     self.errs
-                        .push(format!("P refused to end layer-wise prefill {i}: {e}"));
+                        .push(format!("P refused to end the prefill of {i}: {ended:?}"));
                 }
             }
             Ev::LayerSaved(i, l) => {
-                if let (true, Some(h)) = (self.alive(Node::P), self.state[i].handoff) {
-                    if self.layerwise && !self.state[i].filling {
-                        return;
-                    }
+                if self.alive(Node::P) && self.state[i].filling {
                     self.state[i].layers_saved = self.state[i].layers_saved.max(l + 1);
-                    self.engines[0].core.on_layer_saved(h, l, now);
+                    self.engines[0]
+                        .core
+                        .at(now)
+                        .layers_saved(&format!("r{i}"), l + 1);
                 }
             }
             Ev::Arrive(i) => {
@@ -705,27 +671,27 @@ impl Sim {
                 if self.reqs[i].fate == 4 {
                     // The proxy could not reach D: it releases at P.
                     if self.alive(Node::P) {
-                        let _ = self.engines[0].core.release_from_proxy(&params, now);
+                        let _ = self.engines[0].core.at(now).release_from_proxy(&params);
                     }
                     return;
                 }
                 if !self.alive(Node::D(d)) {
                     if self.alive(Node::P) {
-                        let _ = self.engines[0].core.release_from_proxy(&params, now);
+                        let _ = self.engines[0].core.at(now).release_from_proxy(&params);
                     }
                     return;
                 }
                 let tokens = self.tokens(i);
                 let core = &mut self.engines[1 + d].core;
                 if self.reqs[i].fate == 1 {
-                    let _ = core.reject(&params, now);
+                    let _ = core.at(now).reject(&params);
                     return;
                 }
                 let req = (i as u64) * 2;
                 self.state[i].d_req = req;
                 self.by_d_req.insert((d, req), i);
-                match core.on_request_arrived(req, &params, tokens, now) {
-                    Ok(()) => {
+                match core.at(now).request_arrived(req, &params, tokens) {
+                    Ok(_) => {
                         self.state[i].tracked = true;
                         self.state[i].arrived = Some(now);
                         let admit = ms(self.reqs[i].admit_after_ms);
@@ -755,12 +721,11 @@ impl Sim {
                     self.landed[d].remove(b);
                 }
                 let cached = self.engines[1 + d].prefix[..hit].to_vec();
-                match self.engines[1 + d].core.on_blocks_allocated_after_cached(
-                    req,
-                    cached,
-                    blocks.clone(),
-                    now,
-                ) {
+                match self.engines[1 + d]
+                    .core
+                    .at(now)
+                    .blocks_allocated(req, cached, blocks.clone())
+                {
                     Ok(()) => self.state[i].d_blocks = blocks,
                     Err(_) => self.free(Node::D(d), &blocks, "refused allocation"),
                 }
@@ -776,11 +741,12 @@ impl Sim {
                 let core = &mut self.engines[1 + d].core;
                 if self.reqs[i].fate == 2 {
                     self.state[i].aborted = true;
-                    core.on_request_ended(self.state[i].d_req, ReleaseReason::Aborted, now);
+                    core.at(now)
+                        .request_ended(self.state[i].d_req, ReleaseReason::Aborted);
                     // The prompt blocks stay the connector's until it releases them.
                 } else {
                     // A retry of the same request hits a full queue: D refuses it.
-                    let _ = core.reject(&params, now);
+                    let _ = core.at(now).reject(&params);
                 }
             }
             Ev::Frame { to, conn, msg } => {
@@ -788,29 +754,45 @@ impl Sim {
                     return;
                 }
                 if let Some((engine, attempt)) = self.connecting.remove(&(to, conn)) {
-                    self.eng(to)
-                        .core
-                        .handle_connected(&engine, attempt, conn, msg, now);
+                    let reply = msg;
+                    self.eng(to).core.input(
+                        Input::Connected {
+                            engine,
+                            attempt,
+                            conn,
+                            reply,
+                        },
+                        now,
+                    );
                     return;
                 }
                 if self.pending_accept.remove(&(to, conn)) {
-                    self.eng(to).core.handle_accepted(conn, msg, None, now);
+                    self.eng(to).core.input(
+                        Input::Accepted {
+                            conn,
+                            msg,
+                            proven: None,
+                        },
+                        now,
+                    );
                 } else {
-                    self.eng(to).core.handle_frame(conn, msg, now);
+                    self.eng(to).core.input(Input::Frame { conn, msg }, now);
                 }
             }
             Ev::Closed { to, conn } => {
                 self.connecting.remove(&(to, conn));
                 if self.alive(to) && self.links.remove(&(to, conn)).is_some() {
-                    self.eng(to).core.handle_closed(conn, now);
+                    self.eng(to).core.input(Input::Closed { conn }, now);
                 }
             }
             Ev::ConnectFailed { d, engine, attempt } => {
                 if self.alive(Node::D(d)) {
-                    self.engines[1 + d].core.handle_connect_failed(
-                        &engine,
-                        attempt,
-                        "refused".into(),
+                    self.engines[1 + d].core.input(
+                        Input::ConnectFailed {
+                            engine,
+                            attempt,
+                            error: "refused".into(),
+                        },
                         now,
                     );
                 }
@@ -850,7 +832,7 @@ impl Sim {
                     ended: vec![(job, ok)],
                     ..Default::default()
                 };
-                self.eng(node).core.handle_worker_report(report, now);
+                self.eng(node).core.input(Input::WorkerReport(report), now);
             }
             Ev::Granted { node, rank, grant } => {
                 if self.alive(node) {
@@ -859,7 +841,7 @@ impl Sim {
                         granted: vec![(grant, true)],
                         ..Default::default()
                     };
-                    self.eng(node).core.handle_worker_report(report, now);
+                    self.eng(node).core.input(Input::WorkerReport(report), now);
                 }
             }
             Ev::Aborted { node, job } => {
@@ -869,7 +851,7 @@ impl Sim {
                         ended: vec![(job, false)],
                         ..Default::default()
                     };
-                    self.eng(node).core.handle_worker_report(report, now);
+                    self.eng(node).core.input(Input::WorkerReport(report), now);
                 }
             }
             Ev::Notify { to, from, bytes } => {
@@ -879,7 +861,7 @@ impl Sim {
                         notifications: vec![(from, bytes)],
                         ..Default::default()
                     };
-                    self.eng(to).core.handle_worker_report(report, now);
+                    self.eng(to).core.input(Input::WorkerReport(report), now);
                 }
             }
             Ev::DeadAgent { to, agent } => {
@@ -889,7 +871,7 @@ impl Sim {
                         dead_agents: vec![agent],
                         ..Default::default()
                     };
-                    self.eng(to).core.handle_worker_report(report, now);
+                    self.eng(to).core.input(Input::WorkerReport(report), now);
                 }
             }
             Ev::DecodeDone { d, req } => {
@@ -905,7 +887,7 @@ impl Sim {
             Ev::ProxyRelease => {
                 let params = self.state.iter().rev().find_map(|s| s.params.clone());
                 if let (true, Some(prm)) = (self.alive(Node::P), params) {
-                    let _ = self.engines[0].core.release_from_proxy(&prm, now);
+                    let _ = self.engines[0].core.at(now).release_from_proxy(&prm);
                 }
             }
         }
@@ -1279,9 +1261,12 @@ impl Sim {
                 let mine = st
                     .handoff
                     .is_some_and(|h| owners.contains(&u128::from_le_bytes(h.to_bytes())));
-                if mine && st.filling {
+                // A push's prefill writes no block once its last layer is saved; a layer-wise
+                // pull's handoff holds its blocks until the prefill said it ended.
+                let writing = st.filling && (self.layerwise || st.layers_saved < LAYERS);
+                if mine && writing {
                     self.errs.push(format!(
-                        "layer-wise: P frees handoff {i}'s blocks ({why}) while its prefill writes them, at {now:?}"
+                        "prefill: P frees handoff {i}'s blocks ({why}) while its prefill writes them, at {now:?}"
                     ));
                 }
             }
@@ -1381,16 +1366,20 @@ impl Sim {
             }],
         });
         let p = &mut self.engines[0].core;
-        p.handle_accepted(conn, hb, None, now);
-        p.handle_frame(
-            conn,
-            Message::Release(handoff_proto::Release {
-                handoff: h,
-                epoch: Epoch::FIRST,
-                reason: ReleaseReason::Done,
-            }),
+        p.input(
+            Input::Accepted {
+                conn,
+                msg: hb,
+                proven: None,
+            },
             now,
         );
+        let msg = Message::Release(handoff_proto::Release {
+            handoff: h,
+            epoch: Epoch::FIRST,
+            reason: ReleaseReason::Done,
+        });
+        p.input(Input::Frame { conn, msg }, now);
     }
 
     fn final_checks(&mut self) {

@@ -65,12 +65,12 @@ pub fn metric_with(text: &str, name: &str, label: &str) -> f64 {
 pub async fn released_within(e: &RunningEngine, limit: Duration) -> Duration {
     let c = e.connector.as_ref().expect("connector");
     let start = Instant::now();
-    while c.held_blocks() != (0, 0) {
+    while c.held_blocks().unwrap() != (0, 0) {
         assert!(
             start.elapsed() < limit,
             "{} still holds {:?}",
             e.engine_id,
-            c.held_blocks()
+            c.held_blocks().unwrap()
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
@@ -193,4 +193,14 @@ pub async fn pulled(
             "kv_transfer_params": pr["kv_transfer_params"]}),
     )
     .await
+}
+
+/// P's handoffs held now, and how many ended per reason so far.
+pub fn producer_stats(e: &RunningEngine) -> (usize, std::collections::HashMap<&'static str, u64>) {
+    e.connector
+        .as_ref()
+        .expect("a connector")
+        .producer_stats()
+        .expect("the connector runs")
+        .expect("a prefill engine")
 }

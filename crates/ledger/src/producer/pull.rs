@@ -6,23 +6,19 @@
 use super::*;
 
 impl ProducerLedger {
-    /// Layer-wise pull: P's prefill into `blocks` starts now under `id` (the proxy's, sent to D
-    /// at the same time). D's heartbeats and block query may be staged already; its reader is
-    /// told of each layer saved ([`Self::layers_saved`]), and the handoff cannot end before
-    /// [`Self::prefill_ended`].
+    /// A handoff created when P's prefill into `blocks` starts, under `id` (the proxy's, sent
+    /// to D at the same time): a layer-wise pull (`Pull`) or a push. D's messages may be staged
+    /// already. The blocks cannot go back before [`Self::prefill_ended`], whatever ends the
+    /// handoff meanwhile: the forward pass still writes them (rules 2 and 5). A layer-wise
+    /// pull's reader is told of each layer saved ([`Self::layers_saved`]).
     pub fn create_filling_handoff(
         &mut self,
         id: HandoffId,
         blocks: Vec<BlockId>,
+        mode: TransferMode,
         now: Time,
     ) -> Result<Grant, CreateError> {
-        self.create(
-            id,
-            blocks,
-            TransferMode::Pull,
-            Some(Filling::default()),
-            now,
-        )
+        self.create(id, blocks, mode, Some(Filling::default()), now)
     }
 
     /// Layer-wise pull: the first `layers` layers of the handoff's blocks hold their KV. The
@@ -31,10 +27,7 @@ impl ProducerLedger {
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        let ProducerFlow::Pull {
-            filling: Some(f), ..
-        } = &mut h.flow
-        else {
+        let (true, Some(f)) = (matches!(h.flow, ProducerFlow::Pull { .. }), &mut h.filling) else {
             return;
         };
         if layers <= f.layers {
@@ -46,23 +39,23 @@ impl ProducerLedger {
         }
     }
 
-    /// Layer-wise pull: P's prefill ended (`ok`: every layer is saved). The reader gets the
-    /// final list; an end that came meanwhile takes effect now. A failed prefill ends the
-    /// handoff: at once when no reader was told where the blocks are, else under the fence (it
-    /// may be reading the layers saved so far, rule 2).
+    /// P's prefill into a handoff created at its start ended (`ok`: every layer is saved); an
+    /// end that came meanwhile takes effect now. Layer-wise pull: the reader gets the final
+    /// list, and a failed prefill ends the handoff: at once when no reader was told where the
+    /// blocks are, else under the fence (it may be reading the layers saved so far, rule 2). A
+    /// push goes on under its own deadlines.
     pub fn prefill_ended(&mut self, id: HandoffId, ok: bool, now: Time) {
         self.last_now = self.last_now.max(now);
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
-        let ProducerFlow::Pull { filling, .. } = &mut h.flow else {
-            return;
-        };
-        let Some(f) = filling.take() else {
+        let Some(f) = h.filling.take() else {
             return;
         };
         if let Some(reason) = f.ended {
             self.release_now(id, reason, now);
+        } else if !h.is_pull() {
+            // A push ends by its own deadlines, its blocks back with it from now on.
         } else if !ok && h.asked() {
             // Already fencing (the lease ran out, the proxy released): that fence, armed, ends it.
             if h.phase == Phase::Leased {

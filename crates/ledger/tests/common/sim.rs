@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::*;
+use handoff_plan::testing::Rng;
 use handoff_proto::{Epoch, HandoffId, Message, ReleaseReason, TransferMode};
 
 pub const P_NAME: PeerId = PeerId(1);
@@ -91,27 +92,6 @@ enum Ev {
         at: Node,
         peer: PeerId,
     },
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*: deterministic, good enough for schedules.
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-    fn pct(&mut self, p: u8) -> bool {
-        self.below(100) < p as u64
-    }
 }
 
 struct Pool {

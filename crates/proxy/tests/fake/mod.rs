@@ -85,6 +85,10 @@ pub struct FakeState {
     pub draining: AtomicBool,
     /// Delay before the response head of a completion.
     pub head_delay_ms: AtomicU64,
+    /// Delay before the answer to GET /health (a busy engine).
+    pub health_delay_ms: AtomicU64,
+    /// GET /health requests received.
+    pub health_checks: AtomicU64,
     /// Delay between SSE chunks.
     pub chunk_delay_ms: AtomicU64,
     /// SSE chunks before [DONE]; 0 = endless.
@@ -134,6 +138,8 @@ impl Fake {
             status: AtomicU16::new(200),
             draining: AtomicBool::new(false),
             head_delay_ms: AtomicU64::new(0),
+            health_delay_ms: AtomicU64::new(0),
+            health_checks: AtomicU64::new(0),
             release_delay_ms: AtomicU64::new(0),
             chunk_delay_ms: AtomicU64::new(20),
             chunks: AtomicU64::new(3),
@@ -229,6 +235,16 @@ impl Fake {
         self.state.health.store(status, Ordering::SeqCst);
     }
 
+    pub fn set_health_delay(&self, d: Duration) {
+        self.state
+            .health_delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    pub fn health_checks(&self) -> u64 {
+        self.state.health_checks.load(Ordering::SeqCst)
+    }
+
     pub fn set_ready(&self, status: u16) {
         self.state.ready.store(status, Ordering::SeqCst);
     }
@@ -295,6 +311,11 @@ async fn ready(State(s): State<Arc<FakeState>>) -> Response {
 }
 
 async fn health(State(s): State<Arc<FakeState>>) -> Response {
+    s.health_checks.fetch_add(1, Ordering::SeqCst);
+    let delay = s.health_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
     if s.redirect_health.load(Ordering::SeqCst) {
         if let Some(to) = s.redirect_to.lock().unwrap().clone() {
             return redirect(&to, "/health");

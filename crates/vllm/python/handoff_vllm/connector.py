@@ -15,14 +15,16 @@ Pull mode (D reads P's blocks; requests for P must not stream: vLLM puts ``kv_tr
 only in non-streamed responses) and push mode (``"mode": "push"`` in the extra config; P writes
 into the blocks D registered), with equal TP sizes and block sizes on P and D.
 
-Push streams layer by layer: when the step being built completes a push request's prompt,
-``build_connector_meta`` starts its handoff, and each worker posts a layer's writes from
-``save_kv_layer`` as soon as the forward pass saved it, while the next layers compute. That needs
-the request to finish right after that step (``max_tokens`` 1); any other push request is written
-once ``request_finished`` says its prefill ended. Under async scheduling (vLLM 0.33's default)
+The connector's core picks the flow (pull or push) from each request's params; this glue only
+says what vLLM does. When the step being built completes the prompt of a request P prefills for
+a D, ``build_connector_meta`` tells the core its prefill starts; a push's handoff then holds the
+blocks, and each worker posts a layer's writes from ``save_kv_layer`` as soon as the forward pass
+saved it, while the next layers compute. That needs the request to finish right after that step
+(``max_tokens`` 1); of any other request the core hears once ``request_finished`` says its
+prefill ended. Under async scheduling (vLLM 0.33's default)
 vLLM schedules the next step before that step's output is in, and may preempt the request then
 to make room: it frees a preempted request's blocks without asking the connector, while the
-writes still read them. From the step that starts such a push until ``request_finished``,
+writes still read them. From the step that starts such a handoff until ``request_finished``,
 ``has_pending_block_frees`` is true, which tells vLLM to wait for blocks instead of preempting.
 """
 
@@ -110,11 +112,13 @@ class HandoffMeta(KVConnectorMetadata):
 
 
 @dataclass
-class _PushPrefill:
-    """P, push: a request whose prompt is being prefilled, until its last chunk is scheduled."""
+class _Prefill:
+    """P: a request whose prompt is being prefilled for a D, until its last chunk is scheduled."""
 
     params: dict[str, Any]
     prompt_len: int
+    # n>1: the key its siblings share (None for a request of its own).
+    family: tuple | None
     blocks: list[int] = field(default_factory=list)
 
 
@@ -181,9 +185,9 @@ class HandoffConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._sched = None
         self._opaque = True
-        self._pushing: dict[str, _PushPrefill] = {}
-        # P, push: requests whose writes started with their last prefill step and that vLLM has
-        # not yet named finished (their blocks must not be preempted away).
+        self._prefilling: dict[str, _Prefill] = {}
+        # P: requests whose handoff holds their blocks since their last prefill step and that
+        # vLLM has not yet named finished (their blocks must not be preempted away).
         self._forwarded: set[str] = set()
         # P, n>1: per parent request, the handoff its first finished child keeps (see
         # request_finished), oldest first.
@@ -435,10 +439,11 @@ class HandoffConnector(KVConnectorBase_V1):
         if self._sched is None or not params:
             return
         if params.get("do_remote_decode"):
-            if self._streams_push(request, params):
-                self._pushing.setdefault(
+            if self._plans_prefill(request):
+                self._prefilling.setdefault(
                     request.request_id,
-                    _PushPrefill(dict(params), len(request.prompt_token_ids)),
+                    _Prefill(dict(params), len(request.prompt_token_ids),
+                             self._family(request, params)),
                 )
             return
         if not params.get("do_remote_prefill"):
@@ -463,28 +468,25 @@ class HandoffConnector(KVConnectorBase_V1):
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False
 
-    def _streams_push(self, request, params: dict[str, Any]) -> bool:
-        """Whether a P request's push starts with its last prefill step (see the module doc).
-        n>1: only the first child pushes; its siblings give their blocks back."""
+    def _plans_prefill(self, request) -> bool:
+        """Whether the core hears of a P request's prefill at its last prefill step (see the
+        module doc): one vLLM finishes right after that step. n>1: only the first child; its
+        siblings give their blocks back."""
         child = _CHILD_ID.match(request.request_id)
-        return (
-            (child is None or child.group(1) == "0")
-            and params.get("transfer_mode") == "push"
-            and bool(params.get("handoff_id"))
-            and getattr(request, "max_tokens", None) == 1
-        )
+        return (child is None or child.group(1) == "0") and getattr(
+            request, "max_tokens", None) == 1
 
-    def _push_forwards(self, so) -> None:
-        """Starts the handoff of every push request whose prompt this step completes."""
+    def _plan_prefills(self, so) -> None:
+        """Tells the core of every prefill for a D whose prompt this step completes."""
         steps = []
         for new in so.scheduled_new_reqs:
-            st = self._pushing.get(new.req_id)
+            st = self._prefilling.get(new.req_id)
             if st is not None:
                 st.blocks = list(new.block_ids[0])
                 steps.append((new.req_id, st, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            st = self._pushing.get(req_id)
+            st = self._prefilling.get(req_id)
             if st is None:
                 continue
             added = cached.new_block_ids[i]
@@ -497,22 +499,27 @@ class HandoffConnector(KVConnectorBase_V1):
         for req_id, st, computed in steps:
             if computed + so.num_scheduled_tokens.get(req_id, 0) < st.prompt_len:
                 continue
-            del self._pushing[req_id]
+            del self._prefilling[req_id]
             needed = -(-st.prompt_len // self._block_size)
             try:
-                self._sched.push_forward(
+                held = self._sched.prefill_planned(
                     req_id, json.dumps(st.params), st.blocks[:needed], st.prompt_len
                 )
+            except Exception as e:  # the core then hears of it at request_finished
+                logger.warning("handoff: prefill of %s not planned: %s", req_id, e)
+                continue
+            if held:
                 self._forwarded.add(req_id)
+                if st.family is not None:
+                    # This child keeps the family's handoff, whichever finishes first.
+                    self._siblings[st.family] = (time.monotonic(), None)
                 self._timeline.mark(req_id, "forwarded", st.params.get("handoff_id"))
-            except Exception as e:  # the push then starts at request_finished
-                logger.warning("handoff: push of %s not streamed: %s", req_id, e)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._sched is None:
             return HandoffMeta()
-        if self._pushing:
-            self._push_forwards(scheduler_output)
+        if self._prefilling:
+            self._plan_prefills(scheduler_output)
         meta, sending, recving, failed, forward = self._sched.build_meta()
         if self._timeline.on:
             self._timeline.scheduled(scheduler_output)
@@ -527,17 +534,19 @@ class HandoffConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]):
         if self._sched is None:
             return False, None
-        self._pushing.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
+        keeps_family = request.request_id in self._forwarded
         self._forwarded.discard(request.request_id)
         params = request.kv_transfer_params
         remote_decode = bool(params and params.get("do_remote_decode"))
         if remote_decode and not self._finished_normally(request):
             remote_decode = False
         family = self._family(request, params) if remote_decode else None
-        if family is not None and not self._first_of_family(request, params, family):
-            # A sibling: one handoff per client request, so its blocks go back now (D reads
-            # once and fans out); the response carries the kept handoff's params, whichever
-            # child vLLM answers with.
+        if family is not None and not (keeps_family or family not in self._siblings):
+            # A sibling: one handoff per client request (the child whose handoff started with
+            # its last prefill step keeps it, else the first to finish), so its blocks go back
+            # now (D reads once and fans out); the response carries the kept handoff's params,
+            # whichever child vLLM answers with.
             self._sched.request_finished(
                 request.request_id, None, [int(b) for b in block_ids],
                 int(request.num_computed_tokens))
@@ -577,13 +586,6 @@ class HandoffConnector(KVConnectorBase_V1):
             del self._siblings[key]
         return (child.group(2), tuple(request.prompt_token_ids),
                 json.dumps(params, sort_keys=True))
-
-    def _first_of_family(self, request, params: dict[str, Any], family: tuple) -> bool:
-        """Whether this child keeps the family's handoff: in pull, the first to finish; in a
-        push, child 0 (the only one that streams)."""
-        if params.get("transfer_mode") == "push":
-            return _CHILD_ID.match(request.request_id).group(1) == "0"
-        return family not in self._siblings
 
     @staticmethod
     def _finished_normally(request) -> bool:

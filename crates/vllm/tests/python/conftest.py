@@ -316,6 +316,9 @@ def installed_vllm() -> str:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # The single engine started at collection, if no test took it (its fixture stops it).
+    for s in _single:
+        ignore_errors(s.stop, signal.SIGTERM)
     path = os.environ.get("HANDOFF_VLLM_REPORT")
     if path:
         Path(path).write_text(json.dumps(dict(
@@ -421,10 +424,28 @@ def connector(engine_id: str, **extra) -> dict:
     }
 
 
+def start_single() -> Server:
+    """The single reference engine. Its engine core runs in the API server's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one Python start fewer (about a minute on these two
+    cores), and it only computes the reference outputs, so how vLLM splits its processes does not
+    matter there; the engines under test keep vLLM's default."""
+    return Server("single", None, env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+# Started as soon as the session knows a test needs it (see pytest_collection_modifyitems), so
+# that it starts while the first module's P and D start: the two cores are busy either way.
+_single: list[Server] = []
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if any("single" in getattr(item, "fixturenames", ()) for item in items):
+        _single.append(start_single())
+
+
 @pytest.fixture(scope="session")
 def single():
     """The single reference engine (no connector) every output is compared with."""
-    s = Server("single", None)
+    s = _single[0] if _single else start_single()
     try:
         s.wait_healthy(time.monotonic() + STARTUP_S)
         # The first request that asks for logprobs is slow once (seconds): not in a test.
@@ -459,7 +480,9 @@ def cluster(single):
                                 "--middleware", "handoff_vllm.HandoffOps"],
                     env_extra={"HANDOFF_VLLM_TEST_CORRUPT_FILE": str(CORRUPT_FILE),
                                "HANDOFF_VLLM_TEST_HOLD_FILE": str(HOLD_FILE),
-                               "RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
+                               "RUST_LOG": "info,handoff_core::machine::transfers=debug"},
+                    # vLLM's own gauges and histograms on /metrics (check-ops reads them).
+                    log_stats=True),
     }
     try:
         deadline = time.monotonic() + STARTUP_S

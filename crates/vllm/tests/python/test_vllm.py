@@ -4,17 +4,19 @@ a single engine's."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
 import time
 from datetime import datetime, timezone
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 from test_router import check_vllm_behind_router
 
-from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HANDOFF_BIN, HOLD_FILE,
+from conftest import (BLOCK_SIZE, CORRUPT_FILE, FENCE_GRACE_S, HANDOFF_BIN, HERE, HOLD_FILE,
                       INITIAL_LEASE_S, MAX_MODEL_LEN, REAL_MODEL_NAME, REPORT, TRACES,
                       check_proxy_decodes_like_single, disaggregated, fresh_usage, ignore_errors,
                       prompt, usage_back_to)
@@ -130,6 +132,33 @@ def test_vllm_s_metrics_page_carries_the_connector_s_own_metrics(cluster):
     assert moved(d_after) > moved(d_before), "D's /metrics counted no bytes read"
     assert "handoff_kv_digests_checked_total" in d_after, sorted(d_after)
     assert len(d_after.get("handoff_compat_info", [])) == 1
+
+
+def test_check_ops_reads_every_dashboard_query_and_the_alerts_from_vllm_p_and_d(cluster):
+    """``scripts/check-ops`` against this module's vLLM P and D (``--prefill``, ``--decode``)
+    instead of reference engines: handoff's proxy in front, a real Prometheus scraping vLLM's
+    /metrics pages with ``ops/``'s rules loaded, a bounded load and two injected faults (a
+    transfer D cannot start, bytes that are no handshake on P's side channel). Every query of
+    every dashboard panel returns data from vLLM (the engine panels through vLLM's own
+    ``vllm:*`` series), a misspelled one returns none, every rule evaluates, the two faults'
+    alerts go pending and no alert of a healthy cluster is active. Runs before the digest's
+    negative control, whose mismatch would be such an alert."""
+    env = dict(os.environ, HANDOFF_BIN=str(HANDOFF_BIN))
+    if os.environ.get("HANDOFF_REQUIRE_VLLM") == "1":
+        env["HANDOFF_REQUIRE_OPS"] = "1"  # CI: no Prometheus is a failure, never a skip
+    out = subprocess.run(
+        [str(HERE.parents[3] / "scripts" / "check-ops"), "--prefill", cluster["p"].url,
+         "--decode", cluster["d"].url, "--model", cluster["p"].model,
+         # Fewer than the reference check's 30 (a vLLM completion here takes about a second):
+         # every series still appears and grows.
+         "--requests", "12"],
+        env=env, capture_output=True, text=True, timeout=360)
+    said = [line for line in out.stderr.splitlines() if line.startswith("check-ops:")]
+    assert out.returncode == 0, "\n".join(said[-30:]) or out.stderr[-4000:]
+    if said and said[-1].startswith("check-ops: skipped"):
+        pytest.skip(said[-1])
+    assert "scraping running engines: all returned data" in said[-1], said[-1]
+    REPORT["check_ops_vllm"] = said[-2].removeprefix("check-ops: ")
 
 
 def test_handoff_s_own_proxy_drives_vllm_p_and_d_in_pull_mode(cluster):

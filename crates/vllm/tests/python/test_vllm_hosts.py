@@ -140,7 +140,13 @@ def test_d_killed_mid_read_frees_p_at_once(hosts):
 
     The test polls the shaper's counter every 10 ms; when this host stalls the test for longer
     than the READ has left (it happened: 93% sent between two polls), that READ is let finish
-    and another prompt tried, up to three times."""
+    and another prompt tried, up to three times.
+
+    The byte count at the kill is what shows the kill came mid-read. The bytes after it say
+    nothing about D: until the dying engine's memory is torn down (a second or more here) the
+    kernel keeps its sockets open and takes P's bytes into their buffers, so a READ's last
+    quarter can still cross the link after D is gone (a CI-like run saw 46.4 of 46.1 MB, headers
+    included, cross by then)."""
     p = hosts["p"]
     idle = fresh_usage(p)
     for attempt in range(3):
@@ -169,8 +175,15 @@ def test_d_killed_mid_read_frees_p_at_once(hosts):
     killed = time.time()
     hosts["d"].kill()
     assert sent_at_kill < total * 3 // 4, f"{sent_at_kill} of {total} bytes sent: not mid-read"
+    # The bound counts from when D's last process is gone, as the chaos test's does: until
+    # then the kernel tears down the engine's memory with its sockets still open, which no
+    # connector can see (a run here took 2.27 s from the kill on a loaded machine).
+    gone = hosts["d"].gone_at(30)
     back = usage_back_to(p, idle, killed, 10)
     REPORT["reclaim_after_kill_mid_read_s"] = round(back, 3) if back is not None else None
-    assert back is not None and back < 2.0, f"P's blocks back {back} s after D died mid-read"
-    assert link_bytes() - before < total, "the READ completed: D was not killed mid-read"
+    after_gone = None if back is None or gone is None else max(0.0, back - (gone - killed))
+    REPORT["reclaim_after_d_gone_mid_read_s"] = (
+        round(after_gone, 3) if after_gone is not None else None)
+    assert after_gone is not None and after_gone < 2.0, \
+        f"P's blocks back {back} s after D was killed mid-read, {after_gone} s after it was gone"
 
