@@ -649,7 +649,9 @@ impl EngineConfig {
         if !(8 << 10..=16 << 20).contains(&self.http_max_header_bytes) {
             return Err(bad("http_max_header_bytes", "must be 8192..=16777216"));
         }
-        self.http_limits().validate().map_err(|e| bad("http", e))?;
+        self.http_limits()
+            .validate()
+            .map_err(|e| bad("http", e.to_string()))?;
         if self.drain_grace_ms >= self.drain_timeout_ms {
             return Err(bad(
                 "drain_grace_ms",

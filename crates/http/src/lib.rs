@@ -93,9 +93,25 @@ impl Default for Limits {
 /// The most connections one listener may be configured for.
 pub const MAX_CONNECTIONS: usize = 1 << 20;
 
+/// A [`Limits`] field out of its bounds: which one, and what it must be.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} must be {must}")]
+pub struct LimitError {
+    /// The field's name in [`Limits`].
+    pub field: &'static str,
+    /// Its bounds, in words.
+    pub must: String,
+}
+
 impl Limits {
     /// Checks every bound; the error names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LimitError> {
+        let bad = |field, must: &str| {
+            Err(LimitError {
+                field,
+                must: must.to_string(),
+            })
+        };
         for (field, d) in [
             ("header_read_timeout", self.header_read_timeout),
             ("body_read_timeout", self.body_read_timeout),
@@ -103,17 +119,17 @@ impl Limits {
             ("write_stall_timeout", self.write_stall_timeout),
         ] {
             if d.is_zero() {
-                return Err(format!("{field} must be greater than zero"));
+                return bad(field, "greater than zero");
             }
         }
         if self.max_connections == 0 || self.max_connections > MAX_CONNECTIONS {
-            return Err(format!("max_connections must be 1..={MAX_CONNECTIONS}"));
+            return bad("max_connections", &format!("1..={MAX_CONNECTIONS}"));
         }
         if self.max_body_bytes == 0 {
-            return Err("max_body_bytes must be at least 1".into());
+            return bad("max_body_bytes", "at least 1");
         }
         if !(8 << 10..=16 << 20).contains(&self.max_header_bytes) {
-            return Err("max_header_bytes must be 8 KiB..=16 MiB".into());
+            return bad("max_header_bytes", "8 KiB..=16 MiB");
         }
         Ok(())
     }

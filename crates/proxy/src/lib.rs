@@ -200,7 +200,17 @@ use tokio::task::JoinHandle;
 
 pub use handoff_http::Limits as HttpLimits;
 pub use handoff_proto::TransferMode;
-pub use pool::{normalize_url, InstanceInfo, Policy, Role};
+pub use pool::{normalize_url, BadInstanceUrl, InstanceInfo, Policy, Role};
+
+/// Why the admin API did not add an instance.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AddInstanceError {
+    #[error(transparent)]
+    Url(#[from] BadInstanceUrl),
+    /// Another admin call removed it between the add and the look-up of its state.
+    #[error("{role} instance {url} vanished while being added")]
+    Vanished { role: Role, url: String },
+}
 
 use metrics::Metrics;
 use pool::Pool;
@@ -366,7 +376,7 @@ impl Shared {
         &self,
         role: Role,
         url: &str,
-    ) -> Result<(bool, InstanceInfo), String> {
+    ) -> Result<(bool, InstanceInfo), AddInstanceError> {
         let url = normalize_url(url)?;
         match self.pool(role).add(url.clone(), &self.metrics) {
             Some(inst) => {
@@ -381,7 +391,7 @@ impl Shared {
                     .into_iter()
                     .find(|i| i.url == url)
                     .map(|i| i.info())
-                    .ok_or_else(|| format!("{role} instance {url} vanished while being added"))?;
+                    .ok_or(AddInstanceError::Vanished { role, url })?;
                 Ok((false, info))
             }
         }
@@ -578,7 +588,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<RunningProxy> {
     });
     for (role, urls) in [(Role::Prefill, &cfg.prefill), (Role::Decode, &cfg.decode)] {
         for url in urls {
-            let url = normalize_url(url).map_err(anyhow::Error::msg)?;
+            let url = normalize_url(url)?;
             shared.pool(role).add(url, &shared.metrics);
         }
     }

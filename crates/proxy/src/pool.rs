@@ -89,6 +89,14 @@ pub struct InstanceInfo {
     pub in_flight: usize,
 }
 
+/// An instance URL [`normalize_url`] refused: the URL as given (trimmed) and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("instance URL {url:?} {why}")]
+pub struct BadInstanceUrl {
+    pub url: String,
+    pub why: String,
+}
+
 /// Checks and normalises an instance base URL: `http://host:port`, nothing else. The error says
 /// what is wrong, naming the URL.
 ///
@@ -96,9 +104,14 @@ pub struct InstanceInfo {
 /// - a host (a name, an IPv4 address, or an IPv6 address in brackets) and an explicit port;
 /// - no user info (`user:pass@`), path, query or fragment: an instance is a base URL, and
 ///   credentials in it would end up in logs and metrics. One trailing `/` is dropped.
-pub fn normalize_url(url: &str) -> Result<String, String> {
+pub fn normalize_url(url: &str) -> Result<String, BadInstanceUrl> {
     let raw = url.trim();
-    let bad = |why: &str| Err(format!("instance URL {raw:?} {why}"));
+    let bad = |why: &str| {
+        Err(BadInstanceUrl {
+            url: raw.to_string(),
+            why: why.to_string(),
+        })
+    };
     if raw.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return bad("contains whitespace or control characters");
     }
@@ -442,8 +455,8 @@ mod tests {
             ("http://a%2f:1", "not a name or an address"),
         ] {
             let e = normalize_url(url).unwrap_err();
-            assert!(e.contains(why), "{url}: {e}");
-            assert!(e.contains(url.trim()), "{url}: {e}");
+            assert!(e.why.contains(why), "{url}: {e}");
+            assert_eq!(e.url, url.trim(), "{url}: {e}");
         }
     }
 

@@ -444,10 +444,10 @@ async fn admin_add(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             };
             (status, Json(json!({"added": added, "instance": info}))).into_response()
         }
-        Err(msg) => {
+        Err(e) => {
             s.metrics.admin(AdminOutcome::BadRequest);
-            tracing::warn!(role = %req.role, "admin: instance refused: {msg}");
-            ProxyError::bad_request(msg).into_response()
+            tracing::warn!(role = %req.role, "admin: instance refused: {e}");
+            ProxyError::bad_request(e.to_string()).into_response()
         }
     }
 }
