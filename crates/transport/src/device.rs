@@ -68,6 +68,12 @@ pub trait Device: Send + Sync + Debug {
     /// Frees an event [`Device::record_event`] made (nothing waits on it any more).
     fn destroy_event(&self, event: u64);
 
+    /// Makes this device's primary context the calling thread's current one. A library that
+    /// reaches device memory through CUDA on its own threads' behalf (NIXL's UCX backend)
+    /// finds the device only through the caller's current context: without it, UCX turns its
+    /// CUDA transports off.
+    fn make_current(&self) -> Result<(), DeviceError>;
+
     /// Two pinned host buffers of `piece` bytes and a copy stream of their own, for a
     /// transport moving this device's memory a piece at a time.
     fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError>;

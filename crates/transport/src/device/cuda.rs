@@ -216,7 +216,7 @@ impl CudaDevice {
 
     /// The driver, with this device's primary context current on the calling thread (NIXL's
     /// threads need it too: without it UCX finds no CUDA context and turns CUDA off).
-    pub fn make_current(&self) -> Result<(), DeviceError> {
+    pub fn bind_context(&self) -> Result<(), DeviceError> {
         let d = driver()?;
         // SAFETY: the context was retained in `open` and is never released.
         let r = unsafe { (d.ctx_set_current)(self.ctx as CuContext) };
@@ -235,7 +235,7 @@ impl CudaDevice {
     /// `len` bytes of this device's memory (for checks and benchmarks; an engine allocates its
     /// own KV cache).
     pub fn alloc(&self, len: usize) -> Result<usize, DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         let mut ptr: CuDevicePtr = 0;
         // SAFETY: valid out pointer; the context is current.
         let r = unsafe { (driver()?.mem_alloc)(&mut ptr, len.max(1)) };
@@ -249,7 +249,7 @@ impl CudaDevice {
     /// `addr` came from `alloc` on this device, is freed once, and no region or transfer uses
     /// it any more.
     pub unsafe fn free(&self, addr: usize) -> Result<(), DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         // SAFETY: per the contract above.
         let r = unsafe { (driver()?.mem_free)(addr as u64) };
         self.call("cuMemFree", r)
@@ -264,7 +264,7 @@ impl Device for CudaDevice {
     }
 
     fn check_range(&self, base: usize, len: usize) -> Result<(), DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         let not_ours = DeviceError::NotDeviceMemory {
             device: self.device,
             addr: base,
@@ -285,7 +285,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_to_host(&self, src: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         // SAFETY: `dst` is a live host buffer of `dst.len()` bytes; the driver checks that the
         // device range is valid (a region checked it at creation) and returns when it is copied.
         let r = unsafe { (driver()?.dtoh)(dst.as_mut_ptr() as *mut c_void, src as u64, dst.len()) };
@@ -293,7 +293,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_from_host(&self, dst: usize, src: &[u8]) -> Result<(), DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         let d = driver()?;
         // SAFETY: `src` is a live host buffer of `src.len()` bytes; as in `copy_to_host`.
         let r = unsafe { (d.htod)(dst as u64, src.as_ptr() as *const c_void, src.len()) };
@@ -308,7 +308,7 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&self, stream: u64) -> Result<u64, DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         let d = driver()?;
         let mut event: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out pointer; the context is current.
@@ -325,7 +325,7 @@ impl Device for CudaDevice {
     }
 
     fn event_done(&self, event: u64) -> Result<bool, DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         // SAFETY: `event` came from `record_event` and is not destroyed yet (the caller's
         // duty); a query does not block.
         let r = unsafe { (driver()?.event_query)(event as usize as *mut c_void) };
@@ -336,7 +336,7 @@ impl Device for CudaDevice {
     }
 
     fn destroy_event(&self, event: u64) {
-        if self.make_current().is_err() {
+        if self.bind_context().is_err() {
             return;
         }
         if let Ok(d) = driver() {
@@ -345,8 +345,12 @@ impl Device for CudaDevice {
         }
     }
 
+    fn make_current(&self) -> Result<(), DeviceError> {
+        self.bind_context()
+    }
+
     fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError> {
-        self.make_current()?;
+        self.bind_context()?;
         let d = driver()?;
         let mut st = CudaStager {
             device: self,
@@ -397,7 +401,7 @@ impl CudaStager {
                 code: 1,
             });
         }
-        self.device.make_current()
+        self.device.bind_context()
     }
 
     fn record(&self, i: usize) -> Result<(), DeviceError> {
@@ -458,7 +462,7 @@ impl Stager for CudaStager {
     }
 
     fn wait_all(&mut self) -> Result<(), DeviceError> {
-        self.device.make_current()?;
+        self.device.bind_context()?;
         // SAFETY: this stager's stream.
         let r = unsafe { (driver()?.stream_sync)(self.stream as *mut c_void) };
         self.device.call("cuStreamSynchronize", r)
@@ -468,7 +472,7 @@ impl Stager for CudaStager {
 impl Drop for CudaStager {
     fn drop(&mut self) {
         let Ok(d) = driver() else { return };
-        if self.device.make_current().is_err() {
+        if self.device.bind_context().is_err() {
             return;
         }
         // SAFETY: every handle is this stager's and freed once, after its copies finished.

@@ -47,6 +47,8 @@ pub struct FakeDevice {
     /// Events: the kernels each waits for.
     events: Mutex<HashMap<u64, Vec<Arc<AtomicBool>>>>,
     next_event: std::sync::atomic::AtomicU64,
+    /// Threads that made this device's context current ([`Device::make_current`]).
+    bound: Mutex<Vec<std::thread::ThreadId>>,
 }
 
 impl FakeDevice {
@@ -57,6 +59,7 @@ impl FakeDevice {
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
             next_event: std::sync::atomic::AtomicU64::new(1),
+            bound: Mutex::new(Vec::new()),
         })
     }
 
@@ -80,6 +83,11 @@ impl FakeDevice {
     }
 
     /// Events recorded and not destroyed.
+    /// Whether the calling thread made this device's context current.
+    pub fn is_current_here(&self) -> bool {
+        self.bound.lock().contains(&std::thread::current().id())
+    }
+
     pub fn live_events(&self) -> usize {
         self.events.lock().len()
     }
@@ -201,6 +209,15 @@ impl Device for FakeDevice {
 
     fn destroy_event(&self, event: u64) {
         self.events.lock().remove(&event);
+    }
+
+    fn make_current(&self) -> Result<(), DeviceError> {
+        let me = std::thread::current().id();
+        let mut bound = self.bound.lock();
+        if !bound.contains(&me) {
+            bound.push(me);
+        }
+        Ok(())
     }
 
     fn stager(self: Arc<Self>, piece: usize) -> Result<Box<dyn Stager>, DeviceError> {

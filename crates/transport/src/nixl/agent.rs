@@ -11,7 +11,17 @@ use std::ptr;
 use std::sync::Arc;
 
 use super::sys::{self, Api, Status};
+use crate::device::MemoryKind;
 use crate::{KvRegion, Notification, XferOp};
+
+/// NIXL's memory type and device id for memory of `kind`: host memory is DRAM (device 0),
+/// a CUDA device's is VRAM with the device's ordinal, as vLLM registers it.
+pub(crate) fn nixl_memory(kind: MemoryKind) -> (sys::MemType, u64) {
+    match kind {
+        MemoryKind::Host => (sys::MEM_DRAM, 0),
+        MemoryKind::Cuda { device } => (sys::MEM_VRAM, u64::from(device)),
+    }
+}
 
 /// A non-success status of a NIXL call, with the call's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,22 +281,26 @@ impl Agent {
         }
     }
 
-    /// Registers `region` (DRAM, one descriptor: its whole allocation) with this agent's backend.
+    /// Registers `region` (one descriptor: its whole allocation; DRAM, or VRAM of its device)
+    /// with this agent's backend. For device memory the device's context must be current on
+    /// the calling thread.
     pub fn register(&self, region: Arc<KvRegion>) -> Result<Registration, CallError> {
-        let dlist = RegDlist::new(self.api)?;
-        // SAFETY: live list; the address and length describe the region's allocation, which is
-        // never freed (KvRegion leaks it) and which `Registration` keeps referenced anyway.
+        let (mem, dev) = nixl_memory(region.memory());
+        let dlist = RegDlist::new(self.api, mem)?;
+        // SAFETY: live list; the address and length describe the region's allocation (host, or
+        // device memory whose range the region checked against its device), which is never
+        // freed while registered: `Registration` keeps the region referenced.
         check("reg_dlist_add_desc", unsafe {
             (self.api.reg_dlist_add_desc)(
                 dlist.raw,
                 region.base_addr(),
                 region.len(),
-                0,
+                dev,
                 ptr::null(),
                 0,
             )
         })?;
-        // SAFETY: live agent and list; null opt args = every backend that handles DRAM.
+        // SAFETY: live agent and list; null opt args = every backend that handles the type.
         check("register_mem", unsafe {
             (self.api.register_mem)(self.raw, dlist.raw, ptr::null_mut())
         })?;
@@ -318,8 +332,8 @@ impl Agent {
     pub fn create_xfer(
         &self,
         op: XferOp,
-        local: &[(usize, usize)],
-        remote: &[(usize, usize)],
+        local: (&[(usize, usize)], MemoryKind),
+        remote: (&[(usize, usize)], MemoryKind),
         peer: &str,
         notification: Option<&[u8]>,
     ) -> Result<XferReq, CallError> {
@@ -327,8 +341,8 @@ impl Agent {
             call: "create_xfer_req",
             status: sys::ERROR_INVALID_PARAM,
         })?;
-        let l = XferDlist::new(self.api, local)?;
-        let r = XferDlist::new(self.api, remote)?;
+        let l = XferDlist::new(self.api, local.1, local.0)?;
+        let r = XferDlist::new(self.api, remote.1, remote.0)?;
         let opt = OptArgs::new(self.api, notification)?;
         let mut req: sys::XferReq = ptr::null_mut();
         // SAFETY: live agent, lists and opt args (NIXL copies all three into the request, so
@@ -356,13 +370,14 @@ impl Agent {
     pub fn prep_list(
         &self,
         peer: Option<&str>,
+        memory: MemoryKind,
         descs: &[(usize, usize)],
     ) -> Result<PreppedList, CallError> {
         let cpeer = CString::new(peer.unwrap_or("")).map_err(|_| CallError {
             call: "prep_xfer_dlist",
             status: sys::ERROR_INVALID_PARAM,
         })?;
-        let list = XferDlist::new(self.api, descs)?;
+        let list = XferDlist::new(self.api, memory, descs)?;
         let mut h: sys::XferDlistHandle = ptr::null_mut();
         // SAFETY: live agent and list (NIXL copies the list into the handle, so it may be
         // destroyed right after); C string agent name ("" = local); valid out pointer; null opt
@@ -616,11 +631,11 @@ struct RegDlist {
 unsafe impl Send for RegDlist {}
 
 impl RegDlist {
-    fn new(api: &'static Api) -> Result<RegDlist, CallError> {
+    fn new(api: &'static Api, mem: sys::MemType) -> Result<RegDlist, CallError> {
         let mut raw: sys::RegDlist = ptr::null_mut();
         // SAFETY: valid out pointer.
         check("create_reg_dlist", unsafe {
-            (api.create_reg_dlist)(sys::MEM_DRAM, &mut raw)
+            (api.create_reg_dlist)(mem, &mut raw)
         })?;
         Ok(RegDlist { api, raw })
     }
@@ -640,17 +655,23 @@ pub(crate) struct XferDlist {
 }
 
 impl XferDlist {
-    pub(crate) fn new(api: &'static Api, descs: &[(usize, usize)]) -> Result<XferDlist, CallError> {
+    /// A list of `descs`, all in memory of `memory` (NIXL types a list, not a descriptor).
+    pub(crate) fn new(
+        api: &'static Api,
+        memory: MemoryKind,
+        descs: &[(usize, usize)],
+    ) -> Result<XferDlist, CallError> {
+        let (mem, dev) = nixl_memory(memory);
         let mut raw: sys::XferDlist = ptr::null_mut();
         // SAFETY: valid out pointer.
         check("create_xfer_dlist", unsafe {
-            (api.create_xfer_dlist)(sys::MEM_DRAM, &mut raw)
+            (api.create_xfer_dlist)(mem, &mut raw)
         })?;
         let list = XferDlist { api, raw };
         for &(addr, len) in descs {
             // SAFETY: live list; the descriptor is plain data (NIXL does not dereference it here).
             check("xfer_dlist_add_desc", unsafe {
-                (api.xfer_dlist_add_desc)(list.raw, addr, len, 0)
+                (api.xfer_dlist_add_desc)(list.raw, addr, len, dev)
             })?;
         }
         Ok(list)

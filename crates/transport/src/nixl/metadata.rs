@@ -1,38 +1,78 @@
 //! The metadata one NIXL transport gives its peers: magic, version, an FNV-1a checksum of the
 //! body, then the postcard body: the agent's name, its regions (id → address, length, lock chunk
-//! size) and NIXL's own agent metadata. Decoding checks everything a hostile peer could get
-//! wrong before NIXL sees a byte. No NIXL call here.
+//! size), NIXL's own agent metadata and, from version 3 on, which regions are device memory
+//! (NIXL needs a descriptor list's memory type and device on both sides). Metadata with host
+//! memory only is still written as version 2, which the previous release reads: a rolling
+//! upgrade of a host-memory fleet keeps pairing. Decoding checks everything a hostile peer
+//! could get wrong before NIXL sees a byte. No NIXL call here.
 
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
+use crate::device::MemoryKind;
 use crate::{RegionId, TransportError};
 
 /// Longest agent name, ours or a peer's.
 pub(super) const MAX_NAME_BYTES: usize = 256;
 
 const MD_MAGIC: &[u8; 8] = b"HNDFNIXL";
-const MD_VERSION: u8 = 2;
+/// Host memory only: what the previous release writes and reads.
+const MD_VERSION_HOST: u8 = 2;
+/// With the regions that are device memory.
+const MD_VERSION: u8 = 3;
 /// Magic, version, checksum.
 const MD_HEADER: usize = 8 + 1 + 8;
 /// Largest metadata accepted (NIXL's own part is about 500 bytes per agent).
 pub const MAX_METADATA_BYTES: usize = 1 << 20;
 const MAX_REGIONS: usize = 1 << 16;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct MdBody {
     pub(super) name: String,
     /// (region id, base address, length, lock chunk size).
     pub(super) regions: Vec<(RegionId, u64, u64, u64)>,
     pub(super) nixl: Vec<u8>,
+    /// The regions that are device memory, with their device; every other one is host memory.
+    /// Absent from version 2.
+    pub(super) devices: Vec<(RegionId, MemoryKind)>,
+}
+
+/// Version 2's body: [`MdBody`] without `devices` (postcard writes fields in order, so it is a
+/// prefix of version 3's).
+#[derive(Serialize, Deserialize)]
+struct MdBodyHost {
+    name: String,
+    regions: Vec<(RegionId, u64, u64, u64)>,
+    nixl: Vec<u8>,
+}
+
+#[cfg(test)]
+impl MdBody {
+    /// Where region `id`'s bytes live.
+    pub(super) fn memory_of(&self, id: RegionId) -> MemoryKind {
+        self.devices
+            .iter()
+            .find(|(r, _)| *r == id)
+            .map_or(MemoryKind::Host, |(_, m)| *m)
+    }
 }
 
 pub(super) fn encode_md(body: &MdBody) -> Result<Vec<u8>, TransportError> {
-    let enc = postcard::to_allocvec(body).map_err(|e| TransportError::Io(e.to_string()))?;
+    let io = |e: postcard::Error| TransportError::Io(e.to_string());
+    let (version, enc) = if body.devices.is_empty() {
+        let host = MdBodyHost {
+            name: body.name.clone(),
+            regions: body.regions.clone(),
+            nixl: body.nixl.clone(),
+        };
+        (MD_VERSION_HOST, postcard::to_allocvec(&host).map_err(io)?)
+    } else {
+        (MD_VERSION, postcard::to_allocvec(body).map_err(io)?)
+    };
     let mut out = Vec::with_capacity(MD_HEADER + enc.len());
     out.extend_from_slice(MD_MAGIC);
-    out.push(MD_VERSION);
+    out.push(version);
     out.extend_from_slice(&fnv1a64(&enc).to_le_bytes());
     out.extend_from_slice(&enc);
     Ok(out)
@@ -60,9 +100,9 @@ pub(super) fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
     let Some((&version, rest)) = rest.split_first() else {
         return Err(bad("truncated".into()));
     };
-    if version != MD_VERSION {
+    if version != MD_VERSION && version != MD_VERSION_HOST {
         return Err(bad(format!(
-            "nixl metadata version {version}, expected {MD_VERSION}"
+            "nixl metadata version {version}, expected {MD_VERSION_HOST} or {MD_VERSION}"
         )));
     }
     let Some((sum, rest)) = rest.split_first_chunk::<8>() else {
@@ -71,8 +111,20 @@ pub(super) fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
     if u64::from_le_bytes(*sum) != fnv1a64(rest) {
         return Err(bad("checksum mismatch (truncated or corrupted)".into()));
     }
-    let (body, trailing): (MdBody, _) =
-        postcard::take_from_bytes(rest).map_err(|e| bad(format!("undecodable: {e}")))?;
+    let undecodable = |e: postcard::Error| bad(format!("undecodable: {e}"));
+    let (body, trailing): (MdBody, _) = if version == MD_VERSION_HOST {
+        let (h, trailing): (MdBodyHost, _) =
+            postcard::take_from_bytes(rest).map_err(undecodable)?;
+        let body = MdBody {
+            name: h.name,
+            regions: h.regions,
+            nixl: h.nixl,
+            devices: Vec::new(),
+        };
+        (body, trailing)
+    } else {
+        postcard::take_from_bytes(rest).map_err(undecodable)?
+    };
     if !trailing.is_empty() {
         return Err(bad(format!("{} trailing bytes", trailing.len())));
     }
@@ -96,6 +148,22 @@ pub(super) fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
         if addr.checked_add(len).is_none() || usize::try_from(addr + len).is_err() {
             return Err(bad(format!(
                 "region {id} wraps the address space ({addr:#x} + {len})"
+            )));
+        }
+    }
+    let mut on_device = HashSet::new();
+    for &(id, memory) in &body.devices {
+        if !seen.contains(&id) {
+            return Err(bad(format!(
+                "device memory named for region {id}, which is not listed"
+            )));
+        }
+        if !on_device.insert(id) {
+            return Err(bad(format!("region {id} given a device twice")));
+        }
+        if memory == MemoryKind::Host {
+            return Err(bad(format!(
+                "region {id} listed among device regions as host memory"
             )));
         }
     }

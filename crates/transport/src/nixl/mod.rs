@@ -89,6 +89,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::device::{Device, MemoryKind};
 use crate::{
     check_bounds, KvRegion, Notification, OwnedReadGuard, OwnedWriteGuard, RegionId, Transport,
     TransportError, XferDesc, XferId, XferOp, XferStatus, MAX_NOTIFICATION_BYTES,
@@ -182,7 +183,16 @@ impl NixlTransport {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while the lock was held cannot leave NIXL half-called (no NIXL call panics),
         // so the state is still consistent.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        // Every NIXL call below runs on this thread: with device memory registered, UCX finds
+        // the device through the thread's current context (vLLM sets it on its handshake
+        // thread for the same reason). Cheap, and the engine may have changed it meanwhile.
+        if let Some(d) = &g.device {
+            if let Err(e) = d.make_current() {
+                tracing::warn!(agent = %self.name, "nixl: cannot make {} current: {e}", d.memory());
+            }
+        }
+        g
     }
 }
 
@@ -243,6 +253,8 @@ struct Xfer {
 struct Peer {
     /// Region id → (base address, length, lock chunk size).
     regions: HashMap<RegionId, (u64, u64, u64)>,
+    /// Where each region's bytes live (absent: host memory).
+    memory: HashMap<RegionId, MemoryKind>,
     /// Lists of the peer's regions, prepped chunk by chunk on first use.
     prepped: HashMap<RegionId, Prep>,
     dead: bool,
@@ -301,6 +313,9 @@ struct Inner {
     made_from_prepped: u64,
     /// Posts cut into more descriptors to reach every pool thread (see [`Spread`]).
     spread_posts: u64,
+    /// The device whose memory is registered, if any (one per transport, as one rank's KV
+    /// lives on one device): its context is made current on every thread that calls NIXL.
+    device: Option<Arc<dyn Device>>,
     /// Last field: dropped after everything that refers to it.
     agent: Agent,
 }
@@ -319,6 +334,7 @@ impl Inner {
             dead_pending: Vec::new(),
             made_from_prepped: 0,
             spread_posts: 0,
+            device: None,
             agent,
         }
     }
@@ -428,6 +444,7 @@ impl Inner {
         op: XferOp,
         peer: &str,
         ci: &ChunkIndices,
+        (local_mem, remote_mem): (MemoryKind, MemoryKind),
         notification: Option<&[u8]>,
     ) -> Option<Result<XferReq, CallError>> {
         let (uid, remote_region) = ci.regions?;
@@ -436,7 +453,7 @@ impl Inner {
         if matches!(reg.prepped, Prep::Untried) {
             let r = &reg.region;
             reg.prepped = chunk_grid(r.base_addr(), r.len(), r.chunk_size())
-                .and_then(|grid| agent.prep_list(None, &grid).ok())
+                .and_then(|grid| agent.prep_list(None, local_mem, &grid).ok())
                 .map_or(Prep::Unusable, Prep::Ready);
         }
         let Prep::Ready(local) = &reg.prepped else {
@@ -448,7 +465,7 @@ impl Inner {
             let grid = usize::try_from(addr).ok().and_then(|a| {
                 chunk_grid(a, usize::try_from(len).ok()?, usize::try_from(chunk).ok()?)
             });
-            grid.and_then(|g| agent.prep_list(Some(peer), &g).ok())
+            grid.and_then(|g| agent.prep_list(Some(peer), remote_mem, &g).ok())
                 .map_or(Prep::Unusable, Prep::Ready)
         });
         let Prep::Ready(remote) = remote else {
@@ -596,21 +613,36 @@ impl Transport for NixlTransport {
         if g.by_id.contains_key(&id) {
             return Err(TransportError::AlreadyRegistered(id));
         }
-        if region.device().is_some() {
-            return Err(TransportError::Unavailable {
-                backend: BACKEND,
-                reason: format!(
-                    "this build registers host memory only with NIXL, and region {id} is {}: \
-                     use the tcp backend for device memory",
-                    region.memory()
-                ),
-            });
+        if let Some(device) = region.device() {
+            if let Some(d) = g.device.as_ref().filter(|d| d.memory() != device.memory()) {
+                return Err(TransportError::Io(format!(
+                    "region {id} is {}, and this NIXL agent registered {} already: one agent \
+                     moves one device's memory (one rank's KV lives on one device)",
+                    region.memory(),
+                    d.memory()
+                )));
+            }
+            // Before NIXL sees the region: UCX looks the range up in the current context.
+            device.make_current()?;
         }
         let nixl = if region.is_empty() {
             None
         } else {
-            Some(g.agent.register(region.clone()).map_err(nixl_err)?)
+            Some(g.agent.register(region.clone()).map_err(|e| {
+                if region.device().is_some() {
+                    TransportError::Io(format!(
+                        "NIXL did not register {} as VRAM ({e}): its backend needs CUDA \
+                         support (UCX built with CUDA, a driver, the device visible)",
+                        region.memory()
+                    ))
+                } else {
+                    nixl_err(e)
+                }
+            })?)
         };
+        if let Some(device) = region.device() {
+            g.device.get_or_insert_with(|| device.clone());
+        }
         let uid = g.next_reg;
         g.next_reg += 1;
         g.regs.insert(
@@ -663,10 +695,18 @@ impl Transport for NixlTransport {
             })
             .collect();
         regions.sort_unstable();
+        let mut devices: Vec<(RegionId, MemoryKind)> = g
+            .by_id
+            .iter()
+            .map(|(&id, uid)| (id, g.regs[uid].region.memory()))
+            .filter(|(_, m)| *m != MemoryKind::Host)
+            .collect();
+        devices.sort_unstable_by_key(|(id, _)| *id);
         encode_md(&MdBody {
             name: self.name.clone(),
             regions,
             nixl,
+            devices,
         })
     }
 
@@ -725,6 +765,7 @@ impl Transport for NixlTransport {
                     .iter()
                     .map(|&(id, addr, len, chunk)| (id, (addr, len, chunk)))
                     .collect(),
+                memory: body.devices.iter().copied().collect(),
                 prepped: HashMap::new(),
                 dead: false,
             },
@@ -760,7 +801,7 @@ impl Transport for NixlTransport {
         let mut remote = Vec::with_capacity(descs.len());
 
         // Phase 1, under the lock: check every descriptor, translate it, claim the chunks.
-        let (claim, spans, mut by_chunk) = {
+        let (claim, spans, mut by_chunk, memory) = {
             let mut g = self.lock();
             g.reap_zombies();
             let p = g
@@ -780,6 +821,19 @@ impl Transport for NixlTransport {
             // While every descriptor is one whole chunk on both sides, of one local and one
             // remote region: the chunk indices, for the prepped lists (see `Prep`).
             let mut by_chunk: Option<ChunkIndices> = Some(ChunkIndices::default());
+            // NIXL types a whole descriptor list: each side of a post is in one kind of memory.
+            let mut local_mem: Option<MemoryKind> = None;
+            let mut remote_mem: Option<MemoryKind> = None;
+            let one_kind = |seen: &mut Option<MemoryKind>, m: MemoryKind, side: &str| match *seen {
+                Some(s) if s != m => Err(TransportError::Io(format!(
+                    "a post's {side} descriptors are in {s} and in {m}: post each kind of \
+                         memory on its own"
+                ))),
+                _ => {
+                    *seen = Some(m);
+                    Ok(())
+                }
+            };
             for d in descs {
                 let (idx, uid) = match last_local {
                     Some((id, idx, uid)) if id == d.local_region => (idx, uid),
@@ -791,6 +845,7 @@ impl Transport for NixlTransport {
                                     region: d.local_region,
                                 })?;
                         let region = &g.regs[&uid].region;
+                        one_kind(&mut local_mem, region.memory(), "local")?;
                         let idx = match regions.iter().position(|r| Arc::ptr_eq(r, region)) {
                             Some(i) => i,
                             None => {
@@ -815,6 +870,8 @@ impl Transport for NixlTransport {
                                 region: d.remote_region,
                             },
                         )?;
+                        let m = p.memory.get(&d.remote_region).copied().unwrap_or_default();
+                        one_kind(&mut remote_mem, m, "remote")?;
                         last_remote = Some((d.remote_region, a, l, c));
                         (a, l, c)
                     }
@@ -897,6 +954,10 @@ impl Transport for NixlTransport {
                 },
                 spans,
                 by_chunk.filter(|ci| ci.regions.is_some()),
+                (
+                    local_mem.unwrap_or_default(),
+                    remote_mem.unwrap_or_default(),
+                ),
             )
         };
 
@@ -913,6 +974,12 @@ impl Transport for NixlTransport {
         // engine's own short accesses can make this wait (our transfers were excluded above).
         let mut guards = Vec::with_capacity(spans.len());
         for (r, first, last) in &spans {
+            if r.device().is_some() {
+                // Device memory has no host chunks to lock: the host never touches it through
+                // Rust, and the kernels that do are ordered by the connector (CUDA events). The
+                // claim above still keeps this agent's own transfers apart.
+                continue;
+            }
             let cs = r.chunk_size();
             let start = first * cs;
             let end = ((last + 1) * cs).min(r.len());
@@ -962,10 +1029,16 @@ impl Transport for NixlTransport {
         if spread {
             g.spread_posts += 1;
         }
-        let prepped = by_chunk.and_then(|ci| g.prepped_xfer(op, peer, &ci, notification));
+        let prepped = by_chunk.and_then(|ci| g.prepped_xfer(op, peer, &ci, memory, notification));
         let made = match prepped {
             Some(made) => made,
-            None => g.agent.create_xfer(op, &local, &remote, peer, notification),
+            None => g.agent.create_xfer(
+                op,
+                (&local, memory.0),
+                (&remote, memory.1),
+                peer,
+                notification,
+            ),
         };
         let req = match made {
             Ok(req) => req,

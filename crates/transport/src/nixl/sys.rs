@@ -31,8 +31,7 @@ pub const ERROR_NOT_FOUND: Status = -6;
 /// `nixl_capi_mem_type_t`.
 pub type MemType = c_int;
 pub const MEM_DRAM: MemType = 0;
-/// GPU memory (the raw baseline's `RawMemory::Vram`).
-#[cfg(any(test, feature = "testing"))]
+/// GPU memory: device regions, and the raw baseline's `RawMemory::Vram`.
 pub const MEM_VRAM: MemType = 1;
 
 /// `nixl_capi_xfer_op_t`.

@@ -199,6 +199,7 @@ fn nixl_metadata_header_round_trips_and_rejects_garbage() {
         name: "p0".into(),
         regions: vec![(0, 0x1000, 4096, 4096), (7, 0x9000, 64, 16)],
         nixl: vec![1, 2, 3],
+        devices: Vec::new(),
     };
     let bytes = encode_md(&body).unwrap();
     assert_eq!(decode_md(&bytes).unwrap(), body);
@@ -244,7 +245,128 @@ fn nixl_metadata_header_round_trips_and_rejects_garbage() {
     assert!(decode_md(&encode_md(&no_chunk).unwrap()).is_err());
 }
 
+/// Host memory only is written as version 2, byte for byte what the previous release wrote
+/// (and reads): the bytes below are its encoding of this body. Device regions need version 3,
+/// which names each one's device; a peer's list of them is checked like the rest.
+#[test]
+fn nixl_metadata_names_device_regions_and_stays_version_2_without_them() {
+    let host = MdBody {
+        name: "p0".into(),
+        regions: vec![(0, 0x1000, 4096, 4096), (7, 0x9000, 64, 16)],
+        nixl: vec![1, 2, 3],
+        devices: Vec::new(),
+    };
+    let previous_release =
+        "484e44464e49584c0259ce32cfb690b06202703002008020802080200780a002401003010203";
+    let bytes = encode_md(&host).unwrap();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(hex, previous_release);
+    assert_eq!(decode_md(&bytes).unwrap(), host);
+    assert_eq!(host.memory_of(7), MemoryKind::Host);
+
+    let gpu = MemoryKind::Cuda { device: 3 };
+    let device = MdBody {
+        devices: vec![(7, gpu)],
+        ..host.clone()
+    };
+    let bytes = encode_md(&device).unwrap();
+    assert_eq!(bytes[8], 3, "version 3");
+    let back = decode_md(&bytes).unwrap();
+    assert_eq!(back, device);
+    assert_eq!(
+        (back.memory_of(0), back.memory_of(7)),
+        (MemoryKind::Host, gpu)
+    );
+    for (devices, why) in [
+        (vec![(9, gpu)], "not listed"),
+        (vec![(7, gpu), (7, gpu)], "twice"),
+        (vec![(0, MemoryKind::Host)], "as host memory"),
+    ] {
+        let m = encode_md(&MdBody {
+            devices,
+            ..host.clone()
+        })
+        .unwrap();
+        match decode_md(&m) {
+            Err(TransportError::BadMetadata(e)) => assert!(e.contains(why), "{e}"),
+            other => panic!("{why}: {other:?}"),
+        }
+    }
+}
+
 // --- With NIXL ----------------------------------------------------------------------------
+
+/// A device region: its device's context is made current on the registering thread before
+/// NIXL sees it, and NIXL registers it as VRAM, or (as here, where NIXL's UCX has no CUDA
+/// device) refuses it with a message saying so, leaving nothing registered: the id takes a
+/// host region afterwards. Registered, the agent's metadata names it as device memory.
+#[test]
+fn a_device_region_is_registered_as_vram_with_its_context_current_or_refused_clearly() {
+    let Some(cfg) = nixl() else { return };
+    let t = NixlTransport::open(&unique("gpu"), cfg).unwrap();
+    let fake = crate::device::fake::FakeDevice::new(0);
+    let region = Arc::new(fake.region(1 << 16, 4096));
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            let r = t.register(0, region.clone());
+            (r, fake.is_current_here())
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(
+        got.1,
+        "the registering thread made the device's context current first"
+    );
+    assert!(!fake.is_current_here(), "and only that thread");
+    match got.0 {
+        Ok(()) => {
+            let md = decode_md(&t.local_metadata().unwrap()).unwrap();
+            assert_eq!(md.memory_of(0), MemoryKind::Cuda { device: 0 });
+        }
+        Err(TransportError::Io(e)) => {
+            assert!(e.contains("as VRAM") && e.contains("CUDA device 0"), "{e}");
+            t.register(0, Arc::new(KvRegion::new(4096, 4096))).unwrap();
+            let md = decode_md(&t.local_metadata().unwrap()).unwrap();
+            assert_eq!(md.devices, Vec::new());
+        }
+        Err(other) => panic!("unexpected refusal: {other:?}"),
+    }
+}
+
+/// NIXL types a descriptor list as a whole: a post whose remote side spans host memory and a
+/// peer's device memory is refused before NIXL sees it, and the agent posts on.
+#[test]
+fn a_post_across_two_kinds_of_memory_is_refused() {
+    let Some(cfg) = nixl() else { return };
+    let p = pair(&cfg, 8192, 4096);
+    let mut body = decode_md(&p.b.local_metadata().unwrap()).unwrap();
+    let &(_, addr, len, chunk) = &body.regions[0];
+    body.regions.push((1, addr + len, len, chunk));
+    body.devices = vec![(1, MemoryKind::Cuda { device: 0 })];
+    p.a.load_remote(&encode_md(&body).unwrap()).unwrap();
+    let mixed = [
+        desc(0, 0, 4096),
+        XferDesc {
+            remote_region: 1,
+            ..desc(4096, 0, 4096)
+        },
+    ];
+    match p.a.post(XferOp::Read, p.b.name(), &mixed, None) {
+        Err(TransportError::Io(e)) => {
+            assert!(
+                e.contains("host memory") && e.contains("CUDA device 0"),
+                "{e}"
+            )
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let id =
+        p.a.post(XferOp::Read, p.b.name(), &[desc(0, 0, 4096)], None)
+            .unwrap();
+    assert_eq!(wait(&*p.a, id), XferStatus::Done);
+    p.a.release(id).unwrap();
+}
 
 #[test]
 fn nixl_read_and_write_are_byte_exact() {
