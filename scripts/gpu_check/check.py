@@ -121,7 +121,7 @@ class Request:
 
 class Engine:
     def __init__(self, name: str, role: str, mode: str, tp: int, layout: str, device: str,
-                 num_blocks: int = NUM_BLOCKS, kv_digest: bool = True):
+                 num_blocks: int = NUM_BLOCKS, kv_digest: bool = True, transport: str = "tcp"):
         from handoff_vllm.connector import HandoffConnector
         from vllm.distributed import parallel_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -130,7 +130,7 @@ class Engine:
         self.device = torch.device(device)
         self.hpr = HEADS // tp
         self.num_blocks = num_blocks
-        extra = {"engine_id": name, "mode": mode, "kv_digest": kv_digest, "transport": "tcp"}
+        extra = {"engine_id": name, "mode": mode, "kv_digest": kv_digest, "transport": transport}
         cfg = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(
                 kv_connector_extra_config=extra, engine_id=name, kv_load_failure_policy=None
@@ -460,15 +460,40 @@ class Pair:
         self.d.stop()
 
 
-def correctness(device, results):
-    cases = [(layout, mode, 1, 1) for layout in LAYOUTS for mode in ("pull", "push")]
-    cases += [("flash_hnd", mode, tp_p, tp_d) for mode in ("pull", "push")
+def nixl_carried():
+    """Whether NIXL is here for the connector: HANDOFF_NIXL_LIB (scripts/gpu-check sets it to
+    the carried library) or the project's .venv-nixl/."""
+    lib = os.environ.get("HANDOFF_NIXL_LIB")
+    if lib:
+        return os.path.isfile(lib)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import glob
+
+    return bool(glob.glob(f"{root}/.venv-nixl/lib/python3*/site-packages/*/libnixl_capi.so"))
+
+
+def correctness(device, results, only=None):
+    cases = [(layout, mode, 1, 1, "tcp") for layout in LAYOUTS for mode in ("pull", "push")]
+    cases += [("flash_hnd", mode, tp_p, tp_d, "tcp") for mode in ("pull", "push")
               for tp_p, tp_d in ((2, 1), (1, 2))]
-    cases += [("flashinfer_nhd", "pull", 2, 1)]
+    cases += [("flashinfer_nhd", "pull", 2, 1, "tcp")]
+    # Over NIXL (VRAM registered as such on a GPU, DRAM on host memory): pull, streamed push,
+    # and a TP mismatch.
+    nixl = [("flash_hnd", "pull", 1, 1, "nixl"), ("flash_hnd", "push", 1, 1, "nixl"),
+            ("flash_hnd", "pull", 2, 1, "nixl")]
+    if only == "nixl":
+        cases = nixl
+    elif os.environ.get("HANDOFF_VLLM_TEST_FAKE_DEVICE"):
+        # NIXL registers real memory: a fake device's addresses are for handoff's own paths.
+        results["nixl"] = "not run over the fake device (NIXL refuses its memory as VRAM)"
+    elif nixl_carried():
+        cases += nixl
+    else:
+        results["nixl"] = "not run: no NIXL here (scripts/gpu-check --prepare packs it)"
     ok = True
-    for layout, mode, tp_p, tp_d in cases:
-        name = f"{layout} {mode} tp {tp_p}->{tp_d}"
-        pair = Pair(layout, mode, tp_p, tp_d, device)
+    for layout, mode, tp_p, tp_d, transport in cases:
+        name = f"{layout} {mode} tp {tp_p}->{tp_d}" + (" nixl" if transport == "nixl" else "")
+        pair = Pair(layout, mode, tp_p, tp_d, device, transport=transport)
         try:
             got = []
             for i, prompt_len in enumerate((BLOCK * 3, BLOCK * 2 + 5, 1)):
@@ -605,24 +630,34 @@ def device_copy_gbps(nbytes):
     return 5 * nbytes / (time.monotonic() - t0) / 1e9
 
 
-def throughput(device, results):
-    """handoff tcp (a pull of one long prompt) against the raw staged pipeline, same run."""
-    num_blocks = 16384
-    prompt = num_blocks * BLOCK - 7  # 262,137 tokens, 1 GiB of KV
-    nbytes = prompt * LAYERS * 2 * HEADS * HEAD_DIM * 2
-    pair = Pair("flash_hnd", "pull", 1, 1, device, num_blocks=num_blocks + 8, kv_digest=False)
+def pull_gbps(device, transport, num_blocks, prompt, nbytes):
+    """GB/s of the best of three pulls of one long prompt over `transport`, or None."""
+    pair = Pair("flash_hnd", "pull", 1, 1, device, num_blocks=num_blocks + 8, kv_digest=False,
+                transport=transport)
     try:
         times = []
         for i in range(3):
             pair.next_block = {"p": 0, "d": 0}
             outcome, rows, _, seconds = pair.run(f"big{i}", prompt, salt=20 + i)
             if outcome != "landed" or rows:
-                log(f"FAIL throughput pull {i}: {outcome}, {rows} rows differ")
-                return False
+                log(f"FAIL throughput pull {i} over {transport}: {outcome}, {rows} rows differ")
+                return None
             times.append(seconds)
-        handoff = nbytes / min(times) / 1e9
+        return nbytes / min(times) / 1e9
     finally:
         pair.stop()
+
+
+def throughput(device, results):
+    """handoff tcp (a pull of one long prompt) against the raw staged pipeline, same run; and
+    handoff NIXL on VRAM when NIXL was carried."""
+    num_blocks = 16384
+    prompt = num_blocks * BLOCK - 7  # 262,137 tokens, 1 GiB of KV
+    nbytes = prompt * LAYERS * 2 * HEADS * HEAD_DIM * 2
+    handoff = pull_gbps(device, "tcp", num_blocks, prompt, nbytes)
+    if handoff is None:
+        return False
+    nixl = pull_gbps(device, "nixl", num_blocks, prompt, nbytes) if nixl_carried() else None
     raw = max(raw_pipeline_gbps(nbytes) for _ in range(2))
     roof = device_copy_gbps(nbytes)
     results["throughput"] = {
@@ -631,7 +666,8 @@ def throughput(device, results):
         "raw_staged_tcp_gbps": round(raw, 3),
         "handoff_tcp_vs_raw": round(handoff / raw, 3),
         "device_copy_gbps": round(roof, 1),
-        "nixl": "not measured: handoff does not register device memory with NIXL yet",
+        "handoff_nixl_gbps": round(nixl, 3) if nixl else "not measured (no NIXL carried)",
+        "raw_nixl_gbps": "not measured: no raw NIXL baseline in this check yet",
     }
     log(f"throughput: handoff tcp {handoff:.2f} GB/s, raw staged tcp {raw:.2f} GB/s "
         f"({handoff / raw:.3f}x), device copy {roof:.0f} GB/s")
@@ -647,9 +683,11 @@ def main():
         results["pinned_alloc"] = bool(pinned.is_pinned())
         log(f"device: {results['gpu']}, torch {torch.__version__}, pinned host memory: "
             f"{results['pinned_alloc']}")
-    only = sys.argv[2] if len(sys.argv) > 2 else None  # "controls": those alone (debugging)
-    ok = correctness(device, results) if only != "controls" else True
-    ok &= negative_controls(device, results)
+    # "controls": those alone (debugging); "nixl": the NIXL cases alone.
+    only = sys.argv[2] if len(sys.argv) > 2 else None
+    ok = correctness(device, results, only) if only != "controls" else True
+    if only != "nixl":
+        ok &= negative_controls(device, results)
     if device == "cuda":
         try:
             throughput(device, results)

@@ -497,6 +497,61 @@ pub fn check_read_write(
     Ok(())
 }
 
+/// Two READs in flight at once into disjoint bytes of one local chunk (a D rank reading the
+/// heads of one block from two P ranks, as TP 2 → 1 does): both are accepted and both land
+/// byte-exact, whichever order the backend serves them in. Needs the peer's region 0 filled
+/// with `remote_seed` and at least 12 KiB; `region`'s first 8 KiB are one chunk.
+pub fn check_reads_into_one_chunk(
+    local: &dyn Transport,
+    remote: &mut dyn Remote,
+    region: &KvRegion,
+    peer: &str,
+    remote_seed: u64,
+) -> Result<(), String> {
+    if region.chunk_size() < 8192 || remote.region_len(0) < 12288 {
+        return Err("the check needs a local chunk of 8 KiB and a peer region of 12 KiB".into());
+    }
+    let halves = [
+        XferDesc {
+            local_region: 0,
+            local_offset: 0,
+            remote_region: 0,
+            remote_offset: 0,
+            len: 4096,
+        },
+        XferDesc {
+            local_region: 0,
+            local_offset: 4096,
+            remote_region: 0,
+            remote_offset: 8192,
+            len: 4096,
+        },
+    ];
+    let mut ids = Vec::new();
+    for d in &halves {
+        let id = local
+            .post(XferOp::Read, peer, std::slice::from_ref(d), None)
+            .map_err(|e| format!("a READ into one chunk beside another in flight: {e}"))?;
+        ids.push(id);
+    }
+    for id in ids {
+        wait_done(local, id, Duration::from_secs(20))?;
+        local.release(id).map_err(|e| e.to_string())?;
+    }
+    for d in &halves {
+        let mut got = vec![0; d.len as usize];
+        region
+            .read(d.local_offset as usize, &mut got)
+            .map_err(|e| e.to_string())?;
+        if got != expected(remote_seed, d.remote_region, d.remote_offset, d.len) {
+            return Err(format!(
+                "READ {d:?} beside another into its chunk not byte-exact"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Descriptors outside what the peer registered are refused and change nothing.
 pub fn check_refusals(
     local: &dyn Transport,

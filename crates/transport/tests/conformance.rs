@@ -139,6 +139,7 @@ impl Drop for ChildRemote {
 fn suite(local: &dyn Transport, remote: &mut dyn Remote, seeds: std::ops::Range<u64>) {
     let (region, peer) = connect(local, remote, LOCAL_LEN, 0x1234).expect("connect");
     check_read_write(local, remote, &region, &peer, seeds, REMOTE_SEED).expect("read/write");
+    check_reads_into_one_chunk(local, remote, &region, &peer, REMOTE_SEED).expect("one chunk");
     check_refusals(local, remote, &peer).expect("refusals");
     // A notification with no transfer, the other way.
     remote
@@ -200,6 +201,7 @@ fn tcp_in_one_process() {
     // In one process a "kill" can only cut the connection from the remote's side.
     let (region, peer) = connect(&*local, &mut remote, LOCAL_LEN, 0x1234).expect("connect");
     check_read_write(&*local, &mut remote, &region, &peer, 0..8, REMOTE_SEED).expect("rw");
+    check_reads_into_one_chunk(&*local, &mut remote, &region, &peer, REMOTE_SEED).expect("chunk");
     check_refusals(&*local, &mut remote, &peer).expect("refusals");
     check_bad_metadata(&*local, &remote.metadata()).expect("bad metadata");
 }
@@ -220,6 +222,7 @@ fn nixl_in_one_process() {
     let mut remote = InProcessRemote::new(remote_t, &[REMOTE_LEN], REMOTE_SEED);
     let (region, peer) = connect(&*local, &mut remote, LOCAL_LEN, 0x1234).expect("connect");
     check_read_write(&*local, &mut remote, &region, &peer, 0..6, REMOTE_SEED).expect("rw");
+    check_reads_into_one_chunk(&*local, &mut remote, &region, &peer, REMOTE_SEED).expect("chunk");
     check_refusals(&*local, &mut remote, &peer).expect("refusals");
     check_bad_metadata(&*local, &remote.metadata()).expect("bad metadata");
 }
@@ -256,6 +259,7 @@ fn on_device_memory(local: Arc<dyn Transport>, remote_t: Arc<dyn Transport>) {
         connect_in(&*local, &mut remote, LOCAL_LEN, 0x1234, &on(dev_p)).expect("connect");
     assert_eq!(region.memory(), MemoryKind::Cuda { device: 0 });
     check_read_write(&*local, &mut remote, &region, &peer, 0..6, REMOTE_SEED).expect("rw");
+    check_reads_into_one_chunk(&*local, &mut remote, &region, &peer, REMOTE_SEED).expect("chunk");
     check_refusals(&*local, &mut remote, &peer).expect("refusals");
 }
 

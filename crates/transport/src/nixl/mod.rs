@@ -30,10 +30,12 @@
 //! - **Local memory is locked while NIXL may touch it.** A posted transfer holds the owned chunk
 //!   locks of its local span — write locks on the destination of a READ, read locks on the
 //!   source of a WRITE — until [`Transport::release`]. A post whose local span overlaps a chunk
-//!   that an unreleased transfer of this transport holds incompatibly is refused at once
-//!   ([`TransportError::Io`]) instead of waiting (the same thread may be the one that would
-//!   release it): give each KV block its own chunk. Remote memory is not locked: the peer's
-//!   ledger fences cover it.
+//!   that an unreleased transfer of this transport holds incompatibly (a D rank's READs of one
+//!   block's heads from two P ranks) is accepted and deferred instead of waiting (the same
+//!   thread may be the one that would release the other): it reports `InProgress` and is posted
+//!   by its first status check after the chunk is free. Remote memory is not locked: the
+//!   peer's ledger fences cover it. Device memory has no host chunk locks; the claims still
+//!   order this transport's own transfers.
 //! - **Notifications of transfers leave from status checks.** NIXL's UCX backend sends the
 //!   notification of a transfer that was not complete at post time from the initiator's next
 //!   status check of it, so the initiator must keep calling [`Transport::status`] (or
@@ -180,6 +182,368 @@ impl NixlTransport {
         &self.config
     }
 
+    /// Posts as transfer `id` (the transport's [`Transport::post`], with its id chosen), or
+    /// answers [`Posted::Busy`] having claimed nothing when a local chunk it writes (or reads)
+    /// is held by another unreleased transfer of this agent: the post is then deferred.
+    fn post_as(
+        &self,
+        id: XferId,
+        op: XferOp,
+        peer: &str,
+        descs: &[XferDesc],
+        notification: Option<&[u8]>,
+    ) -> Result<Posted, TransportError> {
+        if let Some(msg) = notification {
+            if msg.len() > MAX_NOTIFICATION_BYTES {
+                return Err(TransportError::NotificationTooLarge {
+                    len: msg.len(),
+                    max: MAX_NOTIFICATION_BYTES,
+                });
+            }
+        }
+        let write = op == XferOp::Read; // a READ writes into local memory
+        let mut local = Vec::with_capacity(descs.len());
+        let mut remote = Vec::with_capacity(descs.len());
+
+        // Phase 1, under the lock: check every descriptor, translate it, claim the chunks.
+        let (claim, spans, mut by_chunk, memory) = {
+            let mut g = self.lock();
+            g.reap_zombies();
+            let p = g
+                .peers
+                .get(peer)
+                .ok_or_else(|| TransportError::UnknownPeer(peer.to_string()))?;
+            if p.dead {
+                return Err(TransportError::PeerDead(peer.to_string()));
+            }
+            // Descriptors nearly always name one or two regions: remember the last lookups
+            // instead of hashing per descriptor (a post may carry tens of thousands).
+            let mut regions: Vec<Arc<KvRegion>> = Vec::new();
+            let mut regs: Vec<u64> = Vec::new();
+            let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(descs.len());
+            let mut last_local: Option<(RegionId, usize, u64)> = None;
+            let mut last_remote: Option<(RegionId, u64, u64, u64)> = None;
+            // While every descriptor is one whole chunk on both sides, of one local and one
+            // remote region: the chunk indices, for the prepped lists (see `Prep`).
+            let mut by_chunk: Option<ChunkIndices> = Some(ChunkIndices::default());
+            // NIXL types a whole descriptor list: each side of a post is in one kind of memory.
+            let mut local_mem: Option<MemoryKind> = None;
+            let mut remote_mem: Option<MemoryKind> = None;
+            let one_kind = |seen: &mut Option<MemoryKind>, m: MemoryKind, side: &str| match *seen {
+                Some(s) if s != m => Err(TransportError::Io(format!(
+                    "a post's {side} descriptors are in {s} and in {m}: post each kind of \
+                         memory on its own"
+                ))),
+                _ => {
+                    *seen = Some(m);
+                    Ok(())
+                }
+            };
+            for d in descs {
+                let (idx, uid) = match last_local {
+                    Some((id, idx, uid)) if id == d.local_region => (idx, uid),
+                    _ => {
+                        let uid =
+                            *g.by_id
+                                .get(&d.local_region)
+                                .ok_or(TransportError::UnknownRegion {
+                                    region: d.local_region,
+                                })?;
+                        let region = &g.regs[&uid].region;
+                        one_kind(&mut local_mem, region.memory(), "local")?;
+                        let idx = match regions.iter().position(|r| Arc::ptr_eq(r, region)) {
+                            Some(i) => i,
+                            None => {
+                                regions.push(region.clone());
+                                regions.len() - 1
+                            }
+                        };
+                        if !regs.contains(&uid) {
+                            regs.push(uid);
+                        }
+                        last_local = Some((d.local_region, idx, uid));
+                        (idx, uid)
+                    }
+                };
+                let region = &regions[idx];
+                check_bounds(d.local_region, d.local_offset, d.len, region.len() as u64)?;
+                let (raddr, rlen, rchunk) = match last_remote {
+                    Some((id, a, l, c)) if id == d.remote_region => (a, l, c),
+                    _ => {
+                        let &(a, l, c) = p.regions.get(&d.remote_region).ok_or(
+                            TransportError::UnknownRegion {
+                                region: d.remote_region,
+                            },
+                        )?;
+                        let m = p.memory.get(&d.remote_region).copied().unwrap_or_default();
+                        one_kind(&mut remote_mem, m, "remote")?;
+                        last_remote = Some((d.remote_region, a, l, c));
+                        (a, l, c)
+                    }
+                };
+                check_bounds(d.remote_region, d.remote_offset, d.len, rlen)?;
+                if d.len == 0 {
+                    continue;
+                }
+                let off = to_usize(d.local_offset)?;
+                let len = to_usize(d.len)?;
+                local.push((region.base_addr() + off, len));
+                remote.push((to_usize(raddr + d.remote_offset)?, len));
+                let cs = region.chunk_size();
+                spans.push((idx, off / cs, (off + len - 1) / cs));
+                if let Some(ci) = by_chunk.as_mut() {
+                    let whole = |off: u64, len: u64, chunk: u64, total: u64| {
+                        (off % chunk == 0 && len == chunk.min(total - off)).then(|| off / chunk)
+                    };
+                    let l = whole(d.local_offset, d.len, cs as u64, region.len() as u64);
+                    let r = whole(d.remote_offset, d.len, rchunk, rlen);
+                    let same = ci.regions.map_or(true, |x| x == (uid, d.remote_region));
+                    match (l, r) {
+                        (Some(l), Some(r))
+                            if same && l <= c_int::MAX as u64 && r <= c_int::MAX as u64 =>
+                        {
+                            ci.regions = Some((uid, d.remote_region));
+                            ci.local.push(l as c_int);
+                            ci.remote.push(r as c_int);
+                        }
+                        _ => by_chunk = None,
+                    }
+                }
+            }
+            let spans: Vec<(Arc<KvRegion>, usize, usize)> = chunk_spans(&mut spans)
+                .into_iter()
+                .map(|(idx, first, last)| (regions[idx].clone(), first, last))
+                .collect();
+            let claimed: Vec<ChunkSpan> = spans
+                .iter()
+                .map(|(r, first, last)| (Arc::as_ptr(r) as usize, *first, *last))
+                .collect();
+            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
+                let Some(ch) = g.held.get(&rp) else { continue };
+                for c in first..=last {
+                    let h = ch.holds.get(c).copied().unwrap_or_default();
+                    if h.writer || (write && h.readers > 0) {
+                        // Another transfer of this agent holds the chunk (the READs of two
+                        // sources into the heads of one block): post this one once it is
+                        // released. Nothing is claimed yet.
+                        tracing::debug!(
+                            agent = %self.name,
+                            "nixl: local chunk {c} (bytes {}..) is held by an unreleased transfer; deferring the post",
+                            c * r.chunk_size()
+                        );
+                        return Ok(Posted::Busy);
+                    }
+                }
+            }
+            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
+                let ch = g.held.entry(rp).or_insert_with(|| ChunkHolds {
+                    holds: vec![Hold::default(); r.len().div_ceil(r.chunk_size())],
+                    active: 0,
+                });
+                for h in ch.holds.get_mut(first..=last).into_iter().flatten() {
+                    if !h.writer && h.readers == 0 {
+                        ch.active += 1;
+                    }
+                    if write {
+                        h.writer = true;
+                    } else {
+                        h.readers += 1;
+                    }
+                }
+            }
+            for uid in &regs {
+                if let Some(r) = g.regs.get_mut(uid) {
+                    r.users += 1;
+                }
+            }
+            (
+                Claim {
+                    write,
+                    spans: claimed,
+                    regs,
+                },
+                spans,
+                by_chunk.filter(|ci| ci.regions.is_some()),
+                (
+                    local_mem.unwrap_or_default(),
+                    remote_mem.unwrap_or_default(),
+                ),
+            )
+        };
+
+        // Few large descriptors: cut them so the copy runs on every pool thread (this takes
+        // precedence over the prepped lists, which hold one entry per chunk).
+        let cut = self.spread.and_then(|s| s.cut(&local, &remote));
+        let spread = cut.is_some();
+        if let Some((l, r)) = cut {
+            (local, remote) = (l, r);
+            by_chunk = None;
+        }
+
+        // Phase 2, without the transport lock: take the chunk locks, in address order. Only the
+        // engine's own short accesses can make this wait (our transfers were excluded above).
+        let mut guards = Vec::with_capacity(spans.len());
+        for (r, first, last) in &spans {
+            if r.device().is_some() {
+                // Device memory has no host chunks to lock: the host never touches it through
+                // Rust, and the kernels that do are ordered by the connector (CUDA events). The
+                // claim above still keeps this agent's own transfers apart.
+                continue;
+            }
+            let cs = r.chunk_size();
+            let start = first * cs;
+            let end = ((last + 1) * cs).min(r.len());
+            let got = if write {
+                r.lock_span_mut_owned(start, end - start).map(Guards::Write)
+            } else {
+                r.lock_span_owned(start, end - start).map(Guards::Read)
+            };
+            match got {
+                Ok(gd) => guards.push(gd),
+                Err(e) => {
+                    drop(guards);
+                    self.lock().unclaim(&claim);
+                    return Err(e);
+                }
+            }
+        }
+
+        // Phase 3, under the lock: create and post (the copy may run here, see module docs).
+        let mut g = self.lock();
+        let mut x = Xfer {
+            id,
+            req: None,
+            peer: peer.to_string(),
+            state: XferStatus::InProgress,
+            claim,
+            guards,
+        };
+        if local.is_empty() {
+            if let Some(msg) = notification {
+                if let Err(e) = g.agent.gen_notif(peer, msg) {
+                    let dead = g.check_peer(peer);
+                    g.finish(x);
+                    return Err(if dead {
+                        TransportError::PeerDead(peer.to_string())
+                    } else {
+                        nixl_err(e)
+                    });
+                }
+            }
+            x.state = XferStatus::Done;
+            g.xfers.insert(id, x);
+            return Ok(Posted::Yes);
+        }
+        if spread {
+            g.spread_posts += 1;
+        }
+        let prepped = by_chunk.and_then(|ci| g.prepped_xfer(op, peer, &ci, memory, notification));
+        let made = match prepped {
+            Some(made) => made,
+            None => g.agent.create_xfer(
+                op,
+                (&local, memory.0),
+                (&remote, memory.1),
+                peer,
+                notification,
+            ),
+        };
+        let req = match made {
+            Ok(req) => req,
+            Err(e) => {
+                let dead = g.check_peer(peer);
+                g.finish(x);
+                return Err(if dead {
+                    TransportError::PeerDead(peer.to_string())
+                } else if g.peers.contains_key(peer) {
+                    TransportError::Io(format!(
+                        "NIXL refused the transfer ({e}): a range the peer did not register, or stale metadata"
+                    ))
+                } else {
+                    TransportError::UnknownPeer(peer.to_string())
+                });
+            }
+        };
+        let st = g.agent.post(&req);
+        x.req = Some(req);
+        match st {
+            sys::SUCCESS => x.state = XferStatus::Done,
+            sys::IN_PROG => {}
+            _ => {
+                let dead = g.check_peer(peer);
+                g.finish(x);
+                return Err(if dead {
+                    TransportError::PeerDead(peer.to_string())
+                } else {
+                    TransportError::Io(format!("nixl_capi_post_xfer_req returned {st}"))
+                });
+            }
+        }
+        g.xfers.insert(id, x);
+        Ok(Posted::Yes)
+    }
+
+    /// A deferred post's state, posting it now if its chunks are free: `None` when `id` is not
+    /// deferred (any more), so the caller asks NIXL.
+    fn retry_deferred(&self, id: XferId) -> Option<XferStatus> {
+        let d = {
+            let mut g = self.lock();
+            let d = g.deferred.get_mut(&id)?;
+            if d.retrying {
+                return Some(XferStatus::InProgress);
+            }
+            d.retrying = true;
+            d.clone()
+        };
+        let posted = self.post_as(id, d.op, &d.peer, &d.descs, d.notification.as_deref());
+        let mut g = self.lock();
+        let released = g.deferred.remove(&id).is_none();
+        match posted {
+            Ok(Posted::Busy) => {
+                if !released {
+                    g.deferred.insert(
+                        id,
+                        Deferred {
+                            retrying: false,
+                            ..d
+                        },
+                    );
+                }
+                Some(XferStatus::InProgress)
+            }
+            Ok(Posted::Yes) if released => {
+                // Released while it was being posted: end it at once.
+                if let Some(x) = g.xfers.remove(&id) {
+                    g.finish(x);
+                }
+                Some(XferStatus::Failed("released".into()))
+            }
+            Ok(Posted::Yes) => None,
+            Err(e) => {
+                let state = XferStatus::Failed(e.to_string());
+                if !released {
+                    // Kept as a failed transfer until released, as any other.
+                    g.xfers.insert(
+                        id,
+                        Xfer {
+                            id,
+                            req: None,
+                            peer: d.peer,
+                            state: state.clone(),
+                            claim: Claim {
+                                write: d.op == XferOp::Read,
+                                spans: Vec::new(),
+                                regs: Vec::new(),
+                            },
+                            guards: Vec::new(),
+                        },
+                    );
+                }
+                Some(state)
+            }
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while the lock was held cannot leave NIXL half-called (no NIXL call panics),
         // so the state is still consistent.
@@ -272,6 +636,25 @@ enum Prep {
     Unusable,
 }
 
+/// Whether [`NixlTransport::post_as`] posted.
+enum Posted {
+    Yes,
+    /// A local chunk is held by another unreleased transfer of this agent; nothing claimed.
+    Busy,
+}
+
+/// A post waiting for local chunks another transfer of this agent holds (see
+/// [`NixlTransport::post_as`]); posted by the first status check after they are free.
+#[derive(Clone)]
+struct Deferred {
+    op: XferOp,
+    peer: String,
+    descs: Vec<XferDesc>,
+    notification: Option<Vec<u8>>,
+    /// A status check is posting it right now (without the lock).
+    retrying: bool,
+}
+
 /// A post's descriptors as chunk indices into one local and one remote region's prepped lists.
 #[derive(Default)]
 struct ChunkIndices {
@@ -307,6 +690,8 @@ struct Inner {
     xfers: HashMap<XferId, Xfer>,
     /// Released by the user while NIXL could not abort them yet: retried on every call.
     zombies: Vec<Xfer>,
+    /// Posts waiting for chunks held by this agent's other transfers.
+    deferred: HashMap<XferId, Deferred>,
     held: HashMap<usize, ChunkHolds>,
     dead_pending: Vec<String>,
     /// Requests made from prepped lists (the rest went through `create_xfer_req`).
@@ -330,6 +715,7 @@ impl Inner {
             next_xfer: 0,
             xfers: HashMap::new(),
             zombies: Vec::new(),
+            deferred: HashMap::new(),
             held: HashMap::new(),
             dead_pending: Vec::new(),
             made_from_prepped: 0,
@@ -788,294 +1174,31 @@ impl Transport for NixlTransport {
         descs: &[XferDesc],
         notification: Option<&[u8]>,
     ) -> Result<XferId, TransportError> {
-        if let Some(msg) = notification {
-            if msg.len() > MAX_NOTIFICATION_BYTES {
-                return Err(TransportError::NotificationTooLarge {
-                    len: msg.len(),
-                    max: MAX_NOTIFICATION_BYTES,
-                });
-            }
-        }
-        let write = op == XferOp::Read; // a READ writes into local memory
-        let mut local = Vec::with_capacity(descs.len());
-        let mut remote = Vec::with_capacity(descs.len());
-
-        // Phase 1, under the lock: check every descriptor, translate it, claim the chunks.
-        let (claim, spans, mut by_chunk, memory) = {
+        let id = {
             let mut g = self.lock();
-            g.reap_zombies();
-            let p = g
-                .peers
-                .get(peer)
-                .ok_or_else(|| TransportError::UnknownPeer(peer.to_string()))?;
-            if p.dead {
-                return Err(TransportError::PeerDead(peer.to_string()));
-            }
-            // Descriptors nearly always name one or two regions: remember the last lookups
-            // instead of hashing per descriptor (a post may carry tens of thousands).
-            let mut regions: Vec<Arc<KvRegion>> = Vec::new();
-            let mut regs: Vec<u64> = Vec::new();
-            let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(descs.len());
-            let mut last_local: Option<(RegionId, usize, u64)> = None;
-            let mut last_remote: Option<(RegionId, u64, u64, u64)> = None;
-            // While every descriptor is one whole chunk on both sides, of one local and one
-            // remote region: the chunk indices, for the prepped lists (see `Prep`).
-            let mut by_chunk: Option<ChunkIndices> = Some(ChunkIndices::default());
-            // NIXL types a whole descriptor list: each side of a post is in one kind of memory.
-            let mut local_mem: Option<MemoryKind> = None;
-            let mut remote_mem: Option<MemoryKind> = None;
-            let one_kind = |seen: &mut Option<MemoryKind>, m: MemoryKind, side: &str| match *seen {
-                Some(s) if s != m => Err(TransportError::Io(format!(
-                    "a post's {side} descriptors are in {s} and in {m}: post each kind of \
-                         memory on its own"
-                ))),
-                _ => {
-                    *seen = Some(m);
-                    Ok(())
-                }
-            };
-            for d in descs {
-                let (idx, uid) = match last_local {
-                    Some((id, idx, uid)) if id == d.local_region => (idx, uid),
-                    _ => {
-                        let uid =
-                            *g.by_id
-                                .get(&d.local_region)
-                                .ok_or(TransportError::UnknownRegion {
-                                    region: d.local_region,
-                                })?;
-                        let region = &g.regs[&uid].region;
-                        one_kind(&mut local_mem, region.memory(), "local")?;
-                        let idx = match regions.iter().position(|r| Arc::ptr_eq(r, region)) {
-                            Some(i) => i,
-                            None => {
-                                regions.push(region.clone());
-                                regions.len() - 1
-                            }
-                        };
-                        if !regs.contains(&uid) {
-                            regs.push(uid);
-                        }
-                        last_local = Some((d.local_region, idx, uid));
-                        (idx, uid)
-                    }
-                };
-                let region = &regions[idx];
-                check_bounds(d.local_region, d.local_offset, d.len, region.len() as u64)?;
-                let (raddr, rlen, rchunk) = match last_remote {
-                    Some((id, a, l, c)) if id == d.remote_region => (a, l, c),
-                    _ => {
-                        let &(a, l, c) = p.regions.get(&d.remote_region).ok_or(
-                            TransportError::UnknownRegion {
-                                region: d.remote_region,
-                            },
-                        )?;
-                        let m = p.memory.get(&d.remote_region).copied().unwrap_or_default();
-                        one_kind(&mut remote_mem, m, "remote")?;
-                        last_remote = Some((d.remote_region, a, l, c));
-                        (a, l, c)
-                    }
-                };
-                check_bounds(d.remote_region, d.remote_offset, d.len, rlen)?;
-                if d.len == 0 {
-                    continue;
-                }
-                let off = to_usize(d.local_offset)?;
-                let len = to_usize(d.len)?;
-                local.push((region.base_addr() + off, len));
-                remote.push((to_usize(raddr + d.remote_offset)?, len));
-                let cs = region.chunk_size();
-                spans.push((idx, off / cs, (off + len - 1) / cs));
-                if let Some(ci) = by_chunk.as_mut() {
-                    let whole = |off: u64, len: u64, chunk: u64, total: u64| {
-                        (off % chunk == 0 && len == chunk.min(total - off)).then(|| off / chunk)
-                    };
-                    let l = whole(d.local_offset, d.len, cs as u64, region.len() as u64);
-                    let r = whole(d.remote_offset, d.len, rchunk, rlen);
-                    let same = ci.regions.map_or(true, |x| x == (uid, d.remote_region));
-                    match (l, r) {
-                        (Some(l), Some(r))
-                            if same && l <= c_int::MAX as u64 && r <= c_int::MAX as u64 =>
-                        {
-                            ci.regions = Some((uid, d.remote_region));
-                            ci.local.push(l as c_int);
-                            ci.remote.push(r as c_int);
-                        }
-                        _ => by_chunk = None,
-                    }
-                }
-            }
-            let spans: Vec<(Arc<KvRegion>, usize, usize)> = chunk_spans(&mut spans)
-                .into_iter()
-                .map(|(idx, first, last)| (regions[idx].clone(), first, last))
-                .collect();
-            let claimed: Vec<ChunkSpan> = spans
-                .iter()
-                .map(|(r, first, last)| (Arc::as_ptr(r) as usize, *first, *last))
-                .collect();
-            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
-                let Some(ch) = g.held.get(&rp) else { continue };
-                for c in first..=last {
-                    let h = ch.holds.get(c).copied().unwrap_or_default();
-                    if h.writer || (write && h.readers > 0) {
-                        return Err(TransportError::Io(format!(
-                            "local chunk {c} (bytes {}..) is held by an unreleased transfer of this agent; release it first, or give each block its own chunk",
-                            c * r.chunk_size()
-                        )));
-                    }
-                }
-            }
-            for (r, &(rp, first, last)) in spans.iter().map(|s| &s.0).zip(&claimed) {
-                let ch = g.held.entry(rp).or_insert_with(|| ChunkHolds {
-                    holds: vec![Hold::default(); r.len().div_ceil(r.chunk_size())],
-                    active: 0,
-                });
-                for h in ch.holds.get_mut(first..=last).into_iter().flatten() {
-                    if !h.writer && h.readers == 0 {
-                        ch.active += 1;
-                    }
-                    if write {
-                        h.writer = true;
-                    } else {
-                        h.readers += 1;
-                    }
-                }
-            }
-            for uid in &regs {
-                if let Some(r) = g.regs.get_mut(uid) {
-                    r.users += 1;
-                }
-            }
-            (
-                Claim {
-                    write,
-                    spans: claimed,
-                    regs,
+            let id = XferId(g.next_xfer);
+            g.next_xfer += 1;
+            id
+        };
+        if let Posted::Busy = self.post_as(id, op, peer, descs, notification)? {
+            self.lock().deferred.insert(
+                id,
+                Deferred {
+                    op,
+                    peer: peer.to_string(),
+                    descs: descs.to_vec(),
+                    notification: notification.map(<[u8]>::to_vec),
+                    retrying: false,
                 },
-                spans,
-                by_chunk.filter(|ci| ci.regions.is_some()),
-                (
-                    local_mem.unwrap_or_default(),
-                    remote_mem.unwrap_or_default(),
-                ),
-            )
-        };
-
-        // Few large descriptors: cut them so the copy runs on every pool thread (this takes
-        // precedence over the prepped lists, which hold one entry per chunk).
-        let cut = self.spread.and_then(|s| s.cut(&local, &remote));
-        let spread = cut.is_some();
-        if let Some((l, r)) = cut {
-            (local, remote) = (l, r);
-            by_chunk = None;
+            );
         }
-
-        // Phase 2, without the transport lock: take the chunk locks, in address order. Only the
-        // engine's own short accesses can make this wait (our transfers were excluded above).
-        let mut guards = Vec::with_capacity(spans.len());
-        for (r, first, last) in &spans {
-            if r.device().is_some() {
-                // Device memory has no host chunks to lock: the host never touches it through
-                // Rust, and the kernels that do are ordered by the connector (CUDA events). The
-                // claim above still keeps this agent's own transfers apart.
-                continue;
-            }
-            let cs = r.chunk_size();
-            let start = first * cs;
-            let end = ((last + 1) * cs).min(r.len());
-            let got = if write {
-                r.lock_span_mut_owned(start, end - start).map(Guards::Write)
-            } else {
-                r.lock_span_owned(start, end - start).map(Guards::Read)
-            };
-            match got {
-                Ok(gd) => guards.push(gd),
-                Err(e) => {
-                    drop(guards);
-                    self.lock().unclaim(&claim);
-                    return Err(e);
-                }
-            }
-        }
-
-        // Phase 3, under the lock: create and post (the copy may run here, see module docs).
-        let mut g = self.lock();
-        let id = XferId(g.next_xfer);
-        g.next_xfer += 1;
-        let mut x = Xfer {
-            id,
-            req: None,
-            peer: peer.to_string(),
-            state: XferStatus::InProgress,
-            claim,
-            guards,
-        };
-        if local.is_empty() {
-            if let Some(msg) = notification {
-                if let Err(e) = g.agent.gen_notif(peer, msg) {
-                    let dead = g.check_peer(peer);
-                    g.finish(x);
-                    return Err(if dead {
-                        TransportError::PeerDead(peer.to_string())
-                    } else {
-                        nixl_err(e)
-                    });
-                }
-            }
-            x.state = XferStatus::Done;
-            g.xfers.insert(id, x);
-            return Ok(id);
-        }
-        if spread {
-            g.spread_posts += 1;
-        }
-        let prepped = by_chunk.and_then(|ci| g.prepped_xfer(op, peer, &ci, memory, notification));
-        let made = match prepped {
-            Some(made) => made,
-            None => g.agent.create_xfer(
-                op,
-                (&local, memory.0),
-                (&remote, memory.1),
-                peer,
-                notification,
-            ),
-        };
-        let req = match made {
-            Ok(req) => req,
-            Err(e) => {
-                let dead = g.check_peer(peer);
-                g.finish(x);
-                return Err(if dead {
-                    TransportError::PeerDead(peer.to_string())
-                } else if g.peers.contains_key(peer) {
-                    TransportError::Io(format!(
-                        "NIXL refused the transfer ({e}): a range the peer did not register, or stale metadata"
-                    ))
-                } else {
-                    TransportError::UnknownPeer(peer.to_string())
-                });
-            }
-        };
-        let st = g.agent.post(&req);
-        x.req = Some(req);
-        match st {
-            sys::SUCCESS => x.state = XferStatus::Done,
-            sys::IN_PROG => {}
-            _ => {
-                let dead = g.check_peer(peer);
-                g.finish(x);
-                return Err(if dead {
-                    TransportError::PeerDead(peer.to_string())
-                } else {
-                    TransportError::Io(format!("nixl_capi_post_xfer_req returned {st}"))
-                });
-            }
-        }
-        g.xfers.insert(id, x);
         Ok(id)
     }
 
     fn status(&self, id: XferId) -> Result<XferStatus, TransportError> {
+        if let Some(state) = self.retry_deferred(id) {
+            return Ok(state);
+        }
         let mut g = self.lock();
         g.reap_zombies();
         g.status_of(id)
@@ -1083,6 +1206,10 @@ impl Transport for NixlTransport {
 
     fn release(&self, id: XferId) -> Result<(), TransportError> {
         let mut g = self.lock();
+        if g.deferred.remove(&id).is_some() {
+            // Never posted: nothing of NIXL's to release.
+            return Ok(());
+        }
         let x = g.xfers.remove(&id).ok_or(TransportError::UnknownXfer(id))?;
         g.finish(x);
         g.reap_zombies();

@@ -24,9 +24,9 @@ CHECK = ROOT / "scripts" / "gpu_check" / "check.py"
 STUB = ROOT / "scripts" / "gpu_check" / "stub"
 
 
-def run_check(env_extra: dict) -> tuple[dict, str]:
+def run_check(env_extra: dict, *args: str) -> tuple[dict, str]:
     env = dict(os.environ, PYTHONPATH=str(STUB), RUST_LOG="warn", **env_extra)
-    r = subprocess.run([sys.executable, str(CHECK), "cpu"], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, str(CHECK), "cpu", *args], env=env, capture_output=True,
                        text=True, timeout=900)
     lines = r.stdout.strip().splitlines()
     assert lines, f"no result (exit {r.returncode}): {r.stderr[-4000:]}"
@@ -48,4 +48,18 @@ def test_the_device_check_passes_over_fake_device_memory():
     # The digest's negative control: a READ that lands with one byte changed must fail D's
     # request.
     assert result["controls"]["digest"] is True, log[-4000:]
+    assert result["passed"] is True
+
+
+def test_the_device_check_s_nixl_cases_pass_on_host_memory():
+    """The NIXL cases of the device check (pull, streamed push, TP 2->1 over NIXL) on host
+    memory, which NIXL registers as DRAM here (its UCX has no CUDA): the connector's NIXL path
+    under the driver the GPU run uses. TP 2->1 has D's rank read one block's heads from two P
+    ranks at once, two READs into one chunk of its region (NIXL refused the second before its
+    posts were deferred, and D recomputed)."""
+    result, log = run_check({}, "nixl")
+    REPORT["device_check_nixl_host"] = result["cases"]
+    assert len(result["cases"]) == 3, result["cases"]
+    failed = [name for name, ok in result["cases"].items() if not ok]
+    assert not failed, f"{failed}\n{log[-4000:]}"
     assert result["passed"] is True
