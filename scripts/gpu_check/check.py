@@ -618,6 +618,73 @@ def raw_pipeline_gbps(nbytes):
     return nbytes / seconds / 1e9
 
 
+def nixl_api():
+    """NIXL's own Python API, from the package carried beside its libraries."""
+    import importlib
+
+    for name in ("nixl_cu13", "nixl_cu12"):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise RuntimeError("no NIXL Python package (nixl_cu13 or nixl_cu12) on the path")
+
+
+def raw_nixl_source(conn, nbytes, device, pieces):
+    """Raw NIXL's source side: `nbytes` registered on `device`, its metadata and the pieces'
+    descriptors sent to the reader, kept until the reader is done."""
+    api = nixl_api()
+    agent = api.nixl_agent(f"raw-src-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    agent.register_memory(src)
+    step = nbytes // pieces
+    dev = max(src.get_device(), 0)
+    conn.send((agent.get_agent_metadata(),
+               [(src.data_ptr() + i * step, step, dev) for i in range(pieces)]))
+    conn.recv()
+
+
+def raw_nixl_gbps(nbytes, device="cuda", pieces=8):
+    """GB/s of raw NIXL (its own API, no handoff) READing `nbytes` in `pieces` descriptors
+    (one per layer's K or V plane, as handoff's pull of one long prompt coalesces them)
+    between two processes, device to device: the baseline of handoff NIXL."""
+    api = nixl_api()
+    ctx = engine_processes()
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=raw_nixl_source, args=(child, nbytes, device, pieces))
+    proc.start()
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("raw NIXL source did not answer")
+        md, remote = conn.recv()
+        agent = api.nixl_agent(f"raw-dst-{os.getpid()}",
+                               api.nixl_agent_config(backends=["UCX"]))
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        agent.register_memory(dst)
+        peer = agent.add_remote_agent(md)
+        mem = "VRAM" if dst.get_device() >= 0 else "DRAM"
+        step = nbytes // pieces
+        dev = max(dst.get_device(), 0)
+        local = agent.get_xfer_descs([(dst.data_ptr() + i * step, step, dev)
+                                      for i in range(pieces)], mem)
+        best = None
+        for _ in range(3):
+            handle = agent.initialize_xfer("READ", local, agent.get_xfer_descs(remote, mem), peer)
+            t0 = time.monotonic()
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            seconds = time.monotonic() - t0
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ ended {state}")
+            best = seconds if best is None else min(best, seconds)
+        return nbytes / best / 1e9
+    finally:
+        conn.send("done")
+        proc.join(30)
+
+
 def device_copy_gbps(nbytes):
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -658,6 +725,12 @@ def throughput(device, results):
     if handoff is None:
         return False
     nixl = pull_gbps(device, "nixl", num_blocks, prompt, nbytes) if nixl_carried() else None
+    raw_nixl = None
+    if nixl is not None:
+        try:
+            raw_nixl = raw_nixl_gbps(nbytes)
+        except Exception:
+            log("raw NIXL: " + traceback.format_exc())
     raw = max(raw_pipeline_gbps(nbytes) for _ in range(2))
     roof = device_copy_gbps(nbytes)
     results["throughput"] = {
@@ -667,7 +740,8 @@ def throughput(device, results):
         "handoff_tcp_vs_raw": round(handoff / raw, 3),
         "device_copy_gbps": round(roof, 1),
         "handoff_nixl_gbps": round(nixl, 3) if nixl else "not measured (no NIXL carried)",
-        "raw_nixl_gbps": "not measured: no raw NIXL baseline in this check yet",
+        "raw_nixl_gbps": round(raw_nixl, 3) if raw_nixl else "not measured (see stderr)",
+        "handoff_nixl_vs_raw": round(nixl / raw_nixl, 3) if nixl and raw_nixl else None,
     }
     log(f"throughput: handoff tcp {handoff:.2f} GB/s, raw staged tcp {raw:.2f} GB/s "
         f"({handoff / raw:.3f}x), device copy {roof:.0f} GB/s")
@@ -686,6 +760,17 @@ def main():
     # "controls": those alone (debugging); "nixl": the NIXL cases alone.
     only = sys.argv[2] if len(sys.argv) > 2 else None
     ok = correctness(device, results, only) if only != "controls" else True
+    if only == "nixl":
+        # The throughput's NIXL half, small and on host memory: that both sides of the
+        # comparison run (a ratio on two shared cores means nothing).
+        num_blocks = 256
+        prompt = num_blocks * BLOCK - 7
+        nbytes = prompt * LAYERS * 2 * HEADS * HEAD_DIM * 2
+        handoff = pull_gbps(device, "nixl", num_blocks, prompt, nbytes)
+        raw = raw_nixl_gbps(nbytes, device)
+        results["nixl_throughput"] = {"bytes": nbytes, "handoff_nixl_gbps": handoff,
+                                      "raw_nixl_gbps": raw}
+        ok &= bool(handoff) and bool(raw)
     if only != "nixl":
         ok &= negative_controls(device, results)
     if device == "cuda":

@@ -58,8 +58,12 @@ def test_the_device_check_s_nixl_cases_pass_on_host_memory():
     ranks at once, two READs into one chunk of its region (NIXL refused the second before its
     posts were deferred, and D recomputed)."""
     result, log = run_check({}, "nixl")
-    REPORT["device_check_nixl_host"] = result["cases"]
+    REPORT["device_check_nixl_host"] = {"cases": result["cases"],
+                                        "throughput": result.get("nixl_throughput")}
     assert len(result["cases"]) == 3, result["cases"]
     failed = [name for name, ok in result["cases"].items() if not ok]
     assert not failed, f"{failed}\n{log[-4000:]}"
+    # The GPU run's NIXL comparison, both halves, small: handoff NIXL and raw NIXL.
+    t = result["nixl_throughput"]
+    assert t["handoff_nixl_gbps"] and t["raw_nixl_gbps"], t
     assert result["passed"] is True
