@@ -415,11 +415,7 @@ pub fn check_read_write(
         wait_done(local, id, Duration::from_secs(20))?;
         local.release(id).map_err(|e| e.to_string())?;
         for d in &descs {
-            let mut got = vec![0; d.len as usize];
-            region
-                .read(d.local_offset as usize, &mut got)
-                .map_err(|e| e.to_string())?;
-            let want = expected(remote_seed, d.remote_region, d.remote_offset, d.len);
+            let (got, want) = landed_and_wanted(region, d, remote_seed)?;
             if got != want {
                 let scrubbed = got.iter().zip(&want).any(|(g, w)| *g == 0xEE && *w != 0xEE);
                 return Err(format!(
@@ -497,6 +493,21 @@ pub fn check_read_write(
     Ok(())
 }
 
+/// What a READ `d` left in `region`, and what the peer's region (filled with `remote_seed`)
+/// holds there.
+fn landed_and_wanted(
+    region: &KvRegion,
+    d: &XferDesc,
+    remote_seed: u64,
+) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let mut got = vec![0; d.len as usize];
+    region
+        .read(d.local_offset as usize, &mut got)
+        .map_err(|e| e.to_string())?;
+    let want = expected(remote_seed, d.remote_region, d.remote_offset, d.len);
+    Ok((got, want))
+}
+
 /// Two READs in flight at once into disjoint bytes of one local chunk (a D rank reading the
 /// heads of one block from two P ranks, as TP 2 → 1 does): both are accepted and both land
 /// byte-exact, whichever order the backend serves them in. Needs the peer's region 0 filled
@@ -539,11 +550,8 @@ pub fn check_reads_into_one_chunk(
         local.release(id).map_err(|e| e.to_string())?;
     }
     for d in &halves {
-        let mut got = vec![0; d.len as usize];
-        region
-            .read(d.local_offset as usize, &mut got)
-            .map_err(|e| e.to_string())?;
-        if got != expected(remote_seed, d.remote_region, d.remote_offset, d.len) {
+        let (got, want) = landed_and_wanted(region, d, remote_seed)?;
+        if got != want {
             return Err(format!(
                 "READ {d:?} beside another into its chunk not byte-exact"
             ));
