@@ -38,14 +38,9 @@ pub(super) struct MdBody {
     pub(super) devices: Vec<(RegionId, MemoryKind)>,
 }
 
-/// Version 2's body: [`MdBody`] without `devices` (postcard writes fields in order, so it is a
-/// prefix of version 3's).
-#[derive(Serialize, Deserialize)]
-struct MdBodyHost {
-    name: String,
-    regions: Vec<(RegionId, u64, u64, u64)>,
-    nixl: Vec<u8>,
-}
+/// Version 2's body: [`MdBody`]'s fields but `devices`, in order (postcard writes a struct as
+/// its fields in order, so this tuple is exactly the struct version 2 had).
+type HostBody = (String, Vec<(RegionId, u64, u64, u64)>, Vec<u8>);
 
 #[cfg(test)]
 impl MdBody {
@@ -61,11 +56,7 @@ impl MdBody {
 pub(super) fn encode_md(body: &MdBody) -> Result<Vec<u8>, TransportError> {
     let io = |e: postcard::Error| TransportError::Io(e.to_string());
     let (version, enc) = if body.devices.is_empty() {
-        let host = MdBodyHost {
-            name: body.name.clone(),
-            regions: body.regions.clone(),
-            nixl: body.nixl.clone(),
-        };
+        let host = (&body.name, &body.regions, &body.nixl);
         (MD_VERSION_HOST, postcard::to_allocvec(&host).map_err(io)?)
     } else {
         (MD_VERSION, postcard::to_allocvec(body).map_err(io)?)
@@ -113,12 +104,12 @@ pub(super) fn decode_md(bytes: &[u8]) -> Result<MdBody, TransportError> {
     }
     let undecodable = |e: postcard::Error| bad(format!("undecodable: {e}"));
     let (body, trailing): (MdBody, _) = if version == MD_VERSION_HOST {
-        let (h, trailing): (MdBodyHost, _) =
+        let ((name, regions, nixl), trailing): (HostBody, _) =
             postcard::take_from_bytes(rest).map_err(undecodable)?;
         let body = MdBody {
-            name: h.name,
-            regions: h.regions,
-            nixl: h.nixl,
+            name,
+            regions,
+            nixl,
             devices: Vec::new(),
         };
         (body, trailing)
