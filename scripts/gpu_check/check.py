@@ -45,15 +45,19 @@ NUM_BLOCKS = 64  # per rank, logical
 SENTINEL = 77.0
 DTYPE = torch.bfloat16
 
-# Each layout: the tensor's logical shape from (kernel blocks, kernel block size, heads per
-# rank, head_dim), the stride order of its memory (outermost first), the dim of K/V and of the
-# block, and the kernel block size (None: the scheduler's).
+# Each layout: the tensor's logical shape (kv_first: FlashAttention's [2, blocks, tokens, heads,
+# dim]; blocks_first: FlashInfer's [blocks, 2, ...]; view: vLLM 0.33's per-layer [blocks, heads,
+# tokens, K|V]), the stride order of its memory (outermost first), and the kernel block size
+# (None: the scheduler's).
 LAYOUTS = {
     "flash_nhd": ("kv_first", (0, 1, 2, 3, 4), None),
     "flash_hnd": ("kv_first", (0, 1, 3, 2, 4), None),
     "flashinfer_nhd": ("blocks_first", (0, 1, 2, 3, 4), None),
     "flashinfer_hnd": ("blocks_first", (0, 1, 3, 2, 4), None),
     "flash_nhd_kernel8": ("kv_first", (0, 1, 2, 3, 4), 8),
+    "views_lbhnc": ("view", (0, 1, 2, 3), None),
+    "views_lbnhc": ("view", (0, 2, 1, 3), None),
+    "views_lbnhc_kernel8": ("view", (0, 2, 1, 3), 8),
 }
 
 
@@ -70,9 +74,13 @@ def allocate(layout: str, hpr: int, device, num_blocks: int = NUM_BLOCKS) -> tor
     kind, order, kernel = LAYOUTS[layout]
     kbs = kernel or BLOCK
     nbk = num_blocks * (BLOCK // kbs)
-    logical = (2, nbk, kbs, hpr, HEAD_DIM) if kind == "kv_first" else (nbk, 2, kbs, hpr, HEAD_DIM)
+    logical = {
+        "kv_first": (2, nbk, kbs, hpr, HEAD_DIM),
+        "blocks_first": (nbk, 2, kbs, hpr, HEAD_DIM),
+        "view": (nbk, hpr, kbs, 2 * HEAD_DIM),
+    }[kind]
     physical = torch.full([logical[i] for i in order], SENTINEL, dtype=DTYPE, device=device)
-    inverse = sorted(range(5), key=lambda i: order[i])
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
     t = physical.permute(*inverse)
     assert tuple(t.shape) == logical
     return t
@@ -80,7 +88,11 @@ def allocate(layout: str, hpr: int, device, num_blocks: int = NUM_BLOCKS) -> tor
 
 def canonical(t: torch.Tensor, layout: str) -> torch.Tensor:
     """The tensor indexed [kv, kernel block, token, head, dim] whatever its layout."""
-    return t if LAYOUTS[layout][0] == "kv_first" else t.transpose(0, 1)
+    kind = LAYOUTS[layout][0]
+    if kind == "view":
+        # [block, head, token, K|V] with K's row then V's in the last dim.
+        return t.unflatten(-1, (2, HEAD_DIM)).permute(3, 0, 2, 1, 4)
+    return t if kind == "kv_first" else t.transpose(0, 1)
 
 
 def kernel_ids(layout: str, blocks: list[int], device) -> torch.Tensor:
@@ -408,8 +420,11 @@ class Pair:
         Pair.seq += 1
         tag = f"{os.getpid()}-{Pair.seq}"
         self.mode, self.tp_p = mode, tp_p
-        self.p = Handle(f"gc-p-{tag}", "p", mode, tp_p, layout, device, options, {})
-        self.d = Handle(f"gc-d-{tag}", "d", mode, tp_d, layout, device, options, d_env or {})
+        # "a>b": P's tensors in layout a, D's in b.
+        p_layout, _, d_layout = layout.partition(">")
+        self.p = Handle(f"gc-p-{tag}", "p", mode, tp_p, p_layout, device, options, {})
+        self.d = Handle(f"gc-d-{tag}", "d", mode, tp_d, d_layout or p_layout, device, options,
+                        d_env or {})
         self.p_name = f"gc-p-{tag}"
         self.next_block = {"p": 0, "d": 0}
 
@@ -477,10 +492,16 @@ def correctness(device, results, only=None):
     cases += [("flash_hnd", mode, tp_p, tp_d, "tcp") for mode in ("pull", "push")
               for tp_p, tp_d in ((2, 1), (1, 2))]
     cases += [("flashinfer_nhd", "pull", 2, 1, "tcp")]
+    # vLLM 0.33's views (K and V rows interleaved) across TP sizes, and against an engine whose
+    # K and V are planes of their own (P's layout > D's): the planner pairs them row by row.
+    cases += [("views_lbnhc", "push", 2, 1, "tcp"), ("views_lbhnc", "pull", 1, 2, "tcp"),
+              ("views_lbhnc>flash_hnd", "pull", 1, 1, "tcp"),
+              ("flash_nhd>views_lbnhc", "push", 2, 1, "tcp")]
     # Over NIXL (VRAM registered as such on a GPU, DRAM on host memory): pull, streamed push,
-    # and a TP mismatch.
+    # a TP mismatch, and a 0.33 view (contiguous LBHNC: on the host, as without the fake
+    # device, the CPU backend's opaque page; interleaved rows on a GPU).
     nixl = [("flash_hnd", "pull", 1, 1, "nixl"), ("flash_hnd", "push", 1, 1, "nixl"),
-            ("flash_hnd", "pull", 2, 1, "nixl")]
+            ("flash_hnd", "pull", 2, 1, "nixl"), ("views_lbhnc", "push", 1, 1, "nixl")]
     if only == "nixl":
         cases = nixl
     elif os.environ.get("HANDOFF_VLLM_TEST_FAKE_DEVICE"):

@@ -319,9 +319,10 @@ impl ConnectorCore {
     /// The key a router pairs engines by (`Fingerprint::compat_key`): equal on a P and a D that
     /// can exchange KV.
     pub fn compat_key(&self) -> String {
-        let block_layout = match self.spec.block_layout {
-            handoff_plan::BlockLayout::HeadMajor => "head-major",
+        // By the order of a block's rows only: K and V interleaved or not, such engines pair.
+        let block_layout = match self.spec.block_layout.order() {
             handoff_plan::BlockLayout::TokenMajor => "token-major",
+            _ => "head-major",
         };
         self.fingerprint
             .compat_key(block_layout, self.cfg.kv_digest)

@@ -46,7 +46,8 @@ pub struct EngineConfig {
     pub dtype: String,
     /// Tokens per KV block (P and D may differ).
     pub block_size: u32,
-    /// `head-major` (default) or `token-major`.
+    /// `head-major` (default) or `token-major`; with `-interleaved`, each token's K and V rows
+    /// side by side in the block (as vLLM 0.33 keeps them on a GPU).
     pub block_layout: String,
     /// How the KV pool is arranged in memory: `layers-outermost` (default: a run of blocks is
     /// one descriptor per layer when P and D have equal TP and block size, for the whole model
@@ -380,10 +381,15 @@ impl EngineConfig {
             block_layout: match self.block_layout.as_str() {
                 "head-major" => BlockLayout::HeadMajor,
                 "token-major" => BlockLayout::TokenMajor,
+                "head-major-interleaved" => BlockLayout::HeadMajorInterleaved,
+                "token-major-interleaved" => BlockLayout::TokenMajorInterleaved,
                 other => {
                     return Err(bad(
                         "block_layout",
-                        format!("{other:?} is not head-major or token-major"),
+                        format!(
+                            "{other:?} is not head-major, token-major, head-major-interleaved \
+                             or token-major-interleaved"
+                        ),
                     ))
                 }
             },
@@ -396,7 +402,7 @@ impl EngineConfig {
         match self.kv_pool_layout.as_str() {
             "layers-outermost" => Ok(PoolLayout::LayersOutermost),
             "blocks-outermost" => Ok(PoolLayout::BlocksOutermost),
-            "heads-outermost" if self.block_layout == "token-major" => Err(bad(
+            "heads-outermost" if self.block_layout != "head-major" => Err(bad(
                 "kv_pool_layout",
                 "heads-outermost keeps each head's tokens together, which needs block_layout \
                  head-major",

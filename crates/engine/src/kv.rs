@@ -134,6 +134,38 @@ impl KvMemory {
                 for layer in layers.clone() {
                     for kv in 0..2 {
                         match self.spec.block_layout {
+                            // K and V rows side by side: no two slots of a plane touch, so one
+                            // write per row (slots past the range zeroed).
+                            BlockLayout::HeadMajorInterleaved
+                            | BlockLayout::TokenMajorInterleaved => {
+                                buf.clear();
+                                buf.resize(row, 0);
+                                for h in 0..hpr {
+                                    for (i, slot) in slots.clone().enumerate() {
+                                        buf.fill(0);
+                                        if let Some(&prefix) =
+                                            prefix.get(pos + i).filter(|_| pos + i < end)
+                                        {
+                                            model::kv_row(
+                                                prefix,
+                                                layer,
+                                                kv as u32,
+                                                head0 + h,
+                                                &mut buf,
+                                            );
+                                        }
+                                        let off = self.row_offset(
+                                            rank,
+                                            block,
+                                            layer,
+                                            kv,
+                                            h,
+                                            slot as u32,
+                                        )?;
+                                        region.write(off, &buf)?;
+                                    }
+                                }
+                            }
                             // A head's slots of one block are contiguous: one write per head.
                             BlockLayout::HeadMajor => {
                                 for h in 0..hpr {
@@ -223,6 +255,20 @@ impl KvMemory {
                     for kv in 0..2 {
                         let l = layer as u32;
                         match self.spec.block_layout {
+                            BlockLayout::HeadMajorInterleaved
+                            | BlockLayout::TokenMajorInterleaved => {
+                                for h in 0..hpr {
+                                    for i in 0..n {
+                                        let (g, slot) = (head0 + h, (first + i) as u32);
+                                        let off =
+                                            self.row_offset(rank, block, l, kv, h as u32, slot)?;
+                                        region.read(
+                                            off,
+                                            &mut rows[at(layer, kv, g, i)..at(layer, kv, g, i + 1)],
+                                        )?;
+                                    }
+                                }
+                            }
                             BlockLayout::HeadMajor => {
                                 for h in 0..hpr {
                                     let g = head0 + h;

@@ -112,6 +112,57 @@ async fn mismatched_tp_and_block_sizes_match_monolithic() {
     mono.stop().await;
 }
 
+/// K and V rows side by side in a block (vLLM 0.33's `[B, H, N, C]` views on a GPU) on one side
+/// or both, across TP and block sizes: the answers are one engine's (what D decodes from is
+/// read back from its own memory, so a row landed in the wrong place changes them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_k_and_v_rows_pair_with_planes_and_with_each_other() {
+    let c = reqwest::Client::new();
+    let mono = start(cfg("both", 1, 16)).await.unwrap();
+    let with_layout = |mut c: EngineConfig, layout: &str| {
+        c.block_layout = layout.into();
+        c
+    };
+    let cases = [
+        ("head-major-interleaved", (2, 16), "head-major", (1, 16)),
+        ("token-major", (1, 16), "token-major-interleaved", (2, 32)),
+        (
+            "head-major-interleaved",
+            (1, 32),
+            "head-major-interleaved",
+            (2, 16),
+        ),
+        (
+            "token-major-interleaved",
+            (1, 16),
+            "token-major-interleaved",
+            (1, 16),
+        ),
+    ];
+    for (p_layout, (ptp, pbs), d_layout, (dtp, dbs)) in cases {
+        let p = start(with_layout(cfg("prefill", ptp, pbs), p_layout))
+            .await
+            .unwrap();
+        // A transfer that fails fails the request: nothing is quietly recomputed.
+        let d_cfg = EngineConfig {
+            failure_policy: "fail".into(),
+            ..with_layout(cfg("decode", dtp, dbs), d_layout)
+        };
+        let d = start(d_cfg).await.unwrap();
+        for (i, words) in [3usize, 33, 250].into_iter().enumerate() {
+            let text = prompt(i + 40, words);
+            let case = format!(
+                "P {p_layout} tp {ptp} bs {pbs} -> D {d_layout} tp {dtp} bs {dbs}, {words} words"
+            );
+            answers_like(&c, &mono, (&p, &d), &text, &case).await;
+        }
+        released_within(&p, Duration::from_secs(1)).await;
+        p.stop().await;
+        d.stop().await;
+    }
+    mono.stop().await;
+}
+
 /// More ranks than KV heads: each head is replicated on `tp / heads` ranks (as vLLM does for a
 /// model with fewer KV heads than GPUs). P/D pairs of a one-head and a two-head model across TP
 /// sizes answer like one engine, and D reads one copy of each head: a handoff moves the bytes an

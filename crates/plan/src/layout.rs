@@ -59,6 +59,35 @@ pub enum BlockLayout {
     /// slice is contiguous only within one token, so heterogeneous TP costs one descriptor per
     /// token (planned, but many).
     TokenMajor,
+    /// `[head][token][K|V][dim]`: the rows of [`HeadMajor`](Self::HeadMajor), with each token's
+    /// K row and V row side by side: K's (h, t) at `(h × bs + t) × 2 × row`, V's one row later
+    /// (vLLM 0.33's `[B, H, N, C]` views in `LBHNC` order, `C` = K then V). A block of one layer
+    /// is one `2 × plane` range, and so is one head's tokens of it.
+    HeadMajorInterleaved,
+    /// `[token][head][K|V][dim]`: the rows of [`TokenMajor`](Self::TokenMajor), K and V side by
+    /// side (vLLM 0.33's views in `LBNHC` order, its default).
+    TokenMajorInterleaved,
+}
+
+impl BlockLayout {
+    /// The order of a block's rows, K and V apart or not: [`HeadMajor`](Self::HeadMajor) or
+    /// [`TokenMajor`](Self::TokenMajor). Two engines pair when their orders are equal; whether
+    /// K and V interleave may differ (it costs one descriptor per row).
+    pub fn order(self) -> BlockLayout {
+        match self {
+            BlockLayout::HeadMajor | BlockLayout::HeadMajorInterleaved => BlockLayout::HeadMajor,
+            BlockLayout::TokenMajor | BlockLayout::TokenMajorInterleaved => BlockLayout::TokenMajor,
+        }
+    }
+
+    /// Whether each token's K and V rows lie side by side (one `2 × row` run) instead of in
+    /// planes of their own.
+    pub fn interleaved(self) -> bool {
+        matches!(
+            self,
+            BlockLayout::HeadMajorInterleaved | BlockLayout::TokenMajorInterleaved
+        )
+    }
 }
 
 /// Engine-wide KV facts exchanged in a handshake: everything the planner needs to know about an
@@ -213,13 +242,34 @@ impl KvSpec {
         self.plane_bytes().saturating_mul(2)
     }
 
-    /// Byte offset of (local head `head`, token `token`) inside one block plane, in units of
-    /// rows (multiply by [`ModelShape::row_bytes`]).
+    /// Position of (local head `head`, token `token`) inside one block plane, in rows (multiply
+    /// by [`row_pitch`](Self::row_pitch) for bytes).
     pub fn row_index(&self, head: u32, token: u32) -> u64 {
         let (h, t) = (u64::from(head), u64::from(token));
-        match self.block_layout {
-            BlockLayout::HeadMajor => h * u64::from(self.block_size) + t,
+        match self.block_layout.order() {
             BlockLayout::TokenMajor => t * u64::from(self.heads_per_rank()) + h,
+            _ => h * u64::from(self.block_size) + t,
+        }
+    }
+
+    /// Bytes from one row of a block plane to the next: one row, or two when K and V rows
+    /// interleave.
+    pub fn row_pitch(&self) -> u64 {
+        let rows = if self.block_layout.interleaved() {
+            2
+        } else {
+            1
+        };
+        self.shape.row_bytes().saturating_mul(rows)
+    }
+
+    /// Bytes from a block's K plane to its V plane when both live in one block: a plane, or one
+    /// row when K and V rows interleave.
+    pub fn v_after_k(&self) -> u64 {
+        if self.block_layout.interleaved() {
+            self.shape.row_bytes()
+        } else {
+            self.plane_bytes()
         }
     }
 
@@ -388,7 +438,7 @@ pub enum LayoutError {
         region: u32,
     },
     /// Blocks of one plane would overlap each other.
-    #[error("layer {layer}: block stride {stride} is smaller than one block plane ({plane_bytes} bytes)")]
+    #[error("layer {layer}: block stride {stride} is smaller than what one block of a plane holds ({plane_bytes} bytes)")]
     StrideTooSmall {
         /// Layer index.
         layer: u32,
@@ -400,11 +450,23 @@ pub enum LayoutError {
     /// A head stride with a token-major block: a head's tokens could not be contiguous.
     #[error(
         "layer {layer}: a head stride places each head outside the block, which needs the \
-         head-major block layout (this spec is token-major)"
+         head-major block layout with K and V in planes of their own"
     )]
     HeadStrideNeedsHeadMajor {
         /// Layer index.
         layer: u32,
+    },
+    /// The block layout interleaves K and V rows, but the placement does not put V one row after
+    /// K in the same region.
+    #[error(
+        "layer {layer}: the block layout interleaves K and V rows, so V must start one row \
+         ({row_bytes} bytes) after K, in K's region"
+    )]
+    NotInterleaved {
+        /// Layer index.
+        layer: u32,
+        /// Bytes of one row.
+        row_bytes: u64,
     },
     /// Heads of one block would overlap each other.
     #[error("layer {layer}: head stride {stride} is smaller than one head's block ({head_block_bytes} bytes)")]
@@ -463,14 +525,30 @@ impl RankLayout {
         if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
             return Err(LayoutError::DuplicateRegion { id: w[0] });
         }
-        let plane_bytes = self.spec.plane_bytes();
+        let row = self.spec.shape.row_bytes();
+        let interleaved = self.spec.block_layout.interleaved();
+        // What a block's plane spans, and what one block must keep to itself: with interleaved
+        // rows a plane's rows are a row apart, so both planes together fill the block.
+        let (plane_span, block_bytes) = if interleaved {
+            let block = self.spec.block_bytes();
+            (block.saturating_sub(row), block)
+        } else {
+            (self.spec.plane_bytes(), self.spec.plane_bytes())
+        };
         // One head's tokens of one block: what must fit between blocks (and between heads) when
         // the heads live outside the block.
-        let head_block =
-            u64::from(self.spec.block_size).saturating_mul(self.spec.shape.row_bytes());
+        let head_block = u64::from(self.spec.block_size).saturating_mul(row);
         for (layer, p) in (0u32..).zip(&self.layers) {
+            if interleaved
+                && (p.v.region != p.k.region || p.k.offset.checked_add(row) != Some(p.v.offset))
+            {
+                return Err(LayoutError::NotInterleaved {
+                    layer,
+                    row_bytes: row,
+                });
+            }
             let min_stride = if p.head_stride == 0 {
-                plane_bytes
+                block_bytes
             } else {
                 if self.spec.block_layout != BlockLayout::HeadMajor {
                     return Err(LayoutError::HeadStrideNeedsHeadMajor { layer });
@@ -493,7 +571,7 @@ impl RankLayout {
             }
             // The bytes from the plane's start to the end of block 0 (all heads).
             let first_block_end = if p.head_stride == 0 {
-                Some(plane_bytes)
+                Some(plane_span)
             } else {
                 u64::from(self.spec.heads_per_rank() - 1)
                     .checked_mul(p.head_stride)
@@ -556,7 +634,9 @@ impl RankLayout {
         let p = self.layers.get(layer as usize)?;
         let row = self.spec.shape.row_bytes();
         let in_block = if p.head_stride == 0 {
-            self.spec.row_index(head, token).checked_mul(row)?
+            self.spec
+                .row_index(head, token)
+                .checked_mul(self.spec.row_pitch())?
         } else {
             u64::from(head)
                 .checked_mul(p.head_stride)?
@@ -569,8 +649,8 @@ impl RankLayout {
     }
 
     /// One region per layer (ids `first_region_id + layer`), each holding the pool's blocks back
-    /// to back, a block being `[K plane][V plane]` (so a block of one layer is one contiguous
-    /// `block_bytes()` range).
+    /// to back, a block being `[K plane][V plane]`, or its rows interleaved when the spec says so
+    /// (either way a block of one layer is one contiguous `block_bytes()` range).
     pub fn per_layer(
         spec: KvSpec,
         rank: u32,
@@ -592,7 +672,7 @@ impl RankLayout {
                 },
                 v: PlaneLoc {
                     region: id,
-                    offset: plane,
+                    offset: spec.v_after_k(),
                 },
                 block_stride: 2 * plane,
                 head_stride: 0,
@@ -663,7 +743,7 @@ impl RankLayout {
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
         let len = region_len_for(num_blocks, stride, spec)?;
-        let layers = one_region_layers(spec, region_id, plane, layer_bytes, stride, 0);
+        let layers = one_region_layers(spec, region_id, layer_bytes, stride, 0);
         Self::checked(Self {
             spec,
             rank,
@@ -690,7 +770,7 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let layers = one_region_layers(spec, region_id, plane, layer_bytes, block_stride, 0);
+        let layers = one_region_layers(spec, region_id, layer_bytes, block_stride, 0);
         Self::checked(Self {
             spec,
             rank,
@@ -724,8 +804,11 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let layers =
-            one_region_layers(spec, region_id, plane, layer_bytes, head_block, head_stride);
+        let mut layers = one_region_layers(spec, region_id, layer_bytes, head_block, head_stride);
+        // Each head's run of blocks is a plane of its own: V after every head's K.
+        for (l, p) in (0u64..).zip(&mut layers) {
+            p.v.offset = l * layer_bytes + plane;
+        }
         Self::checked(Self {
             spec,
             rank,
@@ -742,12 +825,11 @@ impl RankLayout {
 }
 
 /// The placements of a layout with every layer in region `region_id`, layer after layer: layer
-/// `l`'s K plane at `l × layer_stride`, its V plane `plane` bytes after it. (The caller checked
-/// that the region's length fits in a u64, so no offset overflows.)
+/// `l`'s K plane at `l × layer_stride`, its V plane [`KvSpec::v_after_k`] bytes after it. (The
+/// caller checked that the region's length fits in a u64, so no offset overflows.)
 fn one_region_layers(
     spec: KvSpec,
     region_id: u32,
-    plane: u64,
     layer_stride: u64,
     block_stride: u64,
     head_stride: u64,
@@ -760,7 +842,7 @@ fn one_region_layers(
             },
             v: PlaneLoc {
                 region: region_id,
-                offset: l * layer_stride + plane,
+                offset: l * layer_stride + spec.v_after_k(),
             },
             block_stride,
             head_stride,

@@ -395,20 +395,21 @@ pub fn uncovered_dst(
     if filled == 0 {
         return Ok(Vec::new());
     }
-    let row = spec.shape.row_bytes();
+    // A row of K and V interleaved is one double row: K's tail covers V's.
+    let (pitch, planes) = (spec.row_pitch(), planes_apart(spec));
     let hpr = spec.heads_per_rank();
     let ovf = PlanError::Overflow {
         side: Side::Decode,
         rank: d.rank,
     };
     // Head-major: every head has its own tail; token-major: the tail is one range.
-    let (pieces, piece_len) = match spec.block_layout {
-        BlockLayout::HeadMajor => (hpr, u64::from(bs - filled) * row),
-        BlockLayout::TokenMajor => (1, u64::from(bs - filled) * u64::from(hpr) * row),
+    let (pieces, piece_len) = match spec.block_layout.order() {
+        BlockLayout::TokenMajor => (1, u64::from(bs - filled) * u64::from(hpr) * pitch),
+        _ => (hpr, u64::from(bs - filled) * pitch),
     };
     let mut out: Vec<Descriptor> = Vec::new();
     for (layer, lp) in (0u32..).zip(&d.layers) {
-        for kv in 0..2 {
+        for kv in 0..planes {
             let region = lp.plane(kv).region;
             for h in 0..pieces {
                 let off = d
@@ -439,16 +440,25 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
     };
     let mut out: Vec<Descriptor> = Vec::new();
     for (layer, lp) in (0u32..).zip(&l.layers) {
-        // Heads inside the block: one plane per block; heads outside: one run per head.
+        // Heads inside the block: one plane per block (both at once when K and V rows
+        // interleave); heads outside: one run per head.
         let (pieces, piece_len) = if lp.head_stride == 0 {
-            (1, spec.plane_bytes())
+            let both = spec.block_layout.interleaved();
+            (
+                1,
+                if both {
+                    spec.block_bytes()
+                } else {
+                    spec.plane_bytes()
+                },
+            )
         } else {
             (
                 spec.heads_per_rank(),
                 u64::from(spec.block_size) * spec.shape.row_bytes(),
             )
         };
-        for kv in 0..2 {
+        for kv in 0..planes_apart(spec) {
             let region = lp.plane(kv).region;
             for h in 0..pieces {
                 for &b in &sorted {
@@ -459,6 +469,16 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
         }
     }
     finish_spans(Side::Prefill, l, out)
+}
+
+/// How many planes of a block are walked apart: 2 (K, then V), or 1 when K and V rows
+/// interleave (walking K's rows two rows wide covers V's).
+fn planes_apart(spec: &crate::KvSpec) -> usize {
+    if spec.block_layout.interleaved() {
+        1
+    } else {
+        2
+    }
 }
 
 /// Adds a span of one rank's memory to `out`, merged with the previous one when contiguous
@@ -592,7 +612,16 @@ impl<'a> Request<'a> {
             return Ok(Vec::new());
         }
         let (ps, ds) = (&p.spec, &d.spec);
-        let row = ps.shape.row_bytes();
+        let (p_il, d_il) = (ps.block_layout.interleaved(), ds.block_layout.interleaved());
+        // K and V rows interleaved on both sides: a token's K and V rows are one double row on
+        // both, moved with K's (V has nothing left). On one side only: a row is contiguous with
+        // the next on neither side at once, so every row is its own descriptor.
+        let (unit, planes) = if p_il && d_il {
+            (2 * ps.shape.row_bytes(), 0..1)
+        } else {
+            (ps.shape.row_bytes(), 0..2)
+        };
+        let row_by_row = p_il != d_il;
         let (p_hpr, d_hpr) = (ps.heads_per_rank(), ds.heads_per_rank());
         // Local index of the pair's first head on each side, and how many heads it moves.
         let p_head = heads.start - p.owned_heads().start;
@@ -611,7 +640,7 @@ impl<'a> Request<'a> {
             // Indexing is sound: validate() proved layers.len() == num_layers, and Request::new
             // proved self.layers ⊆ 0..num_layers (both engines have the same num_layers).
             let (pl, dl) = (&p.layers[layer as usize], &d.layers[layer as usize]);
-            for kv in 0..2 {
+            for kv in planes.clone() {
                 let (src, dst) = (pl.plane(kv), dl.plane(kv));
                 for s in &self.segs {
                     // Where (local head, token) of this run lives on each side.
@@ -624,7 +653,7 @@ impl<'a> Request<'a> {
                             .ok_or(d_ovf.clone())
                     };
                     let mut emit = |src_offset: u64, dst_offset: u64, rows: u64| {
-                        let len = rows * row;
+                        let len = rows * unit;
                         src_offset.checked_add(len).ok_or(p_ovf.clone())?;
                         dst_offset.checked_add(len).ok_or(d_ovf.clone())?;
                         push_merge(
@@ -639,7 +668,18 @@ impl<'a> Request<'a> {
                         );
                         Ok::<(), PlanError>(())
                     };
-                    match ps.block_layout {
+                    match ps.block_layout.order() {
+                        _ if row_by_row => {
+                            for h in 0..nh {
+                                for t in 0..s.n {
+                                    emit(
+                                        src_at(p_head + h, s.p_tok + t)?,
+                                        dst_at(d_head + h, s.d_tok + t)?,
+                                        1,
+                                    )?;
+                                }
+                            }
+                        }
                         // Head-major (heads inside the block or outside it): each head's tokens
                         // of this run are contiguous on both sides. Heads, blocks and layers
                         // merge with each other wherever the addresses continue on both sides
@@ -664,7 +704,7 @@ impl<'a> Request<'a> {
                             )?;
                         }
                         // Token-major with a head slice: contiguous only within one token.
-                        BlockLayout::TokenMajor => {
+                        _ => {
                             for t in 0..s.n {
                                 emit(
                                     src_at(p_head, s.p_tok + t)?,

@@ -957,3 +957,69 @@ fn layers_outermost_moves_a_layer_range_in_one_descriptor_per_layer() {
     );
     assert_eq!(l.row_offset(3, 0, 0, 0, 0), None, "no such layer");
 }
+
+/// vLLM 0.33's `[B, H, N, C]` views put each token's K and V rows side by side. Between two
+/// such engines a block of one layer is one `2 × plane` range on both sides (one descriptor for
+/// a run of contiguous blocks, as with planes); against an engine with planes of their own each
+/// row is its own descriptor; a placement that does not interleave what its spec says is refused.
+#[test]
+fn interleaved_rows_pair_with_each_other_and_with_planes() {
+    use BlockLayout::{HeadMajorInterleaved, TokenMajorInterleaved};
+    for (il, plain) in [
+        (HeadMajorInterleaved, HeadMajor),
+        (TokenMajorInterleaved, TokenMajor),
+    ] {
+        let s = spec(2, 1, 16, il);
+        assert_eq!((il.order(), il.interleaved()), (plain, true));
+        assert_eq!(s.row_pitch(), 2 * ROW);
+        let a = ranks(s, 4).remove(0);
+        // K's row (head 1, token 3) and V's, one row apart.
+        let k = a.row_offset(0, 0, 2, 1, 3).unwrap();
+        assert_eq!(k, 2 * s.block_bytes() + 2 * ROW * s.row_index(1, 3));
+        assert_eq!(a.row_offset(0, 1, 2, 1, 3).unwrap(), k + ROW);
+        // Both interleaved: blocks 1..3 of one layer, one descriptor.
+        let p = plan_pair(&a, &a, &[1, 2], &[1, 2], 32).unwrap();
+        assert_eq!(
+            p.descriptors,
+            vec![desc(s.block_bytes(), s.block_bytes(), 2 * s.block_bytes())]
+        );
+        // Planes on D: one descriptor per row (2 heads × 32 tokens × K and V), same bytes (D's
+        // blocks out of order, so that no row ends where the next begins on both sides).
+        let d = ranks(spec(2, 1, 16, plain), 4).remove(0);
+        let mixed = plan_pair(&a, &d, &[1, 2], &[3, 1], 32).unwrap();
+        assert_eq!(mixed.bytes(), p.bytes());
+        assert_eq!(mixed.descriptors.len(), 2 * 32 * 2);
+        // The tail of a half-filled last block: one range per head (K and V rows together), or
+        // one range token-major.
+        let tail = uncovered_dst(&a, &[1, 2], 20).unwrap();
+        let want = if plain == HeadMajor { 2 } else { 1 };
+        assert_eq!(tail.len(), want);
+        assert_eq!(tail.iter().map(|t| t.len).sum::<u64>(), 2 * 2 * 12 * ROW);
+        assert_eq!(
+            block_spans(&a, &[2, 1]).unwrap(),
+            vec![Span {
+                region: 100,
+                offset: s.block_bytes(),
+                len: 2 * s.block_bytes()
+            }]
+        );
+        // V anywhere but one row after K is not what the spec says.
+        let mut bad = a.clone();
+        bad.layers[0].v.offset = s.plane_bytes();
+        assert_eq!(
+            bad.validate(),
+            Err(LayoutError::NotInterleaved {
+                layer: 0,
+                row_bytes: ROW
+            })
+        );
+        assert!(RankLayout::split_kv(s, 0, 4, 0).is_err());
+    }
+    // Rows in different orders still do not pair, interleaved or not.
+    let hm = ranks(spec(2, 1, 16, HeadMajorInterleaved), 4).remove(0);
+    let tm = ranks(spec(2, 1, 16, TokenMajor), 4).remove(0);
+    assert!(matches!(
+        plan_pair(&hm, &tm, &[0], &[0], 16),
+        Err(PlanError::Incompatible(Incompatible::LayoutMismatch { .. }))
+    ));
+}

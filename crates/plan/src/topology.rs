@@ -115,7 +115,9 @@ pub fn check_compatible(p: &KvSpec, d: &KvSpec) -> Result<Topology, Incompatible
             d: d.block_size,
         });
     }
-    if p.block_layout != d.block_layout {
+    // Rows in the same order pair; K and V interleaved on one side only cost a descriptor per
+    // row (the planner cuts them), not a refusal.
+    if p.block_layout.order() != d.block_layout.order() {
         return Err(Incompatible::LayoutMismatch {
             p: p.block_layout,
             d: d.block_layout,

@@ -21,6 +21,8 @@ use handoff_plan::testing::Rng;
 struct Case {
     shape: ModelShape,
     token_major: bool,
+    /// K and V rows side by side, on P and on D.
+    interleaved: (bool, bool),
     tp: (u32, u32),
     bs: (u32, u32),
     style: (u8, u8),
@@ -45,6 +47,7 @@ fn case() -> impl Strategy<Value = Case> {
             (0u8..5, 0u8..5),
             (0u32..4, 0u32..4),
             (0u8..4, 0u8..4),
+            (any::<bool>(), any::<bool>()),
         ),
         (0u32..=100, any::<u64>()),
     )
@@ -52,7 +55,7 @@ fn case() -> impl Strategy<Value = Case> {
             |(
                 (layers, heads, dim, dtype),
                 (ptp, dtp, pbs, dbs),
-                (tm, style, extra, mode),
+                (tm, style, extra, mode, interleaved),
                 (n, seed),
             )| {
                 Case {
@@ -63,6 +66,7 @@ fn case() -> impl Strategy<Value = Case> {
                         dtype_size: dtype,
                     },
                     token_major: tm,
+                    interleaved,
                     // {1,2,4} always divide each other and the head counts {1,2,4,8}, or are
                     // multiples of them: a TP above the heads replicates each head.
                     tp: (ptp, dtp),
@@ -89,6 +93,10 @@ fn build(
 ) -> RankLayout {
     match style {
         0 => RankLayout::per_layer(spec, rank, num_blocks, first_id).unwrap(),
+        // K and V rows side by side cannot live in two regions.
+        1 if spec.block_layout.interleaved() => {
+            RankLayout::layers_outermost(spec, rank, num_blocks, first_id).unwrap()
+        }
         1 => RankLayout::split_kv(spec, rank, num_blocks, first_id).unwrap(),
         2 => RankLayout::cross_layer(spec, rank, num_blocks, first_id).unwrap(),
         4 if spec.block_layout == BlockLayout::HeadMajor && rng.below(2) == 0 => {
@@ -141,7 +149,9 @@ fn build(
             for l in 0..spec.shape.num_layers {
                 let (lead, gap, pad) = (rng.below(9), rng.below(6), rng.below(8));
                 let stride = 2 * plane + gap + pad;
-                let (k, v) = if rng.below(2) == 0 {
+                let (k, v) = if spec.block_layout.interleaved() {
+                    (lead, lead + spec.shape.row_bytes())
+                } else if rng.below(2) == 0 {
                     (lead, lead + plane + gap)
                 } else {
                     (lead + plane + gap, lead)
@@ -247,10 +257,13 @@ fn in_block(
     if head_stride > 0 {
         return u64::from(head) * head_stride + u64::from(token) * row;
     }
-    row * match layout {
-        BlockLayout::HeadMajor => u64::from(head) * u64::from(block_size) + u64::from(token),
-        BlockLayout::TokenMajor => u64::from(token) * u64::from(heads) + u64::from(head),
-    }
+    // K and V rows side by side: a plane's rows are two rows apart.
+    let pitch = if layout.interleaved() { 2 * row } else { row };
+    pitch
+        * match layout.order() {
+            BlockLayout::TokenMajor => u64::from(token) * u64::from(heads) + u64::from(head),
+            _ => u64::from(head) * u64::from(block_size) + u64::from(token),
+        }
 }
 
 /// Every row the transfer must move: for each D rank, layer, plane, D head and token, where it
@@ -344,20 +357,22 @@ fn execute(plan: &Plan, src: &Mem, dst: &mut Mem) {
 
 fn check(c: &Case) {
     let mut rng = Rng(c.seed);
-    let layout = if c.token_major {
-        BlockLayout::TokenMajor
-    } else {
-        BlockLayout::HeadMajor
+    let layout = |interleaved| match (c.token_major, interleaved) {
+        (false, false) => BlockLayout::HeadMajor,
+        (true, false) => BlockLayout::TokenMajor,
+        (false, true) => BlockLayout::HeadMajorInterleaved,
+        (true, true) => BlockLayout::TokenMajorInterleaved,
     };
     let ps = KvSpec {
         shape: c.shape,
         tp: c.tp.0,
         block_size: c.bs.0,
-        block_layout: layout,
+        block_layout: layout(c.interleaved.0),
     };
     let ds = KvSpec {
         tp: c.tp.1,
         block_size: c.bs.1,
+        block_layout: layout(c.interleaved.1),
         ..ps
     };
     let (p_need, d_need) = (ps.blocks_for(c.num_tokens), ds.blocks_for(c.num_tokens));
@@ -469,8 +484,13 @@ fn check(c: &Case) {
             for loc in [lp.k, lp.v] {
                 for &b in &db {
                     let base = loc.offset + u64::from(b) * lp.block_stride;
-                    // A block's plane: one range, or one range per head when heads are outside.
-                    let pieces: Vec<(u64, u64)> = if lp.head_stride == 0 {
+                    // A block's plane: one range, one range per head when heads are outside, or
+                    // one per row when its rows interleave with the other plane's.
+                    let row = ds.shape.row_bytes();
+                    let rows = u64::from(ds.heads_per_rank() * ds.block_size);
+                    let pieces: Vec<(u64, u64)> = if ds.block_layout.interleaved() {
+                        (0..rows).map(|i| (base + 2 * i * row, row)).collect()
+                    } else if lp.head_stride == 0 {
                         vec![(base, plane)]
                     } else {
                         (0..u64::from(ds.heads_per_rank()))
@@ -522,7 +542,11 @@ fn planner_matches_naive_copy_corners() {
         head_dim: 2,
         dtype_size: 2,
     };
-    for token_major in [false, true] {
+    let mixes = [(false, false), (true, true), (false, true)];
+    for (token_major, interleaved) in [false, true]
+        .into_iter()
+        .flat_map(|t| mixes.map(|i| (t, i)))
+    {
         for tp in [(1, 4), (4, 1), (2, 2)] {
             for bs in [(4, 32), (32, 4), (8, 8)] {
                 for num_tokens in [0, 1, 31, 32, 33, 100] {
@@ -530,6 +554,7 @@ fn planner_matches_naive_copy_corners() {
                         check(&Case {
                             shape,
                             token_major,
+                            interleaved,
                             tp,
                             bs,
                             style,

@@ -9,7 +9,13 @@
 //!   "vec" kernel stores K transposed), so a block is an opaque page: moved whole, between
 //!   engines of exactly the same spec ([`KvTensors::opaque_blocks`]).
 //! - **FlashAttention** (`NHD`): `[2, num_blocks, block_size, heads_per_rank, head_dim]`,
-//!   contiguous: K planes then V planes, each block's plane `[token][head][dim]`.
+//!   contiguous: K planes then V planes, each block's plane `[token][head][dim]`; `HND` strides
+//!   (`[head][token][dim]`), and FlashInfer's blocks-first `[num_blocks, 2, …]`.
+//! - **vLLM 0.33's per-layer views** (`vllm/v1/kv_cache_interface.py`, `create_kv_cache_views`):
+//!   `[num_blocks, heads_per_rank, block_size, 2·head_dim]` on a GPU, the last dim K's row then
+//!   V's (the attention backends split it in two), in `LBHNC` strides (head-major) or `LBNHC`
+//!   (token-major, vLLM's default); block strides that step over other layers (`BL*` orders)
+//!   too. On the host the same shape is the CPU backend's opaque page.
 
 use handoff_plan::{BlockLayout, KvSpec, LayerPlacement, ModelShape, PlaneLoc, RankLayout, Region};
 use serde::{Deserialize, Serialize};
@@ -77,9 +83,10 @@ pub enum KvTensorError {
     None,
     #[error(
         "KV cache tensor {name:?} has shape {shape:?} and strides {strides:?}: not a layout \
-         handoff knows (CPU [num_blocks, heads, block_size, 2*head_dim], contiguous; \
-         FlashAttention [2, num_blocks, block_size, heads, head_dim] or FlashInfer \
-         [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides)"
+         handoff knows (FlashAttention [2, num_blocks, block_size, heads, head_dim] or FlashInfer \
+         [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides; vLLM 0.33's views \
+         [num_blocks, heads, block_size, 2*head_dim], LBHNC or LBNHC strides, on a GPU, or \
+         contiguous on the host for the CPU backend)"
     )]
     Unknown {
         name: String,
@@ -157,6 +164,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
     let found = match *dims.as_slice() {
         // FlashAttention: [2, num_blocks, block_size, heads, head_dim], NHD or HND strides.
         [2, nb, bs, h, hd] => Found::Split(Dims {
+            interleaved: false,
             num_blocks: nb,
             block_size: bs,
             heads: h,
@@ -171,6 +179,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         }),
         // FlashInfer: [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides.
         [nb, 2, bs, h, hd] => Found::Split(Dims {
+            interleaved: false,
             num_blocks: nb,
             block_size: bs,
             heads: h,
@@ -183,6 +192,24 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
                 dim: s[4],
             },
         }),
+        // vLLM 0.33's view on a GPU: [num_blocks, heads, block_size, K row | V row].
+        [nb, h, bs, two_hd] if two_hd == 2 * facts.head_dim && first.device.is_some() => {
+            Found::Split(Dims {
+                interleaved: true,
+                num_blocks: nb,
+                block_size: bs,
+                heads: h,
+                head_dim: facts.head_dim,
+                strides: Strides {
+                    block: s[0],
+                    head: s[1],
+                    token: s[2],
+                    dim: s[3],
+                    // V's row right after K's.
+                    kv: i64::from(facts.head_dim),
+                },
+            })
+        }
         // CPU: [num_blocks, heads, block_size, 2 * head_dim], contiguous.
         [nb, h, bs, two_hd]
             if two_hd == 2 * facts.head_dim && contiguous(&first.shape, &first.strides) =>
@@ -263,7 +290,14 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
                     .collect(),
             };
             layout.validate()?;
-            (layout, len, spec.plane_bytes(), false)
+            // Locked a block's plane at a time, or its planes together when their rows
+            // interleave.
+            let chunk = if split.block_layout.interleaved() {
+                spec.block_bytes()
+            } else {
+                spec.plane_bytes()
+            };
+            (layout, len, chunk, false)
         }
     };
     // One region per layer tensor, each `len` bytes from its first element.
@@ -295,6 +329,9 @@ enum Found {
 
 /// A K/V-split tensor's sizes, and its strides in elements (as `tensor.stride()`).
 struct Dims {
+    /// Each token's K and V rows side by side (vLLM 0.33's views): `strides.kv` is then one
+    /// row, and the rows of a plane two rows apart.
+    interleaved: bool,
     num_blocks: u32,
     block_size: u32,
     heads: u32,
@@ -348,59 +385,79 @@ impl Dims {
                 "head_dim stride {dim}: each head's row must be contiguous"
             ));
         }
+        // From one row of a plane to the next: a row, or two when K's and V's interleave.
+        let pitch = if self.interleaved { 2 * hd } else { hd };
         // Inside a block plane: [token][head][dim] (NHD) or [head][token][dim] (HND). One head
         // is both; it is called token-major, as the peer's one-head cache will be.
-        let block_layout = if token == h * hd && (head == hd || h == 1) {
-            BlockLayout::TokenMajor
-        } else if token == hd && head == bs * hd {
-            BlockLayout::HeadMajor
+        let token_major = if token == h * pitch && (head == pitch || h == 1) {
+            true
+        } else if token == pitch && head == bs * pitch {
+            false
         } else {
             return Err(format!(
-                "token stride {token} and head stride {head}: neither NHD ({} and {hd}) nor HND \
-                 ({hd} and {})",
-                h * hd,
-                bs * hd
+                "token stride {token} and head stride {head}: neither NHD ({} and {pitch}) nor \
+                 HND ({pitch} and {})",
+                h * pitch,
+                bs * pitch
             ));
+        };
+        let block_layout = match (token_major, self.interleaved) {
+            (true, false) => BlockLayout::TokenMajor,
+            (false, false) => BlockLayout::HeadMajor,
+            (true, true) => BlockLayout::TokenMajorInterleaved,
+            (false, true) => BlockLayout::HeadMajorInterleaved,
         };
         let plane = bs * h * hd;
-        // The pool's planes must not overlap: the smaller of the block and K/V strides steps
-        // over a whole plane, the larger over every step of the smaller.
-        let (inner, outer) = if block <= kv {
-            ((block, i64::from(self.num_blocks)), kv)
+        // What one kernel block of one layer spans: a plane, or both when their rows interleave.
+        let block_span = if self.interleaved { 2 * plane } else { plane };
+        if self.interleaved {
+            if block < block_span {
+                return Err(format!(
+                    "block stride {block} overlaps blocks of {block_span} elements"
+                ));
+            }
         } else {
-            ((kv, 2), block)
-        };
-        if inner.0 < plane || outer < inner.0.saturating_mul(inner.1) {
-            return Err(format!(
-                "block stride {block} and K/V stride {kv} overlap planes of {plane} elements"
-            ));
+            // The pool's planes must not overlap: the smaller of the block and K/V strides
+            // steps over a whole plane, the larger over every step of the smaller.
+            let (inner, outer) = if block <= kv {
+                ((block, i64::from(self.num_blocks)), kv)
+            } else {
+                ((kv, 2), block)
+            };
+            if inner.0 < plane || outer < inner.0.saturating_mul(inner.1) {
+                return Err(format!(
+                    "block stride {block} and K/V stride {kv} overlap planes of {plane} elements"
+                ));
+            }
         }
         let (ratio, num_blocks, block_stride) = if self.block_size == logical_block_size {
             (1, self.num_blocks, block)
-        } else if logical_block_size % self.block_size == 0
-            && block_layout == BlockLayout::TokenMajor
-            && block == plane
-        {
+        } else if logical_block_size % self.block_size == 0 && token_major && block == block_span {
             let r = logical_block_size / self.block_size;
             (i64::from(r), self.num_blocks / r, block * i64::from(r))
         } else {
             return Err(format!(
                 "kernel block size {} under the scheduler's {logical_block_size}: handoff \
-                 addresses such blocks only token-major (NHD) with K and V in planes of their \
-                 own",
+                 addresses such blocks only token-major (NHD, or LBNHC) with the kernel blocks \
+                 of a layer back to back",
                 self.block_size
             ));
         };
         let to_u64 = |v: i64| u64::try_from(v).map_err(|_| format!("negative stride {v}"));
         let last = to_u64(block_stride)?.saturating_mul(u64::from(num_blocks).saturating_sub(1));
+        // Past the last block's V plane (which starts `kv` after K's; with interleaved rows,
+        // the block's span covers both).
+        let tail = if self.interleaved {
+            to_u64(block_span * ratio)?
+        } else {
+            to_u64(kv)?.saturating_add(to_u64(plane * ratio)?)
+        };
         Ok(Placement {
             block_layout,
             num_blocks,
             v_offset: to_u64(kv)?,
             block_stride: to_u64(block_stride)?,
-            extent: last
-                .saturating_add(to_u64(kv)?)
-                .saturating_add(to_u64(plane * ratio)?),
+            extent: last.saturating_add(tail),
         })
     }
 }
@@ -541,6 +598,114 @@ mod tests {
         assert_eq!(hnd.regions, vec![(0, 1 << 32, 2 * 100 * plane)]);
         assert_eq!(hnd.block_bytes, plane);
         assert_eq!(hnd.device, Some(0));
+    }
+
+    /// A vLLM 0.33 view `[B, H, N, 2·head_dim]` on a GPU: every (kv, block, head, token) row the
+    /// layout addresses is where torch's strides put it (K's row at C offset 0, V's at
+    /// head_dim), and the layout says the rows interleave.
+    fn view_addresses_as_torch_does(t: &KvTensorInfo, logical_bs: u32) -> KvTensors {
+        let head_dim = (t.shape[3] / 2) as u32;
+        let facts = ModelFacts {
+            num_kv_heads: t.shape[1] as u32,
+            head_dim,
+            block_size: logical_bs,
+            ..facts()
+        };
+        let k = derive(std::slice::from_ref(t), facts).unwrap();
+        assert!(!k.opaque_blocks);
+        assert!(k.layout.spec.block_layout.interleaved());
+        let kernel_bs = t.shape[2] as u32;
+        let ratio = logical_bs / kernel_bs;
+        let elem = u64::from(t.element_size);
+        for block in [0, 1, k.layout.num_blocks - 1] {
+            for kv in 0..2 {
+                for head in 0..t.shape[1] as u32 {
+                    for token in [0, 1, logical_bs - 1] {
+                        let (kb, kt) = (block * ratio + token / kernel_bs, token % kernel_bs);
+                        let torch = i64::from(kb) * t.strides[0]
+                            + i64::from(head) * t.strides[1]
+                            + i64::from(kt) * t.strides[2]
+                            + kv as i64 * i64::from(head_dim);
+                        let ours = k.layout.row_offset(0, kv, block, head, token).unwrap();
+                        assert_eq!(ours, torch as u64 * elem, "{:?}", (kv, block, head, token));
+                        assert!(ours + k.layout.spec.shape.row_bytes() <= k.regions[0].2);
+                    }
+                }
+            }
+        }
+        k
+    }
+
+    // A view's logical dims: 0 = block, 1 = head, 2 = token, 3 = K|V content.
+    const LBHNC: [usize; 4] = [0, 1, 2, 3];
+    const LBNHC: [usize; 4] = [0, 2, 1, 3];
+
+    #[test]
+    fn vllm_033_views_in_lbhnc_and_lbnhc_strides_address_every_row_as_torch_does() {
+        let shape = [100, 4, 16, 128];
+        let hnc = view_addresses_as_torch_does(&permuted("l0", &shape, &LBHNC), 16);
+        assert_eq!(
+            hnc.layout.spec.block_layout,
+            BlockLayout::HeadMajorInterleaved
+        );
+        let nhc = view_addresses_as_torch_does(&permuted("l0", &shape, &LBNHC), 16);
+        assert_eq!(
+            nhc.layout.spec.block_layout,
+            BlockLayout::TokenMajorInterleaved
+        );
+        // One region per layer; a block's K and V together are the unit locked.
+        let block = 2 * 16 * 4 * 64 * 2;
+        assert_eq!(nhc.regions, vec![(0, 1 << 32, 100 * block)]);
+        assert_eq!(nhc.block_bytes, block);
+        // A block-outermost order (BLHNC: a block holds every layer's page): the layer's view
+        // steps over the other layers' pages; the region runs to the end of its last block.
+        let mut blhnc = permuted("l0", &shape, &LBHNC);
+        blhnc.strides[0] *= 3;
+        let k = view_addresses_as_torch_does(&blhnc, 16);
+        assert_eq!(k.regions[0].2, (99 * 3 + 1) * block);
+        // The same shape in host memory is the CPU backend's page: opaque.
+        let host = KvTensorInfo {
+            device: None,
+            ..permuted("l0", &shape, &LBHNC)
+        };
+        let facts = ModelFacts {
+            num_kv_heads: 4,
+            block_size: 16,
+            ..facts()
+        };
+        assert!(derive(&[host], facts).unwrap().opaque_blocks);
+    }
+
+    /// vLLM 0.33 splits a scheduler block into kernel blocks as a pure view, which only a
+    /// layer-compact order allows: under LBNHC the kernel blocks of a logical block are one
+    /// token-major run; under LBHNC each kernel block's heads would cut it, refused.
+    #[test]
+    fn a_views_kernel_block_under_the_schedulers_is_one_logical_block_token_major_only() {
+        let nhc = permuted("l0", &[400, 4, 16, 128], &LBNHC);
+        let k = view_addresses_as_torch_does(&nhc, 64);
+        assert_eq!(k.layout.num_blocks, 100);
+        let facts = ModelFacts {
+            num_kv_heads: 4,
+            block_size: 64,
+            ..facts()
+        };
+        let e = derive(&[permuted("l0", &[400, 4, 16, 128], &LBHNC)], facts)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("kernel block size 16"), "{e}");
+        // A view whose blocks overlap (a block stride under one page) is refused too.
+        let mut overlapping = permuted("l0", &[100, 4, 16, 128], &LBHNC);
+        overlapping.strides[0] /= 2;
+        let e = derive(
+            &[overlapping],
+            ModelFacts {
+                block_size: 16,
+                ..facts
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("overlaps blocks"), "{e}");
     }
 
     /// A model with fewer KV heads than ranks: vLLM gives each rank one replicated head, and the
