@@ -7,8 +7,9 @@
 //! bytes keyed by those coordinates. A sum does not depend on which rank holds which head or on
 //! how tokens are cut into blocks, so the digests of P's ranks add up to the same value as those
 //! of D's ranks whatever the two engines' TP sizes and block sizes (the sum of each side's
-//! ranks is compared). Rows past the prompt's last token are left out: their bytes are stale on
-//! P and zeroed on D.
+//! ranks is compared). A head several ranks hold a copy of (more ranks than heads, MLA's latent
+//! on every rank) counts once, on the first of them. Rows past the prompt's last token are left
+//! out: their bytes are stale on P and zeroed on D.
 //!
 //! Engines whose blocks are opaque pages (vLLM's CPU backend: the kernel decides what is where
 //! inside a block) only pair with engines of the same spec and move whole blocks; there a unit is
@@ -52,11 +53,17 @@ pub fn rank_digest(
         return Ok(sum);
     }
     let spec = &layout.spec;
+    // A replicated head (an MLA latent, or more ranks than heads) counts once over the engine:
+    // on the first rank that holds it.
+    if !spec.first_holder(layout.rank) {
+        return Ok(0);
+    }
     let row = spec.shape.row_bytes();
     let bs = spec.block_size;
     let heads = layout.owned_heads();
     for layer in 0..spec.shape.num_layers {
-        for kv in 0..2usize {
+        // K and V, or a latent's one plane.
+        for kv in 0..spec.block_layout.planes() as usize {
             let plane = layout
                 .layers
                 .get(layer as usize)
@@ -290,6 +297,9 @@ mod tests {
         let d4 = engine(4, 32, vec![11, 6], tokens);
         assert_eq!(digest(&p, rows(tokens)), digest(&d, rows(tokens)));
         assert_eq!(digest(&p, rows(tokens)), digest(&d4, rows(tokens)));
+        // Eight ranks over four heads: each head on two ranks, counted once.
+        let d8 = engine(8, 16, vec![3, 1, 2], tokens);
+        assert_eq!(digest(&p, rows(tokens)), digest(&d8, rows(tokens)));
     }
 
     #[test]

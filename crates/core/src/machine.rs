@@ -322,6 +322,7 @@ impl ConnectorCore {
         // By the order of a block's rows only: K and V interleaved or not, such engines pair.
         let block_layout = match self.spec.block_layout.order() {
             handoff_plan::BlockLayout::TokenMajor => "token-major",
+            handoff_plan::BlockLayout::Latent => "latent",
             _ => "head-major",
         };
         self.fingerprint

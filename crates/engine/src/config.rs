@@ -47,7 +47,9 @@ pub struct EngineConfig {
     /// Tokens per KV block (P and D may differ).
     pub block_size: u32,
     /// `head-major` (default) or `token-major`; with `-interleaved`, each token's K and V rows
-    /// side by side in the block (as vLLM 0.33 keeps them on a GPU).
+    /// side by side in the block (as vLLM 0.33 keeps them on a GPU); `latent`: an MLA-shaped
+    /// model, one latent vector of `head_dim` elements per token and no V (`num_kv_heads` 1, the
+    /// same latent on every rank).
     pub block_layout: String,
     /// How the KV pool is arranged in memory: `layers-outermost` (default: a run of blocks is
     /// one descriptor per layer when P and D have equal TP and block size, for the whole model
@@ -383,18 +385,25 @@ impl EngineConfig {
                 "token-major" => BlockLayout::TokenMajor,
                 "head-major-interleaved" => BlockLayout::HeadMajorInterleaved,
                 "token-major-interleaved" => BlockLayout::TokenMajorInterleaved,
+                "latent" => BlockLayout::Latent,
                 other => {
                     return Err(bad(
                         "block_layout",
                         format!(
-                            "{other:?} is not head-major, token-major, head-major-interleaved \
-                             or token-major-interleaved"
+                            "{other:?} is not head-major, token-major, head-major-interleaved, \
+                             token-major-interleaved or latent"
                         ),
                     ))
                 }
             },
         };
-        spec.validate().map_err(|e| bad("tp", e.to_string()))?;
+        spec.validate().map_err(|e| {
+            let field = match e {
+                handoff_plan::SpecError::LatentHeads { .. } => "num_kv_heads",
+                _ => "tp",
+            };
+            bad(field, e.to_string())
+        })?;
         Ok(spec)
     }
 

@@ -116,6 +116,8 @@ impl KvMemory {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
+        // K and V, or a latent's one plane.
+        let planes = self.spec.block_layout.planes() as usize;
         let mut buf = Vec::new();
         let mut pos = range.start;
         while pos < range.end {
@@ -132,7 +134,7 @@ impl KvMemory {
                 // The global head of this rank's local head 0 (its copy, when heads are replicated).
                 let head0 = self.spec.owned_heads(rank as u32).start;
                 for layer in layers.clone() {
-                    for kv in 0..2 {
+                    for kv in 0..planes {
                         match self.spec.block_layout {
                             // K and V rows side by side: no two slots of a plane touch, so one
                             // write per row (slots past the range zeroed).
@@ -192,9 +194,10 @@ impl KvMemory {
                                     region.write(off, &buf)?;
                                 }
                             }
-                            // Token-major (heads always inside the block): the slots' rows of
-                            // every head are one contiguous range.
-                            BlockLayout::TokenMajor => {
+                            // Token-major (heads always inside the block), or a latent (one
+                            // vector per token): the slots' rows of every head are one
+                            // contiguous range.
+                            BlockLayout::TokenMajor | BlockLayout::Latent => {
                                 buf.clear();
                                 buf.resize(slots.len() * hpr as usize * row, 0);
                                 for (i, p) in positions.clone().enumerate() {
@@ -235,6 +238,7 @@ impl KvMemory {
         let heads = self.spec.shape.num_kv_heads as usize;
         let layers = self.spec.shape.num_layers as usize;
         let row = self.row_bytes();
+        let planes = self.spec.block_layout.planes() as usize;
         let mut rows = Vec::new();
         let mut plane = Vec::new();
         let mut pos = range.start;
@@ -245,14 +249,14 @@ impl KvMemory {
             let (first, n) = (pos % bs, end - pos);
             // This block's rows in logical order: [layer][plane][global head][slot].
             let at = |layer: usize, kv: usize, g: usize, i: usize| {
-                (((layer * 2 + kv) * heads + g) * n + i) * row
+                (((layer * planes + kv) * heads + g) * n + i) * row
             };
             rows.clear();
-            rows.resize(layers * 2 * heads * n * row, 0);
+            rows.resize(layers * planes * heads * n * row, 0);
             for (rank, region) in self.regions.iter().enumerate() {
                 let head0 = self.spec.owned_heads(rank as u32).start as usize;
                 for layer in 0..layers {
-                    for kv in 0..2 {
+                    for kv in 0..planes {
                         let l = layer as u32;
                         match self.spec.block_layout {
                             BlockLayout::HeadMajorInterleaved
@@ -286,7 +290,7 @@ impl KvMemory {
                                     )?;
                                 }
                             }
-                            BlockLayout::TokenMajor => {
+                            BlockLayout::TokenMajor | BlockLayout::Latent => {
                                 plane.clear();
                                 plane.resize(n * hpr * row, 0);
                                 let off = self.row_offset(rank, block, l, kv, 0, first as u32)?;
@@ -306,7 +310,7 @@ impl KvMemory {
             }
             for i in 0..n {
                 for layer in 0..layers {
-                    for kv in 0..2 {
+                    for kv in 0..planes {
                         for g in 0..heads {
                             let a = at(layer, kv, g, i);
                             digest = model::fold(digest, &rows[a..a + row]);

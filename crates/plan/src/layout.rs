@@ -67,6 +67,10 @@ pub enum BlockLayout {
     /// `[token][head][K|V][dim]`: the rows of [`TokenMajor`](Self::TokenMajor), K and V side by
     /// side (vLLM 0.33's views in `LBNHC` order, its default).
     TokenMajorInterleaved,
+    /// `[token][latent]`: one plane per block and no V, MLA's compressed KV (DeepSeek V2/V3,
+    /// Kimi, GLM): one latent vector of `head_dim` elements per token, the same on every rank
+    /// (the spec's one "head", replicated over the ranks). Pairs only with itself.
+    Latent,
 }
 
 impl BlockLayout {
@@ -77,11 +81,21 @@ impl BlockLayout {
         match self {
             BlockLayout::HeadMajor | BlockLayout::HeadMajorInterleaved => BlockLayout::HeadMajor,
             BlockLayout::TokenMajor | BlockLayout::TokenMajorInterleaved => BlockLayout::TokenMajor,
+            BlockLayout::Latent => BlockLayout::Latent,
+        }
+    }
+
+    /// Planes a block holds: K and V, or the latent alone.
+    pub fn planes(self) -> u32 {
+        if self == BlockLayout::Latent {
+            1
+        } else {
+            2
         }
     }
 
     /// Whether each token's K and V rows lie side by side (one `2 × row` run) instead of in
-    /// planes of their own.
+    /// planes of their own (never for a latent, which has no V).
     pub fn interleaved(self) -> bool {
         matches!(
             self,
@@ -135,6 +149,15 @@ pub enum SpecError {
         /// Tensor-parallel size.
         tp: u32,
         /// KV heads of the model.
+        num_kv_heads: u32,
+    },
+    /// A latent (MLA) spec with more than one "head": the latent is one vector per token.
+    #[error(
+        "a latent (MLA) block holds one vector per token, so num_kv_heads must be 1 (it is \
+         {num_kv_heads})"
+    )]
+    LatentHeads {
+        /// KV heads of the spec.
         num_kv_heads: u32,
     },
     /// One block plane is larger than `u64` bytes can describe.
@@ -202,6 +225,11 @@ impl KvSpec {
             }
         }
         check_heads(self.tp, s.num_kv_heads)?;
+        if self.block_layout == BlockLayout::Latent && s.num_kv_heads != 1 {
+            return Err(SpecError::LatentHeads {
+                num_kv_heads: s.num_kv_heads,
+            });
+        }
         let too_large = SpecError::TooLarge {
             heads_per_rank: self.heads_per_rank(),
             block_size: self.block_size,
@@ -223,6 +251,14 @@ impl KvSpec {
         heads_per_rank(self.tp, self.shape.num_kv_heads)
     }
 
+    /// Whether `rank` is the first of the ranks holding its heads: always, unless heads are
+    /// replicated (more ranks than heads), where one rank in every `tp / num_kv_heads` is. What
+    /// counts a head once over an engine's ranks (a digest, a byte count) counts it there.
+    pub fn first_holder(&self, rank: u32) -> bool {
+        let heads = self.shape.num_kv_heads;
+        self.tp <= heads || heads == 0 || rank % (self.tp / heads) == 0
+    }
+
     /// The global KV heads `rank` owns (see [`owned_heads`]).
     pub fn owned_heads(&self, rank: u32) -> Range<u32> {
         owned_heads(self.tp, self.shape.num_kv_heads, rank)
@@ -237,9 +273,11 @@ impl KvSpec {
             .saturating_mul(self.shape.row_bytes())
     }
 
-    /// Bytes of one block of one layer of one rank, K and V together (`2 × plane_bytes`).
+    /// Bytes of one block of one layer of one rank, K and V together (`2 × plane_bytes`; one
+    /// plane for a latent).
     pub fn block_bytes(&self) -> u64 {
-        self.plane_bytes().saturating_mul(2)
+        self.plane_bytes()
+            .saturating_mul(u64::from(self.block_layout.planes()))
     }
 
     /// Position of (local head `head`, token `token`) inside one block plane, in rows (multiply
@@ -265,11 +303,12 @@ impl KvSpec {
 
     /// Bytes from a block's K plane to its V plane when both live in one block: a plane, or one
     /// row when K and V rows interleave.
+    /// A latent has no V: 0, V names K's place.
     pub fn v_after_k(&self) -> u64 {
-        if self.block_layout.interleaved() {
-            self.shape.row_bytes()
-        } else {
-            self.plane_bytes()
+        match self.block_layout {
+            BlockLayout::Latent => 0,
+            l if l.interleaved() => self.shape.row_bytes(),
+            _ => self.plane_bytes(),
         }
     }
 
@@ -456,6 +495,12 @@ pub enum LayoutError {
         /// Layer index.
         layer: u32,
     },
+    /// A latent (MLA) block has no V plane, but the placement puts one elsewhere than K.
+    #[error("layer {layer}: a latent block has no V plane, so V must name K's place")]
+    LatentV {
+        /// Layer index.
+        layer: u32,
+    },
     /// The block layout interleaves K and V rows, but the placement does not put V one row after
     /// K in the same region.
     #[error(
@@ -535,10 +580,14 @@ impl RankLayout {
         } else {
             (self.spec.plane_bytes(), self.spec.plane_bytes())
         };
+        // (A latent's one plane is K's: V names the same place, checked below.)
         // One head's tokens of one block: what must fit between blocks (and between heads) when
         // the heads live outside the block.
         let head_block = u64::from(self.spec.block_size).saturating_mul(row);
         for (layer, p) in (0u32..).zip(&self.layers) {
+            if self.spec.block_layout == BlockLayout::Latent && p.v != p.k {
+                return Err(LayoutError::LatentV { layer });
+            }
             if interleaved
                 && (p.v.region != p.k.region || p.k.offset.checked_add(row) != Some(p.v.offset))
             {
@@ -658,8 +707,7 @@ impl RankLayout {
         first_region_id: u32,
     ) -> Result<Self, LayoutError> {
         spec.validate()?;
-        let plane = spec.plane_bytes();
-        let len = region_len_for(num_blocks, 2 * plane, spec)?;
+        let len = region_len_for(num_blocks, spec.block_bytes(), spec)?;
         let mut regions = Vec::new();
         let mut layers = Vec::new();
         for l in 0..spec.shape.num_layers {
@@ -674,7 +722,7 @@ impl RankLayout {
                     region: id,
                     offset: spec.v_after_k(),
                 },
-                block_stride: 2 * plane,
+                block_stride: spec.block_bytes(),
                 head_stride: 0,
             });
         }
@@ -737,8 +785,7 @@ impl RankLayout {
         region_id: u32,
     ) -> Result<Self, LayoutError> {
         spec.validate()?;
-        let plane = spec.plane_bytes();
-        let layer_bytes = 2 * plane;
+        let layer_bytes = spec.block_bytes();
         let stride = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
@@ -764,8 +811,7 @@ impl RankLayout {
         region_id: u32,
     ) -> Result<Self, LayoutError> {
         spec.validate()?;
-        let plane = spec.plane_bytes();
-        let block_stride = plane.checked_mul(2).ok_or(too_large(spec))?;
+        let block_stride = spec.block_bytes();
         let layer_bytes = region_len_for(num_blocks, block_stride, spec)?;
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))

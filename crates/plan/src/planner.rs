@@ -472,12 +472,12 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
 }
 
 /// How many planes of a block are walked apart: 2 (K, then V), or 1 when K and V rows
-/// interleave (walking K's rows two rows wide covers V's).
+/// interleave (walking K's rows two rows wide covers V's) or the block holds a latent alone.
 fn planes_apart(spec: &crate::KvSpec) -> usize {
     if spec.block_layout.interleaved() {
         1
     } else {
-        2
+        spec.block_layout.planes() as usize
     }
 }
 
@@ -619,7 +619,8 @@ impl<'a> Request<'a> {
         let (unit, planes) = if p_il && d_il {
             (2 * ps.shape.row_bytes(), 0..1)
         } else {
-            (ps.shape.row_bytes(), 0..2)
+            // K and V, or a latent's one plane (both sides alike: check_compatible).
+            (ps.shape.row_bytes(), 0..ps.block_layout.planes() as usize)
         };
         let row_by_row = p_il != d_il;
         let (p_hpr, d_hpr) = (ps.heads_per_rank(), ds.heads_per_rank());

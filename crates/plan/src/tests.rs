@@ -609,9 +609,8 @@ fn incompatible_messages_say_why() {
     ));
     assert_eq!(
         check(base, with(&|s| s.block_layout = TokenMajor)),
-        "block layouts differ: P is HeadMajor but D is TokenMajor; a token-major/head-major mix \
-         would need one descriptor per token per head or a permute after receipt, which is not \
-         supported"
+        "block layouts differ: P is HeadMajor but D is TokenMajor; engines pair when their rows \
+         are in the same order (K and V interleaved or not), and a latent (MLA) only with a latent"
     );
     // What may differ does.
     let t = check_compatible(
@@ -1021,5 +1020,63 @@ fn interleaved_rows_pair_with_each_other_and_with_planes() {
     assert!(matches!(
         plan_pair(&hm, &tm, &[0], &[0], 16),
         Err(PlanError::Incompatible(Incompatible::LayoutMismatch { .. }))
+    ));
+}
+
+/// MLA's latent: one plane of one vector per token, the same on every rank. A block is one
+/// plane (no V); D reads it from one P rank however many hold a copy, and every D rank reads its
+/// own; it pairs with nothing but a latent, and a latent spec has exactly one "head".
+#[test]
+fn a_latent_is_one_plane_read_once_per_d_rank_and_pairs_only_with_a_latent() {
+    use BlockLayout::Latent;
+    let s = spec(1, 2, 16, Latent);
+    assert_eq!(s.block_bytes(), s.plane_bytes());
+    assert_eq!(s.plane_bytes(), 16 * ROW);
+    let p = ranks(s, 4);
+    let l = &p[0];
+    assert_eq!(l.layers[0].v, l.layers[0].k);
+    assert_eq!(l.layers[0].block_stride, 16 * ROW);
+    let d = ranks(spec(1, 1, 16, Latent), 4);
+    let moved = plan(&p, &d, &[1, 2], &[2, 3], 20).unwrap();
+    // P rank 0 gives D the latent (20 rows, blocks 1 and 2 of P to 2 and 3 of D: one run);
+    // P rank 1 holds a copy and only confirms.
+    assert_eq!(moved.pairs.len(), 2);
+    assert_eq!(
+        moved.pairs[0].descriptors,
+        vec![desc(16 * ROW, 32 * ROW, 20 * ROW)]
+    );
+    assert!(moved.pairs[1].descriptors.is_empty());
+    // D at TP 2: each rank reads its own copy.
+    let d2 = ranks(spec(1, 2, 16, Latent), 4);
+    assert_eq!(plan(&d, &d2, &[0], &[0], 16).unwrap().bytes(), 2 * 16 * ROW);
+    assert_eq!(
+        uncovered_dst(&d[0], &[2, 3], 20).unwrap(),
+        vec![Span {
+            region: 100,
+            offset: 3 * 16 * ROW + 4 * ROW,
+            len: 12 * ROW
+        }]
+    );
+    assert_eq!(
+        block_spans(&d[0], &[3])
+            .unwrap()
+            .iter()
+            .map(|s| s.len)
+            .sum::<u64>(),
+        16 * ROW
+    );
+    // A V plane elsewhere than K's, more than one head, or K/V planes on the other side: refused.
+    let mut bad = d[0].clone();
+    bad.layers[0].v.offset += ROW;
+    assert_eq!(bad.validate(), Err(LayoutError::LatentV { layer: 0 }));
+    assert_eq!(
+        spec(2, 1, 16, Latent).validate(),
+        Err(SpecError::LatentHeads { num_kv_heads: 2 })
+    );
+    let planes = ranks(spec(1, 1, 16, TokenMajor), 4).remove(0);
+    let e = plan_pair(&d[0], &planes, &[0], &[0], 16).unwrap_err();
+    assert!(matches!(
+        e,
+        PlanError::Incompatible(Incompatible::LayoutMismatch { .. })
     ));
 }

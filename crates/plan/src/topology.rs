@@ -57,11 +57,12 @@ pub enum Incompatible {
         /// D's block size in tokens.
         d: u32,
     },
-    /// Head-major on one side and token-major on the other: every (token, head) row would be its
-    /// own descriptor (or D would have to permute after receipt), so this is refused.
+    /// Head-major on one side and token-major on the other (every (token, head) row would be its
+    /// own descriptor, or D would have to permute after receipt), or a latent against K and V:
+    /// refused.
     #[error(
-        "block layouts differ: P is {p:?} but D is {d:?}; a token-major/head-major mix would need \
-         one descriptor per token per head or a permute after receipt, which is not supported"
+        "block layouts differ: P is {p:?} but D is {d:?}; engines pair when their rows are in the \
+         same order (K and V interleaved or not), and a latent (MLA) only with a latent"
     )]
     LayoutMismatch {
         /// P's layout.

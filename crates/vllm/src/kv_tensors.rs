@@ -62,6 +62,10 @@ pub struct ModelFacts {
     pub block_size: u32,
     pub tp: u32,
     pub rank: u32,
+    /// The model keeps MLA's latent (vLLM's `use_mla`): one vector of `head_dim` elements per
+    /// token, the same on every rank (`num_kv_heads` is then 1).
+    #[serde(default)]
+    pub mla: bool,
 }
 
 /// The rank's KV memory: the layout and where each region lives in the engine's memory.
@@ -164,7 +168,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
     let found = match *dims.as_slice() {
         // FlashAttention: [2, num_blocks, block_size, heads, head_dim], NHD or HND strides.
         [2, nb, bs, h, hd] => Found::Split(Dims {
-            interleaved: false,
+            rows: Rows::Planes,
             num_blocks: nb,
             block_size: bs,
             heads: h,
@@ -179,7 +183,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         }),
         // FlashInfer: [num_blocks, 2, block_size, heads, head_dim], NHD or HND strides.
         [nb, 2, bs, h, hd] => Found::Split(Dims {
-            interleaved: false,
+            rows: Rows::Planes,
             num_blocks: nb,
             block_size: bs,
             heads: h,
@@ -192,10 +196,33 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
                 dim: s[4],
             },
         }),
+        // MLA's latent cache: [num_blocks, block_size, latent] (vLLM's MLA backends, CPU and
+        // GPU), or 0.33's view of it, [num_blocks, 1, block_size, latent].
+        [nb, bs, hd] | [nb, 1, bs, hd] if facts.mla && hd == facts.head_dim => {
+            let (block, token, dim) = match *s {
+                [b, t, d] | [b, _, t, d] => (b, t, d),
+                _ => return Err(unknown()),
+            };
+            Found::Split(Dims {
+                rows: Rows::Latent,
+                num_blocks: nb,
+                block_size: bs,
+                heads: 1,
+                head_dim: hd,
+                strides: Strides {
+                    block,
+                    token,
+                    dim,
+                    // One plane: no V, no heads.
+                    kv: 0,
+                    head: 0,
+                },
+            })
+        }
         // vLLM 0.33's view on a GPU: [num_blocks, heads, block_size, K row | V row].
         [nb, h, bs, two_hd] if two_hd == 2 * facts.head_dim && first.device.is_some() => {
             Found::Split(Dims {
-                interleaved: true,
+                rows: Rows::Interleaved,
                 num_blocks: nb,
                 block_size: bs,
                 heads: h,
@@ -327,11 +354,21 @@ enum Found {
     Split(Dims),
 }
 
+/// How a tensor's rows hold K and V.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    /// K planes and V planes apart (`strides.kv` from one to the other).
+    Planes,
+    /// Each token's K and V rows side by side (vLLM 0.33's views): `strides.kv` is one row, and
+    /// the rows of a plane two rows apart.
+    Interleaved,
+    /// MLA's latent: one plane, one vector per token, no V.
+    Latent,
+}
+
 /// A K/V-split tensor's sizes, and its strides in elements (as `tensor.stride()`).
 struct Dims {
-    /// Each token's K and V rows side by side (vLLM 0.33's views): `strides.kv` is then one
-    /// row, and the rows of a plane two rows apart.
-    interleaved: bool,
+    rows: Rows,
     num_blocks: u32,
     block_size: u32,
     heads: u32,
@@ -386,7 +423,8 @@ impl Dims {
             ));
         }
         // From one row of a plane to the next: a row, or two when K's and V's interleave.
-        let pitch = if self.interleaved { 2 * hd } else { hd };
+        let interleaved = self.rows == Rows::Interleaved;
+        let pitch = if interleaved { 2 * hd } else { hd };
         // Inside a block plane: [token][head][dim] (NHD) or [head][token][dim] (HND). One head
         // is both; it is called token-major, as the peer's one-head cache will be.
         let token_major = if token == h * pitch && (head == pitch || h == 1) {
@@ -401,16 +439,17 @@ impl Dims {
                 bs * pitch
             ));
         };
-        let block_layout = match (token_major, self.interleaved) {
-            (true, false) => BlockLayout::TokenMajor,
-            (false, false) => BlockLayout::HeadMajor,
-            (true, true) => BlockLayout::TokenMajorInterleaved,
-            (false, true) => BlockLayout::HeadMajorInterleaved,
+        let block_layout = match (token_major, self.rows) {
+            (_, Rows::Latent) => BlockLayout::Latent,
+            (true, Rows::Planes) => BlockLayout::TokenMajor,
+            (false, Rows::Planes) => BlockLayout::HeadMajor,
+            (true, Rows::Interleaved) => BlockLayout::TokenMajorInterleaved,
+            (false, Rows::Interleaved) => BlockLayout::HeadMajorInterleaved,
         };
         let plane = bs * h * hd;
         // What one kernel block of one layer spans: a plane, or both when their rows interleave.
-        let block_span = if self.interleaved { 2 * plane } else { plane };
-        if self.interleaved {
+        let block_span = if interleaved { 2 * plane } else { plane };
+        if self.rows != Rows::Planes {
             if block < block_span {
                 return Err(format!(
                     "block stride {block} overlaps blocks of {block_span} elements"
@@ -447,7 +486,7 @@ impl Dims {
         let last = to_u64(block_stride)?.saturating_mul(u64::from(num_blocks).saturating_sub(1));
         // Past the last block's V plane (which starts `kv` after K's; with interleaved rows,
         // the block's span covers both).
-        let tail = if self.interleaved {
+        let tail = if self.rows != Rows::Planes {
             to_u64(block_span * ratio)?
         } else {
             to_u64(kv)?.saturating_add(to_u64(plane * ratio)?)
@@ -473,6 +512,7 @@ mod tests {
             block_size: 128,
             tp: 1,
             rank: 0,
+            mla: false,
         }
     }
 
@@ -706,6 +746,62 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("overlaps blocks"), "{e}");
+    }
+
+    /// MLA's latent cache as vLLM's MLA backends allocate it, `[num_blocks, block_size, 576]`
+    /// (DeepSeek's 512 + 64), on the host (the CPU build's CPU_MLA) or a GPU, and 0.33's
+    /// `[num_blocks, 1, block_size, 576]` view: one plane per block, every token's latent where
+    /// torch's strides put it, the same on every rank; without vLLM's `use_mla` the shape is
+    /// refused, never guessed.
+    #[test]
+    fn an_mla_latent_cache_is_one_plane_per_block() {
+        let facts = ModelFacts {
+            num_kv_heads: 1,
+            head_dim: 576,
+            block_size: 16,
+            tp: 2,
+            rank: 1,
+            mla: true,
+        };
+        for (shape, device) in [
+            (vec![100, 16, 576], None),
+            (vec![100, 16, 576], Some(0)),
+            (vec![100, 1, 16, 576], Some(0)),
+        ] {
+            let order: Vec<usize> = (0..shape.len()).collect();
+            let t = KvTensorInfo {
+                device,
+                ..permuted("l0", &shape, &order)
+            };
+            let k = derive(std::slice::from_ref(&t), facts).unwrap();
+            assert_eq!(k.layout.spec.block_layout, BlockLayout::Latent);
+            assert!(!k.opaque_blocks);
+            assert_eq!(k.layout.owned_heads(), 0..1, "every rank holds the latent");
+            let (block_stride, token_stride) = (t.strides[0], t.strides[shape.len() - 2]);
+            for block in [0, 1, 99] {
+                for token in [0, 5, 15] {
+                    let torch = (i64::from(block) * block_stride + i64::from(token) * token_stride)
+                        as u64
+                        * 2;
+                    for kv in 0..2 {
+                        assert_eq!(k.layout.row_offset(0, kv, block, 0, token), Some(torch));
+                    }
+                }
+            }
+            assert_eq!(k.block_bytes, 16 * 576 * 2);
+            assert_eq!(k.regions[0].2, 100 * 16 * 576 * 2);
+            let plain = derive(
+                &[t],
+                ModelFacts {
+                    mla: false,
+                    ..facts
+                },
+            );
+            assert!(
+                plain.is_err(),
+                "{shape:?} taken for something else: {plain:?}"
+            );
+        }
     }
 
     /// A model with fewer KV heads than ranks: vLLM gives each rank one replicated head, and the

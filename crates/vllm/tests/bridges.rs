@@ -66,6 +66,7 @@ fn facts() -> ModelFacts {
         block_size: BS as u32,
         tp: 1,
         rank: 0,
+        mla: false,
     }
 }
 

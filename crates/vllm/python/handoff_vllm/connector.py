@@ -245,6 +245,7 @@ class HandoffConnector(KVConnectorBase_V1):
         self._on_gpu = devices != {None}
         mc = self._config.model_config
         pc = self._config.parallel_config
+        mla = bool(getattr(mc, "use_mla", False))
         tensors = [
             {
                 "name": name,
@@ -264,7 +265,9 @@ class HandoffConnector(KVConnectorBase_V1):
             "cluster_key_file": self._extra.get("cluster_key_file"),
             "insecure": bool(self._extra.get("insecure", False)),
             "facts": {
-                "num_kv_heads": int(mc.get_total_num_kv_heads()),
+                # MLA keeps one latent vector per token, the same on every rank: one "head".
+                "num_kv_heads": 1 if mla else int(mc.get_total_num_kv_heads()),
+                "mla": mla,
                 "head_dim": int(mc.get_head_size()),
                 "block_size": int(self._block_size),
                 "tp": int(pc.tensor_parallel_size),

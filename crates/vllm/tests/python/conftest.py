@@ -73,11 +73,12 @@ class Server:
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
                  env_extra: dict | None = None, log_stats: bool = False,
                  host: str = "127.0.0.1", netns: str | None = None, real: bool = True,
-                 cpus: str | None = None):
+                 cpus: str | None = None, tiny_model: Path = MODEL):
         """`netns`: run the server inside that network namespace, listening on `host`.
         `cpus`: run it on these CPUs only (taskset's list, "0" or "0-1"), as on a host of its own.
-        `real`: the real model (its tokenizer too); otherwise the tiny dummy-weight model,
-        which has no tokenizer (token-id prompts only)."""
+        `real`: the real model (its tokenizer too); otherwise the tiny model `tiny_model` (a
+        directory with its config, and dummy weights unless it holds a checkpoint), which has
+        no tokenizer (token-id prompts only)."""
         Server.started.append(self)
         self.name = name
         self.port = free_port()
@@ -91,8 +92,11 @@ class Server:
             model_args = ["--model", str(REAL_MODEL), "--served-model-name", self.model]
         else:
             self.model = "tiny"
-            model_args = ["--model", str(MODEL), "--served-model-name", self.model,
-                          "--load-format", "dummy", "--skip-tokenizer-init"]
+            # Dummy weights, unless the directory holds a checkpoint of its own.
+            dummy = [] if (tiny_model / "model.safetensors").exists() else [
+                "--load-format", "dummy"]
+            model_args = ["--model", str(tiny_model), "--served-model-name", self.model,
+                          *dummy, "--skip-tokenizer-init"]
         args = ([] if netns is None else ["ip", "netns", "exec", netns]) + (
             [] if cpus is None else ["taskset", "-c", cpus]) + [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
