@@ -5,7 +5,8 @@ sizes). vLLM keeps one latent vector of 576 values per token, the same on every 
 rank; handoff moves it as one plane per block, from one P rank however many hold a copy. Pull
 with P at TP 1 and at TP 2 and D at TP 1, and push at TP 1: D's KV digest proves P's latent
 arrived whole. Whether D's answers then equal the single engine's is reported, not asserted: on
-vLLM 0.32's CPU build they do for some prompt lengths and not for others (the guide's "MLA")."""
+vLLM 0.32's CPU build they do for some prompt lengths and not for others, as with vLLM's own
+ExampleConnector on one engine (the guide's "MLA")."""
 
 from __future__ import annotations
 
