@@ -4,6 +4,7 @@
 //! Every test is bounded in time and checks that the counter in /metrics moved.
 
 mod fake;
+mod harness;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -14,64 +15,24 @@ use fake::{Fake, Log};
 use handoff_http::probe::{hold_connections, read_until_closed, slowloris, status_of};
 use handoff_http::Limits;
 use handoff_proxy::{start, AdminToken, ProxyConfig, RunningProxy};
+use harness::{bounded, client, completion, metrics};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
-async fn bounded<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(30), f)
-        .await
-        .expect("test took longer than 30 s")
-}
-
 fn config(ps: &[&Fake], ds: &[&Fake]) -> ProxyConfig {
     ProxyConfig {
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         admin_token: Some(AdminToken::new(TOKEN).unwrap()),
-        prefill: ps.iter().map(|f| f.url.clone()).collect(),
-        decode: ds.iter().map(|f| f.url.clone()).collect(),
-        health_interval: Duration::from_secs(60),
-        health_timeout: Duration::from_millis(500),
-        connect_timeout: Duration::from_secs(1),
-        request_timeout: Duration::from_secs(5),
-        stream_idle_timeout: Duration::from_secs(5),
-        release_timeout: Duration::from_secs(1),
-        ..ProxyConfig::default()
+        ..harness::config(ps, ds)
     }
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-fn completion() -> Value {
-    json!({"model": "m", "prompt": "hello", "max_tokens": 8})
-}
-
 async fn complete(proxy: &RunningProxy) -> (u16, Value) {
-    let r = client()
-        .post(format!("{}/v1/completions", proxy.url()))
-        .json(&completion())
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap())
+    harness::post(proxy, "/v1/completions", &completion()).await
 }
 
 fn admin(proxy: &RunningProxy) -> String {
     format!("{}/admin/instances", proxy.admin_url().unwrap())
-}
-
-async fn metrics(proxy: &RunningProxy) -> String {
-    client()
-        .get(format!("{}/metrics", proxy.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// The value of the sample `name{labels}` (exactly as exposed), 0 when absent.

@@ -3,36 +3,21 @@
 //! Every test is bounded in time.
 
 mod fake;
+mod harness;
 
-use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use fake::{post_giving_up, Fake, Log};
 use futures_util::StreamExt;
-use handoff_proxy::{start, InstanceInfo, ProxyConfig, RunningProxy, TransferMode};
+use handoff_proxy::{start, ProxyConfig, RunningProxy, TransferMode};
+use harness::{bounded, client, completion, find, metrics, wait_until};
 use serde_json::{json, Value};
-
-async fn bounded<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(30), f)
-        .await
-        .expect("test took longer than 30 s")
-}
 
 fn config(ps: &[&Fake], ds: &[&Fake]) -> ProxyConfig {
     ProxyConfig {
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        prefill: ps.iter().map(|f| f.url.clone()).collect(),
-        decode: ds.iter().map(|f| f.url.clone()).collect(),
         mode: TransferMode::Push,
-        health_interval: Duration::from_secs(60),
-        health_timeout: Duration::from_millis(500),
-        connect_timeout: Duration::from_secs(1),
-        request_timeout: Duration::from_secs(5),
-        stream_idle_timeout: Duration::from_secs(5),
-        release_timeout: Duration::from_secs(1),
-        ..ProxyConfig::default()
+        ..harness::config(ps, ds)
     }
 }
 
@@ -40,33 +25,8 @@ async fn proxy(ps: &[&Fake], ds: &[&Fake]) -> RunningProxy {
     start(config(ps, ds)).await.unwrap()
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
 async fn post(proxy: &RunningProxy, body: &Value) -> (u16, Value) {
-    let r = client()
-        .post(format!("{}/v1/completions", proxy.url()))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap())
-}
-
-fn completion() -> Value {
-    json!({"model": "m", "prompt": "hello", "max_tokens": 8})
-}
-
-fn find<'a>(list: &'a [InstanceInfo], url: &str) -> &'a InstanceInfo {
-    list.iter().find(|i| i.url == url).expect("instance listed")
-}
-
-async fn wait_until(mut cond: impl FnMut() -> bool) {
-    while !cond() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    harness::post(proxy, "/v1/completions", body).await
 }
 
 fn position(log: &Log, event: &str) -> usize {
@@ -74,17 +34,6 @@ fn position(log: &Log, event: &str) -> usize {
         .iter()
         .position(|e| e == event)
         .unwrap_or_else(|| panic!("no {event} in {:?}", log.events()))
-}
-
-async fn metrics(proxy: &RunningProxy) -> String {
-    client()
-        .get(format!("{}/metrics", proxy.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// The handoff id the proxy sent P in its `i`th request.
