@@ -145,11 +145,10 @@ impl KvMemory {
                                 for h in 0..hpr {
                                     for (i, slot) in slots.clone().enumerate() {
                                         buf.fill(0);
-                                        if let Some(&prefix) =
-                                            prefix.get(pos + i).filter(|_| pos + i < end)
-                                        {
+                                        // Slot i holds position pos + i while the range lasts.
+                                        if pos + i < end {
                                             model::kv_row(
-                                                prefix,
+                                                prefix[pos + i],
                                                 layer,
                                                 kv as u32,
                                                 head0 + h,

@@ -301,9 +301,25 @@ impl KvSpec {
         self.shape.row_bytes().saturating_mul(rows)
     }
 
+    /// Planes a walk over a block's bytes visits one after the other: K then V (2), or 1 when
+    /// K and V rows interleave (K's rows walked [`row_pitch`](Self::row_pitch) wide cover V's)
+    /// or the block holds a latent alone.
+    pub fn planes_apart(&self) -> u32 {
+        if self.block_layout.interleaved() {
+            1
+        } else {
+            self.block_layout.planes()
+        }
+    }
+
+    /// Bytes one such walk covers in one block: a plane, or the whole block when K and V rows
+    /// interleave (`block_bytes / planes_apart`).
+    pub fn walk_bytes(&self) -> u64 {
+        self.block_bytes() / u64::from(self.planes_apart())
+    }
+
     /// Bytes from a block's K plane to its V plane when both live in one block: a plane, or one
-    /// row when K and V rows interleave.
-    /// A latent has no V: 0, V names K's place.
+    /// row when K and V rows interleave; 0 for a latent, whose V names K's place.
     pub fn v_after_k(&self) -> u64 {
         match self.block_layout {
             BlockLayout::Latent => 0,
@@ -790,7 +806,7 @@ impl RankLayout {
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
         let len = region_len_for(num_blocks, stride, spec)?;
-        let layers = one_region_layers(spec, region_id, layer_bytes, stride, 0);
+        let layers = one_region_layers(spec, region_id, layer_bytes, spec.v_after_k(), stride, 0);
         Self::checked(Self {
             spec,
             rank,
@@ -816,7 +832,14 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let layers = one_region_layers(spec, region_id, layer_bytes, block_stride, 0);
+        let layers = one_region_layers(
+            spec,
+            region_id,
+            layer_bytes,
+            spec.v_after_k(),
+            block_stride,
+            0,
+        );
         Self::checked(Self {
             spec,
             rank,
@@ -850,11 +873,9 @@ impl RankLayout {
         let len = layer_bytes
             .checked_mul(u64::from(spec.shape.num_layers))
             .ok_or(too_large(spec))?;
-        let mut layers = one_region_layers(spec, region_id, layer_bytes, head_block, head_stride);
-        // Each head's run of blocks is a plane of its own: V after every head's K.
-        for (l, p) in (0u64..).zip(&mut layers) {
-            p.v.offset = l * layer_bytes + plane;
-        }
+        // Each head's run of blocks is inside its plane: V after every head's K.
+        let layers =
+            one_region_layers(spec, region_id, layer_bytes, plane, head_block, head_stride);
         Self::checked(Self {
             spec,
             rank,
@@ -871,12 +892,13 @@ impl RankLayout {
 }
 
 /// The placements of a layout with every layer in region `region_id`, layer after layer: layer
-/// `l`'s K plane at `l × layer_stride`, its V plane [`KvSpec::v_after_k`] bytes after it. (The
-/// caller checked that the region's length fits in a u64, so no offset overflows.)
+/// `l`'s K plane at `l × layer_stride`, its V plane `v_after_k` bytes after it. (The caller
+/// checked that the region's length fits in a u64, so no offset overflows.)
 fn one_region_layers(
     spec: KvSpec,
     region_id: u32,
     layer_stride: u64,
+    v_after_k: u64,
     block_stride: u64,
     head_stride: u64,
 ) -> Vec<LayerPlacement> {
@@ -888,7 +910,7 @@ fn one_region_layers(
             },
             v: PlaneLoc {
                 region: region_id,
-                offset: l * layer_stride + spec.v_after_k(),
+                offset: l * layer_stride + v_after_k,
             },
             block_stride,
             head_stride,

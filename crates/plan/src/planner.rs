@@ -396,7 +396,7 @@ pub fn uncovered_dst(
         return Ok(Vec::new());
     }
     // A row of K and V interleaved is one double row: K's tail covers V's.
-    let (pitch, planes) = (spec.row_pitch(), planes_apart(spec));
+    let (pitch, planes) = (spec.row_pitch(), spec.planes_apart() as usize);
     let hpr = spec.heads_per_rank();
     let ovf = PlanError::Overflow {
         side: Side::Decode,
@@ -443,22 +443,14 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
         // Heads inside the block: one plane per block (both at once when K and V rows
         // interleave); heads outside: one run per head.
         let (pieces, piece_len) = if lp.head_stride == 0 {
-            let both = spec.block_layout.interleaved();
-            (
-                1,
-                if both {
-                    spec.block_bytes()
-                } else {
-                    spec.plane_bytes()
-                },
-            )
+            (1, spec.walk_bytes())
         } else {
             (
                 spec.heads_per_rank(),
                 u64::from(spec.block_size) * spec.shape.row_bytes(),
             )
         };
-        for kv in 0..planes_apart(spec) {
+        for kv in 0..spec.planes_apart() as usize {
             let region = lp.plane(kv).region;
             for h in 0..pieces {
                 for &b in &sorted {
@@ -469,16 +461,6 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
         }
     }
     finish_spans(Side::Prefill, l, out)
-}
-
-/// How many planes of a block are walked apart: 2 (K, then V), or 1 when K and V rows
-/// interleave (walking K's rows two rows wide covers V's) or the block holds a latent alone.
-fn planes_apart(spec: &crate::KvSpec) -> usize {
-    if spec.block_layout.interleaved() {
-        1
-    } else {
-        spec.block_layout.planes() as usize
-    }
 }
 
 /// Adds a span of one rank's memory to `out`, merged with the previous one when contiguous
@@ -617,7 +599,7 @@ impl<'a> Request<'a> {
         // both, moved with K's (V has nothing left). On one side only: a row is contiguous with
         // the next on neither side at once, so every row is its own descriptor.
         let (unit, planes) = if p_il && d_il {
-            (2 * ps.shape.row_bytes(), 0..1)
+            (ps.row_pitch(), 0..ps.planes_apart() as usize)
         } else {
             // K and V, or a latent's one plane (both sides alike: check_compatible).
             (ps.shape.row_bytes(), 0..ps.block_layout.planes() as usize)

@@ -319,12 +319,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
             layout.validate()?;
             // Locked a block's plane at a time, or its planes together when their rows
             // interleave.
-            let chunk = if split.block_layout.interleaved() {
-                spec.block_bytes()
-            } else {
-                spec.plane_bytes()
-            };
-            (layout, len, chunk, false)
+            (layout, len, spec.walk_bytes(), false)
         }
     };
     // One region per layer tensor, each `len` bytes from its first element.
