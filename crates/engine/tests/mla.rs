@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{both_legs, info, metric, metrics_text, post, released_within, texts};
+use common::{metric, metrics_text, post, released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -51,18 +51,8 @@ async fn disaggregated(
     if mode == "pull" {
         return common::pulled(c, p, d, text, 8, 1).await;
     }
-    let pi = info(c, p).await;
     let hid = format!("{:032x}", 0x006d_6c61_u128 << 64 | u128::from(id));
-    let p_body = json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push",
-        "handoff_id": hid}});
-    let d_body = json!({"prompt": text, "max_tokens": 8, "kv_transfer_params": {
-        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push",
-        "handoff_id": hid, "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"],
-        "remote_port": pi["remote_port"], "tp_size": pi["tp_size"]}});
-    let ((ps, pv), d_answer) = both_legs(c, (p, p_body), (d, d_body), true).await;
-    assert_eq!(ps, 200, "{pv}");
-    d_answer
+    common::pushed(c, (p, d), text, 1, &hid, true).await
 }
 
 /// Bytes the side that posts moved: D's READs (pull), P's WRITEs (push).

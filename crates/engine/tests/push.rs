@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{both_legs, info, released_within, texts};
+use common::{released_within, texts};
 
 use handoff_engine::{start, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
@@ -50,18 +50,7 @@ async fn push(
     id: u64,
     d_first: bool,
 ) -> (u16, Value) {
-    let pi = info(c, p).await;
-    let hid = handoff_id(id);
-    let p_body = json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push", "handoff_id": hid}});
-    let d_body = json!({"prompt": text, "max_tokens": 8, "n": n, "kv_transfer_params": {
-        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push", "handoff_id": hid,
-        "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
-        "tp_size": pi["tp_size"]}});
-    let ((ps, pv), d_answer) = both_legs(c, (p, p_body), (d, d_body), d_first).await;
-    assert_eq!(ps, 200, "{pv}");
-    assert_eq!(pv["kv_transfer_params"]["transfer_mode"], "push");
-    d_answer
+    common::pushed(c, (p, d), text, n, &handoff_id(id), d_first).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -204,3 +204,27 @@ pub fn producer_stats(e: &RunningEngine) -> (usize, std::collections::HashMap<&'
         .expect("the connector runs")
         .expect("a prefill engine")
 }
+
+/// A push as handoff's proxy sends it: both legs at once under handoff id `hid` (D's with P's
+/// side channel from its info; `d_first` delays P's leg), P with `max_tokens` 1, D with 8 and
+/// `n`. D's status and answer.
+pub async fn pushed(
+    c: &reqwest::Client,
+    (p, d): (&RunningEngine, &RunningEngine),
+    text: &str,
+    n: u32,
+    hid: &str,
+    d_first: bool,
+) -> (u16, Value) {
+    let pi = info(c, p).await;
+    let p_body = serde_json::json!({"prompt": text, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": true, "do_remote_prefill": false, "transfer_mode": "push", "handoff_id": hid}});
+    let d_body = serde_json::json!({"prompt": text, "max_tokens": 8, "n": n, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push", "handoff_id": hid,
+        "remote_engine_id": pi["engine_id"], "remote_host": pi["remote_host"], "remote_port": pi["remote_port"],
+        "tp_size": pi["tp_size"]}});
+    let ((ps, pv), d_answer) = both_legs(c, (p, p_body), (d, d_body), d_first).await;
+    assert_eq!(ps, 200, "{pv}");
+    assert_eq!(pv["kv_transfer_params"]["transfer_mode"], "push");
+    d_answer
+}
