@@ -22,8 +22,12 @@ import pytest
 from conftest import REPORT, STARTUP_S, Server, connector, disaggregated, free_port, prompt
 
 HERE = Path(__file__).resolve().parent
-# vLLM's CPU_MLA backend supports blocks of 16 tokens only.
-MLA_ARGS = ["--block-size", "16"]
+# vLLM's CPU_MLA backend supports blocks of 16 tokens only. 512 blocks (8,192 token slots, more
+# than twice MAX_MODEL_LEN) instead of the 1 GiB of KV cache every server reserves and touches
+# otherwise: this module runs six servers beside the session's single engine, 3.8 GiB each with
+# that reservation (2.8 without), and a CI run of it on a 23 GiB host once stalled D's connector
+# threads long enough (1.6 s without a keepalive) for P's tcp transport to declare D dead.
+MLA_ARGS = ["--block-size", "16", "--num-gpu-blocks-override", "512"]
 
 
 @pytest.fixture(scope="module")
