@@ -55,6 +55,11 @@ pub struct DemoArgs {
     /// the prompt; otherwise layers-outermost, a descriptor per layer for a layer-wise pull).
     #[arg(long, default_value = "auto")]
     pub kv_pool_layout: String,
+    /// The model's KV on every engine: gqa (the engine's default: KV heads split across TP
+    /// ranks, K and V planes) or mla (DeepSeek V2/V3's multi-head latent attention: one latent of 576 dims per
+    /// token, which every TP rank holds, so a D rank reads each block once from one P rank).
+    #[arg(long, default_value = "gqa", value_parser = ["gqa", "mla"])]
+    pub model_shape: String,
     /// Skip killing a decode engine.
     #[arg(long)]
     pub no_kill: bool,
@@ -165,6 +170,8 @@ struct Report {
     mode: String,
     cost_model: String,
     kv_shape: String,
+    /// `--model-shape`: gqa or mla.
+    model_shape: String,
     wall_s: f64,
 }
 
@@ -373,9 +380,38 @@ fn run_in_namespaces() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `--model-shape` sets on every engine, and its KV in words.
+struct ModelShape {
+    settings: &'static [&'static str],
+    kv: String,
+}
+
+fn model_shape(name: &str) -> ModelShape {
+    match name {
+        // DeepSeek V2/V3: 512 compressed dims and 64 rotary ones.
+        "mla" => ModelShape {
+            settings: &["num_kv_heads=1", "head_dim=576", "block_layout=latent"],
+            kv: "one latent of 576 dims per token (MLA), on every rank".into(),
+        },
+        _ => {
+            let d = handoff_engine::EngineConfig::default();
+            ModelShape {
+                settings: &[],
+                kv: format!(
+                    "{} KV heads, head dim {}, K and V",
+                    d.num_kv_heads, d.head_dim
+                ),
+            }
+        }
+    }
+}
+
 /// The pool layout the demo's P and D engines use.
 fn pool_layout(args: &DemoArgs) -> anyhow::Result<String> {
     Ok(match args.kv_pool_layout.as_str() {
+        // A latent has no heads to keep together: one run of tokens per block and layer pairs
+        // across TP (every rank holds it) and across block sizes alike.
+        "auto" if args.model_shape == "mla" => "layers-outermost".into(),
         "auto"
             if args.prefill_tp != args.decode_tp
                 || args.prefill_block_size != args.decode_block_size =>
@@ -419,8 +455,14 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         spawn_engine_on(net, id, role, &extra)
     };
     let pool = pool_layout(&args)?;
+    let shape = model_shape(&args.model_shape);
     let common = |tp: u32, bs: u32| -> Vec<String> {
-        vec![
+        let mut v: Vec<String> = shape
+            .settings
+            .iter()
+            .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+            .collect();
+        v.extend([
             "--set".into(),
             format!("kv_pool_layout={pool}"),
             "--transport".into(),
@@ -433,7 +475,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
             bs.to_string(),
             "--num-blocks".into(),
             (32768 / bs).to_string(),
-        ]
+        ]);
+        v
     };
     eprintln!("starting 1 prefill, 2 decode and 1 monolithic engine, and the proxy ...");
     let p = spawn_engine(
@@ -789,10 +832,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
         "prefill {} us/token, decode {} ms/step + {} us/seq",
         d.prefill_us_per_token, d.decode_step_ms, d.decode_us_per_seq
     );
-    report.kv_shape = format!(
-        "{} layers, {} KV heads, head dim {}, {}",
-        d.num_layers, d.num_kv_heads, d.head_dim, d.dtype
-    );
+    report.model_shape = args.model_shape.clone();
+    report.kv_shape = format!("{} layers, {}, {}", d.num_layers, shape.kv, d.dtype);
     report.wall_s = wall.elapsed().as_secs_f64();
     proxy.shutdown().await.ok();
     drop((p, d1, d2, mono));

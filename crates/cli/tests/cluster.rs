@@ -315,6 +315,68 @@ fn demo_reclaims_leaks_nothing_and_matches_monolithic_and_its_traces_replay() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `demo --model-shape mla`: DeepSeek's latent KV (one 576-dim latent per token, held by every
+/// rank) through pull from P at TP 2 to D at TP 1, and through push from P at TP 1 to D at TP 2:
+/// nothing leaks and every output matches the monolithic engine's.
+#[test]
+fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
+    for (mode, p_tp, d_tp) in [("pull", "2", "1"), ("push", "1", "2")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .args([
+                "demo",
+                "--json",
+                "--model-shape",
+                "mla",
+                "--mode",
+                mode,
+                "--prefill-tp",
+                p_tp,
+                "--decode-tp",
+                d_tp,
+                "--requests",
+                "24",
+                // Four in flight: the busy decode engine's small pool (256 blocks) refuses a push
+                // (503, before any block moves) only when it is full.
+                "--concurrency",
+                "4",
+                "--no-kill",
+                "--seed",
+                "5",
+            ])
+            .stderr(Stdio::null())
+            .output()
+            .expect("demo runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let last = stdout.lines().last().expect("report");
+        let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
+        assert!(out.status.success(), "{mode}: {stdout}");
+        assert_eq!(r["model_shape"], "mla", "{stdout}");
+        assert!(
+            r["kv_shape"].as_str().unwrap().contains("latent"),
+            "{stdout}"
+        );
+        assert_eq!(r["leaked_blocks"], 0, "{mode}: {stdout}");
+        assert_eq!(r["output_mismatches"], 0, "{mode}: {stdout}");
+        assert_eq!(r["requests_recomputed"], 0.0, "{mode}: {stdout}");
+        // The workload has D reject some requests on purpose (seeded), and a push that finds
+        // the busy D's pool full is refused at once; nothing else fails.
+        let failed = r["failed_reasons"].as_object().unwrap();
+        assert!(
+            failed
+                .keys()
+                .all(|k| k == "rejected by decode before admission"
+                    || (mode == "push" && k == "decode unavailable (503)")),
+            "{mode}: {stdout}"
+        );
+        assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{mode}: {stdout}");
+        assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
+        assert!(
+            r["kv_bytes_moved"].as_f64().unwrap() > 0.0,
+            "{mode}: {stdout}"
+        );
+    }
+}
+
 /// `demo --drain`: one of two prefill engines gets SIGTERM mid-load while it holds handoffs a
 /// busy D has not read; it serves them, exits by itself, and nothing is recomputed or leaked.
 #[test]
