@@ -224,6 +224,22 @@ fn p_killed_makes_d_recompute_or_fail_per_policy() {
     assert!(start.elapsed() < Duration::from_secs(10), "no hang");
 }
 
+/// Runs `handoff demo --json ARGS` and returns its report (the last line) and what it printed;
+/// the demo must have exited successfully.
+fn demo(args: &[&str], dir: Option<&std::path::Path>) -> (Value, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_handoff"));
+    cmd.arg("demo").arg("--json").args(args);
+    if let Some(dir) = dir {
+        cmd.arg("--record").arg(dir);
+    }
+    let out = cmd.stderr(Stdio::null()).output().expect("demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let last = stdout.lines().last().expect("report");
+    let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
+    assert!(out.status.success(), "{stdout}");
+    (r, stdout)
+}
+
 /// The demo, with every engine recording its connector core (`--record`): nothing leaks, every
 /// output matches the monolithic engine's, the killed decode engine's blocks come back; and each
 /// engine's trace, the killed one's too, replays (`handoff replay`) to the same answers and
@@ -232,24 +248,7 @@ fn p_killed_makes_d_recompute_or_fail_per_policy() {
 fn demo_reclaims_leaks_nothing_and_matches_monolithic_and_its_traces_replay() {
     let dir = std::env::temp_dir().join(format!("handoff-demo-traces-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args([
-            "demo",
-            "--json",
-            "--requests",
-            "48",
-            "--seed",
-            "3",
-            "--record",
-        ])
-        .arg(&dir)
-        .stderr(Stdio::null())
-        .output()
-        .expect("demo runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().expect("report");
-    let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
-    assert!(out.status.success(), "{stdout}");
+    let (r, stdout) = demo(&["--requests", "48", "--seed", "3"], Some(&dir));
     assert_eq!(r["leaked_blocks"], 0, "{stdout}");
     assert_eq!(r["output_mismatches"], 0, "{stdout}");
     assert!(r["requests_ok"].as_u64().unwrap() > 20, "{stdout}");
@@ -321,10 +320,8 @@ fn demo_reclaims_leaks_nothing_and_matches_monolithic_and_its_traces_replay() {
 #[test]
 fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
     for (mode, p_tp, d_tp) in [("pull", "2", "1"), ("push", "1", "2")] {
-        let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
-            .args([
-                "demo",
-                "--json",
+        let (r, stdout) = demo(
+            &[
                 "--model-shape",
                 "mla",
                 "--mode",
@@ -342,14 +339,9 @@ fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
                 "--no-kill",
                 "--seed",
                 "5",
-            ])
-            .stderr(Stdio::null())
-            .output()
-            .expect("demo runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let last = stdout.lines().last().expect("report");
-        let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
-        assert!(out.status.success(), "{mode}: {stdout}");
+            ],
+            None,
+        );
         assert_eq!(r["model_shape"], "mla", "{stdout}");
         assert!(
             r["kv_shape"].as_str().unwrap().contains("latent"),
@@ -381,23 +373,7 @@ fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
 /// busy D has not read; it serves them, exits by itself, and nothing is recomputed or leaked.
 #[test]
 fn demo_drains_a_prefill_engine_mid_load_without_a_recompute() {
-    let out = Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args([
-            "demo",
-            "--json",
-            "--drain",
-            "--requests",
-            "48",
-            "--seed",
-            "3",
-        ])
-        .stderr(Stdio::null())
-        .output()
-        .expect("demo runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().expect("report");
-    let r: Value = serde_json::from_str(last).unwrap_or_else(|_| panic!("not JSON: {stdout}"));
-    assert!(out.status.success(), "{stdout}");
+    let (r, stdout) = demo(&["--drain", "--requests", "48", "--seed", "3"], None);
     assert_eq!(r["drained_engine"], "prefill-1", "{stdout}");
     assert!(
         r["blocks_held_by_drained_engine_at_drain"]
