@@ -16,6 +16,7 @@
 //! module is the format and the replay.
 
 mod check;
+mod cluster;
 
 use std::time::Duration;
 
@@ -23,6 +24,7 @@ use handoff_ledger::Time;
 use serde::{Deserialize, Serialize};
 
 pub use check::{Checker, Violation};
+pub use cluster::Cluster;
 
 use crate::{Answer, ConnectorCore, CoreConfig, CoreError, Input, Ready, WorkerHello};
 
@@ -177,7 +179,7 @@ impl Replay {
                 first_input: header.first_input,
             });
         }
-        let checker = Checker::new(header.config.role, &header.ranks);
+        let checker = Checker::new(&header.config, &header.ranks);
         let core = ConnectorCore::new(header.config, header.ranks)?;
         Ok(Replay {
             core,
@@ -259,7 +261,8 @@ impl Replay {
     fn give(&mut self, n: u64, input: Input, at: Time) -> Result<Answer, CoreError> {
         let seen = input.clone();
         let got = self.core.handle(input, at);
-        self.checker.on_input(n, &seen, &got);
+        self.checker.on_input(n, at, &seen, &got);
+        self.checker.on_memory(&self.core.memory());
         got
     }
 

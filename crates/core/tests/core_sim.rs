@@ -68,8 +68,65 @@ fn faults() -> impl Strategy<Value = Faults> {
                     stranger_at_ms,
                     proxy_release_at_ms: None,
                     transfer_min_ms: 0,
+                    drop_pct: 0,
+                    dup_pct: 0,
                     seed,
                 }
+            },
+        )
+}
+
+/// A peer or network that loses and repeats side-channel frames, on top of the faults above.
+fn lossy_faults() -> impl Strategy<Value = Faults> {
+    (
+        faults(),
+        prop_oneof![Just(0u8), 0u8..30],
+        prop_oneof![Just(0u8), 0u8..25],
+    )
+        .prop_map(|(f, drop_pct, dup_pct)| Faults {
+            drop_pct,
+            dup_pct,
+            ..f
+        })
+}
+
+/// Rule 2 on D's side needs a request admitted just as its grant runs out: pull requests close
+/// together, admitted early or late, mostly across a partition long enough for grants to lapse
+/// (D's run down while it hears nothing from P) and with short delays (so that D's grant ends
+/// close to P's lease), with frames lost now and then.
+fn lease_edge_req() -> impl Strategy<Value = ReqSpec> {
+    (0u64..3000, 0usize..2, 1u8..5, 0u64..1000, 0u64..4000).prop_map(
+        |(at_ms, d, blocks, lag_ms, admit_after_ms)| ReqSpec {
+            at_ms,
+            d,
+            blocks,
+            lag_ms,
+            admit_after_ms,
+            fate: 0,
+            fate_ms: 0,
+            cached: 0,
+        },
+    )
+}
+
+fn lease_edge_faults() -> impl Strategy<Value = Faults> {
+    (
+        prop_oneof![Just(0u8), 0u8..40],
+        0u8..10,
+        prop_oneof![3 => 0u64..100, 1 => 0u64..1500],
+        1u64..1200,
+        proptest::option::weighted(0.9, (0u64..4000, 1000u64..4000)),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(drop_pct, dup_pct, max_delay_ms, transfer_ms, partition, seed)| Faults {
+                drop_pct,
+                dup_pct,
+                max_delay_ms,
+                transfer_ms,
+                partition,
+                seed,
+                ..Faults::default()
             },
         )
 }
@@ -105,7 +162,7 @@ proptest! {
     fn every_schedule_keeps_the_rules_on_the_real_core(
         mode in mode(),
         reqs in proptest::collection::vec(req(), 1..12),
-        faults in faults(),
+        faults in lossy_faults(),
     ) {
         let report = sim(mode, reqs, faults).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
@@ -115,6 +172,17 @@ proptest! {
             prop_assert_eq!(&r.divergence, &None);
             prop_assert!(r.violations.is_empty(), "replay: {:?}", r.violations);
         }
+    }
+
+    /// Rule 2 on D's side, where it is hardest: D starts a READ only while P's own lease has
+    /// more than D's read margin left, however short, late or lost the grants were.
+    #[test]
+    fn reads_start_only_well_inside_ps_lease(
+        reqs in proptest::collection::vec(lease_edge_req(), 1..14),
+        faults in lease_edge_faults(),
+    ) {
+        let report = sim((TransferMode::Pull, false), reqs, faults).run();
+        prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
     }
 
     /// Without faults and without fates every request is decoded from KV that was moved.

@@ -80,8 +80,8 @@ pub use layout::{
     PoolLayout, RankLayout, Region, Side, SpecError,
 };
 pub use planner::{
-    block_spans, plan, plan_layers, plan_pair, plan_pair_layers, uncovered_dst, Descriptor,
-    PairPlan, Plan, PlanError, Span,
+    block_spans, layer_block_spans, plan, plan_layers, plan_pair, plan_pair_layers, uncovered_dst,
+    Descriptor, PairPlan, Plan, PlanError, Span,
 };
 pub use topology::{
     check_compatible, rank_consumers, rank_pairs, rank_sources, Incompatible, RankPair, Topology,

@@ -428,6 +428,24 @@ pub fn uncovered_dst(
 /// What a transport may let a peer read (P) or write (D) for a handoff, and nothing more.
 /// Coalesced and sorted like descriptors; duplicate block ids count once.
 pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanError> {
+    spans_of_layers(l, 0..l.spec.shape.num_layers, blocks)
+}
+
+/// The bytes of `blocks` in one layer (every head, K and V): what a layer-wise transfer may
+/// touch once that layer is saved, and how a checker tells which layer a byte belongs to.
+pub fn layer_block_spans(
+    l: &RankLayout,
+    layer: u32,
+    blocks: &[u32],
+) -> Result<Vec<Span>, PlanError> {
+    spans_of_layers(l, layer..layer.saturating_add(1), blocks)
+}
+
+fn spans_of_layers(
+    l: &RankLayout,
+    layers: Range<u32>,
+    blocks: &[u32],
+) -> Result<Vec<Span>, PlanError> {
     validate(Side::Prefill, l)?;
     let mut sorted = blocks.to_vec();
     sorted.sort_unstable();
@@ -440,6 +458,9 @@ pub fn block_spans(l: &RankLayout, blocks: &[u32]) -> Result<Vec<Span>, PlanErro
     };
     let mut out: Vec<Descriptor> = Vec::new();
     for (layer, lp) in (0u32..).zip(&l.layers) {
+        if !layers.contains(&layer) {
+            continue;
+        }
         // Heads inside the block: one plane per block (both at once when K and V rows
         // interleave); heads outside: one run per head.
         let (pieces, piece_len) = if lp.head_stride == 0 {

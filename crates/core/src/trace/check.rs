@@ -14,12 +14,19 @@
 //!   only that transfer's bytes can spoil, and D decodes a push only after P's `PushDone`,
 //!   which P sends once the write ended.
 //! - **4** no request is decoded from a block a job may still write.
+//! - **2** (P's prefill) no handoff's blocks leave the core while the engine's forward pass
+//!   still writes them: a layer-wise pull's until the engine said the prefill ended, a push's
+//!   until its last layer is saved.
+//! - **6** (with [`Checker::with_deadlines`]) every outcome within the request's wait deadline
+//!   and a timer's slack of its arrival: a simulation's clock is exact, a recording's may stall.
+//! - **7** the ledgers' staged messages and tombstones never over their caps.
 //! - **5, 6, 7** after the trace's end, every job reported ended and every timer run with all
 //!   peers silent ([`super::Replay::finish`]): P holds no handoff (but those of a layer-wise
 //!   prefill the engine never said ended: it still writes their blocks), D holds no block,
 //!   every request has exactly one outcome, no read, push or job is left.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use handoff_ledger::Time;
 use handoff_plan::RankLayout;
@@ -28,7 +35,8 @@ use handoff_proto::{HandoffId, Message};
 use serde::Serialize;
 
 use crate::{
-    Answer, ConnectorEvent, CoreError, CoreMemory, Input, JobId, Ready, Role, WorkerHello,
+    Answer, ConnectorEvent, CoreConfig, CoreError, CoreMemory, Input, JobId, Ready, Role,
+    WorkerHello,
 };
 
 /// A broken rule.
@@ -46,30 +54,38 @@ pub struct Violation {
 type Extent = (u16, u32, u64, u64);
 
 #[derive(Debug, Default)]
-struct Request {
-    handoff: Option<HandoffId>,
+pub(super) struct Request {
+    pub(super) handoff: Option<HandoffId>,
+    arrived: Option<Time>,
     ended: bool,
     outcomes: u8,
 }
 
 /// Follows one core's inputs and batches and records every rule they break.
 pub struct Checker {
-    role: Role,
-    layouts: Vec<RankLayout>,
+    pub(super) config: CoreConfig,
+    pub(super) layouts: Vec<RankLayout>,
+    /// With [`Checker::with_deadlines`]: the slack a request's outcome may take past its wait
+    /// deadline.
+    deadline_slack: Option<Duration>,
     /// P: the blocks of each live handoff.
-    p_held: BTreeMap<HandoffId, BTreeSet<u32>>,
+    pub(super) p_held: BTreeMap<HandoffId, BTreeSet<u32>>,
     /// P: each prefill for a remote decode between its start and its end: its blocks.
     p_prefills: BTreeMap<String, Vec<u32>>,
+    /// P: the handoff of each prefill the core holds one for.
+    p_prefill_handoff: BTreeMap<String, HandoffId>,
+    /// P: layers `0..n` of each filling handoff are saved.
+    pub(super) p_saved: BTreeMap<HandoffId, u32>,
     /// P: handoffs whose prefill started and was not said to end (a layer-wise pull, a push:
     /// the engine still writes their blocks, so the core rightly keeps them).
-    p_filling: BTreeSet<HandoffId>,
+    pub(super) p_filling: BTreeSet<HandoffId>,
     /// The pushes among them (the core keeps their state too).
     p_pushing: BTreeSet<HandoffId>,
     /// D: blocks allocated to a request and not yet back.
-    d_held: BTreeMap<u32, u64>,
+    pub(super) d_held: BTreeMap<u32, u64>,
     /// D: blocks the engine named as its prefix cache.
     d_cached: BTreeSet<u32>,
-    requests: BTreeMap<u64, Request>,
+    pub(super) requests: BTreeMap<u64, Request>,
     jobs: BTreeMap<JobId, (u16, Vec<Extent>)>,
     violations: Vec<Violation>,
     input: u64,
@@ -77,12 +93,15 @@ pub struct Checker {
 }
 
 impl Checker {
-    pub fn new(role: Role, ranks: &[WorkerHello]) -> Checker {
+    pub fn new(config: &CoreConfig, ranks: &[WorkerHello]) -> Checker {
         Checker {
-            role,
+            config: config.clone(),
             layouts: ranks.iter().map(|r| r.layout.clone()).collect(),
+            deadline_slack: None,
             p_held: BTreeMap::new(),
             p_prefills: BTreeMap::new(),
+            p_prefill_handoff: BTreeMap::new(),
+            p_saved: BTreeMap::new(),
             p_filling: BTreeSet::new(),
             p_pushing: BTreeSet::new(),
             d_held: BTreeMap::new(),
@@ -93,6 +112,13 @@ impl Checker {
             input: 0,
             at: Time::ZERO,
         }
+    }
+
+    /// Also checks that every request ends within its wait deadline plus `slack` (rule 6): for
+    /// a clock that does not stall, as a simulation's.
+    pub fn with_deadlines(mut self, slack: Duration) -> Checker {
+        self.deadline_slack = Some(slack);
+        self
     }
 
     pub fn into_violations(self) -> Vec<Violation> {
@@ -108,7 +134,7 @@ impl Checker {
         out
     }
 
-    fn broke(&mut self, rule: u8, what: String) {
+    pub(super) fn broke(&mut self, rule: u8, what: String) {
         self.violations.push(Violation {
             rule,
             input: self.input,
@@ -117,14 +143,34 @@ impl Checker {
         });
     }
 
-    /// What the engine gave the core with input `n`, and what the core answered.
-    pub fn on_input(&mut self, n: u64, input: &Input, answer: &Result<Answer, CoreError>) {
+    /// What the engine gave the core with input `n` at `at`, and what the core answered.
+    pub fn on_input(
+        &mut self,
+        n: u64,
+        at: Time,
+        input: &Input,
+        answer: &Result<Answer, CoreError>,
+    ) {
         self.input = n;
+        self.at = self.at.max(at);
         // Refused or not, an ended prefill is forgotten.
         let ended = match input {
-            Input::PrefillEnded { request_id, .. } => self.p_prefills.remove(request_id),
+            Input::PrefillEnded { request_id, .. } => {
+                self.p_prefill_handoff.remove(request_id);
+                self.p_prefills.remove(request_id)
+            }
             _ => None,
         };
+        if let Input::LayersSaved {
+            request_id,
+            through,
+        } = input
+        {
+            if let Some(h) = self.p_prefill_handoff.get(request_id) {
+                let saved = self.p_saved.entry(*h).or_default();
+                *saved = (*saved).max(*through);
+            }
+        }
         let Ok(answer) = answer else {
             // Refused: the core took nothing.
             return;
@@ -141,6 +187,8 @@ impl Checker {
             ) => {
                 self.p_prefills.insert(request_id.clone(), blocks.clone());
                 if let Some(h) = holding {
+                    self.p_prefill_handoff.insert(request_id.clone(), *h);
+                    self.p_saved.insert(*h, 0);
                     // Its blocks are written until its prefill ends: the core rightly keeps
                     // them (and a push's state) until the engine says so.
                     self.p_filling.insert(*h);
@@ -158,6 +206,7 @@ impl Checker {
             ) => {
                 self.p_filling.remove(h);
                 self.p_pushing.remove(h);
+                self.p_saved.remove(h);
                 self.give_p(*h, &ended.unwrap_or_default());
             }
             _ => {}
@@ -168,6 +217,7 @@ impl Checker {
             } => {
                 let r = self.requests.entry(*request).or_default();
                 r.handoff = params.handoff_id;
+                r.arrived = Some(at);
             }
             Input::BlocksAllocated {
                 request,
@@ -198,10 +248,15 @@ impl Checker {
             .extend(blocks.iter().copied());
     }
 
-    /// A batch the executor carried out after input `after`, at `at`.
-    pub fn on_batch(&mut self, after: u64, at: Time, ready: &Ready) {
+    /// Dates what is found next: the batch after input `after`, at `at`.
+    pub(super) fn note_batch(&mut self, after: u64, at: Time) {
         self.input = after;
         self.at = at;
+    }
+
+    /// A batch the executor carried out after input `after`, at `at`.
+    pub fn on_batch(&mut self, after: u64, at: Time, ready: &Ready) {
+        self.note_batch(after, at);
         for (rank, job) in &ready.transfers_to_post {
             // Only a READ writes local memory (see the module docs).
             let extents = if job.op == XferOp::Read {
@@ -217,7 +272,7 @@ impl Checker {
         }
         for (_, msg) in &ready.messages {
             if let Message::Release(r) = msg {
-                if self.role != Role::Prefill {
+                if self.config.role != Role::Prefill {
                     self.release_told(r.handoff);
                 }
             }
@@ -260,6 +315,14 @@ impl Checker {
     fn released(&mut self, handoff: HandoffId, blocks: &[u32]) {
         let on_p = self.p_held.contains_key(&handoff);
         let rule = if on_p { 2 } else { 3 };
+        if on_p && !blocks.is_empty() && self.still_written(handoff) {
+            self.broke(
+                2,
+                format!(
+                    "P releases blocks of handoff {handoff} while its prefill still writes them"
+                ),
+            );
+        }
         if let Some((b, job)) = self.under_job(blocks) {
             self.broke(
                 rule,
@@ -327,12 +390,58 @@ impl Checker {
         }
     }
 
+    /// Whether the engine's forward pass may still write `handoff`'s blocks: a layer-wise
+    /// pull's until its prefill ended, a push's until its last layer is saved.
+    fn still_written(&self, handoff: HandoffId) -> bool {
+        if !self.p_filling.contains(&handoff) {
+            return false;
+        }
+        let layers = self.layouts.first().map_or(0, |l| l.spec.shape.num_layers);
+        !self.p_pushing.contains(&handoff)
+            || self.p_saved.get(&handoff).copied().unwrap_or(0) < layers
+    }
+
     fn outcome(&mut self, requests: &[u64], what: &str) {
+        let (now, deadline) = (self.at, self.config.consumer.wait_deadline);
         for r in requests {
             let req = self.requests.entry(*r).or_default();
             req.outcomes += 1;
+            let late = match (req.arrived, self.deadline_slack) {
+                (Some(arrived), Some(slack)) => now > arrived + deadline + slack,
+                _ => false,
+            };
             if req.outcomes > 1 {
                 self.broke(6, format!("request {r} gets a second outcome ({what})"));
+            }
+            if late {
+                self.broke(
+                    6,
+                    format!("request {r} ends ({what}) past its wait deadline {deadline:?}"),
+                );
+            }
+        }
+    }
+
+    /// The core's memory after an input: staged messages and tombstones within their caps.
+    pub fn on_memory(&mut self, memory: &CoreMemory) {
+        let p = &self.config.producer;
+        for (what, used, cap) in [
+            (
+                "staged messages",
+                memory.producer.staged_messages,
+                p.staging_capacity,
+            ),
+            (
+                "tombstones",
+                memory.producer.tombstones,
+                p.tombstone_capacity,
+            ),
+        ] {
+            if used > cap {
+                self.broke(
+                    7,
+                    format!("P's ledger keeps {used} {what}, over its cap {cap}"),
+                );
             }
         }
     }

@@ -112,7 +112,6 @@ impl Sim {
             }
             Ev::LayerSaved(i, l) => {
                 if self.alive(Node::P) && self.state[i].filling {
-                    self.state[i].layers_saved = self.state[i].layers_saved.max(l + 1);
                     self.engines[0]
                         .core
                         .at(now)
@@ -149,7 +148,6 @@ impl Sim {
                 match core.at(now).request_arrived(req, &params, tokens) {
                     Ok(_) => {
                         self.state[i].tracked = true;
-                        self.state[i].arrived = Some(now);
                         let admit = ms(self.reqs[i].admit_after_ms);
                         self.at(now + admit, Ev::Admit(i));
                         if matches!(self.reqs[i].fate, 2 | 3) {
@@ -162,7 +160,7 @@ impl Sim {
             Ev::Admit(i) => {
                 let d = self.reqs[i].d % 2;
                 let st = &self.state[i];
-                if !self.alive(Node::D(d)) || st.outcome.is_some() || st.aborted {
+                if !self.alive(Node::D(d)) || st.outcome || st.aborted {
                     return;
                 }
                 let req = st.d_req;
@@ -173,9 +171,6 @@ impl Sim {
                 let Some(blocks) = self.engines[1 + d].pool.alloc(n - hit, u128::from(req)) else {
                     return; // stays queued until its deadline
                 };
-                for b in &blocks {
-                    self.landed[d].remove(b);
-                }
                 let cached = self.engines[1 + d].prefix[..hit].to_vec();
                 match self.engines[1 + d]
                     .core
@@ -183,12 +178,12 @@ impl Sim {
                     .blocks_allocated(req, cached, blocks.clone())
                 {
                     Ok(()) => self.state[i].d_blocks = blocks,
-                    Err(_) => self.free(Node::D(d), &blocks, "refused allocation"),
+                    Err(_) => self.free(Node::D(d), &blocks),
                 }
             }
             Ev::Fate(i) => {
                 let d = self.reqs[i].d % 2;
-                if !self.alive(Node::D(d)) || self.state[i].outcome.is_some() {
+                if !self.alive(Node::D(d)) || self.state[i].outcome {
                     return;
                 }
                 let Some(params) = self.state[i].params.clone() else {
@@ -261,15 +256,6 @@ impl Sim {
                     return; // aborted
                 };
                 if ok {
-                    let d = match (node, j.peer) {
-                        (Node::D(d), _) | (_, Node::D(d)) => d,
-                        _ => return,
-                    };
-                    for b in &j.dst {
-                        if let Some(&owner) = self.engines[1 + d].pool.owner.get(b) {
-                            self.landed[d].insert(*b, owner);
-                        }
-                    }
                     let from = j.agent.clone();
                     for bytes in j.notifications {
                         let t = self.arrival((node, u64::MAX - job.0), j.peer);
@@ -334,7 +320,7 @@ impl Sim {
                 if let Some(&i) = self.by_d_req.get(&(d, req)) {
                     let blocks = std::mem::take(&mut self.state[i].d_blocks);
                     if self.alive(Node::D(d)) {
-                        self.free(Node::D(d), &blocks, "request done");
+                        self.free(Node::D(d), &blocks);
                     }
                 }
             }

@@ -16,9 +16,13 @@ mod sim_core;
 
 pub use sim_core::SimCore;
 
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::rc::Rc;
 use std::time::Duration;
+
+use handoff_core::trace::Cluster;
 
 use handoff_core::{
     ConnId, ConnectorEvent, CoreConfig, Hooks, Input, JobId, PrefillEnd, PrefillOutcome, Ready,
@@ -28,7 +32,7 @@ use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::testing::{tiny_spec, Rng};
 use handoff_plan::{KvSpec, RankLayout};
-use handoff_proto::xfer::{GrantId, XferOp};
+use handoff_proto::xfer::GrantId;
 use handoff_proto::{
     Epoch, HandoffId, Heartbeat, HeartbeatEntry, KvTransferParams, Message, ReleaseReason,
     TransferMode,
@@ -100,6 +104,9 @@ pub struct Faults {
     pub proxy_release_at_ms: Option<u64>,
     /// Every transfer takes at least this long.
     pub transfer_min_ms: u64,
+    /// Side-channel frames (but the handshake) lost, and sent twice, in a hundred.
+    pub drop_pct: u8,
+    pub dup_pct: u8,
     pub seed: u64,
 }
 
@@ -210,13 +217,8 @@ impl Pool {
 }
 
 struct Job {
-    op: XferOp,
     /// The engine at the other end.
     peer: Node,
-    /// Blocks read (P's, for a READ; the poster's own, for a WRITE).
-    src: Vec<u32>,
-    /// Blocks written (D's).
-    dst: Vec<u32>,
     /// Delivered to the peer once the job landed.
     notifications: Vec<Vec<u8>>,
     agent: String,
@@ -227,8 +229,6 @@ struct Engine {
     alive: bool,
     pool: Pool,
     jobs: BTreeMap<JobId, Job>,
-    /// What the transport would serve: grant → (op, peer agents, blocks).
-    grants: HashMap<GrantId, (XferOp, Vec<String>, Vec<u32>)>,
     /// D: its prefix-cache blocks.
     prefix: Vec<u32>,
 }
@@ -238,17 +238,15 @@ struct Req {
     handoff: Option<HandoffId>,
     params: Option<KvTransferParams>,
     p_blocks: Vec<u32>,
-    /// D's request id, its blocks, and when it arrived.
+    /// D's request id and its blocks.
     d_req: u64,
     d_blocks: Vec<u32>,
-    arrived: Option<Duration>,
     tracked: bool,
-    outcome: Option<&'static str>,
+    outcome: bool,
     aborted: bool,
     /// Layer-wise pull: P's prefill writes the blocks (started, not ended), and the layers it
     /// saved so far.
     filling: bool,
-    layers_saved: u32,
 }
 
 /// What a run found.
@@ -313,11 +311,12 @@ pub struct Sim {
     next_conn: ConnId,
     /// Connection ends whose first frame is the handshake (the accepting side).
     pending_accept: HashSet<(Node, ConnId)>,
-    /// D blocks and by which handoff's transfer they were filled.
-    landed: Vec<HashMap<u32, u128>>,
     by_d_req: HashMap<(usize, u64), usize>,
     dcfg: ConsumerConfig,
+    /// What the simulation itself saw go wrong (a core refusing what it should take, a dial
+    /// to a stranger); the rules are the cluster checker's.
     errs: Vec<String>,
+    cluster: Rc<RefCell<Cluster>>,
     report: Report,
     pub trace: bool,
 }
@@ -328,6 +327,7 @@ impl Sim {
         // per-peer staging quota left at its default (the ledger simulation exercises that one).
         let (mut pcfg, dcfg) = simulation_configs(1, 1);
         pcfg.staging_per_peer = ProducerConfig::default().staging_per_peer;
+        let cluster = Rc::new(RefCell::new(Cluster::new()));
         let core = |name: &str, role| {
             SimCore::new(
                 CoreConfig {
@@ -355,6 +355,7 @@ impl Sim {
                     metadata: vec![1],
                     memory: Default::default(),
                 }],
+                cluster.clone(),
             )
         };
         let engine = |c| Engine {
@@ -362,7 +363,6 @@ impl Sim {
             alive: true,
             pool: Pool::new(),
             jobs: BTreeMap::new(),
-            grants: HashMap::new(),
             prefix: Vec::new(),
         };
         let mut sim = Sim {
@@ -386,10 +386,10 @@ impl Sim {
             last_arrival: HashMap::new(),
             next_conn: 1,
             pending_accept: HashSet::new(),
-            landed: vec![HashMap::new(), HashMap::new()],
             by_d_req: HashMap::new(),
             dcfg,
             errs: Vec::new(),
+            cluster,
             report: Report::default(),
             trace: std::env::var_os("SIM_TRACE").is_some(),
         };
@@ -487,7 +487,17 @@ impl Sim {
             }
             self.drain();
         }
-        self.final_checks();
+        for e in &mut self.engines {
+            e.core.at_end();
+        }
+        let names = ["P", "D0", "D1"];
+        let cluster = std::mem::take(&mut *self.cluster.borrow_mut());
+        for (e, v) in cluster.into_violations() {
+            self.errs.push(format!(
+                "rule {}: {} after input {} at {} ms: {}",
+                v.rule, names[e], v.input, v.at_ms, v.what
+            ));
+        }
         self.report.violations = self.errs;
         self.report.traces = self
             .engines
