@@ -140,8 +140,24 @@ fn mode() -> impl Strategy<Value = (TransferMode, bool)> {
     ]
 }
 
-fn sim((mode, layerwise): (TransferMode, bool), reqs: Vec<ReqSpec>, faults: Faults) -> Sim {
-    let s = Sim::new(mode, reqs, faults);
+/// P's and D's TP sizes: equal, P's larger, D's larger.
+fn tp_pair() -> impl Strategy<Value = (u16, u16)> {
+    prop_oneof![
+        2 => Just((1, 1)),
+        1 => Just((2, 4)),
+        1 => Just((4, 2)),
+        1 => Just((2, 2)),
+        1 => Just((1, 2)),
+    ]
+}
+
+fn sim(
+    (mode, layerwise): (TransferMode, bool),
+    reqs: Vec<ReqSpec>,
+    faults: Faults,
+    (p_tp, d_tp): (u16, u16),
+) -> Sim {
+    let s = Sim::with_tp(mode, reqs, faults, p_tp, d_tp);
     if layerwise {
         s.layerwise()
     } else {
@@ -163,8 +179,9 @@ proptest! {
         mode in mode(),
         reqs in proptest::collection::vec(req(), 1..12),
         faults in lossy_faults(),
+        tp in tp_pair(),
     ) {
-        let report = sim(mode, reqs, faults).run();
+        let report = sim(mode, reqs, faults, tp).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
         for trace in &report.traces {
             let r = handoff_core::trace::Replay::run(trace.iter().map(String::as_str));
@@ -180,8 +197,9 @@ proptest! {
     fn reads_start_only_well_inside_ps_lease(
         reqs in proptest::collection::vec(lease_edge_req(), 1..14),
         faults in lease_edge_faults(),
+        tp in tp_pair(),
     ) {
-        let report = sim((TransferMode::Pull, false), reqs, faults).run();
+        let report = sim((TransferMode::Pull, false), reqs, faults, tp).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
     }
 
@@ -191,10 +209,11 @@ proptest! {
         mode in mode(),
         reqs in proptest::collection::vec(req(), 1..12),
         seed in any::<u64>(),
+        tp in tp_pair(),
     ) {
         let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
         let n = reqs.len();
-        let report = sim(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }).run();
+        let report = sim(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }, tp).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
         prop_assert_eq!(report.recomputed, 0);
         prop_assert_eq!(report.ready, n);
@@ -293,8 +312,8 @@ fn one_schedule_gives_the_same_outputs_byte_for_byte() {
         (TransferMode::Push, false),
     ] {
         let (reqs, faults) = common::busy_schedule();
-        let a = sim((mode, layerwise), reqs.clone(), faults.clone()).run();
-        let b = sim((mode, layerwise), reqs, faults).run();
+        let a = sim((mode, layerwise), reqs.clone(), faults.clone(), (2, 1)).run();
+        let b = sim((mode, layerwise), reqs, faults, (2, 1)).run();
         assert!(a.violations.is_empty(), "{:?}", a.violations);
         assert!(
             a.transcript.lines().count() > 50,

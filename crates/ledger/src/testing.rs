@@ -1,7 +1,7 @@
 //! Short timings for schedule simulations (feature `testing`): leases, grants and deadlines short
-//! enough that partitions, slow reads and dead peers outlast them within one simulated run. The
-//! ledger's own simulation (`tests/common/sim.rs`) and the connector core's run on these, so a
-//! schedule means the same thing in both.
+//! enough that partitions, slow reads and dead peers outlast them within one simulated run: the
+//! connector core's simulation (`crates/core/tests/core_sim.rs`) and the ledgers' property
+//! tests run on these.
 
 use std::time::Duration;
 

@@ -122,13 +122,14 @@ impl Sim {
                 },
             );
         }
-        for (_, job) in &r.transfers_to_post {
-            self.post(node, job);
+        for (rank, job) in &r.transfers_to_post {
+            self.post(node, *rank, job);
         }
-        for (_, job) in &r.transfers_to_abort {
+        for (rank, job) in &r.transfers_to_abort {
             // The worker lets the transfer go and reports it ended, failed.
             if self.eng(node).jobs.remove(job).is_some() {
-                self.at(now, Ev::Aborted { node, job: *job });
+                let (rank, job) = (*rank, *job);
+                self.at(now, Ev::Aborted { node, rank, job });
             }
         }
         for o in &r.observations {
@@ -141,12 +142,13 @@ impl Sim {
         }
     }
 
-    pub(super) fn post(&mut self, node: Node, job: &TransferJob) {
+    pub(super) fn post(&mut self, node: Node, rank: u16, job: &TransferJob) {
         let now = self.now;
         let part = &job.parts[0];
-        let Some(peer) = [Node::P, Node::D(0), Node::D(1)]
+        let Some((peer, peer_rank)) = [Node::P, Node::D(0), Node::D(1)]
             .into_iter()
-            .find(|n| n.agent() == part.agent)
+            .flat_map(|n| (0..self.eng(n).tp).map(move |r| (n, r)))
+            .find(|(n, r)| n.agent(*r) == part.agent)
         else {
             self.errs
                 .push(format!("{node:?} posts to unknown agent {}", part.agent));
@@ -161,8 +163,9 @@ impl Sim {
             job.job,
             Job {
                 peer,
+                peer_rank,
                 notifications,
-                agent: node.agent(),
+                agent: node.agent(rank),
             },
         );
         let roll = self.below(100) as u8;
@@ -175,6 +178,7 @@ impl Sim {
             now + took,
             Ev::JobEnd {
                 node,
+                rank,
                 job: job.job,
                 ok,
             },

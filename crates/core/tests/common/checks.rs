@@ -39,14 +39,14 @@ impl Sim {
             }
         }
         if fin {
-            let agent = node.agent();
+            let agents: Vec<String> = (0..self.eng(node).tp).map(|r| node.agent(r)).collect();
             for to in [Node::P, Node::D(0), Node::D(1)] {
                 if to != node {
                     self.at(
                         now + ms(2),
                         Ev::DeadAgent {
                             to,
-                            agent: agent.clone(),
+                            agents: agents.clone(),
                         },
                     );
                 }

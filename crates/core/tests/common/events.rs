@@ -248,7 +248,12 @@ impl Sim {
                     );
                 }
             }
-            Ev::JobEnd { node, job, ok } => {
+            Ev::JobEnd {
+                node,
+                rank,
+                job,
+                ok,
+            } => {
                 if !self.alive(node) {
                     return;
                 }
@@ -263,6 +268,7 @@ impl Sim {
                             t,
                             Ev::Notify {
                                 to: j.peer,
+                                rank: j.peer_rank,
                                 from: from.clone(),
                                 bytes,
                             },
@@ -270,7 +276,7 @@ impl Sim {
                     }
                 }
                 let report = WorkerReport {
-                    rank: 0,
+                    rank,
                     ended: vec![(job, ok)],
                     ..Default::default()
                 };
@@ -286,34 +292,42 @@ impl Sim {
                     self.eng(node).core.input(Input::WorkerReport(report), now);
                 }
             }
-            Ev::Aborted { node, job } => {
+            Ev::Aborted { node, rank, job } => {
                 if self.alive(node) {
                     let report = WorkerReport {
-                        rank: 0,
+                        rank,
                         ended: vec![(job, false)],
                         ..Default::default()
                     };
                     self.eng(node).core.input(Input::WorkerReport(report), now);
                 }
             }
-            Ev::Notify { to, from, bytes } => {
+            Ev::Notify {
+                to,
+                rank,
+                from,
+                bytes,
+            } => {
                 if self.alive(to) {
                     let report = WorkerReport {
-                        rank: 0,
+                        rank,
                         notifications: vec![(from, bytes)],
                         ..Default::default()
                     };
                     self.eng(to).core.input(Input::WorkerReport(report), now);
                 }
             }
-            Ev::DeadAgent { to, agent } => {
-                if self.alive(to) {
-                    let report = WorkerReport {
-                        rank: 0,
-                        dead_agents: vec![agent],
-                        ..Default::default()
-                    };
-                    self.eng(to).core.input(Input::WorkerReport(report), now);
+            Ev::DeadAgent { to, agents } => {
+                // Every rank's transport sees the peer's agents die.
+                for rank in 0..self.eng(to).tp {
+                    if self.alive(to) {
+                        let report = WorkerReport {
+                            rank,
+                            dead_agents: agents.clone(),
+                            ..Default::default()
+                        };
+                        self.eng(to).core.input(Input::WorkerReport(report), now);
+                    }
                 }
             }
             Ev::DecodeDone { d, req } => {

@@ -29,7 +29,7 @@ use handoff_core::{
     Role, TransferJob, WorkerHello, WorkerOp, WorkerReport,
 };
 use handoff_ledger::testing::simulation_configs;
-use handoff_ledger::{ConsumerConfig, ProducerConfig};
+use handoff_ledger::ConsumerConfig;
 use handoff_plan::testing::{tiny_spec, Rng};
 use handoff_plan::{KvSpec, RankLayout};
 use handoff_proto::xfer::GrantId;
@@ -45,18 +45,13 @@ fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-fn spec() -> KvSpec {
-    tiny_spec(LAYERS)
-}
-
-/// Bytes of one block of every layer (the cross-layer layout: block `b` is one range).
-fn block_stride() -> u64 {
-    spec().block_bytes() * u64::from(LAYERS)
-}
-
-fn blocks_of(offset: u64, len: u64) -> impl Iterator<Item = u32> {
-    let s = block_stride();
-    (offset / s) as u32..=((offset + len.max(1) - 1) / s) as u32
+/// The engine's KV at TP `tp`: four KV heads, so that every TP size of the runs (1, 2, 4) splits
+/// them.
+fn spec(tp: u16) -> KvSpec {
+    let mut s = tiny_spec(LAYERS);
+    s.shape.num_kv_heads = 4;
+    s.tp = u32::from(tp);
+    s
 }
 
 /// One request as the schedule describes it.
@@ -124,12 +119,16 @@ impl Node {
         }
     }
 
-    /// The engine's transport agent (rank 0).
-    fn agent(self) -> String {
+    fn name(self) -> String {
         match self {
-            Node::P => "p-r0".into(),
-            Node::D(d) => format!("d{d}-r0"),
+            Node::P => "p".into(),
+            Node::D(d) => format!("d{d}"),
         }
+    }
+
+    /// The transport agent of the engine's rank `rank`.
+    fn agent(self, rank: u16) -> String {
+        format!("{}-r{rank}", self.name())
     }
 }
 
@@ -160,11 +159,13 @@ enum Ev {
     },
     JobEnd {
         node: Node,
+        rank: u16,
         job: JobId,
         ok: bool,
     },
     Aborted {
         node: Node,
+        rank: u16,
         job: JobId,
     },
     /// A worker put a grant in force on its transport.
@@ -175,12 +176,13 @@ enum Ev {
     },
     Notify {
         to: Node,
+        rank: u16,
         from: String,
         bytes: Vec<u8>,
     },
     DeadAgent {
         to: Node,
-        agent: String,
+        agents: Vec<String>,
     },
     DecodeDone {
         d: usize,
@@ -217,8 +219,9 @@ impl Pool {
 }
 
 struct Job {
-    /// The engine at the other end.
+    /// The engine at the other end, and the rank there.
     peer: Node,
+    peer_rank: u16,
     /// Delivered to the peer once the job landed.
     notifications: Vec<Vec<u8>>,
     agent: String,
@@ -226,6 +229,8 @@ struct Job {
 
 struct Engine {
     core: SimCore,
+    /// Its TP size: one worker (and transport agent) per rank.
+    tp: u16,
     alive: bool,
     pool: Pool,
     jobs: BTreeMap<JobId, Job>,
@@ -323,12 +328,22 @@ pub struct Sim {
 
 impl Sim {
     pub fn new(mode: TransferMode, reqs: Vec<ReqSpec>, faults: Faults) -> Sim {
-        // The ledger simulation's short timings, so partitions and slow reads outlast them; P's
-        // per-peer staging quota left at its default (the ledger simulation exercises that one).
-        let (mut pcfg, dcfg) = simulation_configs(1, 1);
-        pcfg.staging_per_peer = ProducerConfig::default().staging_per_peer;
+        Sim::with_tp(mode, reqs, faults, 1, 1)
+    }
+
+    /// P at TP `p_tp`, both D engines at `d_tp`.
+    pub fn with_tp(
+        mode: TransferMode,
+        reqs: Vec<ReqSpec>,
+        faults: Faults,
+        p_tp: u16,
+        d_tp: u16,
+    ) -> Sim {
+        // Short timings, so partitions and slow reads outlast them; P's per-peer staging quota
+        // small, so that generated schedules reach it.
+        let (pcfg, dcfg) = simulation_configs(p_tp, d_tp);
         let cluster = Rc::new(RefCell::new(Cluster::new()));
-        let core = |name: &str, role| {
+        let core = |name: &str, role, tp: u16| {
             SimCore::new(
                 CoreConfig {
                     engine_id: name.into(),
@@ -348,18 +363,22 @@ impl Sim {
                     layerwise_pull: true,
                     layer_reports: Default::default(),
                 },
-                vec![WorkerHello {
-                    rank: 0,
-                    layout: RankLayout::cross_layer(spec(), 0, POOL_BLOCKS, 0).unwrap(),
-                    agent: format!("{name}-r0"),
-                    metadata: vec![1],
-                    memory: Default::default(),
-                }],
+                (0..tp)
+                    .map(|rank| WorkerHello {
+                        rank,
+                        layout: RankLayout::cross_layer(spec(tp), u32::from(rank), POOL_BLOCKS, 0)
+                            .expect("a valid layout"),
+                        agent: format!("{name}-r{rank}"),
+                        metadata: vec![1],
+                        memory: Default::default(),
+                    })
+                    .collect(),
                 cluster.clone(),
             )
         };
-        let engine = |c| Engine {
+        let engine = |c, tp| Engine {
             core: c,
+            tp,
             alive: true,
             pool: Pool::new(),
             jobs: BTreeMap::new(),
@@ -377,9 +396,9 @@ impl Sim {
             events: HashMap::new(),
             seq: 0,
             engines: vec![
-                engine(core("p", Role::Prefill)),
-                engine(core("d0", Role::Decode)),
-                engine(core("d1", Role::Decode)),
+                engine(core("p", Role::Prefill, p_tp), p_tp),
+                engine(core("d0", Role::Decode, d_tp), d_tp),
+                engine(core("d1", Role::Decode, d_tp), d_tp),
             ],
             links: HashMap::new(),
             connecting: HashMap::new(),
@@ -535,7 +554,7 @@ impl Sim {
             remote_engine_id: Some("p".into()),
             remote_host: Some("p".into()),
             remote_port: Some(7000),
-            tp_size: Some(1),
+            tp_size: Some(self.engines[0].tp),
             remote_num_tokens: Some(self.tokens(i)),
             epoch: Some(1),
             ..p.clone()

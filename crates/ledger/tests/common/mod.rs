@@ -2,8 +2,6 @@
 //! transfers are completed by hand, so each scenario reads as a script.
 #![allow(dead_code)]
 
-pub mod sim;
-
 use std::time::Duration;
 
 use handoff_ledger::*;
