@@ -24,44 +24,67 @@ from conftest import REPORT, STARTUP_S, Server, connector, disaggregated, free_p
 HERE = Path(__file__).resolve().parent
 # vLLM's CPU_MLA backend supports blocks of 16 tokens only. 512 blocks (8,192 token slots, more
 # than twice MAX_MODEL_LEN) instead of the 1 GiB of KV cache every server reserves and touches
-# otherwise: this module runs six servers beside the session's single engine, 3.8 GiB each with
-# that reservation (2.8 without), and a CI run of it on a 23 GiB host once stalled D's connector
-# threads long enough (1.6 s without a keepalive) for P's tcp transport to declare D dead.
+# otherwise (3.8 GiB a server with that reservation, 2.8 without).
 MLA_ARGS = ["--block-size", "16", "--num-gpu-blocks-override", "512"]
 
 
+def mla_server(ckpt: Path, name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
+    return Server(name, conn, real=False, tiny_model=ckpt,
+                  extra_args=MLA_ARGS + ["--tensor-parallel-size", str(tp)], **kw)
+
+
+def started(servers: dict):
+    """Starts `servers` and stops them after the test (or module) that asked for them."""
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.wait_healthy(deadline)
+        yield servers
+    finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
+
+
+# The single engine, P and D at TP 1 live for the module; P at TP 2 and the push pair only for
+# their test. All six at once (seven vLLM workers beside the session's single engine on a 23
+# GiB, two-core host) stalled D's connector threads in two CI runs long enough for P's tcp
+# transport to find D silent past its 1.5 s dead-peer limit; at most five live at once now.
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("model-mla")
     subprocess.run([sys.executable, str(HERE / "make_mla_model.py"), str(ckpt)], check=True,
                    capture_output=True, timeout=300)
-
-    def mla_server(name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
-        return Server(name, conn, real=False, tiny_model=ckpt,
-                      extra_args=MLA_ARGS + ["--tensor-parallel-size", str(tp)], **kw)
-
-    side_port = free_port()
-    servers = {
-        "single": mla_server("mla-single", None),
-        "p": mla_server("mla-p", connector("mla-p", kv_digest=True)),
-        # P at TP 2: both ranks hold the latent; D at TP 1 reads it from one of them.
-        "p_tp2": mla_server("mla-p-tp2", connector("mla-p-tp2", kv_digest=True), tp=2),
-        "d": mla_server("mla-d", connector("mla-d", kv_digest=True),
+    yield from started({
+        "ckpt": ckpt,
+        "single": mla_server(ckpt, "mla-single", None),
+        "p": mla_server(ckpt, "mla-p", connector("mla-p", kv_digest=True)),
+        "d": mla_server(ckpt, "mla-d", connector("mla-d", kv_digest=True),
                         env_extra={"RUST_LOG": "info,handoff_core=debug"}),
-        "push_p": mla_server("mla-push-p", connector("mla-push-p", mode="push", kv_digest=True,
-                                                     side_channel_port=side_port)),
-        "push_d": mla_server("mla-push-d", connector("mla-push-d", mode="push", kv_digest=True),
-                             env_extra={"RUST_LOG":
-                                        "info,handoff_core::machine::push_digest=debug"}),
-    }
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        for s in servers.values():
-            s.wait_healthy(deadline)
-        yield dict(servers, side_port=side_port)
-    finally:
-        for s in servers.values():
-            s.stop()
+    })
+
+
+@pytest.fixture
+def p_tp2(mla):
+    """P at TP 2: both ranks hold the latent; D at TP 1 reads it from one of them."""
+    for own in started({"p": mla_server(mla["ckpt"], "mla-p-tp2",
+                                        connector("mla-p-tp2", kv_digest=True), tp=2)}):
+        yield dict(own, d=mla["d"])
+
+
+@pytest.fixture
+def push(mla):
+    side_port = free_port()
+    yield from started({
+        "p": mla_server(mla["ckpt"], "mla-push-p",
+                        connector("mla-push-p", mode="push", kv_digest=True,
+                                  side_channel_port=side_port)),
+        "d": mla_server(mla["ckpt"], "mla-push-d",
+                        connector("mla-push-d", mode="push", kv_digest=True),
+                        env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}),
+        "side_port": side_port,
+    })
 
 
 def tokens(answer: dict) -> list[int]:
@@ -75,15 +98,19 @@ def digests(server: Server, what: str) -> int:
 PROMPTS = [prompt(n, seed=700 + n) for n in (1, 16, 17, 53, 300)]
 
 
-def test_every_engine_at_tp_1_computes_like_the_single_one_on_its_own(mla):
+def same_as_single(mla, servers: dict) -> None:
     """The engines' weights are equal (one checkpoint): each TP 1 engine's own greedy tokens
-    equal the single engine's. What the transfers are compared against below. (vLLM's CPU build
-    at TP 2 computes other tokens from the same checkpoint, so P at TP 2 is checked by its KV
+    equal the single engine's, what the transfers are compared against. (vLLM's CPU build at
+    TP 2 computes other tokens from the same checkpoint, so P at TP 2 is checked by its KV
     digest alone.)"""
     for ids in PROMPTS:
         want = tokens(mla["single"].complete(ids, 6))
-        for name in ("p", "d", "push_p", "push_d"):
-            assert tokens(mla[name].complete(ids, 6)) == want, f"{name}, {len(ids)} tokens"
+        for name, server in servers.items():
+            assert tokens(server.complete(ids, 6)) == want, f"{name}, {len(ids)} tokens"
+
+
+def test_every_engine_at_tp_1_computes_like_the_single_one_on_its_own(mla):
+    same_as_single(mla, {"p": mla["p"], "d": mla["d"]})
 
 
 # What D answered from P's latent against the single engine, per prompt length (the report's
@@ -106,20 +133,20 @@ def test_pull_lands_p_s_latent_intact(mla):
     REPORT["mla"] = ANSWERS
 
 
-def test_pull_from_p_at_tp_2_lands_its_latent_intact_in_d_at_tp_1(mla):
+def test_pull_from_p_at_tp_2_lands_its_latent_intact_in_d_at_tp_1(mla, p_tp2):
     """Both P ranks hold the latent; D reads it from one and checks its digest against P's
     (which counts the latent once, on P's first rank)."""
     checked = digests(mla["d"], "matched")
-    servers = {"p": mla["p_tp2"], "d": mla["d"]}
     for ids in PROMPTS:
-        params, d = disaggregated(servers, ids, 6)
+        params, d = disaggregated(p_tp2, ids, 6)
         assert params["tp_size"] == 2, params
         assert len(tokens(d)) == 6
     assert digests(mla["d"], "matched") == checked + len(PROMPTS)
 
 
-def test_push_lands_p_s_latent_intact(mla):
-    checked = digests(mla["push_d"], "matched")
+def test_push_lands_p_s_latent_intact(mla, push):
+    same_as_single(mla, {"push_p": push["p"], "push_d": push["d"]})
+    checked = digests(push["d"], "matched")
     same = {}
     for ids in PROMPTS:
         want = tokens(mla["single"].complete(ids, 6))
@@ -127,13 +154,13 @@ def test_push_lands_p_s_latent_intact(mla):
         p_params = {"do_remote_decode": True, "transfer_mode": "push", "handoff_id": handoff}
         d_params = {"do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
                     "remote_engine_id": "mla-push-p", "remote_host": "127.0.0.1",
-                    "remote_port": mla["side_port"], "tp_size": 1, "epoch": 1}
+                    "remote_port": push["side_port"], "tp_size": 1, "epoch": 1}
         with ThreadPoolExecutor(1) as ex:
-            d = ex.submit(mla["push_d"].complete, ids, 6, kv_transfer_params=d_params)
-            mla["push_p"].complete(ids, 1, kv_transfer_params=p_params)
+            d = ex.submit(push["d"].complete, ids, 6, kv_transfer_params=d_params)
+            push["p"].complete(ids, 1, kv_transfer_params=p_params)
             got = tokens(d.result())
         assert len(got) == 6
         same[len(ids)] = got == want
-    assert digests(mla["push_d"], "matched") == checked + len(PROMPTS)
+    assert digests(push["d"], "matched") == checked + len(PROMPTS)
     ANSWERS["push"] = same
     REPORT["mla"] = ANSWERS
