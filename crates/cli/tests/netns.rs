@@ -5,6 +5,11 @@
 //! names unique to the process and removed on drop, also when a test fails. HTTP requests are
 //! made from inside the proxy's namespace by this test binary itself (`netns_http_helper`),
 //! so nothing is sent from the host's own namespace.
+//!
+//! Over 1,000 lines, one topic: a cluster spread over hosts, sharing the namespace harness at
+//! the top: the flows across hosts, what the network or a host between them can do (a
+//! partition, delay and loss, a slow link, a stopped engine, a name moved to a new address),
+//! NIXL over UCX's tcp, and an outsider on another host.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

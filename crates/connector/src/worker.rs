@@ -5,6 +5,9 @@
 //!
 //! A `WorkerSide` is a plain object; [`spawn`] runs one on a thread of its own (the reference
 //! engine), and [`crate::remote`] runs one in another process (vLLM's worker processes).
+//!
+//! One file, over 800 lines with its tests (about 370 lines, which drive a real tcp transport):
+//! a rank's job table, grants and tail zeroing are one state that each step changes.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};

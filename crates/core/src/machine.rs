@@ -11,6 +11,9 @@
 //!
 //! Every path that frees a block or sends a message goes through a ledger: there are no side
 //! tables of requests or handoffs here that a ledger does not bound.
+//!
+//! One file, over 800 lines (each flow's steps are in `machine/`): the core's state, its config
+//! and its one batch of outputs, which every flow shares.
 
 mod decode;
 mod grants;

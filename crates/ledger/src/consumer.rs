@@ -36,6 +36,10 @@
 //! | `Registered` | watchdog, failure, abort       | `Cancelling`, `PushCancel` to P                |
 //! | `Cancelling` | ack, or grant + grace over     | blocks back                                    |
 //! | any waiting  | reject / abort before transfer | `Release` to P at once                         |
+//!
+//! One file, over 800 lines (the flows' own steps are in `consumer/pull.rs` and
+//! `consumer/push.rs`): what every flow shares — arrival, siblings, allocation, heartbeats,
+//! deadlines, outcomes and the one release — is the lifecycle a reader follows here.
 
 mod pull;
 mod push;

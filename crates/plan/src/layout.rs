@@ -1,5 +1,9 @@
 //! Layout types: what a model's KV looks like ([`ModelShape`], [`KvSpec`]) and where one rank keeps
 //! it in its registered memory ([`RankLayout`]).
+//!
+//! One file, over 800 lines: the spec, the placements and the one function that turns a row's
+//! coordinates into an address ([`RankLayout::row_offset`]), with a constructor per placement, so
+//! that every placement is checked by the same [`RankLayout::validate`] and addressed one way.
 
 use std::fmt;
 use std::ops::Range;

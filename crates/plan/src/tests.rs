@@ -1,4 +1,8 @@
 //! Unit tests, one per case; the byte-level property test lives in tests/prop.rs.
+//!
+//! Over 1,000 lines, one topic: the plan crate's unit tests (specs and layouts, the planner's
+//! descriptors, grant spans, topologies), each a named case; split by module it would repeat
+//! the fixtures every case shares.
 
 use super::*;
 

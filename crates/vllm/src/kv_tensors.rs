@@ -16,6 +16,9 @@
 //!   V's (the attention backends split it in two), in `LBHNC` strides (head-major) or `LBNHC`
 //!   (token-major, vLLM's default); block strides that step over other layers (`BL*` orders)
 //!   too. On the host the same shape is the CPU backend's opaque page.
+//!
+//! One file, over 800 lines: every layout handoff recognises, matched from shapes and strides in
+//! one place, so a tensor is tried against each of them the same way and a refusal names its shape.
 
 use handoff_plan::{BlockLayout, KvSpec, LayerPlacement, ModelShape, PlaneLoc, RankLayout, Region};
 use serde::{Deserialize, Serialize};

@@ -7,6 +7,9 @@
 //! is one stage of every layer; a layer-wise pull has as many as P's saves outpace the READs.
 //! Only the stage of the last layers carries the `PullDone`s, zeroes the tail and digests what
 //! landed, and the ledger hears of the read once, when it is over.
+//!
+//! One file, over 800 lines: reads and writes share the job table, the stages and the gate that
+//! posts a job only on a grant still honoured.
 
 use std::collections::{BTreeMap, HashMap};
 
