@@ -98,19 +98,25 @@ def digests(server: Server, what: str) -> int:
 PROMPTS = [prompt(n, seed=700 + n) for n in (1, 16, 17, 53, 300)]
 
 
-def same_as_single(mla, servers: dict) -> None:
+@pytest.fixture(scope="module")
+def single(mla) -> dict[int, list[int]]:
+    """The single engine's greedy tokens for each prompt, by its length: asked once, what every
+    engine and every transfer below is compared against."""
+    return {len(ids): tokens(mla["single"].complete(ids, 6)) for ids in PROMPTS}
+
+
+def same_as_single(single: dict[int, list[int]], servers: dict) -> None:
     """The engines' weights are equal (one checkpoint): each TP 1 engine's own greedy tokens
-    equal the single engine's, what the transfers are compared against. (vLLM's CPU build at
-    TP 2 computes other tokens from the same checkpoint, so P at TP 2 is checked by its KV
-    digest alone.)"""
+    equal the single engine's. (vLLM's CPU build at TP 2 computes other tokens from the same
+    checkpoint, so P at TP 2 is checked by its KV digest alone.)"""
     for ids in PROMPTS:
-        want = tokens(mla["single"].complete(ids, 6))
         for name, server in servers.items():
-            assert tokens(server.complete(ids, 6)) == want, f"{name}, {len(ids)} tokens"
+            got = tokens(server.complete(ids, 6))
+            assert got == single[len(ids)], f"{name}, {len(ids)} tokens"
 
 
-def test_every_engine_at_tp_1_computes_like_the_single_one_on_its_own(mla):
-    same_as_single(mla, {"p": mla["p"], "d": mla["d"]})
+def test_every_engine_at_tp_1_computes_like_the_single_one_on_its_own(mla, single):
+    same_as_single(single, {"p": mla["p"], "d": mla["d"]})
 
 
 # What D answered from P's latent against the single engine, per prompt length (the report's
@@ -119,14 +125,13 @@ def test_every_engine_at_tp_1_computes_like_the_single_one_on_its_own(mla):
 ANSWERS: dict[str, dict[int, bool]] = {}
 
 
-def test_pull_lands_p_s_latent_intact(mla):
+def test_pull_lands_p_s_latent_intact(mla, single):
     checked = digests(mla["d"], "matched")
     same = {}
     for ids in PROMPTS:
-        want = tokens(mla["single"].complete(ids, 6))
         _, d = disaggregated(mla, ids, 6)
         assert len(tokens(d)) == 6
-        same[len(ids)] = tokens(d) == want
+        same[len(ids)] = tokens(d) == single[len(ids)]
     # D checked every handoff's KV digest against P's (the latent came from P, whole).
     assert digests(mla["d"], "matched") == checked + len(PROMPTS)
     ANSWERS["pull"] = same
@@ -144,12 +149,11 @@ def test_pull_from_p_at_tp_2_lands_its_latent_intact_in_d_at_tp_1(mla, p_tp2):
     assert digests(mla["d"], "matched") == checked + len(PROMPTS)
 
 
-def test_push_lands_p_s_latent_intact(mla, push):
-    same_as_single(mla, {"push_p": push["p"], "push_d": push["d"]})
+def test_push_lands_p_s_latent_intact(push, single):
+    same_as_single(single, {"push_p": push["p"], "push_d": push["d"]})
     checked = digests(push["d"], "matched")
     same = {}
     for ids in PROMPTS:
-        want = tokens(mla["single"].complete(ids, 6))
         handoff = secrets.token_hex(16)
         p_params = {"do_remote_decode": True, "transfer_mode": "push", "handoff_id": handoff}
         d_params = {"do_remote_prefill": True, "transfer_mode": "push", "handoff_id": handoff,
@@ -160,7 +164,7 @@ def test_push_lands_p_s_latent_intact(mla, push):
             push["p"].complete(ids, 1, kv_transfer_params=p_params)
             got = tokens(d.result())
         assert len(got) == 6
-        same[len(ids)] = got == want
+        same[len(ids)] = got == single[len(ids)]
     assert digests(push["d"], "matched") == checked + len(PROMPTS)
     ANSWERS["push"] = same
     REPORT["mla"] = ANSWERS
