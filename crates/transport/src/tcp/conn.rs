@@ -349,9 +349,19 @@ pub(super) fn configure(s: &TcpStream, tick: Duration) -> io::Result<()> {
 }
 
 /// The reading half: every read has a timeout, and silence longer than `dead_after` is an error.
+///
+/// Silence is counted only while this reader was there to hear: when one of its own timed-out
+/// reads returns much later than its timeout, this thread was not run meanwhile (the host
+/// paused the whole machine, a VM's CPUs were taken away, the process was stopped), and the
+/// peer's writer most likely was not run either. That time is not held against the peer;
+/// otherwise a two-second pause of one host kills every connection on it the moment it resumes,
+/// before any writer has had the chance to send its PING. A peer that is really gone still
+/// costs at most `dead_after` of listening, plus the pauses.
 pub(super) struct Rx {
     stream: TcpStream,
     last_rx: Instant,
+    /// Time since `last_rx` this reader could not have heard anything (see above).
+    unheard: Duration,
     dead_after: Duration,
     /// The socket's read timeout between frames.
     tick: Duration,
@@ -370,6 +380,7 @@ impl Rx {
         Rx {
             stream,
             last_rx: Instant::now(),
+            unheard: Duration::ZERO,
             dead_after: inner.cfg.dead_after,
             tick: inner.tick(),
             timeout: inner.tick(),
@@ -392,11 +403,22 @@ impl Rx {
         Ok(())
     }
 
-    fn check_alive(&self) -> io::Result<()> {
+    /// After a read that timed out, having waited since `asleep_at`: the time this reader
+    /// missed beyond twice its timeout (scheduling jitter on a busy host stays inside that) is
+    /// credited to the peer, then the silence it did hear is checked against `dead_after`.
+    fn check_alive(&mut self, asleep_at: Instant) -> io::Result<()> {
         if self.conn.is_closed() {
             return Err(io::Error::other("connection closed"));
         }
-        let silent = self.last_rx.elapsed();
+        let missed = asleep_at.elapsed().saturating_sub(self.timeout * 2);
+        if missed >= self.tick {
+            tracing::debug!(
+                missed_ms = missed.as_millis() as u64,
+                "tcp reader was not run for longer than its timeout: that time is not the peer's silence"
+            );
+        }
+        self.unheard += missed;
+        let silent = self.last_rx.elapsed().saturating_sub(self.unheard);
         if silent >= self.dead_after {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -444,6 +466,7 @@ impl Rx {
     fn fill_some_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         let mut at = 0;
         while !bufs.is_empty() {
+            let asleep_at = Instant::now();
             match self.read_some(bufs) {
                 Ok(0) => {
                     return Err(io::Error::new(
@@ -454,10 +477,11 @@ impl Rx {
                 Ok(n) => {
                     at += n;
                     self.last_rx = Instant::now();
+                    self.unheard = Duration::ZERO;
                     IoSliceMut::advance_slices(&mut bufs, n);
                 }
                 Err(e) if is_timeout(&e) => {
-                    self.check_alive()?;
+                    self.check_alive(asleep_at)?;
                     break;
                 }
                 Err(e) => return Err(e),
@@ -789,27 +813,31 @@ impl Tx {
         Ok(())
     }
 
+    /// Writes all of `buf`. A peer that reads nothing for `dead_after` is dead; as for the
+    /// reader's silence (see [`Rx`]), time this thread was not run is not counted against it.
     fn send(&mut self, buf: &[u8]) -> io::Result<()> {
         let mut at = 0;
         let mut progress = Instant::now();
+        let mut unrun = Duration::ZERO;
         while at < buf.len() {
+            let asleep_at = Instant::now();
             match self.stream.write(&buf[at..]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     at += n;
                     progress = Instant::now();
+                    unrun = Duration::ZERO;
                 }
                 Err(e) if is_timeout(&e) => {
                     if self.conn.is_closed() {
                         return Err(io::Error::other("connection closed"));
                     }
-                    if progress.elapsed() >= self.dead_after {
+                    unrun += asleep_at.elapsed().saturating_sub(STALL * 2);
+                    let stuck = progress.elapsed().saturating_sub(unrun);
+                    if stuck >= self.dead_after {
                         return Err(io::Error::new(
                             io::ErrorKind::TimedOut,
-                            format!(
-                                "peer has not read for {} ms",
-                                progress.elapsed().as_millis()
-                            ),
+                            format!("peer has not read for {} ms", stuck.as_millis()),
                         ));
                     }
                 }

@@ -25,7 +25,8 @@
 //!
 //! A writer idle for `keepalive` sends a PING, so a live peer is heard at least that often.
 //! Every socket operation has a timeout: a reader that heard nothing for `dead_after`, a writer
-//! that could not push a byte for `dead_after`, EOF or a reset closes the connection, fails its
+//! that could not push a byte for `dead_after` (neither counting time its own thread was not
+//! run: a paused host is not a dead peer), EOF or a reset closes the connection, fails its
 //! transfers in flight, closes every other connection with that peer (so the peer notices too),
 //! and reports the peer once in [`Transport::drain_dead_peers`]. `post` to a peer found dead
 //! returns [`TransportError::PeerDead`] until its metadata is loaded again. A peer that

@@ -250,3 +250,103 @@ fn a_slow_handshake_on_a_congested_link_is_not_a_dead_peer() {
     assert!(p.drain_dead_peers().is_empty());
     assert_eq!(p.refused_connections(), 0);
 }
+
+/// Set in the environment of the child process `a_paused_host_keeps_its_connections` starts.
+const PAUSED_CHILD: &str = "HANDOFF_TCP_TEST_PAUSED_CHILD";
+
+/// A host paused for longer than `dead_after` (here: the whole process stopped for three times
+/// its 400 ms) resumes with its connections alive: neither end counts against the other the
+/// time it was not run itself, so the PINGs that follow the pause are heard before the silence
+/// is judged. Both agents live in a child process (the test binary again, running
+/// `paused_host_child`), so the pause stops their readers and writers alike, as a VM whose CPUs
+/// were taken away or a SIGSTOPped engine does. Before the readers credited their own pauses
+/// the child reported both peers dead the moment it resumed.
+#[test]
+fn a_paused_host_keeps_its_connections() {
+    use std::io::BufRead;
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "tcp::tests::liveness::paused_host_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(PAUSED_CHILD, "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let said = |want: &str| -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                // libtest's "test … ... " may precede the child's first line.
+                Ok(l) if l.contains(want) => return l[l.find(want).unwrap_or(0)..].to_string(),
+                Ok(_) => {}
+                Err(_) => panic!("the child never said {want:?}"),
+            }
+        }
+    };
+    said("ready");
+    let kill = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    kill("-STOP");
+    std::thread::sleep(fast().dead_after * 3);
+    kill("-CONT");
+    child
+        .stdin
+        .as_mut()
+        .unwrap()
+        .write_all(b"resumed\n")
+        .unwrap();
+    let verdict = said("verdict");
+    assert!(child.wait().unwrap().success());
+    assert_eq!(verdict, "verdict: alive");
+}
+
+/// The child half of `a_paused_host_keeps_its_connections` (a no-op anywhere else).
+#[test]
+#[ignore = "run by a_paused_host_keeps_its_connections in a child process it pauses"]
+fn paused_host_child() {
+    if std::env::var_os(PAUSED_CHILD).is_none() {
+        return;
+    }
+    let mut rng = Rng(12);
+    let a = agent("pause-a", fast());
+    let b = agent("pause-b", fast());
+    regions(&a, &[4096], &mut rng);
+    regions(&b, &[4096], &mut rng);
+    pair(&a, &b);
+    assert_eq!(try_read(&a, &b, 4096), XferStatus::Done);
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    // Past one more `dead_after` after the pause: a connection judged on the pause alone is
+    // reported by now.
+    std::thread::sleep(fast().dead_after + Duration::from_millis(200));
+    let dead = [a.drain_dead_peers(), b.drain_dead_peers()].concat();
+    let read = try_read(&a, &b, 4096);
+    if dead.is_empty() && read == XferStatus::Done {
+        println!("verdict: alive");
+    } else {
+        println!("verdict: dead {dead:?}, a READ after the pause: {read:?}");
+    }
+}
