@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -291,6 +292,42 @@ REPORT: dict = {}
 FAILURES: dict = {}
 
 
+class StallMeter:
+    """Whether the host itself stalled: a thread that sleeps 50 ms at a time and notes every
+    wake-up that came more than 0.5 s late. A failed test's report lists those of its last three
+    minutes, so a timeout can be told apart from a host that did not run anything meanwhile
+    (this machine's two shared cores have gone 1-2 s without running a sleeping process)."""
+
+    TICK_S = 0.05
+    LATE_S = 0.5
+
+    def __init__(self):
+        self.stalls: list[tuple[float, float]] = []  # (wall time it ended, seconds late)
+        threading.Thread(target=self._run, name="stall-meter", daemon=True).start()
+
+    def _run(self):
+        while True:
+            before = time.monotonic()
+            time.sleep(self.TICK_S)
+            late = time.monotonic() - before - self.TICK_S
+            if late > self.LATE_S:
+                self.stalls.append((time.time(), late))
+
+    def recent(self, window_s: float = 180.0) -> str:
+        since = time.time() - window_s
+        lines = [f"{time.strftime('%H:%M:%S', time.gmtime(t))}Z woke {late:.2f} s late"
+                 for t, late in self.stalls if t >= since]
+        return "\n".join(lines) or "none"
+
+    def summary(self) -> dict:
+        lates = [late for _, late in self.stalls]
+        return {"over_0_5_s": len(lates), "over_1_s": sum(late > 1 for late in lates),
+                "max_s": round(max(lates, default=0.0), 2)}
+
+
+STALLS = StallMeter()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test's report ends with the handoff lines of every server's log; why it failed
@@ -303,7 +340,9 @@ def pytest_runtest_makereport(item, call):
     why = crash.message if crash is not None else (str(rep.longrepr).splitlines() or [""])[-1]
     FAILURES[f"{item.nodeid} ({rep.when})"] = why[:400]
     if rep.when == "call":
-        for s in Server.started:
+        rep.sections.append(("host stalls (UTC) in the last 3 minutes", STALLS.recent()))
+        # The newest servers first: they are the failed test's own (CI shows the head).
+        for s in reversed(Server.started):
             rep.sections.append((f"{s.name}'s log, handoff lines ({s.log_path})",
                                  s.connector_lines()))
 
@@ -326,7 +365,8 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("HANDOFF_VLLM_REPORT")
     if path:
         Path(path).write_text(json.dumps(dict(
-            REPORT, vllm=installed_vllm(), tests_run=session.testscollected,
+            REPORT, vllm=installed_vllm(), host_stalls=STALLS.summary(),
+            tests_run=session.testscollected,
             tests_failed=session.testsfailed, failures=FAILURES)))
 
 

@@ -47,29 +47,52 @@ def started(servers: dict):
                 s.stop()
 
 
-# The single engine, P and D at TP 1 live for the module; P at TP 2 and the push pair only for
-# their test. All six at once (seven vLLM workers beside the session's single engine on a 23
-# GiB, two-core host) stalled D's connector threads in two CI runs long enough for P's tcp
-# transport to find D silent past its 1.5 s dead-peer limit; at most five live at once now.
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("model-mla")
-    subprocess.run([sys.executable, str(HERE / "make_mla_model.py"), str(ckpt)], check=True,
+def ckpt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model-mla")
+    subprocess.run([sys.executable, str(HERE / "make_mla_model.py"), str(path)], check=True,
                    capture_output=True, timeout=300)
-    yield from started({
+    return path
+
+
+# P and D at TP 1 live for the module; the single engine only until its answers are taken, P at
+# TP 2 and the push pair only for their test. Six at once (seven vLLM workers beside the
+# session's single engine on a 23 GiB, two-core host) stalled D long enough, in CI, for P's tcp
+# transport to find it silent past its 1.5 s dead-peer limit, and D's first READ from a P at
+# TP 2 came after P's 10 s initial lease (P's first forward at TP 2 takes seconds of its own):
+# at most four live at once now, and P at TP 2 has run a forward before the test's handoffs.
+HANDOFF_DEBUG = "info,handoff_core=debug,handoff_connector=debug,handoff_vllm=debug"
+
+
+@pytest.fixture(scope="module")
+def mla(ckpt):
+    """P and D, and (started beside them, stopped once asked) the single engine's greedy tokens
+    for each prompt by its length: what every engine and every transfer below is compared
+    against."""
+    for servers in started({
         "ckpt": ckpt,
         "single": mla_server(ckpt, "mla-single", None),
         "p": mla_server(ckpt, "mla-p", connector("mla-p", kv_digest=True)),
         "d": mla_server(ckpt, "mla-d", connector("mla-d", kv_digest=True),
-                        env_extra={"RUST_LOG": "info,handoff_core=debug"}),
-    })
+                        env_extra={"RUST_LOG": HANDOFF_DEBUG}),
+    }):
+        one = servers["single"]
+        answers = {len(ids): tokens(one.complete(ids, 6)) for ids in PROMPTS}
+        servers.pop("single").stop()
+        yield dict(servers, answers=answers)
 
 
 @pytest.fixture
 def p_tp2(mla):
     """P at TP 2: both ranks hold the latent; D at TP 1 reads it from one of them."""
+    # On the second core only, as on a host of its own: vLLM's CPU workers at TP 2 poll their
+    # shared-memory queue between steps, and on both cores they starved D (and this process)
+    # for seconds at a time.
     for own in started({"p": mla_server(mla["ckpt"], "mla-p-tp2",
-                                        connector("mla-p-tp2", kv_digest=True), tp=2)}):
+                                        connector("mla-p-tp2", kv_digest=True), tp=2,
+                                        env_extra={"RUST_LOG": HANDOFF_DEBUG}, cpus="1")}):
+        # Its first forward (seconds at TP 2 on two cores) happens here, not in a handoff.
+        own["p"].complete(PROMPTS[0], 1)
         yield dict(own, d=mla["d"])
 
 
@@ -100,9 +123,8 @@ PROMPTS = [prompt(n, seed=700 + n) for n in (1, 16, 17, 53, 300)]
 
 @pytest.fixture(scope="module")
 def single(mla) -> dict[int, list[int]]:
-    """The single engine's greedy tokens for each prompt, by its length: asked once, what every
-    engine and every transfer below is compared against."""
-    return {len(ids): tokens(mla["single"].complete(ids, 6)) for ids in PROMPTS}
+    """The single engine's greedy tokens for each prompt, by its length."""
+    return mla["answers"]
 
 
 def same_as_single(single: dict[int, list[int]], servers: dict) -> None:
