@@ -58,6 +58,13 @@
 //! inside the pool and distinct, and planned ranges must not overlap (which catches aliasing
 //! layouts); every violation is a [`PlanError`], never a panic.
 //!
+//! # Sliding windows
+//!
+//! A layer group with a sliding window needs only the blocks that hold the window's tokens
+//! ([`window_blocks`]); [`window_tail`] takes them from a peer's block list (vLLM puts its null
+//! block where it freed one) and refuses a list whose window reaches a freed block. Not yet used
+//! by the planner's callers: a handoff still carries one block list for every layer.
+//!
 //! # Supported and refused
 //!
 //! Planned: any TP pair where one divides the other and each splits or replicates the heads
@@ -74,6 +81,7 @@
 mod layout;
 mod planner;
 mod topology;
+mod window;
 
 pub use layout::{
     check_heads, BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc,
@@ -86,6 +94,7 @@ pub use planner::{
 pub use topology::{
     check_compatible, rank_consumers, rank_pairs, rank_sources, Incompatible, RankPair, Topology,
 };
+pub use window::{window_blocks, window_tail, WindowError};
 
 /// The workspace's shared test support (feature `testing`; not API).
 #[cfg(any(test, feature = "testing"))]
