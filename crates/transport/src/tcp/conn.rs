@@ -280,6 +280,13 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
+/// How long past a socket call's `timeout` (begun at `asleep_at`) this thread was not run: time
+/// beyond twice the timeout, scheduling jitter on a busy host staying inside that. Neither end's
+/// liveness check holds that time against the peer (see [`Rx`]).
+fn not_run_since(asleep_at: Instant, timeout: Duration) -> Duration {
+    asleep_at.elapsed().saturating_sub(timeout * 2)
+}
+
 fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg)
 }
@@ -403,14 +410,14 @@ impl Rx {
         Ok(())
     }
 
-    /// After a read that timed out, having waited since `asleep_at`: the time this reader
-    /// missed beyond twice its timeout (scheduling jitter on a busy host stays inside that) is
-    /// credited to the peer, then the silence it did hear is checked against `dead_after`.
+    /// After a read that timed out, having waited since `asleep_at`: the time this reader was
+    /// not run ([`not_run_since`]) is credited to the peer, then the silence it did hear is
+    /// checked against `dead_after`.
     fn check_alive(&mut self, asleep_at: Instant) -> io::Result<()> {
         if self.conn.is_closed() {
             return Err(io::Error::other("connection closed"));
         }
-        let missed = asleep_at.elapsed().saturating_sub(self.timeout * 2);
+        let missed = not_run_since(asleep_at, self.timeout);
         if missed >= self.tick {
             tracing::debug!(
                 missed_ms = missed.as_millis() as u64,
@@ -832,7 +839,7 @@ impl Tx {
                     if self.conn.is_closed() {
                         return Err(io::Error::other("connection closed"));
                     }
-                    unrun += asleep_at.elapsed().saturating_sub(STALL * 2);
+                    unrun += not_run_since(asleep_at, STALL);
                     let stuck = progress.elapsed().saturating_sub(unrun);
                     if stuck >= self.dead_after {
                         return Err(io::Error::new(

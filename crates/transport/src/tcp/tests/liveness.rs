@@ -291,11 +291,12 @@ fn a_paused_host_keeps_its_connections() {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match lines.recv_timeout(left) {
-                // libtest's "test … ... " may precede the child's first line.
-                Ok(l) if l.contains(want) => return l[l.find(want).unwrap_or(0)..].to_string(),
-                Ok(_) => {}
-                Err(_) => panic!("the child never said {want:?}"),
+            let Ok(line) = lines.recv_timeout(left) else {
+                panic!("the child never said {want:?}");
+            };
+            // libtest's "test … ... " may precede the child's first line.
+            if let Some(at) = line.find(want) {
+                return line[at..].to_string();
             }
         }
     };
