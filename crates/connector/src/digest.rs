@@ -12,8 +12,9 @@
 //! out: their bytes are stale on P and zeroed on D.
 //!
 //! Engines whose blocks are opaque pages (vLLM's CPU backend: the kernel decides what is where
-//! inside a block) only pair with engines of the same spec and move whole blocks; there a unit is
-//! one layer's whole block, keyed by (layer, the block's index in the handoff, its span).
+//! inside a block) only pair with engines whose pages are the same (`KvSpec::same_pages`) and
+//! move whole blocks; there a unit is one layer's whole block, keyed by (layer, the block's index
+//! in the handoff, its span), and a page every rank holds a copy of counts on the first.
 //!
 //! It catches blocks damaged or misplaced on the way (a wrong block id, a short or shifted copy,
 //! a race with reuse); it is a checksum, not a MAC: the cluster key is what keeps strangers out.
@@ -40,6 +41,12 @@ pub fn rank_digest(
             .map(|(_, r)| r)
             .ok_or(TransportError::UnknownRegion { region: id })
     };
+    let spec = &layout.spec;
+    // A replicated head (an MLA latent, or more ranks than heads) counts once over the engine:
+    // on the first rank that holds it. So does a page every rank holds a copy of.
+    if !spec.first_holder(layout.rank) {
+        return Ok(0);
+    }
     let mut sum = 0u64;
     if of.whole_blocks {
         for (index, &block) in blocks.iter().enumerate() {
@@ -51,12 +58,6 @@ pub fn rank_digest(
             }
         }
         return Ok(sum);
-    }
-    let spec = &layout.spec;
-    // A replicated head (an MLA latent, or more ranks than heads) counts once over the engine:
-    // on the first rank that holds it.
-    if !spec.first_holder(layout.rank) {
-        return Ok(0);
     }
     let row = spec.shape.row_bytes();
     let bs = spec.block_size;
@@ -186,10 +187,14 @@ mod tests {
     const LAYERS: u32 = 3;
 
     fn spec(tp: u32, block_size: u32) -> KvSpec {
+        spec_of(HEADS, tp, block_size)
+    }
+
+    fn spec_of(heads: u32, tp: u32, block_size: u32) -> KvSpec {
         KvSpec {
             shape: ModelShape {
                 num_layers: LAYERS,
-                num_kv_heads: HEADS,
+                num_kv_heads: heads,
                 head_dim: 8,
                 dtype_size: 2,
             },
@@ -222,9 +227,20 @@ mod tests {
         tokens: u32,
         make: &dyn Fn(usize) -> KvRegion,
     ) -> Engine {
-        let ranks = (0..tp)
+        engine_of(spec(tp, block_size), blocks, tokens, make)
+    }
+
+    /// [`engine_in`] of any spec.
+    fn engine_of(
+        spec: KvSpec,
+        blocks: Vec<u32>,
+        tokens: u32,
+        make: &dyn Fn(usize) -> KvRegion,
+    ) -> Engine {
+        let block_size = spec.block_size;
+        let ranks = (0..spec.tp)
             .map(|rank| {
-                let l = RankLayout::per_layer(spec(tp, block_size), rank, 16, 0).unwrap();
+                let l = RankLayout::per_layer(spec, rank, 16, 0).unwrap();
                 let regions: Regions = l
                     .regions
                     .iter()
@@ -347,6 +363,25 @@ mod tests {
         let off = l.row_offset(0, 0, 2, 0, 15).unwrap();
         regions[0].1.write(off as usize, &[0]).unwrap();
         assert_ne!(digest(&p, of), clean);
+    }
+
+    /// One KV head on every rank (vLLM's rule when TP exceeds the heads): the pages of P at
+    /// TP 2 and of D at TP 1 are the same, and each counts once whichever side holds copies.
+    #[test]
+    fn a_page_every_rank_holds_counts_once() {
+        let of = DigestOf {
+            num_tokens: 20,
+            whole_blocks: true,
+        };
+        let host = |len| KvRegion::new(len, 4096);
+        let one = engine_of(spec_of(1, 1, 16), vec![5, 2], 20, &host);
+        let two = engine_of(spec_of(1, 2, 16), vec![3, 7], 20, &host);
+        assert_eq!(digest(&two, of), digest(&one, of));
+        // The copy on rank 1 is not read: rank 0's is the one compared.
+        let (l, regions) = &two.ranks[0];
+        let off = l.row_offset(0, 1, 7, 0, 2).unwrap();
+        regions[0].1.write(off as usize, &[0]).unwrap();
+        assert_ne!(digest(&two, of), digest(&one, of));
     }
 
     #[test]

@@ -263,6 +263,22 @@ impl KvSpec {
         self.tp <= heads || heads == 0 || rank % (self.tp / heads) == 0
     }
 
+    /// Whether a block of this spec and one of `other` are the same page, byte for byte, where
+    /// the bytes inside a page are the attention kernel's business (vLLM's CPU backend): the
+    /// specs are equal, or differ only in TP size while every rank of both holds every KV head
+    /// (one head, replicated on each rank as vLLM does when TP exceeds the heads). Any other
+    /// difference needs the rows inside a block, which an opaque page does not show.
+    pub fn same_pages(&self, other: &KvSpec) -> bool {
+        let whole = |s: &KvSpec| s.heads_per_rank() == s.shape.num_kv_heads;
+        self == other
+            || (KvSpec {
+                tp: other.tp,
+                ..*self
+            } == *other
+                && whole(self)
+                && whole(other))
+    }
+
     /// The global KV heads `rank` owns (see [`owned_heads`]).
     pub fn owned_heads(&self, rank: u32) -> Range<u32> {
         owned_heads(self.tp, self.shape.num_kv_heads, rank)

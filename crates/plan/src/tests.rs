@@ -103,6 +103,21 @@ fn topology_d_wider_than_p() {
 /// head it needs once, from the first of its sources that holds it; a source holding only copies
 /// already read is a pair that moves nothing and only confirms, so the pairs are still the
 /// ledgers' (`rank_pairs`), who count on every source to hear from D.
+/// Opaque pages (vLLM's CPU backend) pair when they are the same bytes: equal specs, or one KV
+/// head replicated on every rank of both sides whatever their TP sizes. Heads split over ranks,
+/// another block size or layout would need the rows inside a page.
+#[test]
+fn opaque_pages_pair_only_when_every_rank_holds_the_same_page() {
+    let one = |tp| spec(1, tp, 16, HeadMajor);
+    assert!(one(2).same_pages(&one(1)) && one(1).same_pages(&one(4)));
+    assert!(spec(2, 2, 16, HeadMajor).same_pages(&spec(2, 2, 16, HeadMajor)));
+    // Two heads: TP 2 holds one per rank, TP 1 both, so the pages differ.
+    assert!(!spec(2, 2, 16, HeadMajor).same_pages(&spec(2, 1, 16, HeadMajor)));
+    assert!(!one(2).same_pages(&spec(1, 1, 32, HeadMajor)));
+    assert!(!one(1).same_pages(&spec(1, 1, 16, TokenMajor)));
+    assert!(!one(1).same_pages(&layers(one(1), 2)));
+}
+
 #[test]
 fn replicated_heads_are_read_once_and_their_other_copies_only_confirm() {
     let pair = |d_rank, p_rank, heads| RankPair {

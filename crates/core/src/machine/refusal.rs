@@ -45,7 +45,8 @@ pub enum HandshakeRefusal {
     Incompatible(#[from] Incompatible),
     #[error(
         "this engine's KV blocks are its attention kernel's pages, moved whole: the peer must \
-         have the same TP size, block size and layout (P {p:?}, D {d:?})"
+         have the same block size and layout, and the same TP size unless every rank of both holds \
+         the model's one KV head (P {p:?}, D {d:?})"
     )]
     OpaqueBlocks { p: Box<KvSpec>, d: Box<KvSpec> },
     /// The peer answered our hello under another engine's name.

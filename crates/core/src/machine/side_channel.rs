@@ -101,7 +101,7 @@ impl ConnectorCore {
             _ => (&self.spec, &layouts[0].spec),
         };
         handoff_plan::check_compatible(p, d)?;
-        if self.cfg.opaque_blocks && p != d {
+        if self.cfg.opaque_blocks && !p.same_pages(d) {
             return Err(HandshakeRefusal::OpaqueBlocks {
                 p: Box::new(*p),
                 d: Box::new(*d),

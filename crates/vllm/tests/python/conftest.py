@@ -1,7 +1,8 @@
 """Real vLLM servers (CPU build) for the connector tests.
 
 Every output comparison runs on a real model: SmolLM2-135M-Instruct (30 layers, real weights,
-its tokenizer and chat template), converted by ``scripts/fetch-model`` into ``.model-smollm2/``.
+its tokenizer and chat template), converted by ``scripts/fetch-model`` into ``.model-smollm2/``;
+test_vllm_gemma.py runs Gemma 3 270M (``scripts/fetch-model gemma3``, ``.model-gemma3/``).
 The tiny 2-layer model with dummy weights (``model/``) stays where a test compares no output
 and wants speed (the hook-level tests).
 
@@ -74,12 +75,14 @@ class Server:
     def __init__(self, name: str, connector: dict | None, extra_args: list[str] | None = None,
                  env_extra: dict | None = None, log_stats: bool = False,
                  host: str = "127.0.0.1", netns: str | None = None, real: bool = True,
-                 cpus: str | None = None, tiny_model: Path = MODEL):
+                 cpus: str | None = None, tiny_model: Path = MODEL,
+                 real_model: tuple[Path, str] = (REAL_MODEL, REAL_MODEL_NAME)):
         """`netns`: run the server inside that network namespace, listening on `host`.
         `cpus`: run it on these CPUs only (taskset's list, "0" or "0-1"), as on a host of its own.
-        `real`: the real model (its tokenizer too); otherwise the tiny model `tiny_model` (a
-        directory with its config, and dummy weights unless it holds a checkpoint), which has
-        no tokenizer (token-id prompts only)."""
+        `real`: a real model with its tokenizer, `real_model` (its folder and served name:
+        SmolLM2 unless said); otherwise the tiny model `tiny_model` (a directory with its
+        config, and dummy weights unless it holds a checkpoint), which has no tokenizer
+        (token-id prompts only)."""
         Server.started.append(self)
         self.name = name
         self.port = free_port()
@@ -87,10 +90,10 @@ class Server:
         LOGS.mkdir(parents=True, exist_ok=True)
         self.log_path = LOGS / f"{name}.log"
         if real:
-            assert (REAL_MODEL / "config.json").exists(), \
-                f"no real model at {REAL_MODEL}: run scripts/fetch-model"
-            self.model = REAL_MODEL_NAME
-            model_args = ["--model", str(REAL_MODEL), "--served-model-name", self.model]
+            folder, self.model = real_model
+            assert (folder / "config.json").exists(), \
+                f"no real model at {folder}: run scripts/fetch-model"
+            model_args = ["--model", str(folder), "--served-model-name", self.model]
         else:
             self.model = "tiny"
             # Dummy weights, unless the directory holds a checkpoint of its own.

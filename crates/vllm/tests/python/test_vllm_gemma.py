@@ -1,0 +1,161 @@
+"""A real sliding-window model in real vLLM (CPU): Gemma 3 270M (``scripts/fetch-model gemma3``:
+18 layers, a window of 512 tokens in five of every six, one KV head), on prompts three to five
+times longer than the window. Pull behind vllm-router, push behind handoff's proxy, and pull
+between engines of different TP sizes (2 to 1 and 1 to 2: the one KV head is replicated on every
+rank, so a page of P at TP 2 is byte for byte a page of D at TP 1, read once from P's first
+rank; each D rank gets its own copy). Every answer equals one engine's, and D's KV digest
+matched P's for each handoff.
+
+vLLM turns its hybrid KV cache manager off for a connector without ``SupportsHMA`` (handoff,
+today): every layer then keeps every token, and a handoff moves every block of every layer. The
+report's ``gemma`` says so (``hybrid_kv_cache_manager``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import (REPORT, STARTUP_S, Server, connector, disaggregated, free_port,
+                      handoff_proxy, matched_digests, prompt)
+from test_router import router
+
+HERE = Path(__file__).resolve().parent
+GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gemma3")), "gemma3")
+# The model's window is 512 tokens; the longest prompt plus the answer must fit.
+ARGS = ["--max-model-len", "4096"]
+# Token ids drawn below 4,000 (of Gemma's 262,144): a prompt the model reads as text.
+# A prompt goes to one D once: a second time D's prefix cache holds its blocks (no handoff).
+LONG = prompt(2600, seed=2600)
+ROUTED = [prompt(1600, seed=1600), LONG]
+TP_2_TO_1, TP_1_TO_2 = prompt(1600, seed=1601), prompt(1700, seed=1701)
+PROMPTS = ROUTED + [TP_2_TO_1, TP_1_TO_2]
+ANSWER_TOKENS = 6
+
+
+def gemma(name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
+    return Server(name, conn, real_model=GEMMA,
+                  extra_args=ARGS + ["--tensor-parallel-size", str(tp)] + kw.pop("args", []),
+                  **kw)
+
+
+@contextlib.contextmanager
+def running(servers: dict):
+    """Waits for `servers` (the Server values) to be healthy, runs one short local request on
+    each (a fresh server's first forward pass is slow once) and stops them all at the end."""
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        live = [s for s in servers.values() if isinstance(s, Server)]
+        for s in live:
+            s.wait_healthy(deadline)
+        for s in live:
+            s.complete([5, 6, 7], 1)
+        yield servers
+    finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
+
+
+def tokens(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def pull():
+    """P and D (pull, TP 1) for the module, and the single engine's greedy tokens for each
+    prompt (the single engine, without a connector, runs vLLM's hybrid manager: stopped once
+    its answers are taken)."""
+    assert (GEMMA[0] / "config.json").exists(), \
+        f"no Gemma 3 at {GEMMA[0]}: run scripts/fetch-model gemma3"
+    servers = {
+        "single": gemma("gemma-single", None,
+                        env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        "p": gemma("gemma-p", connector("gemma-p", kv_digest=True)),
+        "d": gemma("gemma-d", connector("gemma-d", kv_digest=True),
+                   env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
+    }
+    with running(servers):
+        answers = {tuple(ids): tokens(servers["single"].complete(ids, ANSWER_TOKENS))
+                   for ids in PROMPTS}
+        servers.pop("single").stop()
+        yield dict(servers, answers=answers)
+
+
+def hma_off(server: Server) -> bool:
+    return "Turning off hybrid kv cache manager" in server.log_path.read_text(errors="replace")
+
+
+def report(**facts) -> None:
+    REPORT.setdefault("gemma", {}).update(facts)
+
+
+def test_pull_behind_vllm_router_answers_like_one_engine(pull):
+    """A client's completions through vllm-router (P/D mode) in front of handoff's P and D:
+    D decodes from P's KV (one matched digest per request) and answers what one engine does."""
+    with router(pull["p"].url, pull["d"].url, "gemma") as url:
+        for ids in ROUTED:
+            matched = matched_digests(pull["d"])
+            body = {"model": GEMMA[1], "prompt": ids, "max_tokens": ANSWER_TOKENS,
+                    "temperature": 0, "return_token_ids": True}
+            r = requests.post(url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, f"vllm-router: {r.status_code} {r.text[:500]}"
+            assert tokens(r.json()) == pull["answers"][tuple(ids)], f"{len(ids)} tokens"
+            assert matched_digests(pull["d"]) == matched + 1, "D computed the prompt itself"
+    report(hybrid_kv_cache_manager=not hma_off(pull["d"]),
+           prompt_tokens=[len(ids) for ids in ROUTED], window=512)
+
+
+@pytest.fixture
+def tp2(pull):
+    """One engine at TP 2 (both roles: P for D at TP 1, D for P at TP 1), on the second core
+    only, as on a host of its own (its two workers spin on vLLM's shared-memory queue after
+    each step)."""
+    with running({"e": gemma("gemma-tp2", connector("gemma-tp2", kv_digest=True), tp=2,
+                             cpus="1",
+                             env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}
+                             )}) as own:
+        yield own["e"]
+
+
+def test_pull_between_tp_2_and_tp_1_answers_like_one_engine(pull, tp2):
+    """P at TP 2 to D at TP 1, then P at TP 1 to D at TP 2: the one KV head is on every rank;
+    D reads it once per D rank and checks its digest against P's (each counts the head once)."""
+    matched = matched_digests(pull["d"])
+    params, d = disaggregated({"p": tp2, "d": pull["d"]}, TP_2_TO_1, ANSWER_TOKENS)
+    assert params["tp_size"] == 2, params
+    assert tokens(d) == pull["answers"][tuple(TP_2_TO_1)], "P at TP 2, D at TP 1"
+    assert matched_digests(pull["d"]) == matched + 1
+    matched = matched_digests(tp2)
+    params, d = disaggregated({"p": pull["p"], "d": tp2}, TP_1_TO_2, ANSWER_TOKENS)
+    assert params["tp_size"] == 1, params
+    assert tokens(d) == pull["answers"][tuple(TP_1_TO_2)], "P at TP 1, D at TP 2"
+    assert matched_digests(tp2) == matched + 1
+    report(tp_2_to_1=True, tp_1_to_2=True)
+
+
+def test_push_behind_handoffs_proxy_answers_like_one_engine(pull):
+    """A push pair behind `handoff proxy --mode push`: P writes each layer into D's blocks as
+    its forward pass saves it, D answers what one engine does, its digest matched P's."""
+    side_port = free_port()
+    servers = {
+        "p": gemma("gemma-push-p", connector("gemma-push-p", mode="push", kv_digest=True,
+                                             side_channel_port=side_port),
+                   args=["--middleware", "handoff_vllm.HandoffInfo"]),
+        "d": gemma("gemma-push-d", connector("gemma-push-d", mode="push", kv_digest=True),
+                   env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}),
+    }
+    with running(servers), handoff_proxy("push", servers["p"], servers["d"]) as url:
+        ids = LONG
+        matched = matched_digests(servers["d"])
+        body = {"model": GEMMA[1], "prompt": ids, "max_tokens": ANSWER_TOKENS,
+                "temperature": 0, "return_token_ids": True}
+        r = requests.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, f"proxy: {r.status_code} {r.text[:500]}"
+        assert tokens(r.json()) == pull["answers"][tuple(ids)]
+        assert matched_digests(servers["d"]) == matched + 1, "D computed the prompt itself"
+    report(push=True)
