@@ -26,8 +26,14 @@ from test_router import router
 
 HERE = Path(__file__).resolve().parent
 GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gemma3")), "gemma3")
-# The model's window is 512 tokens; the longest prompt plus the answer must fit.
-ARGS = ["--max-model-len", "4096"]
+# The model's window is 512 tokens; the longest prompt plus the answer must fit. bfloat16 (the
+# checkpoint's dtype), 64 blocks of 128 tokens (below) and at most 8 sequences: 4.7 GB of memory a server
+# at its peak instead of 6.8 (float32, 1 GiB of KV): three at that beside the session's SmolLM2
+# engine ran the 23 GiB CI host out of memory.
+ARGS = ["--max-model-len", "4096", "--dtype", "bfloat16", "--max-num-seqs", "8"]
+# A block of the hybrid manager (the single engine's) holds one layer of each of its six groups:
+# it needs more of them for one 4,096-token request.
+BLOCKS = {"hybrid": "256", "one_group": "64"}
 # Token ids drawn below 4,000 (of Gemma's 262,144): a prompt the model reads as text.
 # A prompt goes to one D once: a second time D's prefix cache holds its blocks (no handoff).
 LONG = prompt(2600, seed=2600)
@@ -38,8 +44,10 @@ ANSWER_TOKENS = 6
 
 
 def gemma(name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
+    blocks = BLOCKS["one_group" if conn else "hybrid"]
     return Server(name, conn, real_model=GEMMA,
-                  extra_args=ARGS + ["--tensor-parallel-size", str(tp)] + kw.pop("args", []),
+                  extra_args=ARGS + ["--num-gpu-blocks-override", blocks,
+                                     "--tensor-parallel-size", str(tp)] + kw.pop("args", []),
                   **kw)
 
 
@@ -66,23 +74,30 @@ def tokens(answer: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pull():
-    """P and D (pull, TP 1) for the module, and the single engine's greedy tokens for each
-    prompt (the single engine, without a connector, runs vLLM's hybrid manager: stopped once
-    its answers are taken)."""
+def answers() -> dict[tuple, list[int]]:
+    """The single engine's greedy tokens for each prompt: it runs alone (no connector, so
+    vLLM's hybrid manager on) and is stopped once they are taken."""
     assert (GEMMA[0] / "config.json").exists(), \
         f"no Gemma 3 at {GEMMA[0]}: run scripts/fetch-model gemma3"
+    with running({"single": gemma("gemma-single", None)}) as one:
+        return {tuple(ids): tokens(one["single"].complete(ids, ANSWER_TOKENS))
+                for ids in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def pull(answers):
+    """P and D (pull, TP 1) for the module. Later tests stop what they no longer need: at most
+    two or three Gemma servers (~5 GB each) beside the session's SmolLM2 engine."""
     servers = {
-        "single": gemma("gemma-single", None,
-                        env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-        "p": gemma("gemma-p", connector("gemma-p", kv_digest=True)),
+        # P is D too in the TP test (its connector takes both roles): it logs its digests.
+        "p": gemma("gemma-p", connector("gemma-p", kv_digest=True),
+                   env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
+        # D's /metrics carries handoff's (HandoffOps): the bytes each handoff moved.
         "d": gemma("gemma-d", connector("gemma-d", kv_digest=True),
+                   args=["--middleware", "handoff_vllm.HandoffOps"],
                    env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
     }
     with running(servers):
-        answers = {tuple(ids): tokens(servers["single"].complete(ids, ANSWER_TOKENS))
-                   for ids in PROMPTS}
-        servers.pop("single").stop()
         yield dict(servers, answers=answers)
 
 
@@ -94,27 +109,52 @@ def report(**facts) -> None:
     REPORT.setdefault("gemma", {}).update(facts)
 
 
+# Gemma 3 270M's KV: 18 layers (15 of them sliding), one KV head of 256 values, bfloat16 here,
+# vLLM's CPU blocks of 128 tokens.
+LAYERS, SLIDING, HEAD_DIM, WINDOW, BLOCK = 18, 15, 256, 512, 128
+PAGE_BYTES = 2 * BLOCK * HEAD_DIM * 2  # K and V of one block of one layer
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def test_pull_behind_vllm_router_answers_like_one_engine(pull):
     """A client's completions through vllm-router (P/D mode) in front of handoff's P and D:
-    D decodes from P's KV (one matched digest per request) and answers what one engine does."""
+    D decodes from P's KV (one matched digest per request) and answers what one engine does.
+    Every block of every layer moves (vLLM's hybrid manager is off): the bytes per handoff are
+    the prompt's blocks times 18 layers, and the report puts them beside what the sliding layers'
+    windows alone would need."""
+    moved = "handoff_transfer_bytes_total"
     with router(pull["p"].url, pull["d"].url, "gemma") as url:
         for ids in ROUTED:
-            matched = matched_digests(pull["d"])
+            matched, before = matched_digests(pull["d"]), pull["d"].metric(moved)
             body = {"model": GEMMA[1], "prompt": ids, "max_tokens": ANSWER_TOKENS,
                     "temperature": 0, "return_token_ids": True}
             r = requests.post(url + "/v1/completions", json=body, timeout=300)
             assert r.status_code == 200, f"vllm-router: {r.status_code} {r.text[:500]}"
             assert tokens(r.json()) == pull["answers"][tuple(ids)], f"{len(ids)} tokens"
             assert matched_digests(pull["d"]) == matched + 1, "D computed the prompt itself"
+            got = pull["d"].metric(moved) - before
+    # The last (longest) prompt's handoff.
+    n = len(ROUTED[-1])
+    every_block = cdiv(n, BLOCK) * LAYERS * PAGE_BYTES
+    assert got == every_block, f"{got} bytes moved, every block of every layer is {every_block}"
+    window_only = (SLIDING * min(cdiv(n, BLOCK), cdiv(WINDOW, BLOCK) + 1)
+                   + (LAYERS - SLIDING) * cdiv(n, BLOCK)) * PAGE_BYTES
     report(hybrid_kv_cache_manager=not hma_off(pull["d"]),
-           prompt_tokens=[len(ids) for ids in ROUTED], window=512)
+           prompt_tokens=[len(ids) for ids in ROUTED], window=WINDOW,
+           bytes_per_handoff={"prompt_tokens": n, "moved": got,
+                              "sliding_layers_share": round(SLIDING / LAYERS, 3),
+                              "with_windows_only": window_only})
 
 
 @pytest.fixture
 def tp2(pull):
-    """One engine at TP 2 (both roles: P for D at TP 1, D for P at TP 1), on the second core
-    only, as on a host of its own (its two workers spin on vLLM's shared-memory queue after
-    each step)."""
+    """One engine at TP 2 (both roles: P for the engine at TP 1, then D for it), on the second
+    core only, as on a host of its own (its two workers spin on vLLM's shared-memory queue after
+    each step). The pull D is stopped first: the TP 1 engine here is the pull P, in both roles."""
+    pull["d"].stop()
     with running({"e": gemma("gemma-tp2", connector("gemma-tp2", kv_digest=True), tp=2,
                              cpus="1",
                              env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}
@@ -125,11 +165,12 @@ def tp2(pull):
 def test_pull_between_tp_2_and_tp_1_answers_like_one_engine(pull, tp2):
     """P at TP 2 to D at TP 1, then P at TP 1 to D at TP 2: the one KV head is on every rank;
     D reads it once per D rank and checks its digest against P's (each counts the head once)."""
-    matched = matched_digests(pull["d"])
-    params, d = disaggregated({"p": tp2, "d": pull["d"]}, TP_2_TO_1, ANSWER_TOKENS)
+    one = pull["p"]
+    matched = matched_digests(one)
+    params, d = disaggregated({"p": tp2, "d": one}, TP_2_TO_1, ANSWER_TOKENS)
     assert params["tp_size"] == 2, params
     assert tokens(d) == pull["answers"][tuple(TP_2_TO_1)], "P at TP 2, D at TP 1"
-    assert matched_digests(pull["d"]) == matched + 1
+    assert matched_digests(one) == matched + 1
     matched = matched_digests(tp2)
     params, d = disaggregated({"p": pull["p"], "d": tp2}, TP_1_TO_2, ANSWER_TOKENS)
     assert params["tp_size"] == 1, params
@@ -140,7 +181,9 @@ def test_pull_between_tp_2_and_tp_1_answers_like_one_engine(pull, tp2):
 
 def test_push_behind_handoffs_proxy_answers_like_one_engine(pull):
     """A push pair behind `handoff proxy --mode push`: P writes each layer into D's blocks as
-    its forward pass saves it, D answers what one engine does, its digest matched P's."""
+    its forward pass saves it, D answers what one engine does, its digest matched P's. The
+    pull P is stopped first (memory)."""
+    pull["p"].stop()
     side_port = free_port()
     servers = {
         "p": gemma("gemma-push-p", connector("gemma-push-p", mode="push", kv_digest=True,
