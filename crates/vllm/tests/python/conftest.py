@@ -434,11 +434,13 @@ def handoff_proxy(mode: str, prefill: Server, decode: Server):
             proc.wait(timeout=10)
 
 
-def completion_via(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """A client's greedy completion through a proxy at `url`: the generated token ids."""
-    body = {"model": REAL_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def completion_via(url: str, prompt: list[int], max_tokens: int, model: str = REAL_MODEL_NAME,
+                   timeout_s: float = 120) -> list[int]:
+    """A client's greedy completion of `model` through a proxy at `url`: the generated token
+    ids."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True}
-    r = requests.post(url + "/v1/completions", json=body, timeout=120)
+    r = requests.post(url + "/v1/completions", json=body, timeout=timeout_s)
     assert r.status_code == 200, f"proxy: {r.status_code} {r.text[:500]}"
     return r.json()["choices"][0]["token_ids"]
 

@@ -18,18 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 
-from conftest import (REPORT, STARTUP_S, Server, connector, disaggregated, free_port,
-                      handoff_proxy, matched_digests, prompt)
+from conftest import (REPORT, STARTUP_S, Server, completion_via, connector, disaggregated,
+                      free_port, handoff_proxy, matched_digests, prompt)
 from test_router import router
 
 HERE = Path(__file__).resolve().parent
 GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gemma3")), "gemma3")
 # The model's window is 512 tokens; the longest prompt plus the answer must fit. bfloat16 (the
-# checkpoint's dtype), 64 blocks of 128 tokens (below) and at most 8 sequences: 4.7 GB of memory a server
-# at its peak instead of 6.8 (float32, 1 GiB of KV): three at that beside the session's SmolLM2
-# engine ran the 23 GiB CI host out of memory.
+# checkpoint's dtype), 64 blocks of 128 tokens (below) and at most 8 sequences: 4.7 GB of memory
+# a server at its peak instead of 6.8 (float32, 1 GiB of KV): three at that beside the session's
+# SmolLM2 engine ran the 23 GiB CI host out of memory.
 ARGS = ["--max-model-len", "4096", "--dtype", "bfloat16", "--max-num-seqs", "8"]
 # A block of the hybrid manager (the single engine's) holds one layer of each of its six groups:
 # it needs more of them for one 4,096-token request.
@@ -125,26 +124,24 @@ def test_pull_behind_vllm_router_answers_like_one_engine(pull):
     Every block of every layer moves (vLLM's hybrid manager is off): the bytes per handoff are
     the prompt's blocks times 18 layers, and the report puts them beside what the sliding layers'
     windows alone would need."""
-    moved = "handoff_transfer_bytes_total"
+    bytes_metric = "handoff_transfer_bytes_total"
     with router(pull["p"].url, pull["d"].url, "gemma") as url:
         for ids in ROUTED:
-            matched, before = matched_digests(pull["d"]), pull["d"].metric(moved)
-            body = {"model": GEMMA[1], "prompt": ids, "max_tokens": ANSWER_TOKENS,
-                    "temperature": 0, "return_token_ids": True}
-            r = requests.post(url + "/v1/completions", json=body, timeout=300)
-            assert r.status_code == 200, f"vllm-router: {r.status_code} {r.text[:500]}"
-            assert tokens(r.json()) == pull["answers"][tuple(ids)], f"{len(ids)} tokens"
+            matched, before = matched_digests(pull["d"]), pull["d"].metric(bytes_metric)
+            got = completion_via(url, ids, ANSWER_TOKENS, GEMMA[1], timeout_s=300)
+            assert got == pull["answers"][tuple(ids)], f"{len(ids)} tokens"
             assert matched_digests(pull["d"]) == matched + 1, "D computed the prompt itself"
-            got = pull["d"].metric(moved) - before
+            moved_bytes = pull["d"].metric(bytes_metric) - before
     # The last (longest) prompt's handoff.
     n = len(ROUTED[-1])
     every_block = cdiv(n, BLOCK) * LAYERS * PAGE_BYTES
-    assert got == every_block, f"{got} bytes moved, every block of every layer is {every_block}"
+    assert moved_bytes == every_block, \
+        f"{moved_bytes} bytes moved, every block of every layer is {every_block}"
     window_only = (SLIDING * min(cdiv(n, BLOCK), cdiv(WINDOW, BLOCK) + 1)
                    + (LAYERS - SLIDING) * cdiv(n, BLOCK)) * PAGE_BYTES
     report(hybrid_kv_cache_manager=not hma_off(pull["d"]),
            prompt_tokens=[len(ids) for ids in ROUTED], window=WINDOW,
-           bytes_per_handoff={"prompt_tokens": n, "moved": got,
+           bytes_per_handoff={"prompt_tokens": n, "moved": moved_bytes,
                               "sliding_layers_share": round(SLIDING / LAYERS, 3),
                               "with_windows_only": window_only})
 
@@ -172,7 +169,7 @@ def test_pull_between_tp_2_and_tp_1_answers_like_one_engine(pull, tp2):
     assert tokens(d) == pull["answers"][tuple(TP_2_TO_1)], "P at TP 2, D at TP 1"
     assert matched_digests(one) == matched + 1
     matched = matched_digests(tp2)
-    params, d = disaggregated({"p": pull["p"], "d": tp2}, TP_1_TO_2, ANSWER_TOKENS)
+    params, d = disaggregated({"p": one, "d": tp2}, TP_1_TO_2, ANSWER_TOKENS)
     assert params["tp_size"] == 1, params
     assert tokens(d) == pull["answers"][tuple(TP_1_TO_2)], "P at TP 1, D at TP 2"
     assert matched_digests(tp2) == matched + 1
@@ -195,10 +192,7 @@ def test_push_behind_handoffs_proxy_answers_like_one_engine(pull):
     with running(servers), handoff_proxy("push", servers["p"], servers["d"]) as url:
         ids = LONG
         matched = matched_digests(servers["d"])
-        body = {"model": GEMMA[1], "prompt": ids, "max_tokens": ANSWER_TOKENS,
-                "temperature": 0, "return_token_ids": True}
-        r = requests.post(url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, f"proxy: {r.status_code} {r.text[:500]}"
-        assert tokens(r.json()) == pull["answers"][tuple(ids)]
+        got = completion_via(url, ids, ANSWER_TOKENS, GEMMA[1], timeout_s=300)
+        assert got == pull["answers"][tuple(ids)]
         assert matched_digests(servers["d"]) == matched + 1, "D computed the prompt itself"
     report(push=True)
