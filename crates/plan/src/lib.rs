@@ -58,12 +58,14 @@
 //! inside the pool and distinct, and planned ranges must not overlap (which catches aliasing
 //! layouts); every violation is a [`PlanError`], never a panic.
 //!
-//! # Sliding windows
+//! # KV cache groups and sliding windows
 //!
-//! A layer group with a sliding window needs only the blocks that hold the window's tokens
-//! ([`window_blocks`]); [`window_tail`] takes them from a peer's block list (vLLM puts its null
-//! block where it freed one) and refuses a list whose window reaches a freed block. Not yet used
-//! by the planner's callers: a handoff still carries one block list for every layer.
+//! A hybrid model keeps its layers in groups with block lists of their own ([`KvGroups`]); a
+//! sliding-window group needs only the blocks that hold the window's tokens ([`window_blocks`]).
+//! A handoff's one block list is each group's moved blocks in group order ([`KvGroups::clip`]),
+//! cut back into runs by both sides ([`KvGroups::runs`]) and planned run by run
+//! ([`plan_runs`]); groups whose layers share memory must name different blocks, which the
+//! planner checks like any other overlap.
 //!
 //! # Supported and refused
 //!
@@ -78,11 +80,15 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod groups;
 mod layout;
 mod planner;
 mod topology;
 mod window;
 
+pub use groups::{
+    plan_runs, BlockRun, GroupError, GroupKind, GroupMismatch, KvGroup, KvGroups, RunPair,
+};
 pub use layout::{
     check_heads, BlockLayout, KvSpec, LayerPlacement, LayoutError, ModelShape, PlaneLoc,
     PoolLayout, RankLayout, Region, Side, SpecError,

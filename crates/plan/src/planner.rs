@@ -888,7 +888,7 @@ fn finish(mut v: Vec<Descriptor>) -> Vec<Descriptor> {
 }
 
 /// Fails if two spans of one rank overlap.
-fn check_disjoint(side: Side, rank: u32, mut spans: Vec<Span>) -> Result<(), PlanError> {
+pub(crate) fn check_disjoint(side: Side, rank: u32, mut spans: Vec<Span>) -> Result<(), PlanError> {
     spans.sort_unstable_by_key(|s| (s.region, s.offset));
     for w in spans.windows(2) {
         if w[0].region == w[1].region && w[0].offset.saturating_add(w[0].len) > w[1].offset {
