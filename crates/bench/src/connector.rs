@@ -19,7 +19,7 @@ use handoff_connector::{
 };
 use handoff_ledger::{ConsumerConfig, ProducerConfig};
 use handoff_plan::testing::tiny_spec;
-use handoff_plan::{BlockLayout, KvSpec, ModelShape, RankLayout};
+use handoff_plan::{BlockLayout, KvGroups, KvSpec, ModelShape, RankLayout};
 use handoff_proto::{HandoffId, KvTransferParams, Message, TransferMode};
 use serde::Serialize;
 
@@ -106,7 +106,13 @@ fn digest_cost() -> anyhow::Result<DigestCost> {
                 whole_blocks,
             };
             let t = Instant::now();
-            black_box(rank_digest(&layout, &regions, &blocks, of)?);
+            black_box(rank_digest(
+                &layout,
+                &KvGroups::single(),
+                &regions,
+                &blocks,
+                of,
+            )?);
             out.push(t.elapsed().as_secs_f64() * 1e3);
         }
     }
@@ -165,6 +171,7 @@ fn core(engine: &str, role: Role, blocks: u32) -> anyhow::Result<ConnectorCore> 
             agent: format!("{engine}-r0"),
             metadata: vec![],
             memory: Default::default(),
+            groups: Default::default(),
         }],
     )
     .context("core")

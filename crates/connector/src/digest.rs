@@ -22,14 +22,17 @@
 use std::sync::Arc;
 
 pub use handoff_core::digest::{DigestOf, Shares};
-use handoff_plan::RankLayout;
+use handoff_plan::{BlockRun, KvGroups, RankLayout};
 use handoff_transport::{KvRegion, RegionId, TransportError};
 
 use crate::ConnectorError;
 
-/// This rank's share of the digest of `blocks` (the handoff's blocks in token order).
+/// This rank's share of the digest of `blocks` (the handoff's blocks in token order; for a
+/// hybrid model, each KV cache group's moved blocks in group order, as `groups` cut them: a
+/// layer's rows are read from its own group's blocks only).
 pub fn rank_digest(
     layout: &RankLayout,
+    groups: &KvGroups,
     regions: &[(RegionId, Arc<KvRegion>)],
     blocks: &[u32],
     of: DigestOf,
@@ -47,41 +50,72 @@ pub fn rank_digest(
     if !spec.first_holder(layout.rank) {
         return Ok(0);
     }
+    let num_layers = spec.shape.num_layers;
+    let bs = spec.block_size;
+    let runs = if groups.is_single() {
+        vec![BlockRun {
+            layers: (0..num_layers).collect(),
+            first_block: 0,
+            blocks: blocks.to_vec(),
+        }]
+    } else {
+        groups
+            .runs(blocks, num_layers, of.num_tokens, bs, 0, 0)
+            .map_err(|e| ConnectorError::DigestGroups(e.to_string()))?
+    };
     let mut sum = 0u64;
     if of.whole_blocks {
-        for (index, &block) in blocks.iter().enumerate() {
-            let spans =
-                handoff_plan::block_spans(layout, &[block]).map_err(ConnectorError::Plan)?;
-            for (n, s) in spans.iter().enumerate() {
-                let h = hash_span(region(s.region)?, s.offset, s.len)?;
-                sum = sum.wrapping_add(keyed(h, &[index as u64, n as u64]));
+        let mut index = 0u64;
+        for run in &runs {
+            for &block in &run.blocks {
+                if groups.is_single() {
+                    let spans = handoff_plan::block_spans(layout, &[block])
+                        .map_err(ConnectorError::Plan)?;
+                    for (n, s) in spans.iter().enumerate() {
+                        let h = hash_span(region(s.region)?, s.offset, s.len)?;
+                        sum = sum.wrapping_add(keyed(h, &[index, n as u64]));
+                    }
+                } else {
+                    // Only the group's layers: another group's layers at this block id are
+                    // another request's, or the same bytes again (vLLM's groups share memory).
+                    for &layer in &run.layers {
+                        let spans = handoff_plan::layer_block_spans(layout, layer, &[block])
+                            .map_err(ConnectorError::Plan)?;
+                        for (n, s) in spans.iter().enumerate() {
+                            let h = hash_span(region(s.region)?, s.offset, s.len)?;
+                            sum = sum.wrapping_add(keyed(h, &[index, u64::from(layer), n as u64]));
+                        }
+                    }
+                }
+                index += 1;
             }
         }
         return Ok(sum);
     }
     let row = spec.shape.row_bytes();
-    let bs = spec.block_size;
     let heads = layout.owned_heads();
-    for layer in 0..spec.shape.num_layers {
-        // K and V, or a latent's one plane.
-        for kv in 0..spec.block_layout.planes() as usize {
-            let plane = layout
-                .layers
-                .get(layer as usize)
-                .map(|p| p.plane(kv).region)
-                .ok_or(ConnectorError::Digest { layer })?;
-            let r = region(plane)?;
-            for (index, &block) in blocks.iter().enumerate() {
-                let first = index as u64 * bs as u64;
-                let tokens = (of.num_tokens as u64).saturating_sub(first).min(bs as u64) as u32;
-                for (local, head) in heads.clone().enumerate() {
-                    for t in 0..tokens {
-                        let off = layout
-                            .row_offset(layer, kv, block, local as u32, t)
-                            .ok_or(ConnectorError::Digest { layer })?;
-                        let h = hash_span(r, off, row)?;
-                        let key = [layer as u64, kv as u64, head as u64, first + t as u64];
-                        sum = sum.wrapping_add(keyed(h, &key));
+    for run in &runs {
+        for &layer in &run.layers {
+            // K and V, or a latent's one plane.
+            for kv in 0..spec.block_layout.planes() as usize {
+                let plane = layout
+                    .layers
+                    .get(layer as usize)
+                    .map(|p| p.plane(kv).region)
+                    .ok_or(ConnectorError::Digest { layer })?;
+                let r = region(plane)?;
+                for (index, &block) in run.blocks.iter().enumerate() {
+                    let first = (u64::from(run.first_block) + index as u64) * bs as u64;
+                    let tokens = (of.num_tokens as u64).saturating_sub(first).min(bs as u64) as u32;
+                    for (local, head) in heads.clone().enumerate() {
+                        for t in 0..tokens {
+                            let off = layout
+                                .row_offset(layer, kv, block, local as u32, t)
+                                .ok_or(ConnectorError::Digest { layer })?;
+                            let h = hash_span(r, off, row)?;
+                            let key = [layer as u64, kv as u64, head as u64, first + t as u64];
+                            sum = sum.wrapping_add(keyed(h, &key));
+                        }
                     }
                 }
             }
@@ -276,7 +310,7 @@ mod tests {
 
     fn digest(e: &Engine, of: DigestOf) -> u64 {
         e.ranks.iter().fold(0u64, |sum, (l, regions)| {
-            sum.wrapping_add(rank_digest(l, regions, &e.blocks, of).unwrap())
+            sum.wrapping_add(rank_digest(l, &KvGroups::single(), regions, &e.blocks, of).unwrap())
         })
     }
 
@@ -394,5 +428,89 @@ mod tests {
             cut.write(piece);
         }
         assert_eq!(whole.finish(203), cut.finish(203));
+    }
+
+    /// A hybrid model (layers 1 and 2 full, layer 0 a window of 10 tokens): each engine
+    /// writes a layer's KV into its own group's blocks (the window's only where D needs it),
+    /// and the handoff's list is the full group's blocks and then the window's tail. P at TP 1
+    /// and D at TP 2, with other block ids, digest alike; a changed byte in the window counts,
+    /// a byte of the window layer in a full-group block (another request's there) does not.
+    #[test]
+    fn a_hybrid_models_digest_reads_each_layer_from_its_groups_blocks() {
+        use handoff_plan::{GroupKind, KvGroup};
+        let groups = KvGroups::new(
+            vec![
+                KvGroup {
+                    kind: GroupKind::Full,
+                    layers: vec![1, 2],
+                },
+                KvGroup {
+                    kind: GroupKind::Sliding { window: 10 },
+                    layers: vec![0],
+                },
+            ],
+            LAYERS,
+        )
+        .unwrap();
+        let tokens = 40;
+        let of = rows(tokens);
+        // 40 tokens in blocks of 16: 3 blocks; the window (tokens 30..40) in blocks 1 and 2.
+        let side = |tp, full: Vec<u32>, sliding: Vec<u32>| {
+            let e = engine(tp, 16, full.clone(), tokens);
+            let list = groups
+                .clip(&[full, sliding.clone()], tokens, 16, None)
+                .unwrap();
+            assert_eq!(list.len(), 3 + 2);
+            // Layer 0's rows move to the window's blocks: copy them there, then spoil them in
+            // the full group's blocks, as another request would.
+            for (l, regions) in &e.ranks {
+                let row = l.spec.shape.row_bytes() as usize;
+                for kv in 0..2 {
+                    let region = l.layers[0].plane(kv).region;
+                    let r = &regions.iter().find(|(id, _)| *id == region).unwrap().1;
+                    for (i, &b) in e.blocks.iter().enumerate().skip(1) {
+                        for h in 0..l.owned_heads().count() as u32 {
+                            for t in 0..16 {
+                                let from = l.row_offset(0, kv, b, h, t).unwrap() as usize;
+                                let to = l.row_offset(0, kv, sliding[i], h, t).unwrap() as usize;
+                                let mut bytes = vec![0u8; row];
+                                r.read(from, &mut bytes).unwrap();
+                                r.write(to, &bytes).unwrap();
+                                r.write(from, &vec![0x11; row]).unwrap();
+                            }
+                        }
+                    }
+                }
+            }
+            Engine {
+                ranks: e.ranks,
+                blocks: list,
+            }
+        };
+        let digest_of = |e: &Engine| {
+            e.ranks.iter().fold(0u64, |sum, (l, regions)| {
+                sum.wrapping_add(rank_digest(l, &groups, regions, &e.blocks, of).unwrap())
+            })
+        };
+        let p = side(1, vec![5, 2, 9], vec![0, 11, 12]);
+        let d = side(2, vec![1, 0, 3], vec![0, 7, 6]);
+        let clean = digest_of(&p);
+        assert_eq!(digest_of(&d), clean);
+        // Read as one group, the window layer's rows come from the full group's blocks, where
+        // they were spoiled.
+        let single = p.ranks.iter().fold(0u64, |sum, (l, regions)| {
+            let list = [5, 2, 9];
+            sum.wrapping_add(rank_digest(l, &KvGroups::single(), regions, &list, of).unwrap())
+        });
+        assert_ne!(single, clean);
+        // A byte of layer 0 in a window block of D's counts.
+        let (l, regions) = &d.ranks[1];
+        let region = l.layers[0].plane(1).region;
+        let r = &regions.iter().find(|(id, _)| *id == region).unwrap().1;
+        let off = l.row_offset(0, 1, 6, 0, 3).unwrap() as usize;
+        r.write(off, &[0x42]).unwrap();
+        assert_ne!(digest_of(&d), clean);
+        // A list one block short is refused, not digested.
+        assert!(rank_digest(&p.ranks[0].0, &groups, &p.ranks[0].1, &p.blocks[1..], of).is_err());
     }
 }

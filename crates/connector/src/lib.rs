@@ -157,4 +157,8 @@ pub enum ConnectorError {
     Record(std::path::PathBuf, std::io::Error),
     #[error("cannot digest layer {layer}: its rows are not addressable in this layout")]
     Digest { layer: u32 },
+    #[error("cannot digest a hybrid model's blocks: {0}")]
+    DigestGroups(String),
+    #[error("KV cache groups: {0}")]
+    Groups(handoff_plan::GroupError),
 }

@@ -220,6 +220,7 @@ mod tests {
             agent: "p-r0".into(),
             metadata: vec![],
             memory: Default::default(),
+            groups: Default::default(),
         }];
         (cfg, ranks)
     }

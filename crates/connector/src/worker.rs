@@ -14,7 +14,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_plan::RankLayout;
+use handoff_plan::{KvGroups, RankLayout};
 use handoff_transport::device::MemoryKind;
 use handoff_transport::{
     Extent, GrantId, KvRegion, RegionId, Transport, TransportError, XferId, XferOp, XferStatus,
@@ -52,6 +52,8 @@ struct Job {
 pub struct WorkerSide {
     rank: u16,
     mem: RankMemory,
+    /// The model's KV cache groups (one full group unless set).
+    groups: KvGroups,
     jobs: HashMap<JobId, Job>,
     report: WorkerReport,
     /// The transport's refused-connection and refused-transfer totals at the last report.
@@ -102,6 +104,7 @@ impl WorkerSide {
         Ok(WorkerSide {
             rank,
             mem,
+            groups: KvGroups::single(),
             jobs: HashMap::new(),
             refused_seen: (0, 0),
             push_tails: HashMap::new(),
@@ -118,6 +121,17 @@ impl WorkerSide {
         self.rank
     }
 
+    /// The model keeps its layers in these KV cache groups (a hybrid model under vLLM's hybrid
+    /// KV cache manager): said in the hello, and the digest reads each layer from its group's
+    /// blocks. Refused unless they cover the layout's layers.
+    pub fn set_groups(&mut self, groups: KvGroups) -> Result<(), ConnectorError> {
+        groups
+            .validate(self.mem.layout.spec.shape.num_layers)
+            .map_err(ConnectorError::Groups)?;
+        self.groups = groups;
+        Ok(())
+    }
+
     /// What the scheduler side needs to know of this worker.
     pub fn hello(&self) -> Result<WorkerHello, ConnectorError> {
         Ok(WorkerHello {
@@ -126,6 +140,7 @@ impl WorkerSide {
             agent: self.mem.transport.name().to_string(),
             metadata: self.mem.transport.local_metadata()?,
             memory: self.memory(),
+            groups: self.groups.clone(),
         })
     }
 
@@ -424,7 +439,13 @@ impl WorkerSide {
     /// This rank's share of the KV digest of `blocks`; `None` (logged) when it cannot be
     /// computed, which the scheduler side treats as a digest it cannot check.
     fn digest(&self, blocks: &[u32], of: DigestOf) -> Option<u64> {
-        match rank_digest(&self.mem.layout, &self.mem.regions, blocks, of) {
+        match rank_digest(
+            &self.mem.layout,
+            &self.groups,
+            &self.mem.regions,
+            blocks,
+            of,
+        ) {
             Ok(d) => Some(d),
             Err(e) => {
                 tracing::warn!(rank = self.rank, error = %e, "cannot compute a KV digest");

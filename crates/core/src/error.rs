@@ -47,6 +47,10 @@ pub enum CoreError {
     Spec(handoff_plan::SpecError),
     #[error("invalid KV layout: {0}")]
     Layout(handoff_plan::LayoutError),
+    #[error("invalid KV cache groups: {0}")]
+    Groups(handoff_plan::GroupError),
+    #[error("rank {rank}: its KV cache groups differ from rank 0's")]
+    RankGroups { rank: u16 },
     #[error("cannot encode the handshake: {0}")]
     Encode(postcard::Error),
 }

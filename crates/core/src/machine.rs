@@ -21,6 +21,7 @@ mod peers;
 mod prefill;
 mod push_digest;
 mod refusal;
+mod runs;
 mod side_channel;
 #[cfg(test)]
 mod tests;
@@ -202,6 +203,8 @@ impl Ready {
 pub struct ConnectorCore {
     cfg: CoreConfig,
     spec: KvSpec,
+    /// The model's KV cache groups (its workers'; a peer must have the same).
+    groups: handoff_plan::KvGroups,
     ranks: Vec<WorkerHello>,
     hello: Hello,
     fingerprint: Fingerprint,
@@ -248,7 +251,14 @@ impl ConnectorCore {
             if r.rank as usize != i || r.layout.rank as usize != i || r.layout.spec != spec {
                 return Err(CoreError::RankMismatch { rank: i as u16 });
             }
+            if r.groups != first.groups {
+                return Err(CoreError::RankGroups { rank: i as u16 });
+            }
         }
+        let groups = first.groups.clone();
+        groups
+            .validate(spec.shape.num_layers)
+            .map_err(CoreError::Groups)?;
         if !handoff_proto::versions::speaks(cfg.protocol_version) {
             return Err(CoreError::ProtocolVersion {
                 version: cfg.protocol_version,
@@ -287,6 +297,7 @@ impl ConnectorCore {
                 .then(|| ConsumerLedger::new(consumer_cfg)),
             cfg,
             spec,
+            groups,
             ranks,
             hello,
             fingerprint,

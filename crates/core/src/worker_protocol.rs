@@ -31,6 +31,10 @@ pub struct WorkerHello {
     pub metadata: Vec<u8>,
     /// Where the rank's KV lives (host or a GPU's memory).
     pub memory: MemoryKind,
+    /// The model's KV cache groups (the same on every rank; one full group unless the engine
+    /// keeps a hybrid model's layers in groups of their own).
+    #[serde(default)]
+    pub groups: handoff_plan::KvGroups,
 }
 
 /// Work for one worker, in order.

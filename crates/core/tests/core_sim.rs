@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Faults, ReqSpec, Sim};
+use common::{Faults, Report, ReqSpec, Sim};
 use handoff_proto::TransferMode;
 use proptest::prelude::*;
 
@@ -151,6 +151,24 @@ fn tp_pair() -> impl Strategy<Value = (u16, u16)> {
     ]
 }
 
+/// A run kept rules 1–7 on the cores, and each engine's trace replays to the same outputs and
+/// keeps the rules as one engine sees them, after its end too (no false alarm from
+/// `handoff replay` on a sound run).
+fn kept_the_rules_and_replays(report: &Report) -> Result<(), TestCaseError> {
+    prop_assert!(
+        report.violations.is_empty(),
+        "broken rules:\n{}",
+        report.violations.join("\n")
+    );
+    for trace in &report.traces {
+        let r = handoff_core::trace::Replay::run(trace.iter().map(String::as_str));
+        let r = r.map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(&r.divergence, &None);
+        prop_assert!(r.violations.is_empty(), "replay: {:?}", r.violations);
+    }
+    Ok(())
+}
+
 fn sim(
     (mode, layerwise): (TransferMode, bool),
     reqs: Vec<ReqSpec>,
@@ -181,14 +199,7 @@ proptest! {
         faults in lossy_faults(),
         tp in tp_pair(),
     ) {
-        let report = sim(mode, reqs, faults, tp).run();
-        prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
-        for trace in &report.traces {
-            let r = handoff_core::trace::Replay::run(trace.iter().map(String::as_str));
-            let r = r.map_err(|e| TestCaseError::fail(e.to_string()))?;
-            prop_assert_eq!(&r.divergence, &None);
-            prop_assert!(r.violations.is_empty(), "replay: {:?}", r.violations);
-        }
+        kept_the_rules_and_replays(&sim(mode, reqs, faults, tp).run())?;
     }
 
     /// Rule 2 on D's side, where it is hardest: D starts a READ only while P's own lease has
@@ -214,6 +225,47 @@ proptest! {
         let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
         let n = reqs.len();
         let report = sim(mode, reqs, Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() }, tp).run();
+        prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
+        prop_assert_eq!(report.recomputed, 0);
+        prop_assert_eq!(report.ready, n);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(150),
+        ..ProptestConfig::default()
+    })]
+
+    /// A hybrid model (one full-attention layer, one with a sliding window): each handoff lists
+    /// every block of the full group and the window's tail of the other, and every schedule
+    /// keeps rules 1–7 on it (each listed block goes back exactly once) and replays.
+    #[test]
+    fn a_hybrid_model_keeps_the_rules(
+        mode in mode(),
+        reqs in proptest::collection::vec(req(), 1..12),
+        faults in lossy_faults(),
+        tp in tp_pair(),
+        window in 1u32..80,
+    ) {
+        kept_the_rules_and_replays(&Sim::with_groups(mode.0, reqs, faults, tp, Sim::hybrid(window)).run())?;
+    }
+
+    /// Without faults every request of a hybrid model is decoded from KV that was moved: the
+    /// core cuts both sides' lists into groups and plans each (a list it could not cut, or a
+    /// plan it refused, would fail the transfer and recompute).
+    #[test]
+    fn a_clean_network_serves_every_hybrid_request(
+        mode in mode(),
+        reqs in proptest::collection::vec(req(), 1..12),
+        seed in any::<u64>(),
+        tp in tp_pair(),
+        window in 1u32..80,
+    ) {
+        let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
+        let n = reqs.len();
+        let faults = Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() };
+        let report = Sim::with_groups(mode.0, reqs, faults, tp, Sim::hybrid(window)).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
         prop_assert_eq!(report.recomputed, 0);
         prop_assert_eq!(report.ready, n);

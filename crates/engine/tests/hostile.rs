@@ -194,6 +194,7 @@ fn hello_as(
             agent: agent.into(),
             metadata,
             memory: Default::default(),
+            groups: Default::default(),
         }],
     )
     .unwrap();

@@ -74,6 +74,13 @@ pub enum GroupError {
         /// The group's index.
         group: usize,
     },
+    /// Decoded groups not in the one spelling [`KvGroups::new`] gives them (layers ascending;
+    /// the single group as no group).
+    #[error("KV cache group {group} is not in canonical form (layers ascending, one full group of every layer named as none)")]
+    Unsorted {
+        /// The group's index.
+        group: usize,
+    },
     /// A block list for the wrong number of groups.
     #[error("{got} block lists for {groups} KV cache groups")]
     GroupCount {
@@ -163,38 +170,68 @@ impl KvGroups {
     /// `groups`, checked against a model of `num_layers` layers. One full group of every layer
     /// is [`KvGroups::single`] (so it compares equal to an engine that never named groups).
     pub fn new(mut groups: Vec<KvGroup>, num_layers: u32) -> Result<Self, GroupError> {
-        let mut count = vec![0u32; num_layers as usize];
-        for (i, g) in groups.iter_mut().enumerate() {
-            if g.layers.is_empty() || g.kind == (GroupKind::Sliding { window: 0 }) {
-                return Err(GroupError::Empty { group: i });
-            }
+        for g in &mut groups {
             g.layers.sort_unstable();
-            for &l in &g.layers {
-                match count.get_mut(l as usize) {
-                    Some(c) => *c += 1,
-                    None => {
-                        return Err(GroupError::Layer {
-                            layer: l,
-                            count: 1,
-                            num_layers,
-                        })
-                    }
-                }
-            }
         }
-        if let Some((layer, &c)) = count.iter().enumerate().find(|(_, &c)| c != 1) {
-            return Err(GroupError::Layer {
-                layer: layer as u32,
-                count: c,
-                num_layers,
-            });
-        }
+        check_cover(&groups, num_layers)?;
         if groups.len() == 1 && groups[0].kind == GroupKind::Full {
             groups.clear();
         }
         Ok(Self { groups })
     }
 
+    /// Checks groups that arrived decoded (a peer's hello, a worker's) as [`KvGroups::new`]
+    /// checks them: every one of `num_layers` layers in exactly one group, layers ascending,
+    /// no empty group, and not one full group spelled out (the single group has one spelling).
+    pub fn validate(&self, num_layers: u32) -> Result<(), GroupError> {
+        if self.groups.is_empty() {
+            return Ok(());
+        }
+        if let Some(i) = self
+            .groups
+            .iter()
+            .position(|g| !g.layers.windows(2).all(|w| w[0] < w[1]))
+        {
+            return Err(GroupError::Unsorted { group: i });
+        }
+        if self.groups.len() == 1 && self.groups[0].kind == GroupKind::Full {
+            return Err(GroupError::Unsorted { group: 0 });
+        }
+        check_cover(&self.groups, num_layers)
+    }
+}
+
+/// Every layer of `num_layers` in exactly one of `groups`, none of them empty.
+fn check_cover(groups: &[KvGroup], num_layers: u32) -> Result<(), GroupError> {
+    let mut count = vec![0u32; num_layers as usize];
+    for (i, g) in groups.iter().enumerate() {
+        if g.layers.is_empty() || g.kind == (GroupKind::Sliding { window: 0 }) {
+            return Err(GroupError::Empty { group: i });
+        }
+        for &l in &g.layers {
+            match count.get_mut(l as usize) {
+                Some(c) => *c += 1,
+                None => {
+                    return Err(GroupError::Layer {
+                        layer: l,
+                        count: 1,
+                        num_layers,
+                    })
+                }
+            }
+        }
+    }
+    if let Some((layer, &c)) = count.iter().enumerate().find(|(_, &c)| c != 1) {
+        return Err(GroupError::Layer {
+            layer: layer as u32,
+            count: c,
+            num_layers,
+        });
+    }
+    Ok(())
+}
+
+impl KvGroups {
     /// Whether this is one full-attention group of every layer.
     pub fn is_single(&self) -> bool {
         self.groups.is_empty()
@@ -248,8 +285,11 @@ impl KvGroups {
             .map(|(group, kind)| {
                 let start = match kind {
                     GroupKind::Full => 0,
+                    // D computes the prompt's last token again (vLLM does, to sample the first
+                    // output token once the whole prompt was loaded): its window reaches one
+                    // token further back than the next token's.
                     GroupKind::Sliding { window } => {
-                        window_blocks(num_tokens, block_size, window)
+                        window_blocks(num_tokens, block_size, window.saturating_add(1))
                             .map_err(|source| GroupError::Window { group, source })?
                             .start
                     }
@@ -473,20 +513,7 @@ mod tests {
 
     /// Gemma 3's pattern on 6 layers: one full group (layer 5), sliding groups of the rest.
     fn hybrid(window: u32) -> KvGroups {
-        KvGroups::new(
-            vec![
-                KvGroup {
-                    kind: GroupKind::Full,
-                    layers: vec![5],
-                },
-                KvGroup {
-                    kind: GroupKind::Sliding { window },
-                    layers: vec![0, 1, 2, 3, 4],
-                },
-            ],
-            6,
-        )
-        .unwrap()
+        crate::testing::hybrid_groups(&[5], window, 6)
     }
 
     /// 6 layers of the tiny spec, one region each, 64 blocks.
@@ -625,14 +652,32 @@ mod tests {
             KvGroups::new(vec![full(vec![2, 0, 1])], 3),
             Ok(KvGroups::single())
         );
+        // Groups decoded from a peer are checked the same way, and must be in the one
+        // spelling `new` gives.
+        assert_eq!(hybrid(9).validate(6), Ok(()));
+        assert_eq!(KvGroups::single().validate(3), Ok(()));
+        assert!(hybrid(9).validate(7).is_err());
+        let forged = |groups| KvGroups { groups };
+        assert!(forged(vec![full(vec![0, 1]), full(vec![1, 2])])
+            .validate(3)
+            .is_err());
+        assert_eq!(
+            forged(vec![full(vec![0, 1, 2])]).validate(3),
+            Err(GroupError::Unsorted { group: 0 })
+        );
+        assert_eq!(
+            forged(vec![full(vec![1, 0]), full(vec![2])]).validate(3),
+            Err(GroupError::Unsorted { group: 0 })
+        );
     }
 
     #[test]
     fn a_sliding_group_moves_its_window_and_a_full_group_everything() {
         let g = hybrid(9);
-        // 40 tokens in blocks of 4: the full group moves blocks 0..10, the window (tokens
-        // 32..40) blocks 8..10.
-        assert_eq!(g.moved(40, 4, 0).unwrap(), vec![0..10, 8..10]);
+        // 40 tokens in blocks of 4: the full group moves blocks 0..10, the window blocks
+        // 7..10: tokens 31..40, what the prompt's last token (39), computed again on D, attends
+        // to.
+        assert_eq!(g.moved(40, 4, 0).unwrap(), vec![0..10, 7..10]);
         // D's prefix-cache hit of 9 blocks: what is left of each.
         assert_eq!(g.moved(40, 4, 9).unwrap(), vec![9..10, 9..10]);
         // A prompt inside the window: every block of both.
@@ -644,13 +689,13 @@ mod tests {
     fn the_list_is_each_groups_moved_blocks_and_is_cut_back_the_same_way() {
         let g = hybrid(9);
         let full: Vec<u32> = (100..110).collect();
-        // The sliding group's first 8 blocks were freed (vLLM's null block, 0).
+        // The sliding group's first 7 blocks were freed (vLLM's null block, 0).
         let mut sliding: Vec<u32> = (200..210).collect();
-        sliding[..8].fill(0);
+        sliding[..7].fill(0);
         let list = g
             .clip(&[full.clone(), sliding.clone()], 40, 4, Some(0))
             .unwrap();
-        assert_eq!(list, [&full[..], &[208, 209]].concat());
+        assert_eq!(list, [&full[..], &[207, 208, 209]].concat());
         let runs = g.runs(&list, 6, 40, 4, 0, 0).unwrap();
         assert_eq!(
             runs,
@@ -662,12 +707,12 @@ mod tests {
                 },
                 BlockRun {
                     layers: vec![0, 1, 2, 3, 4],
-                    first_block: 8,
-                    blocks: vec![208, 209]
+                    first_block: 7,
+                    blocks: vec![207, 208, 209]
                 },
             ]
         );
-        assert_eq!(runs[1].tokens(40, 4), 8);
+        assert_eq!(runs[1].tokens(40, 4), 12);
         // From block 9 on (a prefix hit): the tail of each.
         let runs = g.runs(&list, 6, 40, 4, 0, 9).unwrap();
         assert_eq!(runs[0].blocks, vec![109]);
@@ -676,7 +721,7 @@ mod tests {
         for bad in [&list[1..], &[&list[..], &[7]].concat()[..]] {
             assert!(matches!(
                 g.runs(bad, 6, 40, 4, 0, 0),
-                Err(GroupError::Length { expected: 12, .. })
+                Err(GroupError::Length { expected: 13, .. })
             ));
         }
         // A list built from block 9 on cannot serve a cut from block 0.
@@ -690,13 +735,16 @@ mod tests {
     fn a_window_that_reaches_a_freed_block_is_refused() {
         let g = hybrid(9);
         let full: Vec<u32> = (100..110).collect();
+        // P computed 40 tokens and freed what its next token would not attend to (tokens
+        // before 32: blocks 0..8), but D computes token 39 again, whose window starts at token
+        // 31, in block 7.
         let mut sliding: Vec<u32> = (200..210).collect();
-        sliding[..9].fill(0);
+        sliding[..8].fill(0);
         assert_eq!(
             g.clip(&[full.clone(), sliding], 40, 4, Some(0)),
             Err(GroupError::Window {
                 group: 1,
-                source: WindowError::NullInWindow { index: 8 }
+                source: WindowError::NullInWindow { index: 7 }
             })
         );
         assert!(matches!(

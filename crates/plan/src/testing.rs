@@ -2,7 +2,7 @@
 //! (feature `testing`; not API). It lives in this crate because every other crate of the
 //! workspace depends on it, so one copy serves them all.
 
-use crate::{BlockLayout, KvSpec, ModelShape};
+use crate::{BlockLayout, GroupKind, KvGroup, KvGroups, KvSpec, ModelShape};
 
 /// A small deterministic generator (xorshift64*): a schedule, a descriptor list or a shuffle
 /// must replay from its seed, with no dependency on a random-number crate's version. A seed of 0
@@ -58,6 +58,25 @@ pub fn tiny_spec(num_layers: u32) -> KvSpec {
         block_size: 16,
         block_layout: BlockLayout::HeadMajor,
     }
+}
+
+/// A hybrid model of `num_layers` layers: `full` keep every token, the rest a sliding window of
+/// `window` tokens (group 0 full, group 1 the window, as vLLM orders Gemma 3's).
+pub fn hybrid_groups(full: &[u32], window: u32, num_layers: u32) -> KvGroups {
+    KvGroups::new(
+        vec![
+            KvGroup {
+                kind: GroupKind::Full,
+                layers: full.to_vec(),
+            },
+            KvGroup {
+                kind: GroupKind::Sliding { window },
+                layers: (0..num_layers).filter(|l| !full.contains(l)).collect(),
+            },
+        ],
+        num_layers,
+    )
+    .expect("a full and a sliding group of every layer")
 }
 
 #[cfg(test)]

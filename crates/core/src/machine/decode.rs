@@ -63,9 +63,11 @@ impl ConnectorCore {
         let cached_tokens = cached.len() as u32 * self.spec.block_size;
         c.on_blocks_allocated_after_cached(handoff, cached, blocks.clone(), now)?;
         if let Some(inc) = c.incoming(handoff) {
-            if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks {
+            if inc.mode == TransferMode::Push && !self.cfg.opaque_blocks && self.groups.is_single()
+            {
                 // P writes whole blocks: each worker zeroes the last block's tail as the
-                // PushDones arrive, before the core hears of them (see the op).
+                // PushDones arrive, before the core hears of them (see the op). A hybrid
+                // model's writes stop at the prompt's last token (runs.rs).
                 let num_tokens = inc.num_tokens.saturating_sub(cached_tokens);
                 self.push_tails.insert(handoff);
                 for rank in 0..self.spec.tp as u16 {

@@ -2,7 +2,7 @@
 //! told its text (a `HelloReply::Refused`), the requests that came for it fail or recompute
 //! with it, and [`HandshakeRefusal::kind`] names it in one word for logs.
 
-use handoff_plan::{Incompatible, KvSpec, LayoutError};
+use handoff_plan::{GroupError, GroupMismatch, Incompatible, KvSpec, LayoutError};
 use handoff_proto::MemoryKind;
 
 /// Why a handshake with a peer failed (its hello, its reply, or its claims).
@@ -43,6 +43,12 @@ pub enum HandshakeRefusal {
     UnknownPeer,
     #[error("{0}")]
     Incompatible(#[from] Incompatible),
+    /// The peer's KV cache groups are unusable.
+    #[error("peer's KV cache groups: {0}")]
+    BadGroups(GroupError),
+    /// The two engines keep their layers in different KV cache groups.
+    #[error("{0}")]
+    Groups(#[from] GroupMismatch),
     #[error(
         "this engine's KV blocks are its attention kernel's pages, moved whole: the peer must \
          have the same block size and layout, and the same TP size unless every rank of both holds \
@@ -76,9 +82,10 @@ impl HandshakeRefusal {
             }
             HandshakeRefusal::AgentNames(_) | HandshakeRefusal::AgentTaken(_) => "agent_names",
             HandshakeRefusal::UnknownPeer => "unknown_peer",
-            HandshakeRefusal::Incompatible(_) | HandshakeRefusal::OpaqueBlocks { .. } => {
-                "incompatible_layout"
-            }
+            HandshakeRefusal::Incompatible(_)
+            | HandshakeRefusal::OpaqueBlocks { .. }
+            | HandshakeRefusal::Groups(_) => "incompatible_layout",
+            HandshakeRefusal::BadGroups(_) => "rank_layout",
             HandshakeRefusal::AnsweredAs { .. } | HandshakeRefusal::NotTheProvenEngine(_) => {
                 "impostor"
             }

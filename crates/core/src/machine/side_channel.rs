@@ -2,7 +2,7 @@
 //! ledgers, connection outcomes and dead peers.
 
 use handoff_ledger::{PeerId, Time};
-use handoff_plan::RankLayout;
+use handoff_plan::{KvGroups, RankLayout};
 use handoff_proto::{versions, Fingerprint, Hello, HelloReply, MemoryKind, Message, TransferMode};
 
 use super::peers::{ConnId, PeerState, MAX_QUEUED};
@@ -21,6 +21,31 @@ type CheckedHello = (Vec<RankLayout>, Vec<AgentInfo>, u8);
 /// (a D sends them at once, on the reply).
 pub(super) const REFUSED_LINGER: Time = Time::from_secs(2);
 
+/// The hello's `layout` bytes: every rank's layout and, for a model whose layers are kept in
+/// several KV cache groups, the groups after them. A peer of a build before groups reads the
+/// layouts and nothing after them (postcard stops at the value's end); such a peer keeps one
+/// group, and the side that knows groups refuses the pair ([`KvGroups::check_pair`]).
+fn layout_bytes(layouts: &[RankLayout], groups: &KvGroups) -> Result<Vec<u8>, CoreError> {
+    let mut out = postcard::to_allocvec(layouts).map_err(CoreError::Encode)?;
+    if !groups.is_single() {
+        out.extend(postcard::to_allocvec(groups).map_err(CoreError::Encode)?);
+    }
+    Ok(out)
+}
+
+/// A peer's `layout` bytes: its layouts and groups (one group when none follow).
+fn read_layout_bytes(bytes: &[u8]) -> Result<(Vec<RankLayout>, KvGroups), postcard::Error> {
+    let (layouts, rest) = postcard::take_from_bytes::<Vec<RankLayout>>(bytes)?;
+    if rest.is_empty() {
+        return Ok((layouts, KvGroups::single()));
+    }
+    let (groups, rest) = postcard::take_from_bytes::<KvGroups>(rest)?;
+    if !rest.is_empty() {
+        return Err(postcard::Error::DeserializeBadEncoding);
+    }
+    Ok((layouts, groups))
+}
+
 /// This engine's hello: identity, fingerprint, every rank's layout and agent.
 pub(super) fn own_hello(
     cfg: &CoreConfig,
@@ -28,6 +53,7 @@ pub(super) fn own_hello(
     ranks: &[WorkerHello],
 ) -> Result<Hello, CoreError> {
     let layouts: Vec<RankLayout> = ranks.iter().map(|r| r.layout.clone()).collect();
+    let groups = ranks.first().map(|r| r.groups.clone()).unwrap_or_default();
     let agents: Vec<AgentInfo> = ranks
         .iter()
         .map(|r| (r.agent.clone(), r.metadata.clone()))
@@ -37,7 +63,7 @@ pub(super) fn own_hello(
         rank: 0,
         tp: ranks.len() as u16,
         fingerprint: fingerprint.clone(),
-        layout: postcard::to_allocvec(&layouts).map_err(CoreError::Encode)?,
+        layout: layout_bytes(&layouts, &groups)?,
         agent_metadata: postcard::to_allocvec(&agents).map_err(CoreError::Encode)?,
         memory: ranks.iter().map(|r| r.memory).collect(),
     })
@@ -64,8 +90,7 @@ impl ConnectorCore {
                 error: e.to_string(),
             }
         };
-        let layouts: Vec<RankLayout> =
-            postcard::from_bytes(&h.layout).map_err(undecodable("layout"))?;
+        let (layouts, groups) = read_layout_bytes(&h.layout).map_err(undecodable("layout"))?;
         let agents: Vec<AgentInfo> =
             postcard::from_bytes(&h.agent_metadata).map_err(undecodable("agent metadata"))?;
         if h.tp == 0
@@ -101,6 +126,14 @@ impl ConnectorCore {
             _ => (&self.spec, &layouts[0].spec),
         };
         handoff_plan::check_compatible(p, d)?;
+        groups
+            .validate(layouts[0].spec.shape.num_layers)
+            .map_err(HandshakeRefusal::BadGroups)?;
+        let (p_groups, d_groups) = match self.cfg.role {
+            Role::Decode => (&groups, &self.groups),
+            _ => (&self.groups, &groups),
+        };
+        p_groups.check_pair(d_groups, p.block_size, d.block_size)?;
         if self.cfg.opaque_blocks && !p.same_pages(d) {
             return Err(HandshakeRefusal::OpaqueBlocks {
                 p: Box::new(*p),

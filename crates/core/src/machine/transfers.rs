@@ -20,6 +20,7 @@ use handoff_proto::{encode_as, HandoffId, Message, PushDone};
 
 use super::peers::PeerState;
 use super::push_digest::PushDigest;
+use super::runs::{self, SideBlocks};
 use super::{ConnectorCore, Observation};
 use crate::digest::{DigestOf, Shares};
 use crate::worker_protocol::{JobId, PushLayer, TransferJob, TransferPart, WorkerOp};
@@ -331,35 +332,31 @@ impl ConnectorCore {
         let d_layouts: Vec<RankLayout> = self.ranks.iter().map(|x| x.layout.clone()).collect();
         // A prefix cache hit on D: its blocks hold the prompt's first tokens and other requests
         // may be reading them, so the READ starts after them (P's blocks from the same token).
-        let p_block_size = peer.layouts[0].spec.block_size;
         let skip = r.cached_blocks.len() as u32 * self.spec.block_size;
-        let src_blocks = match r.src_blocks.get((skip / p_block_size.max(1)) as usize..) {
-            Some(src) if skip % p_block_size.max(1) == 0 && skip < r.num_tokens => src,
-            _ => {
-                return Err(format!(
-                    "{skip} cached tokens do not end a block of P's ({p_block_size} tokens) \
-                     inside the prompt"
-                ))
-            }
-        };
-        let tokens = r.num_tokens - skip;
-        // Move whole blocks where both sides have them: the tail of the last block costs a
+        // Whole blocks where both sides have them: the tail of the last block costs a
         // descriptor per head and layer when cut at the last token, and nothing when moved with
         // the rest of its run. The bytes past the prompt are zeroed on arrival.
-        let planned_tokens = whole_blocks(
-            (src_blocks, p_block_size),
-            (&r.dst_blocks, self.spec.block_size),
-            tokens,
-        );
-        let plan = handoff_plan::plan_layers(
-            &peer.layouts,
-            &d_layouts,
-            src_blocks,
-            &r.dst_blocks,
-            planned_tokens,
-            layers,
-        )
-        .map_err(|e| e.to_string())?;
+        let moved = runs::moved_runs(
+            &self.groups,
+            self.spec.shape.num_layers,
+            (
+                SideBlocks {
+                    blocks: &r.src_blocks,
+                    block_size: peer.layouts[0].spec.block_size,
+                },
+                SideBlocks {
+                    blocks: &r.dst_blocks,
+                    block_size: self.spec.block_size,
+                },
+            ),
+            r.num_tokens,
+            skip,
+            opaque,
+        )?;
+        // The prompt's tokens D's blocks take (its hit's are not moved).
+        let tokens = r.num_tokens - skip;
+        let plan =
+            runs::plan(&peer.layouts, &d_layouts, &moved, layers).map_err(|e| e.to_string())?;
         // Ordered by rank: the jobs go out in the same order for the same inputs.
         let mut parts: BTreeMap<u16, (Vec<TransferPart>, u64, usize)> = BTreeMap::new();
         for pair in &plan.pairs {
@@ -400,7 +397,9 @@ impl ConnectorCore {
                 };
                 (blocks, of)
             });
-        let zero_tail = (last && !opaque).then(|| (r.dst_blocks.clone(), tokens));
+        // A hybrid model's runs move exactly the prompt (runs.rs): no tail to zero.
+        let zero_tail =
+            (last && !opaque && self.groups.is_single()).then(|| (r.dst_blocks.clone(), tokens));
         let mut out = Vec::new();
         for d_rank in 0..d_tp {
             let (parts, bytes, descs) = parts
@@ -644,14 +643,29 @@ impl ConnectorCore {
             // them, from P's block that holds it.
             let d_block_size = peer.layouts[0].spec.block_size;
             let skip = w.cached_blocks.saturating_mul(d_block_size);
-            let src_blocks = match st.blocks.get((skip / my_block_size.max(1)) as usize..) {
-                Some(src) if skip % my_block_size.max(1) == 0 && skip < st.num_tokens => src,
-                _ => {
-                    tracing::warn!(
-                        %handoff,
-                        skip,
-                        "D's cached prefix does not end on a block of P's inside the prompt"
-                    );
+            // Whole blocks where both sides have them (a layer of a contiguous run is one
+            // descriptor, not one per head and plane for the last, partial block); D's
+            // workers zero the tail as the PushDones arrive. Opaque pages go whole anyway.
+            let moved = match runs::moved_runs(
+                &self.groups,
+                num_layers,
+                (
+                    SideBlocks {
+                        blocks: &st.blocks,
+                        block_size: my_block_size,
+                    },
+                    SideBlocks {
+                        blocks: &w.d_blocks,
+                        block_size: d_block_size,
+                    },
+                ),
+                st.num_tokens,
+                skip,
+                self.cfg.opaque_blocks,
+            ) {
+                Ok(m) => m,
+                Err(why) => {
+                    tracing::warn!(%handoff, %why, "push not planned");
                     w.failed = true;
                     if w.jobs.is_empty() {
                         ended.push((*d_rank, false));
@@ -659,7 +673,6 @@ impl ConnectorCore {
                     continue;
                 }
             };
-            let prompt_left = st.num_tokens - skip;
             while w.layers_posted < st.layers_saved.min(num_layers) {
                 let layer = w.layers_posted;
                 let last = layer + 1 == num_layers;
@@ -669,22 +682,7 @@ impl ConnectorCore {
                 if last && (!w.jobs.is_empty() || !st.digest.settled()) {
                     break;
                 }
-                // Whole blocks where both sides have them (a layer of a contiguous run is one
-                // descriptor, not one per head and plane for the last, partial block); D's
-                // workers zero the tail as the PushDones arrive. Opaque pages go whole anyway.
-                let tokens = whole_blocks(
-                    (src_blocks, my_block_size),
-                    (&w.d_blocks, d_block_size),
-                    prompt_left,
-                );
-                let plan = match handoff_plan::plan_layers(
-                    &my_layouts,
-                    &peer.layouts,
-                    src_blocks,
-                    &w.d_blocks,
-                    tokens,
-                    layer..layer + 1,
-                ) {
+                let plan = match runs::plan(&my_layouts, &peer.layouts, &moved, layer..layer + 1) {
                     Ok(p) => p,
                     Err(e) => {
                         tracing::warn!(%handoff, error = %e, "push plan failed");
@@ -692,13 +690,16 @@ impl ConnectorCore {
                         break;
                     }
                 };
+                // The most a layer writes: a hybrid model's layers differ (a window's are
+                // fewer blocks).
                 w.layer_bytes = plan
                     .pairs
                     .iter()
                     .filter(|p| p.d_rank as u16 == *d_rank)
                     .map(|p| p.descriptors.iter().map(|d| d.len).sum::<u64>())
                     .max()
-                    .unwrap_or(0);
+                    .unwrap_or(0)
+                    .max(w.layer_bytes);
                 // Rule 3: post only on a registration grant that is still valid, with time
                 // left for the layer's bytes.
                 let Some(post_within_ms) =
@@ -800,14 +801,6 @@ fn post_window(
 /// count from P is not believed.
 fn layers_saved(layers: Option<u32>, num_layers: u32) -> u32 {
     layers.map_or(num_layers, |n| n.min(num_layers))
-}
-
-/// How many tokens to move so that whole blocks go where both sides have them (the planner
-/// cuts at this many tokens): at least the prompt's `num_tokens`.
-fn whole_blocks(p: (&[u32], u32), d: (&[u32], u32), num_tokens: u32) -> u32 {
-    let p_cap = p.0.len() as u64 * p.1 as u64;
-    let d_cap = d.0.len() as u64 * d.1 as u64;
-    p_cap.min(d_cap).max(num_tokens as u64) as u32
 }
 
 /// The planner's descriptors (P memory → D memory) as the transport's, seen from the side that

@@ -168,7 +168,8 @@ impl Sim {
                 let hit = usize::from(self.reqs[i].cached)
                     .min(n.saturating_sub(1))
                     .min(PREFIX_BLOCKS);
-                let Some(blocks) = self.engines[1 + d].pool.alloc(n - hit, u128::from(req)) else {
+                let moved = self.moved_blocks(i, hit);
+                let Some(blocks) = self.engines[1 + d].pool.alloc(moved, u128::from(req)) else {
                     return; // stays queued until its deadline
                 };
                 let cached = self.engines[1 + d].prefix[..hit].to_vec();

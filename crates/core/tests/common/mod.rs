@@ -31,7 +31,7 @@ use handoff_core::{
 use handoff_ledger::testing::simulation_configs;
 use handoff_ledger::ConsumerConfig;
 use handoff_plan::testing::{tiny_spec, Rng};
-use handoff_plan::{KvSpec, RankLayout};
+use handoff_plan::{KvGroups, KvSpec, RankLayout};
 use handoff_proto::xfer::GrantId;
 use handoff_proto::{
     Epoch, HandoffId, Heartbeat, HeartbeatEntry, KvTransferParams, Message, ReleaseReason,
@@ -324,6 +324,8 @@ pub struct Sim {
     cluster: Rc<RefCell<Cluster>>,
     report: Report,
     pub trace: bool,
+    /// The model's KV cache groups (one full group unless a run says otherwise).
+    groups: KvGroups,
 }
 
 impl Sim {
@@ -338,6 +340,24 @@ impl Sim {
         faults: Faults,
         p_tp: u16,
         d_tp: u16,
+    ) -> Sim {
+        Sim::with_groups(mode, reqs, faults, (p_tp, d_tp), KvGroups::single())
+    }
+
+    /// A hybrid model: layer 1 keeps every token, layer 0 a sliding window of `window` tokens.
+    /// Each engine's block list of a handoff is then each group's moved blocks (the window's
+    /// tail of the second), as a hybrid KV cache manager hands them out.
+    pub fn hybrid(window: u32) -> KvGroups {
+        handoff_plan::testing::hybrid_groups(&[1], window, LAYERS)
+    }
+
+    /// P at TP `p_tp`, both D engines at `d_tp`, the model's layers in `groups`.
+    pub fn with_groups(
+        mode: TransferMode,
+        reqs: Vec<ReqSpec>,
+        faults: Faults,
+        (p_tp, d_tp): (u16, u16),
+        groups: KvGroups,
     ) -> Sim {
         // Short timings, so partitions and slow reads outlast them; P's per-peer staging quota
         // small, so that generated schedules reach it.
@@ -371,6 +391,7 @@ impl Sim {
                         agent: format!("{name}-r{rank}"),
                         metadata: vec![1],
                         memory: Default::default(),
+                        groups: groups.clone(),
                     })
                     .collect(),
                 cluster.clone(),
@@ -411,6 +432,7 @@ impl Sim {
             cluster,
             report: Report::default(),
             trace: std::env::var_os("SIM_TRACE").is_some(),
+            groups,
         };
         for e in &mut sim.engines[1..] {
             e.prefix = e
@@ -570,10 +592,20 @@ impl Sim {
 
     /// P's blocks for request `i`'s prompt, owned by `handoff` in P's pool (none when full).
     fn p_blocks_for(&mut self, i: usize, handoff: HandoffId) -> Option<Vec<u32>> {
-        let n = usize::from(self.reqs[i].blocks);
+        let n = self.moved_blocks(i, 0);
         self.eng(Node::P)
             .pool
             .alloc(n, u128::from_le_bytes(handoff.to_bytes()))
+    }
+
+    /// How many blocks request `i`'s handoff lists after D's first `cached` blocks: every block
+    /// of the prompt for one group, each group's moved blocks for a hybrid model.
+    fn moved_blocks(&self, i: usize, cached: usize) -> usize {
+        let ranges = self
+            .groups
+            .moved(self.tokens(i), 16, cached as u32)
+            .expect("a window of at least one token");
+        ranges.iter().map(|r| r.len()).sum()
     }
 
     fn tokens(&self, i: usize) -> u32 {

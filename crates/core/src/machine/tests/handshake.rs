@@ -305,3 +305,75 @@ fn peers_named_by_requests_are_forgotten_once_down_and_unused() {
     // The made-up engines announced no agents: nothing to forget on the workers.
     assert_eq!(forgotten, 0);
 }
+
+/// `engine`'s core with its two layers in KV cache groups: layer 1 full, layer 0 a window.
+fn hybrid_core(engine: &str, role: Role, window: u32) -> ConnectorCore {
+    let base = core(engine, role);
+    let mut ranks = base.ranks.clone();
+    ranks[0].groups = handoff_plan::testing::hybrid_groups(&[1], window, 2);
+    ConnectorCore::new(base.cfg.clone(), ranks).unwrap()
+}
+
+/// What P answers `d`'s hello with.
+fn p_answers(p: &mut ConnectorCore, d: Hello, conn: ConnId) -> HelloReply {
+    p.handle_accepted(conn, Message::Hello(d), None, t(3));
+    let r = p.ready();
+    let reply = match &r.messages[..] {
+        [(c, Message::HelloReply(reply))] if *c == conn => reply.clone(),
+        other => panic!("no reply: {other:?}"),
+    };
+    p.advance(r);
+    reply
+}
+
+/// A hybrid model's groups ride in the hello after the layouts: engines with the same groups
+/// pair, any other groups are refused with both named, and groups that do not decode or do not
+/// cover the layers are refused as a bad layout. A build before groups reads the layouts and
+/// nothing after them.
+#[test]
+fn engines_pair_only_with_the_same_kv_cache_groups() {
+    let mut p = hybrid_core("p", Role::Prefill, 20);
+    let same = hello_of(&hybrid_core("d", Role::Decode, 20));
+    assert!(matches!(
+        p_answers(&mut p, same.clone(), 101),
+        HelloReply::Accepted(_)
+    ));
+    // An earlier build's reader takes the same bytes as the layouts alone.
+    let layouts: Vec<RankLayout> = postcard::from_bytes(&same.layout).unwrap();
+    assert_eq!(layouts.len(), 1);
+
+    let mut p = hybrid_core("p", Role::Prefill, 20);
+    for (conn, d, want) in [
+        (
+            102,
+            hello_of(&core("d", Role::Decode)),
+            "KV cache groups differ",
+        ),
+        (
+            103,
+            hello_of(&hybrid_core("d", Role::Decode, 21)),
+            "window 21",
+        ),
+    ] {
+        match p_answers(&mut p, d, conn) {
+            HelloReply::Refused { reason } => assert!(reason.contains(want), "{reason}"),
+            other => panic!("accepted: {other:?}"),
+        }
+        assert!(p.peers.by_engine("d").is_none());
+    }
+    // Bytes after the groups, and groups naming a layer twice.
+    let mut trailing = same.clone();
+    trailing.layout.push(0);
+    let mut forged = same.clone();
+    let n = postcard::to_allocvec(&layouts).unwrap().len();
+    forged.layout.truncate(n);
+    forged
+        .layout
+        .extend(postcard::to_allocvec(&(vec![(0u8, vec![0u32, 1]), (0u8, vec![1u32])],)).unwrap());
+    for (conn, d, want) in [(104, trailing, "bad layout"), (105, forged, "groups")] {
+        match p_answers(&mut p, d, conn) {
+            HelloReply::Refused { reason } => assert!(reason.contains(want), "{reason}"),
+            other => panic!("accepted: {other:?}"),
+        }
+    }
+}

@@ -67,6 +67,7 @@ fn core_of(
             agent: format!("{engine}-r0"),
             metadata: vec![1, 2, 3],
             memory: Default::default(),
+            groups: Default::default(),
         }],
     )
     .unwrap()
