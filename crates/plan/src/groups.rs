@@ -300,6 +300,31 @@ impl KvGroups {
             .collect()
     }
 
+    /// Whether the engine that computed a prompt of `num_tokens` tokens still holds every block
+    /// its handoff moves once the request finished. vLLM's hybrid manager then frees a sliding
+    /// group's blocks that lie wholly before token `n - w + 1` (all its next token attends to),
+    /// while the handoff's window starts one token earlier ([`KvGroups::moved`]): when token
+    /// `n - w` is the last of its block, that block is gone, and the handoff is refused (D
+    /// computes the prompt) rather than sent without it. Checked before a push streams, whose
+    /// writes would still read the block as it is freed.
+    pub fn check_producer_keeps(&self, num_tokens: u32, block_size: u32) -> Result<(), GroupError> {
+        let bs = block_size.max(1);
+        let ranges = self.moved(num_tokens, bs, 0)?;
+        for (group, (g, r)) in self.groups.iter().zip(ranges).enumerate() {
+            let GroupKind::Sliding { window } = g.kind else {
+                continue;
+            };
+            let kept_from = num_tokens.saturating_sub(window - 1);
+            if !r.is_empty() && (r.start + 1).saturating_mul(bs) <= kept_from {
+                return Err(GroupError::Window {
+                    group,
+                    source: WindowError::NullInWindow { index: r.start },
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// A handoff's one list from the request's per-group lists (each covering the prompt, in
     /// token order, `null` wherever the engine freed a block): each group's moved blocks, in
     /// group order. A group whose window reaches a freed block is refused.
@@ -310,13 +335,26 @@ impl KvGroups {
         block_size: u32,
         null: Option<u32>,
     ) -> Result<Vec<u32>, GroupError> {
+        self.clip_after(lists, num_tokens, block_size, 0, null)
+    }
+
+    /// [`KvGroups::clip`] from block `skip` of every group on (D's list after its prefix-cache
+    /// hit of `skip` blocks: those are not moved, and their ids are not in the list).
+    pub fn clip_after(
+        &self,
+        lists: &[Vec<u32>],
+        num_tokens: u32,
+        block_size: u32,
+        skip: u32,
+        null: Option<u32>,
+    ) -> Result<Vec<u32>, GroupError> {
         if lists.len() != self.len() {
             return Err(GroupError::GroupCount {
                 groups: self.len(),
                 got: lists.len(),
             });
         }
-        let ranges = self.moved(num_tokens, block_size, 0)?;
+        let ranges = self.moved(num_tokens, block_size, skip)?;
         let mut out = Vec::new();
         for (group, (list, r)) in lists.iter().zip(ranges).enumerate() {
             let too_short = || GroupError::Window {
@@ -713,10 +751,16 @@ mod tests {
             ]
         );
         assert_eq!(runs[1].tokens(40, 4), 12);
-        // From block 9 on (a prefix hit): the tail of each.
+        // From block 9 on (a prefix hit): the tail of each, and D's list after such a hit is
+        // what a cut from there gets.
         let runs = g.runs(&list, 6, 40, 4, 0, 9).unwrap();
         assert_eq!(runs[0].blocks, vec![109]);
         assert_eq!(runs[1].blocks, vec![209]);
+        let after = g
+            .clip_after(&[full.clone(), sliding.clone()], 40, 4, 9, Some(0))
+            .unwrap();
+        assert_eq!(after, vec![109, 209]);
+        assert_eq!(g.runs(&after, 6, 40, 4, 9, 9).unwrap(), runs);
         // A list one block short or long is refused, not cut at the wrong place.
         for bad in [&list[1..], &[&list[..], &[7]].concat()[..]] {
             assert!(matches!(
@@ -747,6 +791,15 @@ mod tests {
                 source: WindowError::NullInWindow { index: 7 }
             })
         );
+        // The engine that computed the prompt can tell before its blocks are freed: the
+        // window's first block ends at token 31, before 32, where the kept tokens start.
+        assert!(matches!(
+            g.check_producer_keeps(40, 4),
+            Err(GroupError::Window { group: 1, .. })
+        ));
+        for n in [39, 41, 42, 7] {
+            assert_eq!(g.check_producer_keeps(n, 4), Ok(()), "{n} tokens");
+        }
         assert!(matches!(
             g.clip(std::slice::from_ref(&full), 40, 4, Some(0)),
             Err(GroupError::GroupCount { groups: 2, got: 1 })

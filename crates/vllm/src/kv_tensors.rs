@@ -325,12 +325,7 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
             (layout, len, spec.walk_bytes(), false)
         }
     };
-    // One region per layer tensor, each `len` bytes from its first element.
-    let regions = tensors
-        .iter()
-        .enumerate()
-        .map(|(l, t)| (l as u32, t.data_ptr, len))
-        .collect();
+    let (layout, regions) = share_regions(layout, tensors, len)?;
     Ok(KvTensors {
         layout,
         regions,
@@ -338,6 +333,50 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
         opaque_blocks,
         device: first.device,
     })
+}
+
+/// One region per layer tensor, each `len` bytes from its first element; layers whose tensor is
+/// an earlier layer's (vLLM's hybrid KV cache manager lets one tensor hold a layer of each KV
+/// cache group, a block id belonging to one group at a time) are placed on that layer's region,
+/// so the planner sees one memory and checks that no two writes touch the same bytes. Tensors
+/// that overlap without being the same are refused.
+#[allow(clippy::type_complexity)]
+fn share_regions(
+    mut layout: RankLayout,
+    tensors: &[KvTensorInfo],
+    len: u64,
+) -> Result<(RankLayout, Vec<(u32, u64, u64)>), KvTensorError> {
+    let mut regions: Vec<(u32, u64, u64)> = Vec::new();
+    for (l, t) in tensors.iter().enumerate() {
+        let region = match regions.iter().find(|(_, base, _)| *base == t.data_ptr) {
+            Some(&(id, _, _)) => id,
+            None => {
+                let (start, end) = (t.data_ptr, t.data_ptr.saturating_add(len));
+                if let Some((id, _, _)) = regions
+                    .iter()
+                    .find(|(_, base, n)| start < base.saturating_add(*n) && *base < end)
+                {
+                    return Err(KvTensorError::Mismatch {
+                        name: t.name.clone(),
+                        what: format!(
+                            "its memory overlaps layer {id}'s without being the same tensor"
+                        ),
+                    });
+                }
+                regions.push((l as u32, t.data_ptr, len));
+                l as u32
+            }
+        };
+        if let Some(p) = layout.layers.get_mut(l) {
+            p.k.region = region;
+            p.v.region = region;
+        }
+    }
+    layout
+        .regions
+        .retain(|r| regions.iter().any(|(id, _, _)| *id == r.id));
+    layout.validate()?;
+    Ok((layout, regions))
 }
 
 /// What a tensor's shape says it is.
@@ -524,6 +563,20 @@ mod tests {
             element_size: 4,
             device: None,
         }
+    }
+
+    /// vLLM's hybrid manager: one tensor holds a layer of each KV cache group. Layers on one
+    /// tensor share its region; a tensor overlapping another without being it is refused.
+    #[test]
+    fn layers_on_one_tensor_share_its_region() {
+        let (a, b) = (1u64 << 30, (1u64 << 30) + (512 << 20));
+        let t = derive(&[cpu("l0", a), cpu("l1", b), cpu("l2", a)], facts()).unwrap();
+        assert_eq!(t.regions, vec![(0, a, 512 << 20), (1, b, 512 << 20)]);
+        let regions: Vec<u32> = t.layout.layers.iter().map(|p| p.k.region).collect();
+        assert_eq!(regions, vec![0, 1, 0]);
+        assert_eq!(t.layout.regions.len(), 2);
+        let e = derive(&[cpu("l0", a), cpu("l1", a + 4096)], facts()).unwrap_err();
+        assert!(e.to_string().contains("overlaps layer 0"), "{e}");
     }
 
     #[test]

@@ -61,7 +61,7 @@ impl PyScheduler {
         &mut self,
         request_id: &str,
         params_json: Option<&str>,
-        blocks: Vec<u32>,
+        blocks: Vec<Vec<u32>>,
         num_tokens: u32,
     ) -> PyResult<(bool, Option<String>)> {
         let p = params(params_json);
@@ -94,15 +94,18 @@ impl PyScheduler {
         }
     }
 
-    #[pyo3(signature = (request_id, blocks, cached = 0))]
+    /// D: the request got `blocks` (one list per KV cache group, each cut to the prompt), the
+    /// first `cached` of each a hit in vLLM's prefix cache; `num_tokens`: its prompt.
+    #[pyo3(signature = (request_id, blocks, cached, num_tokens))]
     fn blocks_allocated(
         &mut self,
         request_id: &str,
-        blocks: Vec<u32>,
+        blocks: Vec<Vec<u32>>,
         cached: usize,
+        num_tokens: u32,
     ) -> PyResult<()> {
         self.inner
-            .blocks_allocated_after_cached(request_id, blocks, cached)
+            .blocks_allocated_after_cached(request_id, blocks, cached, num_tokens)
             .map_err(err)
     }
 
@@ -118,7 +121,7 @@ impl PyScheduler {
         &mut self,
         request_id: &str,
         params_json: &str,
-        blocks: Vec<u32>,
+        blocks: Vec<Vec<u32>>,
         num_tokens: u32,
     ) -> PyResult<bool> {
         let p = params(Some(params_json)).ok_or_else(|| err("invalid kv_transfer_params"))?;

@@ -16,6 +16,7 @@ use handoff_connector::{
     ReportSink, Role, WorkerHello, WorkerLink, WorkerOp, WorkerReport, WorkerStep,
 };
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
+use handoff_plan::KvGroups;
 use handoff_proto::{HandoffId, KvTransferParams, ReleaseReason, TransferMode};
 use serde::{Deserialize, Serialize};
 
@@ -201,8 +202,15 @@ impl WorkerLink for QueueLink {
     }
 }
 
+/// vLLM's null block: the block id its hybrid KV cache manager puts where it freed a block (the
+/// first block of its pool, never a request's).
+const VLLM_NULL_BLOCK: u32 = 0;
+
 pub struct SchedulerSide {
     connector: Arc<Connector>,
+    /// The model's KV cache groups, as the workers said (one group unless vLLM's hybrid KV
+    /// cache manager keeps several).
+    groups: KvGroups,
     sink: ReportSink,
     steps: Vec<Receiver<WorkerStep>>,
     /// P: the handoff that holds a finished vLLM request's blocks → the request. vLLM frees
@@ -327,6 +335,7 @@ impl SchedulerSide {
             }
         };
         let ranks = hellos.len();
+        let groups = hellos.first().map(|h| h.groups.clone()).unwrap_or_default();
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| channel::<WorkerStep>()).unzip();
         let line = GrantLine::new(&cfg.engine_id, ranks as u16)
             .map_err(|e| tracing::warn!(error = %e, "no grant line: a push forward pass longer than D's registration grant fails its writes"))
@@ -390,6 +399,7 @@ impl SchedulerSide {
             .ok();
         Ok(SchedulerSide {
             _engine_socket: engine_socket,
+            groups,
             connector,
             sink,
             steps: rxs,
@@ -417,6 +427,47 @@ impl SchedulerSide {
 
     // ----- P -----
 
+    /// A handoff's one block list from vLLM's per-group lists (each cut to the prompt's blocks
+    /// by the Python side), from block `skip` of every group on (D's prefix-cache hit): the one
+    /// group's list as it is for a model of one group; for a hybrid model each group's moved
+    /// blocks ([`KvGroups::clip_after`]), refused if a window reaches vLLM's null block (KV P
+    /// freed and D still needs) or, on P (`producer`), a block vLLM frees when the request
+    /// finishes ([`KvGroups::check_producer_keeps`]).
+    fn handoff_blocks(
+        &self,
+        mut lists: Vec<Vec<u32>>,
+        num_tokens: u32,
+        skip: usize,
+        producer: bool,
+    ) -> Result<Vec<u32>, SchedulerError> {
+        if self.groups.is_single() {
+            return match lists.len() {
+                1 => {
+                    let mut list = lists.swap_remove(0);
+                    Ok(list.split_off(skip.min(list.len())))
+                }
+                n => Err(SchedulerError::Params(format!(
+                    "{n} block lists for a model of one KV cache group"
+                ))),
+            };
+        }
+        let block_size = self.connector.spec().block_size;
+        if producer {
+            self.groups
+                .check_producer_keeps(num_tokens, block_size)
+                .map_err(|e| SchedulerError::Params(e.to_string()))?;
+        }
+        self.groups
+            .clip_after(
+                &lists,
+                num_tokens,
+                block_size,
+                skip as u32,
+                Some(VLLM_NULL_BLOCK),
+            )
+            .map_err(|e| SchedulerError::Params(e.to_string()))
+    }
+
     /// vLLM `request_finished`, answered as vLLM wants it: whether the connector keeps the
     /// request's blocks (vLLM frees them once `finished_sending` names the request), and the
     /// params for the response.
@@ -428,7 +479,7 @@ impl SchedulerSide {
         &mut self,
         request_id: &str,
         params: Option<&KvTransferParams>,
-        blocks: Vec<u32>,
+        lists: Vec<Vec<u32>>,
         num_tokens: u32,
     ) -> Result<(bool, Option<KvTransferParams>), SchedulerError> {
         if let Some(&n) = self.ids.get(request_id) {
@@ -449,9 +500,18 @@ impl SchedulerSide {
         // The prefill started at its last step (`prefill_planned`), or vLLM tells of it only
         // now, once every layer of every chunk is in P's blocks. `params` none: vLLM did not
         // finish it normally, or an n>1 sibling keeps the handoff.
-        let finished = params
-            .filter(|p| p.do_remote_decode)
-            .filter(|_| !blocks.is_empty());
+        let remote_decode = params.filter(|p| p.do_remote_decode);
+        let blocks = match remote_decode.map(|_| self.handoff_blocks(lists, num_tokens, 0, true)) {
+            Some(Ok(b)) => b,
+            Some(Err(e)) => {
+                // A window reaching a block vLLM freed: D would compute on KV that is gone.
+                // The prefill fails (nothing is held), D computes the prompt.
+                tracing::warn!(request_id, error = %e, "no handoff for this prefill");
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
+        let finished = remote_decode.filter(|_| !blocks.is_empty());
         let outcome = match finished {
             Some(_) => PrefillOutcome::Finished,
             None => PrefillOutcome::Failed,
@@ -498,9 +558,10 @@ impl SchedulerSide {
         &mut self,
         request_id: &str,
         params: &KvTransferParams,
-        blocks: Vec<u32>,
+        lists: Vec<Vec<u32>>,
         num_tokens: u32,
     ) -> Result<bool, SchedulerError> {
+        let blocks = self.handoff_blocks(lists, num_tokens, 0, true)?;
         if blocks.is_empty() || !params.do_remote_decode {
             return Err(SchedulerError::Params(
                 "a planned prefill needs blocks and do_remote_decode".into(),
@@ -580,7 +641,7 @@ impl SchedulerSide {
         request_id: &str,
         blocks: Vec<u32>,
     ) -> Result<(), SchedulerError> {
-        self.blocks_allocated_after_cached(request_id, blocks, 0)
+        self.blocks_allocated_after_cached(request_id, vec![blocks], 0, 0)
     }
 
     /// vLLM `update_state_after_alloc` on D: the request got `blocks` for its prompt, the first
@@ -589,12 +650,14 @@ impl SchedulerSide {
     pub fn blocks_allocated_after_cached(
         &mut self,
         request_id: &str,
-        mut blocks: Vec<u32>,
+        lists: Vec<Vec<u32>>,
         cached: usize,
+        num_tokens: u32,
     ) -> Result<(), SchedulerError> {
         let Some(&n) = self.ids.get(request_id) else {
             return Ok(());
         };
+
         self.given_blocks.insert(n);
         if self.failed_unallocated.remove(&n) {
             // Its handoff failed while it waited for blocks: vLLM now waits for its KV, and
@@ -604,7 +667,25 @@ impl SchedulerSide {
             }
             return Ok(());
         }
-        let cached: Vec<u32> = blocks.drain(..cached.min(blocks.len())).collect();
+        // The hit's blocks, the first group's (a hybrid model's digest is not compared after
+        // a hit: only their count matters there).
+        let hit: Vec<u32> = lists
+            .first()
+            .map(|l| l[..cached.min(l.len())].to_vec())
+            .unwrap_or_default();
+        let blocks = match self.handoff_blocks(lists, num_tokens, cached, false) {
+            Ok(b) => b,
+            Err(e) => {
+                // vLLM waits for this request's KV now: it hears at once that none comes (its
+                // failure policy recomputes or fails it), and P lets its blocks go.
+                tracing::warn!(request_id, error = %e, "blocks refused");
+                self.connector.request_ended(n, ReleaseReason::Cancelled);
+                self.pending.failed_recving.push(request_id.to_string());
+                self.forget(n);
+                return Ok(());
+            }
+        };
+        let cached = hit;
         // The request's own first block names it in the ledger's events (a cached block may
         // start several requests' prompts).
         let first = blocks.first().copied();

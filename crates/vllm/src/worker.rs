@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use handoff_connector::{Fence, RankMemory, WorkerHello, WorkerReport, WorkerSide};
+use handoff_plan::{GroupKind, KvGroup, KvGroups};
 use handoff_transport::device::cuda::CudaDevice;
 use handoff_transport::device::{Device, DeviceError, MemoryKind};
 use handoff_transport::{open_backend_at, Endpoint, KvRegion, TransportError};
@@ -39,6 +40,36 @@ pub struct WorkerConfig {
     #[serde(default)]
     pub insecure: bool,
     pub facts: ModelFacts,
+    /// vLLM's KV cache groups under its hybrid KV cache manager, layers numbered as the tensors
+    /// are; none (or one full group): every layer alike.
+    #[serde(default)]
+    pub groups: Vec<GroupConfig>,
+}
+
+/// One KV cache group as the Python side describes it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GroupConfig {
+    /// Tokens of its sliding window; none: full attention.
+    #[serde(default)]
+    pub window: Option<u32>,
+    pub layers: Vec<u32>,
+}
+
+/// The groups of `cfg`, checked against a model of `num_layers` layers.
+fn kv_groups(groups: &[GroupConfig], num_layers: u32) -> Result<KvGroups, WorkerError> {
+    if groups.is_empty() {
+        return Ok(KvGroups::single());
+    }
+    let groups = groups
+        .iter()
+        .map(|g| KvGroup {
+            kind: g
+                .window
+                .map_or(GroupKind::Full, |window| GroupKind::Sliding { window }),
+            layers: g.layers.clone(),
+        })
+        .collect();
+    KvGroups::new(groups, num_layers).map_err(|e| WorkerError::Config(e.to_string()))
 }
 
 fn default_transport() -> String {
@@ -163,11 +194,13 @@ impl WorkerBridge {
                 Ok((id, Arc::new(r)))
             })
             .collect::<Result<_, TransportError>>()?;
-        let side = WorkerSide::new(RankMemory {
+        let groups = kv_groups(&cfg.groups, layout.spec.shape.num_layers)?;
+        let mut side = WorkerSide::new(RankMemory {
             layout,
             regions,
             transport,
         })?;
+        side.set_groups(groups)?;
         let grant_line = GrantLineReceiver::start(
             &grant_line::socket_path(&cfg.engine_id, cfg.facts.rank as u16),
             side.write_grants(),

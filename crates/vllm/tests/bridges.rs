@@ -5,153 +5,11 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::*;
 use handoff_vllm::engine_socket::{ask, Verb};
-use handoff_vllm::kv_tensors::{KvTensorInfo, ModelFacts};
 use handoff_vllm::scheduler::{Matched, SchedulerConfig, SchedulerSide, StepMeta};
-use handoff_vllm::worker::WorkerBridge;
-
-const BLOCKS: i64 = 64;
-const HEADS: i64 = 2;
-const BS: i64 = 16;
-const HD: i64 = 8;
-const LAYERS: usize = 2;
-
-fn block_bytes() -> usize {
-    (HEADS * BS * 2 * HD * 4) as usize
-}
-
-/// One engine: KV tensors as vLLM's CPU backend allocates them (one buffer, a view per layer).
-struct Engine {
-    sched: SchedulerSide,
-    worker: WorkerBridge,
-    kv: KvMem,
-}
-
-/// An engine's KV memory as vLLM holds it: handoff reads and writes it too (through
-/// `KvRegion::from_foreign`), so the test, playing the engine's kernels, reaches it through a
-/// raw pointer one access at a time and never holds a reference to it. Never freed: the
-/// engine's transfers may run until the test process ends.
-struct KvMem {
-    ptr: *mut u8,
-    len: usize,
-}
-
-#[allow(unsafe_code)]
-impl KvMem {
-    fn new(len: usize) -> KvMem {
-        let ptr = Box::into_raw(vec![0u8; len].into_boxed_slice()).cast::<u8>();
-        KvMem { ptr, len }
-    }
-
-    fn read(&self, start: usize, len: usize) -> Vec<u8> {
-        assert!(start + len <= self.len);
-        let mut out = vec![0u8; len];
-        // SAFETY: in bounds of a live allocation (never freed); the test touches only blocks
-        // no transfer moves at the time, as an engine's kernels do.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(start), out.as_mut_ptr(), len) };
-        out
-    }
-
-    fn write(&self, start: usize, bytes: &[u8]) {
-        assert!(start + bytes.len() <= self.len);
-        // SAFETY: as in `read`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(start), bytes.len()) };
-    }
-}
-
-fn facts() -> ModelFacts {
-    ModelFacts {
-        num_kv_heads: HEADS as u32,
-        head_dim: HD as u32,
-        block_size: BS as u32,
-        tp: 1,
-        rank: 0,
-        mla: false,
-    }
-}
-
-fn engine(id: &str) -> Engine {
-    engine_in(id, "pull")
-}
-
-fn engine_in(id: &str, mode: &str) -> Engine {
-    engine_with(id, mode, true)
-}
-
-fn engine_with(id: &str, mode: &str, kv_digest: bool) -> Engine {
-    engine_configured(id, mode, kv_digest, serde_json::json!({}))
-}
-
-/// An engine whose `kv_connector_extra_config` also holds `extra`.
-fn engine_configured(id: &str, mode: &str, kv_digest: bool, extra: serde_json::Value) -> Engine {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let layer = BLOCKS as usize * block_bytes();
-    let kv = KvMem::new(LAYERS * layer);
-    let base = kv.ptr as u64;
-    let tensors: Vec<KvTensorInfo> = (0..LAYERS)
-        .map(|l| KvTensorInfo {
-            name: format!("model.layers.{l}.self_attn.attn"),
-            data_ptr: base + (l * layer) as u64,
-            shape: vec![BLOCKS, HEADS, BS, 2 * HD],
-            strides: vec![HEADS * BS * 2 * HD, BS * 2 * HD, 2 * HD, 1],
-            element_size: 4,
-            device: None,
-        })
-        .collect();
-    let worker = WorkerBridge::register(
-        serde_json::from_value(serde_json::json!({
-            "engine_id": id,
-            "facts": facts(),
-        }))
-        .unwrap(),
-        &tensors,
-    )
-    .unwrap();
-    assert!(worker.opaque_blocks());
-    let mut cfg = serde_json::json!({
-        "engine_id": id,
-        "model": "tiny",
-        "dtype": "float32",
-        "opaque_blocks": true,
-        "mode": mode,
-        // Every transfer here is checked end to end (unless a test says otherwise): a
-        // mismatch would fail the request.
-        "kv_digest": kv_digest,
-    });
-    for (k, v) in extra.as_object().expect("extra config is an object") {
-        cfg[k] = v.clone();
-    }
-    let cfg: SchedulerConfig = serde_json::from_value(cfg).unwrap();
-    let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
-    Engine { sched, worker, kv }
-}
-
-impl Engine {
-    /// One engine step: build_connector_meta → (pickled) → worker start_load_kv / get_finished
-    /// → build_connector_worker_meta → (pickled) → update_connector_output.
-    fn step(&mut self) -> StepMeta {
-        let bytes = self.sched.build_meta().to_bytes();
-        let meta = StepMeta::from_bytes(&bytes).unwrap();
-        self.worker.apply(&meta);
-        std::thread::sleep(Duration::from_millis(1));
-        let reports: Vec<Vec<u8>> = self
-            .worker
-            .poll()
-            .map(|r| postcard::to_allocvec(&r).unwrap())
-            .into_iter()
-            .collect();
-        self.sched.worker_reports(&reports).unwrap();
-        meta
-    }
-
-    fn block(&self, layer: usize, b: u32) -> Vec<u8> {
-        let start = layer * BLOCKS as usize * block_bytes() + b as usize * block_bytes();
-        self.kv.read(start, block_bytes())
-    }
-}
 
 #[test]
 fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
@@ -165,7 +23,7 @@ fn a_pull_through_the_vllm_hooks_lands_whole_pages_and_frees_p() {
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
     let (keep, params) = p
         .sched
-        .request_finished("cmpl-p-1", Some(&request), p_blocks.clone(), 40)
+        .request_finished("cmpl-p-1", Some(&request), vec![p_blocks.clone()], 40)
         .unwrap();
     assert!(keep, "P keeps the blocks for D");
     let params = params.expect("params for D");
@@ -200,7 +58,7 @@ fn a_pull_never_writes_a_block_d_s_prefix_cache_shares() {
     let (mut p, mut d) = cached_prefix_pull("vllm-p-cache", "vllm-d-cache", false);
     let cached = mark_cached_block(&p, &mut d);
     d.sched
-        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .blocks_allocated_after_cached("d-req", vec![vec![20, 12, 13]], 1, 40)
         .unwrap();
     resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
     kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
@@ -217,7 +75,7 @@ fn a_pull_after_a_prefix_cache_hit_lands_with_its_digest_not_compared() {
     let (mut p, mut d) = cached_prefix_pull("vllm-p-cache2", "vllm-d-cache2", true);
     let cached = mark_cached_block(&p, &mut d);
     d.sched
-        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .blocks_allocated_after_cached("d-req", vec![vec![20, 12, 13]], 1, 40)
         .unwrap();
     resumed_and_freed(&mut p, &mut d, "p-req", "d-req");
     kept_cached_and_landed_the_rest(&mut p, &mut d, &cached);
@@ -274,7 +132,7 @@ fn kept_cached_and_landed_the_rest(p: &mut Engine, d: &mut Engine, cached: &[Vec
 /// `p-req` (blocks 5, 6, 9) ends and its writes land.
 fn push_after_the_hit(p: &mut Engine, d: &mut Engine, p_leg: &handoff_proto::KvTransferParams) {
     d.sched
-        .blocks_allocated_after_cached("d-req", vec![20, 12, 13], 1)
+        .blocks_allocated_after_cached("d-req", vec![vec![20, 12, 13]], 1, 40)
         .unwrap();
     for _ in 0..5 {
         d.step();
@@ -282,20 +140,6 @@ fn push_after_the_hit(p: &mut Engine, d: &mut Engine, p_leg: &handoff_proto::KvT
     }
     push_prefill_finished(p, p_leg, &[5, 6, 9]);
     resumed_and_freed(p, d, "p-req", "d-req");
-}
-
-/// Steps both engines until D's request resumed (never failed) and P gave its blocks back (10 s
-/// at most).
-fn resumed_and_freed(p: &mut Engine, d: &mut Engine, p_req: &str, d_req: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (mut recved, mut sent) = (false, false);
-    while !(recved && sent) {
-        assert!(Instant::now() < deadline, "recved {recved} sent {sent}");
-        let dm = d.step();
-        assert!(dm.failed_recving.is_empty(), "{dm:?}");
-        recved |= dm.finished_recving.contains(&d_req.to_string());
-        sent |= p.step().finished_sending.contains(&p_req.to_string());
-    }
 }
 
 /// Steps both engines until D's request resumed and P's gave its blocks back (10 s at most),
@@ -331,7 +175,10 @@ fn a_client_abort_on_d_before_its_kv_landed_frees_p_at_once() {
         Matched::Remote(20)
     );
     // The client leaves while the request still waits in D's queue: it has no blocks to keep.
-    let (keep, _) = d.sched.request_finished("d-req", None, vec![], 0).unwrap();
+    let (keep, _) = d
+        .sched
+        .request_finished("d-req", None, vec![vec![]], 0)
+        .unwrap();
     assert!(!keep);
     p_frees_within_2s(&mut p, &mut d, "p-req", "P still holds the blocks");
 }
@@ -344,7 +191,7 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
     let (_, params) = p
         .sched
-        .request_finished("p-req", Some(&request), vec![3, 4], 20)
+        .request_finished("p-req", Some(&request), vec![vec![3, 4]], 20)
         .unwrap();
     let params = params.unwrap();
     assert_eq!(
@@ -375,7 +222,7 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
     // The client leaves: vLLM must not free blocks 7 and 8 yet.
     let (keep, _) = d
         .sched
-        .request_finished("d-req", None, vec![7, 8], 0)
+        .request_finished("d-req", None, vec![vec![7, 8]], 0)
         .unwrap();
     assert!(
         keep,
@@ -402,7 +249,7 @@ fn all_end(p: &mut Engine, d: &mut Engine, requests: &[(&str, Vec<u32>, u32)]) {
     for (name, blocks, tokens) in requests {
         let (keep, _) = d
             .sched
-            .request_finished(name, None, blocks.clone(), *tokens)
+            .request_finished(name, None, vec![blocks.clone()], *tokens)
             .unwrap();
         assert!(!keep, "{name}: nothing to keep once decoded");
     }
@@ -437,7 +284,7 @@ fn prefilled(
         serde_json::from_value(serde_json::json!({"do_remote_decode": true})).unwrap();
     let (keep, params) = p
         .sched
-        .request_finished(name, Some(&request), blocks, tokens)
+        .request_finished(name, Some(&request), vec![blocks], tokens)
         .unwrap();
     assert!(keep);
     params.unwrap()
@@ -540,7 +387,10 @@ fn params_the_connector_refuses_make_a_local_request_not_an_error() {
     }
     // The same params again once their handoff ended on D (a client replaying them): D
     // refuses to track an ended handoff, and vLLM computes the prompt itself.
-    let (keep, _) = d.sched.request_finished("real", None, vec![3], 10).unwrap();
+    let (keep, _) = d
+        .sched
+        .request_finished("real", None, vec![vec![3]], 10)
+        .unwrap();
     assert!(!keep);
     assert_eq!(
         d.sched.remote_prefill_arrived("replayed", &params, 10),
@@ -582,24 +432,6 @@ fn the_engine_socket_answers_what_a_push_proxy_needs_to_know_of_p() {
     assert_eq!(info["transfer_mode"], "push");
 }
 
-/// Fills every byte of `blocks` on every layer with a pattern of its own.
-fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
-    for l in 0..LAYERS {
-        fill_layer(e, blocks, salt, l);
-    }
-}
-
-/// What a forward pass writes into one layer of `blocks` (never zero).
-fn fill_layer(e: &mut Engine, blocks: &[u32], salt: usize, l: usize) {
-    for (i, b) in blocks.iter().enumerate() {
-        let start = l * BLOCKS as usize * block_bytes() + *b as usize * block_bytes();
-        let bytes: Vec<u8> = (0..block_bytes())
-            .map(|j| (salt + l * 31 + i * 7 + j % 251) as u8 | 1)
-            .collect();
-        e.kv.write(start, &bytes);
-    }
-}
-
 /// What a proxy sends in push mode: P's leg (prefill, then write into D's registered blocks)
 /// and D's leg (reserve blocks, register them with P), under one fresh handoff id.
 fn push_legs(
@@ -628,7 +460,7 @@ fn push_legs(
 fn push_prefill_finished(p: &mut Engine, p_leg: &handoff_proto::KvTransferParams, blocks: &[u32]) {
     let (keep, out) = p
         .sched
-        .request_finished("p-req", Some(p_leg), blocks.to_vec(), 40)
+        .request_finished("p-req", Some(p_leg), vec![blocks.to_vec()], 40)
         .unwrap();
     assert!(keep, "P keeps its blocks until its writes landed");
     assert_eq!(
@@ -720,7 +552,7 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     let p_blocks = vec![5u32, 6, 9];
     assert!(
         p.sched
-            .prefill_planned("p-req", &p_leg, p_blocks.clone(), 40)
+            .prefill_planned("p-req", &p_leg, vec![p_blocks.clone()], 40)
             .unwrap(),
         "a push holds P's blocks from its last step on"
     );
@@ -785,7 +617,7 @@ fn a_push_streams_through_a_forward_pass_five_times_d_s_registration_grant() {
     let p_blocks = vec![5u32, 6, 9];
     assert!(
         p.sched
-            .prefill_planned("p-req", &p_leg, p_blocks.clone(), 40)
+            .prefill_planned("p-req", &p_leg, vec![p_blocks.clone()], 40)
             .unwrap(),
         "a push holds P's blocks from its last step on"
     );
@@ -827,7 +659,7 @@ fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_g
     }
     let (keep, _) = p
         .sched
-        .request_finished("p-req", Some(&p_leg), vec![1, 2], 20)
+        .request_finished("p-req", Some(&p_leg), vec![vec![1, 2]], 20)
         .unwrap();
     assert!(keep);
     // P's scheduler side runs (it asks D for a grant and is given one) but its worker never
@@ -875,7 +707,7 @@ fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_g
     // vLLM then fails (or recomputes) the request: its blocks are vLLM's at once.
     let (keep, _) = d
         .sched
-        .request_finished("d-req", None, vec![7, 8], 0)
+        .request_finished("d-req", None, vec![vec![7, 8]], 0)
         .unwrap();
     assert!(!keep);
 }

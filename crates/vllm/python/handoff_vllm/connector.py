@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from handoff_vllm import _native
@@ -121,7 +122,8 @@ class _Prefill:
     prompt_len: int
     # n>1: the key its siblings share (None for a request of its own).
     family: tuple | None
-    blocks: list[int] = field(default_factory=list)
+    # One list per KV cache group.
+    blocks: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -172,7 +174,7 @@ def _extra(vllm_config) -> dict[str, Any]:
     return extra
 
 
-class HandoffConnector(KVConnectorBase_V1):
+class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     # How long the worker remembers that vLLM named a request finished, waiting for its send to
     # end: far past the longest a handoff lives on P (its hard cap, 120 s, plus the fence). Every
     # finished request is named, most never send; without a bound the set grows forever.
@@ -276,10 +278,42 @@ class HandoffConnector(KVConnectorBase_V1):
                 "rank": int(get_tensor_model_parallel_rank()),
             },
         }
-        with _AllCpus():
-            self._worker = _native.Worker(json.dumps(cfg), json.dumps(tensors))
         # The worker numbers layers in this order (the tensors' order above).
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        cfg["groups"] = self._kv_cache_groups()
+        with _AllCpus():
+            self._worker = _native.Worker(json.dumps(cfg), json.dumps(tensors))
+
+    def _kv_cache_groups(self) -> list[dict[str, Any]]:
+        """vLLM's KV cache groups under its hybrid KV cache manager, layers numbered as the
+        worker numbers them; none for one group (every layer alike). A kind of group handoff does
+        not move (Mamba state, chunked local attention) is refused at start-up."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        groups = list(getattr(self._kv_cache_config, "kv_cache_groups", None) or [])
+        if len(groups) <= 1:
+            return []
+        out = []
+        for i, g in enumerate(groups):
+            spec = g.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                window = int(spec.sliding_window)
+            elif isinstance(spec, FullAttentionSpec):
+                window = None
+            else:
+                raise ValueError(
+                    f"HandoffConnector: KV cache group {i} keeps {type(spec).__name__}; handoff "
+                    "moves full-attention and sliding-window groups"
+                )
+            missing = [n for n in g.layer_names if n not in self._layer_index]
+            if missing:
+                raise ValueError(
+                    f"HandoffConnector: KV cache group {i} names layers without a KV cache "
+                    f"tensor: {missing}"
+                )
+            out.append({"window": window,
+                        "layers": [self._layer_index[n] for n in g.layer_names]})
+        return out
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None:
@@ -460,15 +494,17 @@ class HandoffConnector(KVConnectorBase_V1):
             self._sched.no_load(request.request_id)
             params["do_remote_prefill"] = False
             return
-        block_ids = list(blocks.get_block_ids()[0])
         prompt = len(request.prompt_token_ids)
         needed = -(-prompt // self._block_size)
+        # One list per KV cache group (vLLM's hybrid manager gives each its blocks; a sliding
+        # group's list still covers the whole prompt here).
+        block_ids = [list(g)[:needed] for g in blocks.get_block_ids()]
         # vLLM's prefix cache may already hold the prompt's first blocks (computed here, shared
         # with other requests, and told to get_num_new_matched_tokens block-aligned): a pull
         # reads, and a push registers, only the rest, never a block another request may be
         # reading (P's writes start at the first token after the hit).
         cached = max(0, prompt - num_external_tokens) // self._block_size
-        self._sched.blocks_allocated(request.request_id, block_ids[:needed], cached)
+        self._sched.blocks_allocated(request.request_id, block_ids, cached, prompt)
         self._timeline.mark(request.request_id, "allocated")
         # One transfer per request: once rescheduled after its KV landed, it is a local request.
         params["do_remote_prefill"] = False
@@ -487,7 +523,7 @@ class HandoffConnector(KVConnectorBase_V1):
         for new in so.scheduled_new_reqs:
             st = self._prefilling.get(new.req_id)
             if st is not None:
-                st.blocks = list(new.block_ids[0])
+                st.blocks = [list(g) for g in new.block_ids]
                 steps.append((new.req_id, st, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -496,10 +532,11 @@ class HandoffConnector(KVConnectorBase_V1):
                 continue
             added = cached.new_block_ids[i]
             if added is not None:
-                if req_id in cached.resumed_req_ids:
-                    st.blocks = list(added[0])
+                if req_id in cached.resumed_req_ids or len(st.blocks) != len(added):
+                    st.blocks = [list(g) for g in added]
                 else:
-                    st.blocks.extend(added[0])
+                    for have, more in zip(st.blocks, added):
+                        have.extend(more)
             steps.append((req_id, st, cached.num_computed_tokens[i]))
         for req_id, st, computed in steps:
             if computed + so.num_scheduled_tokens.get(req_id, 0) < st.prompt_len:
@@ -508,7 +545,7 @@ class HandoffConnector(KVConnectorBase_V1):
             needed = -(-st.prompt_len // self._block_size)
             try:
                 held = self._sched.prefill_planned(
-                    req_id, json.dumps(st.params), st.blocks[:needed], st.prompt_len
+                    req_id, json.dumps(st.params), [g[:needed] for g in st.blocks], st.prompt_len
                 )
             except Exception as e:  # the core then hears of it at request_finished
                 logger.warning("handoff: prefill of %s not planned: %s", req_id, e)
@@ -537,8 +574,17 @@ class HandoffConnector(KVConnectorBase_V1):
             self._sched.worker_reports(wm.reports)
 
     def request_finished(self, request, block_ids: list[int]):
+        # vLLM calls request_finished_all_groups on a connector that supports its hybrid KV
+        # cache manager; this is the one-group form.
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        """One list of block ids per KV cache group (a sliding group's starts with vLLM's null
+        block wherever it freed one); the core keeps each group's moved blocks."""
         if self._sched is None:
             return False, None
+        needed = -(-len(request.prompt_token_ids) // self._block_size)
+        lists = [[int(b) for b in g][:needed] for g in block_ids]
         self._prefilling.pop(request.request_id, None)
         keeps_family = request.request_id in self._forwarded
         self._forwarded.discard(request.request_id)
@@ -553,14 +599,13 @@ class HandoffConnector(KVConnectorBase_V1):
             # now (D reads once and fans out); the response carries the kept handoff's params,
             # whichever child vLLM answers with.
             self._sched.request_finished(
-                request.request_id, None, [int(b) for b in block_ids],
-                int(request.num_computed_tokens))
+                request.request_id, None, lists, int(request.num_computed_tokens))
             kept = self._siblings.get(family, (0.0, None))[1]
             return False, (dict(kept) if kept else None)
         keep, out = self._sched.request_finished(
             request.request_id,
             json.dumps(params) if remote_decode else None,
-            [int(b) for b in block_ids],
+            lists,
             int(request.num_computed_tokens),
         )
         answer = json.loads(out) if out else None

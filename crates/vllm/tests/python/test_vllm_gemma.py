@@ -6,9 +6,11 @@ rank, so a page of P at TP 2 is byte for byte a page of D at TP 1, read once fro
 rank; each D rank gets its own copy). Every answer equals one engine's, and D's KV digest
 matched P's for each handoff.
 
-vLLM turns its hybrid KV cache manager off for a connector without ``SupportsHMA`` (handoff,
-today): every layer then keeps every token, and a handoff moves every block of every layer. The
-report's ``gemma`` says so (``hybrid_kv_cache_manager``)."""
+handoff declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on with it (the
+tests assert vLLM did not turn it off): each KV cache group has its own blocks, and a handoff
+moves every block of the three full-attention layers and only the window's last blocks of the
+fifteen sliding ones. The report's ``gemma`` puts the bytes moved beside what every block of
+every layer would be (the manager off)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gem
 # a server at its peak instead of 6.8 (float32, 1 GiB of KV): three at that beside the session's
 # SmolLM2 engine ran the 23 GiB CI host out of memory.
 ARGS = ["--max-model-len", "4096", "--dtype", "bfloat16", "--max-num-seqs", "8"]
-# A block of the hybrid manager (the single engine's) holds one layer of each of its six groups:
-# it needs more of them for one 4,096-token request.
-BLOCKS = {"hybrid": "256", "one_group": "64"}
+# A block of the hybrid manager holds one layer of each of its six groups (three layers a
+# group): it needs more of them for one 4,096-token request than blocks of all 18 layers.
+BLOCKS = "256"
 # Token ids drawn below 4,000 (of Gemma's 262,144): a prompt the model reads as text.
 # A prompt goes to one D once: a second time D's prefix cache holds its blocks (no handoff).
 LONG = prompt(2600, seed=2600)
@@ -43,9 +45,8 @@ ANSWER_TOKENS = 6
 
 
 def gemma(name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
-    blocks = BLOCKS["one_group" if conn else "hybrid"]
     return Server(name, conn, real_model=GEMMA,
-                  extra_args=ARGS + ["--num-gpu-blocks-override", blocks,
+                  extra_args=ARGS + ["--num-gpu-blocks-override", BLOCKS,
                                      "--tensor-parallel-size", str(tp)] + kw.pop("args", []),
                   **kw)
 
@@ -74,8 +75,8 @@ def tokens(answer: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def answers() -> dict[tuple, list[int]]:
-    """The single engine's greedy tokens for each prompt: it runs alone (no connector, so
-    vLLM's hybrid manager on) and is stopped once they are taken."""
+    """The single engine's greedy tokens for each prompt: it runs alone (no connector) and is
+    stopped once they are taken."""
     assert (GEMMA[0] / "config.json").exists(), \
         f"no Gemma 3 at {GEMMA[0]}: run scripts/fetch-model gemma3"
     with running({"single": gemma("gemma-single", None)}) as one:
@@ -121,9 +122,12 @@ def cdiv(a: int, b: int) -> int:
 def test_pull_behind_vllm_router_answers_like_one_engine(pull):
     """A client's completions through vllm-router (P/D mode) in front of handoff's P and D:
     D decodes from P's KV (one matched digest per request) and answers what one engine does.
-    Every block of every layer moves (vLLM's hybrid manager is off): the bytes per handoff are
-    the prompt's blocks times 18 layers, and the report puts them beside what the sliding layers'
-    windows alone would need."""
+    vLLM's hybrid manager stays on in both; a handoff moves the full layers' every block and
+    the sliding layers' blocks from the one holding token n - 512 (what the prompt's last
+    token, computed again on D, attends back to): the bytes per handoff are exactly that, and
+    the report puts them beside every block of every layer."""
+    assert not hma_off(pull["p"]) and not hma_off(pull["d"]), \
+        "vLLM turned its hybrid KV cache manager off"
     bytes_metric = "handoff_transfer_bytes_total"
     with router(pull["p"].url, pull["d"].url, "gemma") as url:
         for ids in ROUTED:
@@ -135,15 +139,17 @@ def test_pull_behind_vllm_router_answers_like_one_engine(pull):
     # The last (longest) prompt's handoff.
     n = len(ROUTED[-1])
     every_block = cdiv(n, BLOCK) * LAYERS * PAGE_BYTES
-    assert moved_bytes == every_block, \
-        f"{moved_bytes} bytes moved, every block of every layer is {every_block}"
-    window_only = (SLIDING * min(cdiv(n, BLOCK), cdiv(WINDOW, BLOCK) + 1)
-                   + (LAYERS - SLIDING) * cdiv(n, BLOCK)) * PAGE_BYTES
-    report(hybrid_kv_cache_manager=not hma_off(pull["d"]),
+    window_blocks = cdiv(n, BLOCK) - max(0, n - WINDOW) // BLOCK
+    with_windows = (SLIDING * window_blocks + (LAYERS - SLIDING) * cdiv(n, BLOCK)) * PAGE_BYTES
+    assert moved_bytes == with_windows, \
+        f"{moved_bytes} bytes moved; the windows' blocks and every full layer's are {with_windows}"
+    report(hybrid_kv_cache_manager=True,
            prompt_tokens=[len(ids) for ids in ROUTED], window=WINDOW,
            bytes_per_handoff={"prompt_tokens": n, "moved": moved_bytes,
                               "sliding_layers_share": round(SLIDING / LAYERS, 3),
-                              "with_windows_only": window_only})
+                              "sliding_blocks_moved": window_blocks,
+                              "every_block_of_every_layer": every_block,
+                              "moved_vs_every_block": round(moved_bytes / every_block, 3)})
 
 
 @pytest.fixture
@@ -163,6 +169,7 @@ def test_pull_between_tp_2_and_tp_1_answers_like_one_engine(pull, tp2):
     """P at TP 2 to D at TP 1, then P at TP 1 to D at TP 2: the one KV head is on every rank;
     D reads it once per D rank and checks its digest against P's (each counts the head once)."""
     one = pull["p"]
+    assert not hma_off(tp2), "vLLM turned its hybrid KV cache manager off at TP 2"
     matched = matched_digests(one)
     params, d = disaggregated({"p": tp2, "d": one}, TP_2_TO_1, ANSWER_TOKENS)
     assert params["tp_size"] == 2, params
@@ -190,6 +197,8 @@ def test_push_behind_handoffs_proxy_answers_like_one_engine(pull):
                    env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}),
     }
     with running(servers), handoff_proxy("push", servers["p"], servers["d"]) as url:
+        assert not any(hma_off(s) for s in servers.values()), \
+            "vLLM turned its hybrid KV cache manager off"
         ids = LONG
         matched = matched_digests(servers["d"])
         got = completion_via(url, ids, ANSWER_TOKENS, GEMMA[1], timeout_s=300)
