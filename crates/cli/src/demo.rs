@@ -56,9 +56,11 @@ pub struct DemoArgs {
     #[arg(long, default_value = "auto")]
     pub kv_pool_layout: String,
     /// The model's KV on every engine: gqa (the engine's default: KV heads split across TP
-    /// ranks, K and V planes) or mla (DeepSeek V2/V3's multi-head latent attention: one latent of 576 dims per
-    /// token, which every TP rank holds, so a D rank reads each block once from one P rank).
-    #[arg(long, default_value = "gqa", value_parser = ["gqa", "mla"])]
+    /// ranks, K and V planes), mla (DeepSeek V2/V3's multi-head latent attention: one latent of 576 dims per
+    /// token, which every TP rank holds, so a D rank reads each block once from one P rank) or
+    /// hybrid (Gemma 3's shape: a sliding window of 512 tokens in five of every six layers, each
+    /// kind of layer in a KV cache group of its own; a handoff moves the windows' blocks only).
+    #[arg(long, default_value = "gqa", value_parser = ["gqa", "mla", "hybrid"])]
     pub model_shape: String,
     /// Skip killing a decode engine.
     #[arg(long)]
@@ -309,6 +311,14 @@ async fn monolithic_texts(
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.model_shape == "hybrid" && args.prefill_block_size != args.decode_block_size {
+        bail!(
+            "--model-shape hybrid needs equal block sizes on P and D (a sliding window's blocks \
+             start at another token otherwise): --prefill-block-size {} --decode-block-size {}",
+            args.prefill_block_size,
+            args.decode_block_size
+        );
+    }
     if args.netns && args.netns_inside.is_none() {
         return run_in_namespaces();
     }
@@ -392,6 +402,12 @@ fn model_shape(name: &str) -> ModelShape {
         "mla" => ModelShape {
             settings: &["num_kv_heads=1", "head_dim=576", "block_layout=latent"],
             kv: "one latent of 576 dims per token (MLA), on every rank".into(),
+        },
+        "hybrid" => ModelShape {
+            settings: &["sliding_window=512", "full_attention_every=6"],
+            kv: "a sliding window of 512 tokens in five of every six layers, the sixth full \
+                 (Gemma 3), each kind in a KV cache group of its own"
+                .into(),
         },
         _ => {
             let d = handoff_engine::EngineConfig::default();

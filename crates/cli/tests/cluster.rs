@@ -369,6 +369,60 @@ fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
     }
 }
 
+/// `demo --model-shape hybrid`: Gemma 3's shape (a window of 512 tokens in five of every six
+/// layers, each kind of layer in a KV cache group of its own) through pull from P at TP 2 to D
+/// at TP 1 and push from P at TP 1 to D at TP 2: nothing leaks, every output matches the
+/// monolithic engine's (which reads each sliding layer's window from the blocks that moved), and
+/// the same requests move fewer bytes than with every layer keeping every token.
+#[test]
+fn the_demo_serves_a_hybrid_model_across_tp_sizes_moving_only_the_windows() {
+    let run = |shape: &str, mode: &str, p_tp: &str, d_tp: &str| {
+        demo(
+            &[
+                "--model-shape",
+                shape,
+                "--mode",
+                mode,
+                "--prefill-tp",
+                p_tp,
+                "--decode-tp",
+                d_tp,
+                "--requests",
+                "24",
+                "--concurrency",
+                "4",
+                "--no-kill",
+                "--seed",
+                "6",
+            ],
+            None,
+        )
+    };
+    let mut pull_bytes = 0.0;
+    for (mode, p_tp, d_tp) in [("pull", "2", "1"), ("push", "1", "2")] {
+        let (r, stdout) = run("hybrid", mode, p_tp, d_tp);
+        assert_eq!(r["model_shape"], "hybrid", "{stdout}");
+        assert!(
+            r["kv_shape"].as_str().unwrap().contains("sliding window"),
+            "{stdout}"
+        );
+        assert_eq!(r["leaked_blocks"], 0, "{mode}: {stdout}");
+        assert_eq!(r["output_mismatches"], 0, "{mode}: {stdout}");
+        assert_eq!(r["requests_recomputed"], 0.0, "{mode}: {stdout}");
+        assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{mode}: {stdout}");
+        assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
+        if mode == "pull" {
+            pull_bytes = r["kv_bytes_moved"].as_f64().unwrap();
+        }
+    }
+    let (dense, stdout) = run("gqa", "pull", "2", "1");
+    let every_layer = dense["kv_bytes_moved"].as_f64().unwrap();
+    assert!(
+        pull_bytes > 0.0 && pull_bytes < every_layer,
+        "hybrid moved {pull_bytes} bytes, every layer {every_layer}: {stdout}"
+    );
+}
+
 /// `demo --drain`: one of two prefill engines gets SIGTERM mid-load while it holds handoffs a
 /// busy D has not read; it serves them, exits by itself, and nothing is recomputed or leaked.
 #[test]

@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use handoff_ledger::Time;
-use handoff_plan::KvSpec;
+use handoff_plan::{KvGroups, KvSpec};
 use handoff_proto::{HandoffId, KvTransferParams};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
@@ -115,9 +115,22 @@ impl Connector {
         ranks: Vec<RankMemory>,
         registry: &mut Registry,
     ) -> Result<Arc<Connector>, ConnectorError> {
+        Connector::start_grouped(cfg, ranks, KvGroups::single(), registry)
+    }
+
+    /// [`Connector::start`] for a model whose layers keep their KV in `groups` (a hybrid
+    /// model: each group's blocks listed in its handoffs, see `handoff_plan::KvGroups`).
+    pub fn start_grouped(
+        cfg: ConnectorConfig,
+        ranks: Vec<RankMemory>,
+        groups: KvGroups,
+        registry: &mut Registry,
+    ) -> Result<Arc<Connector>, ConnectorError> {
         let mut workers = Vec::new();
         for mem in ranks {
-            workers.push(WorkerSide::new(mem)?);
+            let mut w = WorkerSide::new(mem)?;
+            w.set_groups(groups.clone())?;
+            workers.push(w);
         }
         let hellos = workers
             .iter()

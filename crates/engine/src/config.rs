@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use handoff_connector::{ClusterKey, Role};
 use handoff_ledger::{ConsumerConfig, FailurePolicy, ProducerConfig};
-use handoff_plan::{check_heads, BlockLayout, KvSpec, ModelShape, PoolLayout};
+use handoff_plan::{
+    check_heads, BlockLayout, GroupKind, KvGroup, KvGroups, KvSpec, ModelShape, PoolLayout,
+};
 use handoff_proto::TransferMode;
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +60,12 @@ pub struct EngineConfig {
     /// or `heads-outermost` (one descriptor per layer, plane and head for a run of blocks,
     /// whatever the two engines' TP and block sizes: the choice for heterogeneous P/D pairs).
     pub kv_pool_layout: String,
+    /// A hybrid model (Gemma 3's shape): tokens of the sliding window its sliding layers keep;
+    /// 0 (default): every layer keeps every token.
+    pub sliding_window: u32,
+    /// With a window: layer `l` keeps every token when `(l + 1)` is a multiple of this (Gemma
+    /// 3: 6, one full-attention layer in six), the others the window.
+    pub full_attention_every: u32,
     /// Blocks in the KV pool (per rank).
     pub num_blocks: u32,
     /// Tensor-parallel size: worker ranks, each holding a slice of the KV heads.
@@ -221,6 +229,8 @@ impl Default for EngineConfig {
             block_size: 16,
             block_layout: "head-major".into(),
             kv_pool_layout: "layers-outermost".into(),
+            sliding_window: 0,
+            full_attention_every: 6,
             num_blocks: 2048,
             tp: 1,
             max_model_len: 8192,
@@ -407,6 +417,34 @@ impl EngineConfig {
         Ok(spec)
     }
 
+    /// The model's KV cache groups: one full group, or (with a sliding window) the
+    /// full-attention layers and the sliding ones.
+    pub fn kv_groups(&self) -> Result<KvGroups, ConfigError> {
+        if self.sliding_window == 0 {
+            return Ok(KvGroups::single());
+        }
+        if self.full_attention_every == 0 {
+            return Err(bad("full_attention_every", "must be at least 1"));
+        }
+        let every = self.full_attention_every;
+        let (full, sliding): (Vec<u32>, Vec<u32>) =
+            (0..self.num_layers).partition(|l| (l + 1) % every == 0);
+        let groups = [
+            (GroupKind::Full, full),
+            (
+                GroupKind::Sliding {
+                    window: self.sliding_window,
+                },
+                sliding,
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, layers)| !layers.is_empty())
+        .map(|(kind, layers)| KvGroup { kind, layers })
+        .collect();
+        KvGroups::new(groups, self.num_layers).map_err(|e| bad("sliding_window", e.to_string()))
+    }
+
     pub fn pool_layout(&self) -> Result<PoolLayout, ConfigError> {
         match self.kv_pool_layout.as_str() {
             "layers-outermost" => Ok(PoolLayout::LayersOutermost),
@@ -506,6 +544,7 @@ impl EngineConfig {
         check_heads(self.tp, self.num_kv_heads).map_err(|e| bad("tp", e.to_string()))?;
         self.spec()?;
         self.pool_layout()?;
+        self.kv_groups()?;
         if self.num_blocks == 0 {
             return Err(bad("num_blocks", "must be at least 1"));
         }

@@ -46,6 +46,8 @@ pub enum KvError {
     PastBlocks(usize),
     #[error(transparent)]
     Memory(#[from] TransportError),
+    #[error("KV cache groups: {0}")]
+    Groups(#[from] handoff_plan::GroupError),
 }
 
 pub struct KvMemory {
@@ -113,6 +115,20 @@ impl KvMemory {
         blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<(), KvError> {
+        self.write_run(prefix, range, blocks, 0, layers)
+    }
+
+    /// [`Self::write_positions_layers`] into a run of blocks that starts at the sequence's block
+    /// `first_block` (`blocks[i / block_size - first_block]` holds position `i`): a sliding
+    /// window's blocks, the earlier ones never allocated.
+    pub fn write_run(
+        &self,
+        prefix: &[u64],
+        range: Range<usize>,
+        blocks: &[u32],
+        first_block: usize,
+        layers: Range<u32>,
+    ) -> Result<(), KvError> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank();
         let row = self.row_bytes();
@@ -122,7 +138,10 @@ impl KvMemory {
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
-            let block = *blocks.get(bi).ok_or(KvError::PastBlocks(pos))?;
+            let block = *bi
+                .checked_sub(first_block)
+                .and_then(|i| blocks.get(i))
+                .ok_or(KvError::PastBlocks(pos))?;
             let end = ((bi + 1) * bs).min(range.end);
             let first = pos % bs;
             // Slots written in this block: the range's, plus the zeroed rest of a fresh block.
@@ -228,14 +247,28 @@ impl KvMemory {
     /// plane, global head) so that the result does not depend on block size, TP or layout.
     pub fn digest_positions(
         &self,
+        digest: u64,
+        range: Range<usize>,
+        blocks: &[u32],
+    ) -> Result<u64, KvError> {
+        let layers: Vec<u32> = (0..self.spec.shape.num_layers).collect();
+        self.digest_run(digest, range, blocks, 0, &layers)
+    }
+
+    /// [`Self::digest_positions`] of `layers` only, from a run of blocks that starts at the
+    /// sequence's block `first_block` (see [`Self::write_run`]).
+    pub fn digest_run(
+        &self,
         mut digest: u64,
         range: Range<usize>,
         blocks: &[u32],
+        first_block: usize,
+        layer_list: &[u32],
     ) -> Result<u64, KvError> {
         let bs = self.spec.block_size as usize;
         let hpr = self.spec.heads_per_rank() as usize;
         let heads = self.spec.shape.num_kv_heads as usize;
-        let layers = self.spec.shape.num_layers as usize;
+        let layers = layer_list.len();
         let row = self.row_bytes();
         let planes = self.spec.block_layout.planes() as usize;
         let mut rows = Vec::new();
@@ -243,7 +276,10 @@ impl KvMemory {
         let mut pos = range.start;
         while pos < range.end {
             let bi = pos / bs;
-            let block = *blocks.get(bi).ok_or(KvError::PastBlocks(pos))?;
+            let block = *bi
+                .checked_sub(first_block)
+                .and_then(|i| blocks.get(i))
+                .ok_or(KvError::PastBlocks(pos))?;
             let end = ((bi + 1) * bs).min(range.end);
             let (first, n) = (pos % bs, end - pos);
             // This block's rows in logical order: [layer][plane][global head][slot].
@@ -254,9 +290,8 @@ impl KvMemory {
             rows.resize(layers * planes * heads * n * row, 0);
             for (rank, region) in self.regions.iter().enumerate() {
                 let head0 = self.spec.owned_heads(rank as u32).start as usize;
-                for layer in 0..layers {
+                for (layer, &l) in layer_list.iter().enumerate() {
                     for kv in 0..planes {
-                        let l = layer as u32;
                         match self.spec.block_layout {
                             BlockLayout::HeadMajorInterleaved
                             | BlockLayout::TokenMajorInterleaved => {

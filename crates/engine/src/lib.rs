@@ -13,6 +13,7 @@ mod kv;
 mod metrics;
 pub mod model;
 mod pool;
+mod prompt;
 mod scheduler;
 
 use std::net::SocketAddr;
@@ -156,7 +157,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             transport,
         });
     }
-    let connector = Connector::start(
+    let connector = Connector::start_grouped(
         ConnectorConfig {
             engine_id: cfg.engine_id.clone(),
             role,
@@ -181,6 +182,7 @@ pub async fn start(mut cfg: EngineConfig) -> anyhow::Result<RunningEngine> {
             protocol_version: cfg.protocol_version,
         },
         ranks,
+        cfg.kv_groups()?,
         &mut registry,
     )?;
     let connector = Some(connector);

@@ -20,6 +20,7 @@ use crate::kv::KvMemory;
 use crate::metrics::EngineMetrics;
 use crate::model;
 use crate::pool::BlockPool;
+use crate::prompt::{PromptKv, Reads};
 
 /// What a request asks of this engine.
 #[derive(Debug, Clone)]
@@ -131,6 +132,8 @@ struct Shared {
 
 pub struct Scheduler {
     cfg: EngineConfig,
+    /// Where a prompt's KV lives (a hybrid model's groups).
+    prompt: PromptKv,
     pool: BlockPool,
     kv: Arc<KvMemory>,
     connector: Option<Arc<Connector>>,
@@ -149,6 +152,12 @@ impl Scheduler {
         metrics: EngineMetrics,
     ) -> Self {
         Scheduler {
+            // Checked when the engine started (`EngineConfig::validate`).
+            prompt: PromptKv::new(
+                cfg.kv_groups().unwrap_or_default(),
+                cfg.num_layers,
+                cfg.block_size,
+            ),
             pool: BlockPool::new(cfg.num_blocks),
             cfg,
             kv,
@@ -249,7 +258,7 @@ impl Scheduler {
             );
         }
         let need =
-            self.blocks_for(prompt) + sub.n as usize * self.blocks_for(sub.max_tokens as usize);
+            self.prompt.blocks(prompt) + sub.n as usize * self.blocks_for(sub.max_tokens as usize);
         if need > self.pool.total() as usize {
             return self.reject(
                 &sub,
@@ -321,7 +330,7 @@ impl Scheduler {
     /// D, push mode: reserve the blocks on arrival so P can write as soon as its KV exists. A
     /// full pool answers at once (never an unbounded wait: P is told to release).
     fn reserve_for_push(&mut self, sub: Submission) {
-        let prompt_blocks = self.blocks_for(sub.prompt.len());
+        let prompt_blocks = self.prompt.blocks(sub.prompt.len());
         let gen_each = self.blocks_for(sub.max_tokens as usize);
         let need = prompt_blocks + gen_each * sub.n as usize;
         let Some(c) = self.connector.clone() else {
@@ -533,14 +542,14 @@ impl Scheduler {
             } else {
                 0
             };
-            let need = self.blocks_for(prompt) + need_gen;
+            let need = self.prompt.blocks(prompt) + need_gen;
             if self.pool.free_count() < need {
                 break;
             }
             let Some(mut r) = self.waiting.remove(at) else {
                 break;
             };
-            let Some(prompt_blocks) = self.pool.alloc(self.blocks_for(prompt)) else {
+            let Some(prompt_blocks) = self.pool.alloc(self.prompt.blocks(prompt)) else {
                 self.waiting.insert(at, r);
                 break;
             };
@@ -633,12 +642,10 @@ impl Scheduler {
         // overlapping the time that stands for the GPU's.
         for layer in 0..self.cfg.num_layers {
             self.sleep_cost(per_layer);
-            if let Err(e) = self.kv.write_positions_layers(
-                &prefix,
-                0..prompt.len(),
-                &r.prompt_blocks,
-                layer..layer + 1,
-            ) {
+            if let Err(e) = self
+                .prompt
+                .write_layer(&self.kv, &prefix, &r.prompt_blocks, layer)
+            {
                 return self.fail_local(r, e.to_string());
             }
             if let Some(c) = &connector {
@@ -653,8 +660,10 @@ impl Scheduler {
                 // logits read the last position only. Reading the whole KV here (as D's first
                 // step and a monolithic engine's do, which is what proves the KV arrived whole)
                 // would put a second full scan on the critical path that no real P pays.
-                let last = prompt.len() - 1..prompt.len();
-                let digest = match self.kv.digest_positions(0, last, &r.prompt_blocks) {
+                let read =
+                    self.prompt
+                        .digest(&self.kv, &r.prompt_blocks, prompt.len(), Reads::Last);
+                let digest = match read {
                     Ok(d) => d,
                     Err(e) => return self.fail_local(r, e.to_string()),
                 };
@@ -760,7 +769,10 @@ impl Scheduler {
             self.metrics.phase("kv_wait", started - at);
         }
         let prompt_len = r.sub.prompt.len();
-        let digest = match self.kv.digest_positions(0, 0..prompt_len, &r.prompt_blocks) {
+        let read = self
+            .prompt
+            .digest(&self.kv, &r.prompt_blocks, prompt_len, Reads::Attended);
+        let digest = match read {
             Ok(d) => d,
             Err(e) => return self.fail_local(r, e.to_string()),
         };
@@ -896,98 +908,4 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
-    use handoff_plan::PoolLayout;
-
-    use super::*;
-
-    fn scheduler() -> Scheduler {
-        let kv = crate::kv::tests::memory(PoolLayout::BlocksOutermost);
-        let cfg = EngineConfig {
-            num_blocks: 8,
-            block_size: 16,
-            decode_step_ms: 0.0,
-            decode_us_per_seq: 0.0,
-            ..EngineConfig::default()
-        };
-        let metrics = EngineMetrics::new(&mut prometheus_client::registry::Registry::default());
-        Scheduler::new(cfg, Arc::new(kv), None, metrics)
-    }
-
-    /// Request `id` (8 prompt tokens, one to generate) admitted and waiting for its KV, holding
-    /// `prompt_blocks` (the connector's) and a generation block; its events come out of the
-    /// receiver.
-    fn awaiting_kv(
-        s: &mut Scheduler,
-        id: u64,
-        prompt_blocks: Vec<u32>,
-    ) -> tokio::sync::mpsc::UnboundedReceiver<SeqEvent> {
-        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
-        let gen_blocks = vec![s.pool.alloc(1).unwrap()];
-        let sub = Submission {
-            id,
-            external_id: format!("r{id}"),
-            prompt: (0..8).collect(),
-            max_tokens: 1,
-            n: 1,
-            kind: Kind::Local,
-            events,
-        };
-        let r = Request {
-            sub,
-            arrived: Instant::now(),
-            admitted: Some(Instant::now()),
-            gen_blocks,
-            prompt_blocks,
-            recompute: false,
-            handed_over: false,
-            prefilling: false,
-            awaits_remote_start: false,
-        };
-        s.awaiting_kv.insert(id, r);
-        rx
-    }
-
-    /// The KV of a handoff lands for requests none of which still waits for it (the client of
-    /// the one admitted left after the connector queued the event; a second request naming the
-    /// same handoff was recomputed on its own): its blocks go back to the pool, where before
-    /// nobody freed them. One request still waiting takes them and decodes.
-    #[test]
-    fn kv_that_lands_for_no_waiting_request_goes_back_to_the_pool() {
-        let mut s = scheduler();
-        let blocks = s.pool.alloc(3).unwrap();
-        s.kv_landed(vec![7, 8], blocks);
-        assert_eq!(s.pool.used_count(), 0, "blocks nobody took were kept");
-
-        let prompt_blocks = s.pool.alloc(2).unwrap();
-        let mut rx = awaiting_kv(&mut s, 9, Vec::new());
-        s.kv_landed(vec![8, 9], prompt_blocks);
-        assert!(matches!(rx.try_recv(), Ok(SeqEvent::Token { .. })));
-        // One token asked: the request finished and gave back every block it held.
-        assert_eq!(s.pool.used_count(), 0);
-        assert_eq!(s.pool.double_frees, 0);
-    }
-
-    /// A transfer fails under policy `fail`: the request gets its error and its generation
-    /// blocks back at once, but its prompt blocks only when the connector releases them (a READ
-    /// may still land in them); then each block is freed exactly once.
-    #[test]
-    fn a_failed_transfer_leaves_the_prompt_blocks_to_the_connector() {
-        let mut s = scheduler();
-        let prompt_blocks = s.pool.alloc(2).unwrap();
-        let mut rx = awaiting_kv(&mut s, 9, prompt_blocks.clone());
-        s.transfer_failed(vec![9], "read_failed");
-        assert!(matches!(
-            rx.try_recv(),
-            Ok(SeqEvent::Error { status: 502, .. })
-        ));
-        assert_eq!(
-            s.pool.used_count(),
-            2,
-            "the prompt blocks left before the connector let go"
-        );
-        s.pool.free(&prompt_blocks); // BlocksReleased
-        assert_eq!(s.pool.used_count(), 0);
-        assert_eq!(s.pool.double_frees, 0);
-    }
-}
+mod tests;

@@ -7,10 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, metrics_text, post, released_within, texts};
+use common::{disaggregated, moved, post, released_within, texts};
 
-use handoff_engine::{start, EngineConfig, RunningEngine};
-use serde_json::{json, Value};
+use handoff_engine::{start, EngineConfig};
+use serde_json::json;
+
+/// The high bits of this file's push handoff ids.
+const TAG: u64 = 0x006d_6c61;
 
 /// DeepSeek-V2's latent: 512 compressed dims and 64 rotary ones, one "head".
 fn mla(role: &str, mode: &str, tp: u32) -> EngineConfig {
@@ -40,30 +43,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .join(" ")
 }
 
-/// One request through P and D in `mode`, as handoff's proxy sends it; D's status and answer.
-async fn disaggregated(
-    c: &reqwest::Client,
-    mode: &str,
-    (p, d): (&RunningEngine, &RunningEngine),
-    text: &str,
-    id: u64,
-) -> (u16, Value) {
-    if mode == "pull" {
-        return common::pulled(c, p, d, text, 8, 1).await;
-    }
-    let hid = format!("{:032x}", 0x006d_6c61_u128 << 64 | u128::from(id));
-    common::pushed(c, (p, d), text, 1, &hid, true).await
-}
-
-/// Bytes the side that posts moved: D's READs (pull), P's WRITEs (push).
-async fn moved(c: &reqwest::Client, mode: &str, (p, d): (&RunningEngine, &RunningEngine)) -> f64 {
-    let poster = if mode == "pull" { d } else { p };
-    metric(
-        &metrics_text(c, poster).await,
-        "handoff_transfer_bytes_total",
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mla_latent_moves_once_per_d_rank_in_pull_and_push_across_tp() {
     let c = reqwest::Client::new();
@@ -79,7 +58,7 @@ async fn an_mla_latent_moves_once_per_d_rank_in_pull_and_push_across_tp() {
             start(mla("decode", mode, 1)).await.unwrap(),
         );
         id += 1;
-        let (s, v) = disaggregated(&c, mode, (&p, &d), &text, id).await;
+        let (s, v) = disaggregated(&c, mode, (&p, &d), &text, (TAG, id)).await;
         assert_eq!(s, 200, "{mode} tp 1 -> 1: {v}");
         assert_eq!(texts(&v), texts(&one), "{mode} tp 1 -> 1");
         let once = moved(&c, mode, (&p, &d)).await;
@@ -102,7 +81,7 @@ async fn an_mla_latent_moves_once_per_d_rank_in_pull_and_push_across_tp() {
                 start(mla("decode", mode, dtp)).await.unwrap(),
             );
             id += 1;
-            let (s, v) = disaggregated(&c, mode, (&p, &d), &text, id).await;
+            let (s, v) = disaggregated(&c, mode, (&p, &d), &text, (TAG, id)).await;
             assert_eq!(s, 200, "{case}: {v}");
             assert_eq!(texts(&v), texts(&one), "{case}");
             // Every D rank holds its own copy; P's other copies only confirm.

@@ -228,3 +228,32 @@ pub async fn pushed(
     assert_eq!(pv["kv_transfer_params"]["transfer_mode"], "push");
     d_answer
 }
+
+/// One request through P and D in `mode` (`pull` or `push`), as handoff's proxy sends it; D's
+/// status and answer. A push runs under handoff id `tag << 64 | id`.
+pub async fn disaggregated(
+    c: &reqwest::Client,
+    mode: &str,
+    (p, d): (&RunningEngine, &RunningEngine),
+    text: &str,
+    (tag, id): (u64, u64),
+) -> (u16, Value) {
+    if mode == "pull" {
+        return pulled(c, p, d, text, 8, 1).await;
+    }
+    let hid = format!("{:032x}", u128::from(tag) << 64 | u128::from(id));
+    pushed(c, (p, d), text, 1, &hid, true).await
+}
+
+/// Bytes the side that posts moved: D's READs (pull), P's WRITEs (push).
+pub async fn moved(
+    c: &reqwest::Client,
+    mode: &str,
+    (p, d): (&RunningEngine, &RunningEngine),
+) -> f64 {
+    let poster = if mode == "pull" { d } else { p };
+    metric(
+        &metrics_text(c, poster).await,
+        "handoff_transfer_bytes_total",
+    )
+}
