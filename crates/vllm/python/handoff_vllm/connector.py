@@ -288,11 +288,12 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's KV cache groups under its hybrid KV cache manager, layers numbered as the
         worker numbers them; none for one group (every layer alike). A kind of group handoff does
         not move (Mamba state, chunked local attention) is refused at start-up."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-        groups = list(getattr(self._kv_cache_config, "kv_cache_groups", None) or [])
+        config = getattr(self, "_kv_cache_config", None)
+        groups = list(getattr(config, "kv_cache_groups", None) or [])
         if len(groups) <= 1:
             return []
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
         out = []
         for i, g in enumerate(groups):
             spec = g.kv_cache_spec

@@ -34,6 +34,7 @@ class KVConnectorBase_V1:
         self._connector_metadata = None
         self._vllm_config = vllm_config
         self._role = role
+        self._kv_cache_config = kv_cache_config
 
     def bind_connector_metadata(self, connector_metadata):
         self._connector_metadata = connector_metadata
@@ -44,3 +45,10 @@ class KVConnectorBase_V1:
     def _get_connector_metadata(self):
         assert self._connector_metadata is not None
         return self._connector_metadata
+
+
+class SupportsHMA:
+    """vLLM's mark of a connector that takes every KV cache group's blocks."""
+
+    def request_finished_all_groups(self, request, block_ids):
+        raise NotImplementedError
