@@ -13,8 +13,11 @@
 //! planned on: D renews its grants on every P heartbeat, and a forward pass may run far longer
 //! than one grant (a long prompt; a slow machine). The scheduler side passes each renewal on
 //! ([`crate::WorkerOp::RenewWrites`]) and it lands in the gate's [`WriteGrants`], which whatever
-//! carries renewals during the forward (vLLM's grant line) shares. When D stops granting (P
-//! partitioned, D gone) no renewal comes and held writes fail at the last grant's end.
+//! carries renewals during the forward (vLLM's grant line) shares. A renewal may reach the gate
+//! late (on a loaded host each process on its way can be descheduled for a second), so a write
+//! whose grant ended before its layer was saved is not failed at once: it waits, unposted, for
+//! a grant D issued that still runs ([`RENEWAL_WAIT`] at most). When D stops granting (P
+//! partitioned, D gone) no renewal comes and held writes fail then.
 //!
 //! On a GPU the engine calls `save_kv_layer` once the layer's kernels are *enqueued*, not run:
 //! the layer is saved with a [`Fence`] (a CUDA event recorded after those kernels), and its
@@ -122,6 +125,12 @@ impl Fence {
 /// A held job, with the instant it must be posted by as planned.
 type HeldJob = (Instant, PushLayer, TransferJob);
 
+/// How long a saved layer's write whose grant had ended waits for a renewal before it fails. D
+/// keeps granting while P heartbeats and its registration stands; a renewal that has not
+/// arrived this long after the grant's end will not (P's ledger aborts the writes 400 ms after
+/// it by default), and D fails the request then anyway.
+pub const RENEWAL_WAIT: Duration = Duration::from_millis(1000);
+
 /// What waits for a fence.
 #[derive(Debug)]
 enum Fenced {
@@ -137,6 +146,9 @@ pub struct ForwardGate {
     digests: Vec<WorkerOp>,
     /// Saved, waiting for the device work that wrote their KV.
     fenced: Vec<(Fence, Fenced)>,
+    /// Saved and written, but their grant ended first: waiting, until the instant given, for
+    /// a renewal that lets them go.
+    lapsed: Vec<(Instant, HeldJob)>,
     /// Renewals of the grants the jobs were planned on.
     grants: Arc<WriteGrants>,
 }
@@ -157,6 +169,7 @@ impl ForwardGate {
         self.jobs.clear();
         self.digests.clear();
         self.fenced.clear();
+        self.lapsed.clear();
     }
 
     /// Splits a step planned before its forward pass: the writes and digests of the handoffs in
@@ -187,16 +200,25 @@ impl ForwardGate {
                         .fenced
                         .iter()
                         .position(|(_, f)| matches!(f, Fenced::Job(h) if h.2.job == job));
-                    match (self.jobs.iter().position(|h| h.2.job == job), fenced) {
-                        (Some(i), _) => {
+                    let lapsed = self.lapsed.iter().position(|(_, h)| h.2.job == job);
+                    match (
+                        self.jobs.iter().position(|h| h.2.job == job),
+                        fenced,
+                        lapsed,
+                    ) {
+                        (Some(i), _, _) => {
                             self.jobs.remove(i);
                             failed.push(job);
                         }
-                        (None, Some(i)) => {
+                        (None, Some(i), _) => {
                             self.fenced.remove(i);
                             failed.push(job);
                         }
-                        (None, None) => apply.push(WorkerOp::Abort { job }),
+                        (None, None, Some(i)) => {
+                            self.lapsed.remove(i);
+                            failed.push(job);
+                        }
+                        (None, None, None) => apply.push(WorkerOp::Abort { job }),
                     }
                 }
                 other => apply.push(other),
@@ -212,7 +234,10 @@ impl ForwardGate {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.digests.is_empty() && self.fenced.is_empty()
+        self.jobs.is_empty()
+            && self.digests.is_empty()
+            && self.fenced.is_empty()
+            && self.lapsed.is_empty()
     }
 
     /// The forward saved `layer`: its jobs go, at once or, with `fence`, once the device work
@@ -233,7 +258,7 @@ impl ForwardGate {
                 Some(f) => self.fenced.push((f.clone(), Fenced::Job(h))),
                 None => {
                     tracing::debug!(handoff = %h.1.handoff, layer, "push write leaves as its layer is saved");
-                    out.push(self.release(h, now));
+                    out.extend(self.release(h, now));
                 }
             }
         }
@@ -257,7 +282,9 @@ impl ForwardGate {
                 self.fenced.extend(held.map(|h| (f.clone(), h)));
             }
             None => {
-                out.extend(jobs.into_iter().map(|h| self.release(h, now)));
+                for h in jobs {
+                    out.extend(self.release(h, now));
+                }
                 out.extend(digests.into_iter().map(Released::Apply));
             }
         }
@@ -267,18 +294,19 @@ impl ForwardGate {
     }
 
     /// Releases what waited for device work that has finished now, in the order it was saved
-    /// (a job under the grant as it stands now). A fence the device cannot answer for fails its
-    /// job and drops its digest (D then recomputes): nothing leaves before its KV is written.
+    /// (a job under the grant as it stands now), and the lapsed writes a renewal lets go (or
+    /// that waited for one long enough). A fence the device cannot answer for fails its job
+    /// and drops its digest (D then recomputes): nothing leaves before its KV is written.
     pub fn poll(&mut self, now: Instant) -> Vec<Released> {
+        let mut out = self.retry_lapsed(now);
         if self.fenced.is_empty() {
-            return Vec::new();
+            return out;
         }
-        let mut out = Vec::new();
         let mut kept = Vec::new();
         for (fence, held) in std::mem::take(&mut self.fenced) {
             match (fence.passed(), held) {
                 (Ok(false), held) => kept.push((fence, held)),
-                (Ok(true), Fenced::Job(h)) => out.push(self.release(h, now)),
+                (Ok(true), Fenced::Job(h)) => out.extend(self.release(h, now)),
                 (Ok(true), Fenced::Digest(op)) => out.push(Released::Apply(op)),
                 (Err(e), Fenced::Job(h)) => {
                     tracing::error!(handoff = %h.1.handoff, layer = h.1.layer, error = %e, "push write not posted: the device cannot say whether its layer is written");
@@ -293,21 +321,42 @@ impl ForwardGate {
         out
     }
 
-    fn release(&self, (by, p, job): HeldJob, now: Instant) -> Released {
+    /// The grant of a saved, written layer's job as it stands `now`: posted within it, else
+    /// kept for a renewal (nothing returned).
+    fn release(&mut self, (by, p, job): HeldJob, now: Instant) -> Option<Released> {
         let by = match self.grants.until(p.handoff, p.d_rank) {
             Some(renewed) => by.max(renewed),
             None => by,
         };
         if now <= by {
-            Released::Post(job)
-        } else {
-            tracing::warn!(
-                handoff = %p.handoff,
-                layer = p.layer,
-                "push write not posted: D's registration grant ran out while the forward ran (D stopped renewing it)"
-            );
-            Released::Fail(job.job)
+            return Some(Released::Post(job));
         }
+        tracing::debug!(handoff = %p.handoff, layer = p.layer, "push write waits: its grant ended before its layer was saved");
+        self.lapsed.push((now + RENEWAL_WAIT, (by, p, job)));
+        None
+    }
+
+    /// Posts the lapsed writes a renewal D issued now covers; fails those that waited
+    /// [`RENEWAL_WAIT`] for one. Only a grant still running lets a write go (rule 3).
+    fn retry_lapsed(&mut self, now: Instant) -> Vec<Released> {
+        let mut out = Vec::new();
+        for (give_up, (by, p, job)) in std::mem::take(&mut self.lapsed) {
+            let renewed = self.grants.until(p.handoff, p.d_rank);
+            if renewed.is_some_and(|r| now <= r) {
+                tracing::info!(handoff = %p.handoff, layer = p.layer, "push write posted under a renewal that came after its grant ended");
+                out.push(Released::Post(job));
+            } else if now >= give_up {
+                tracing::warn!(
+                    handoff = %p.handoff,
+                    layer = p.layer,
+                    "push write not posted: D's registration grant ran out while the forward ran and no renewal came (D stopped granting)"
+                );
+                out.push(Released::Fail(job.job));
+            } else {
+                self.lapsed.push((give_up, (by, p, job)));
+            }
+        }
+        out
     }
 }
 
@@ -448,17 +497,49 @@ mod tests {
     }
 
     #[test]
-    fn a_write_whose_grant_ran_out_during_the_forward_fails_unposted() {
+    fn a_write_whose_grant_ran_out_during_the_forward_fails_unposted_once_no_renewal_came() {
         let h = handoff(3);
         let t0 = Instant::now();
         let mut gate = ForwardGate::default();
         gate.admit(vec![write(7, h, 0, 50), write(8, h, 1, 500)], &[h], t0);
         let ms = Duration::from_millis;
-        assert_eq!(
-            gate.layer_saved(0, None, t0 + ms(51)),
-            vec![Released::Fail(JobId(7))]
+        assert!(
+            gate.layer_saved(0, None, t0 + ms(51)).is_empty(),
+            "past its grant: neither posted nor failed yet"
         );
         assert_eq!(posted(&gate.layer_saved(1, None, t0 + ms(500))), vec![8]);
+        assert!(gate.poll(t0 + ms(1050)).is_empty(), "still waiting");
+        assert!(!gate.is_empty());
+        assert_eq!(gate.poll(t0 + ms(1051)), vec![Released::Fail(JobId(7))]);
+        assert!(gate.is_empty());
+    }
+
+    /// A renewal can reach the worker after the grant it extends ended (every process on its
+    /// way may stall on a loaded host): a write saved in that gap waits and goes under it.
+    #[test]
+    fn a_write_saved_after_its_grant_ended_goes_under_a_renewal_that_came_late() {
+        let h = handoff(6);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut gate = ForwardGate::default();
+        gate.admit(
+            vec![write(1, h, 0, 50), write(2, h, 1, 50), write(3, h, 2, 50)],
+            &[h],
+            t0,
+        );
+        assert!(gate.layer_saved(0, None, t0 + ms(60)).is_empty());
+        assert!(gate.layer_saved(1, None, t0 + ms(70)).is_empty());
+        // A renewal that had ended already lets nothing go (negative control).
+        gate.renew(h, 0, t0 + ms(75), t0 + ms(80));
+        assert!(gate.poll(t0 + ms(80)).is_empty());
+        // Another D rank's grant is not this one's.
+        gate.renew(h, 1, t0 + ms(5000), t0 + ms(90));
+        assert!(gate.poll(t0 + ms(90)).is_empty());
+        // D's renewal arrives: both go, and the next layer goes at once.
+        gate.renew(h, 0, t0 + ms(1500), t0 + ms(400));
+        assert_eq!(posted(&gate.poll(t0 + ms(400))), vec![1, 2]);
+        assert_eq!(posted(&gate.layer_saved(2, None, t0 + ms(410))), vec![3]);
+        assert!(gate.is_empty());
     }
 
     #[test]
@@ -480,15 +561,14 @@ mod tests {
         carrier.renew(h, 0, t0 + ms(300), t0 + ms(395));
         carrier.renew(h, 1, t0 + ms(5000), t0 + ms(395));
         assert_eq!(posted(&gate.layer_saved(0, None, t0 + ms(800))), vec![1]);
-        // D stopped granting: the last grant's end holds.
-        assert_eq!(
-            gate.layer_saved(1, None, t0 + ms(901)),
-            vec![Released::Fail(JobId(2))]
-        );
+        // D stopped granting: the last grant's end holds; past the wait for a renewal, the
+        // writes fail without a byte moved.
+        assert!(gate.layer_saved(1, None, t0 + ms(901)).is_empty());
         assert_eq!(
             gate.forward_done(None, t0 + ms(2000)),
-            vec![Released::Fail(JobId(3))]
+            vec![Released::Fail(JobId(2))]
         );
+        assert_eq!(gate.poll(t0 + ms(3000)), vec![Released::Fail(JobId(3))]);
         // Renewals that ended are forgotten once the forward is over.
         assert_eq!(
             carrier.len(),
@@ -531,5 +611,14 @@ mod tests {
         assert_eq!(failed, vec![JobId(5)]);
         assert_eq!(now_ops, vec![WorkerOp::Abort { job: JobId(6) }]);
         assert!(gate.forward_done(None, Instant::now()).is_empty());
+        // A write waiting for a renewal is aborted the same way.
+        let t0 = Instant::now();
+        gate.admit(vec![write(7, h, 0, 10)], &[h], t0);
+        assert!(gate
+            .layer_saved(0, None, t0 + Duration::from_millis(20))
+            .is_empty());
+        let (_, failed) = gate.admit(vec![WorkerOp::Abort { job: JobId(7) }], &[], t0);
+        assert_eq!(failed, vec![JobId(7)]);
+        assert!(gate.is_empty());
     }
 }

@@ -11,10 +11,11 @@
 //!
 //! One Unix datagram socket per worker rank, bound by the worker in the runtime directory under
 //! the engine's id and the rank, readable and writable by this user only. A datagram is one
-//! renewal (postcard). A renewal lost or late costs only a write that fails at its planned
-//! grant's end (D recomputes): the line can delay nothing past a grant D issued, because each
-//! renewal carries the time left (less the write margin) and the worker counts it from when it
-//! reads the datagram.
+//! renewal (postcard). A renewal lost costs only a write that fails once its grant ended and no
+//! other renewal came (D recomputes). A renewal late (the worker's reading thread starved by the
+//! forward pass, on a small host) stretches nothing past the grant D issued: it carries the
+//! grant's end (less the write margin) on the host's monotonic clock, which every process reads
+//! alike, not a time left that the worker would count from when it reads the datagram.
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
@@ -29,12 +30,42 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine_socket::runtime_path;
 
-/// One renewal: writes into (`handoff`, `d_rank`) may be posted for `post_within_ms` more.
+/// One renewal: writes into (`handoff`, `d_rank`) may be posted until `until_ns` on the host's
+/// monotonic clock ([`monotonic_ns`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Renewal {
     pub handoff: HandoffId,
     pub d_rank: u16,
-    pub post_within_ms: u32,
+    pub until_ns: u64,
+}
+
+impl Renewal {
+    /// Writes may be posted for `post_within_ms` from now.
+    pub fn within(handoff: HandoffId, d_rank: u16, post_within_ms: u32) -> Self {
+        Renewal {
+            handoff,
+            d_rank,
+            until_ns: monotonic_ns().saturating_add(u64::from(post_within_ms) * 1_000_000),
+        }
+    }
+
+    /// The instant, on this process's clock, until which the writes may be posted; `None`
+    /// once that has passed. `now` is read before the monotonic clock, so the instant errs
+    /// early, never late.
+    fn until(&self, now: Instant) -> Option<Instant> {
+        let left = self.until_ns.checked_sub(monotonic_ns())?;
+        // No grant is longer than a lease: anything past an hour is not a grant.
+        (left > 0 && left <= 3_600_000_000_000).then(|| now + Duration::from_nanos(left))
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host (of one time
+/// namespace), unlike `Instant`, which cannot leave its process.
+pub fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_nsec as u64)
 }
 
 /// A datagram is one renewal: anything longer is not one.
@@ -123,12 +154,10 @@ impl GrantLineReceiver {
                     };
                     let now = Instant::now();
                     match decode(&buf[..n]) {
-                        Some(r) => grants.renew(
-                            r.handoff,
-                            r.d_rank,
-                            now + Duration::from_millis(r.post_within_ms.into()),
-                            now,
-                        ),
+                        Some(r) => match r.until(now) {
+                            Some(by) => grants.renew(r.handoff, r.d_rank, by, now),
+                            None => tracing::debug!(handoff = %r.handoff, "a push grant renewal arrived after its end: ignored"),
+                        },
                         None => tracing::warn!(bytes = n, "not a push grant renewal: ignored"),
                     }
                 }
@@ -170,11 +199,16 @@ mod tests {
             .unwrap()
             .send_to(&[0xff; 40], socket_path(&engine, 1))
             .unwrap();
-        let r = Renewal {
-            handoff,
-            d_rank: 3,
-            post_within_ms: 60_000,
-        };
+        // One that ended before it was read is dropped.
+        assert!(line.send(
+            1,
+            &Renewal {
+                handoff,
+                d_rank: 2,
+                until_ns: monotonic_ns() - 1,
+            }
+        ));
+        let r = Renewal::within(handoff, 3, 60_000);
         assert!(!line.send(0, &r), "rank 0 has no worker listening");
         assert!(!line.send(7, &r), "no rank 7");
         assert!(line.send(1, &r));
@@ -186,6 +220,24 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert_eq!(grants.len(), 1);
+        assert_eq!(grants.len(), 1, "only the running renewal was filed");
+    }
+
+    /// A renewal read late keeps the end D's grant had: the worker does not count the time it
+    /// carries from when it read it.
+    #[test]
+    fn a_renewal_read_late_ends_when_the_grant_it_carries_ends() {
+        let handoff: HandoffId = "cd".repeat(16).parse().unwrap();
+        let ms = Duration::from_millis;
+        let r = Renewal::within(handoff, 0, 2000);
+        let sent = Instant::now();
+        std::thread::sleep(ms(100));
+        let read = Instant::now();
+        let by = r.until(read).expect("still running");
+        assert!(by <= sent + ms(2000), "the grant's end moved past D's");
+        assert!(
+            by + ms(100) <= read + ms(2000),
+            "counted from the read, not from the grant"
+        );
     }
 }

@@ -185,11 +185,7 @@ impl WorkerLink for QueueLink {
                 if let Some(line) = &self.line {
                     line.send(
                         self.rank,
-                        &Renewal {
-                            handoff: *handoff,
-                            d_rank: *d_rank,
-                            post_within_ms: *post_within_ms,
-                        },
+                        &Renewal::within(*handoff, *d_rank, *post_within_ms),
                     );
                 }
                 // A renewal in the next step's metadata would come after the forward it is
