@@ -59,8 +59,11 @@ pub struct DemoArgs {
     /// ranks, K and V planes), mla (DeepSeek V2/V3's multi-head latent attention: one latent of 576 dims per
     /// token, which every TP rank holds, so a D rank reads each block once from one P rank) or
     /// hybrid (Gemma 3's shape: a sliding window of 512 tokens in five of every six layers, each
-    /// kind of layer in a KV cache group of its own; a handoff moves the windows' blocks only).
-    #[arg(long, default_value = "gqa", value_parser = ["gqa", "mla", "hybrid"])]
+    /// kind of layer in a KV cache group of its own; a handoff moves the windows' blocks only)
+    /// or ssm (Granite 4's shape: a recurrent state in three of every four layers, one block a
+    /// request; a handoff moves the state after every prompt token but the last, D computes
+    /// the last).
+    #[arg(long, default_value = "gqa", value_parser = ["gqa", "mla", "hybrid", "ssm"])]
     pub model_shape: String,
     /// Skip killing a decode engine.
     #[arg(long)]
@@ -408,6 +411,13 @@ fn model_shape(name: &str) -> ModelShape {
             kv: "a sliding window of 512 tokens in five of every six layers, the sixth full \
                  (Gemma 3), each kind in a KV cache group of its own"
                 .into(),
+        },
+        "ssm" => ModelShape {
+            settings: &["recurrent_state=true", "full_attention_every=4"],
+            kv: "a recurrent state in three of every four layers (one block a request), the \
+                 fourth full attention (Granite 4's shape), each kind in a KV cache group of its \
+                 own"
+            .into(),
         },
         _ => {
             let d = handoff_engine::EngineConfig::default();

@@ -54,6 +54,7 @@ pub fn rank_digest(
     let bs = spec.block_size;
     let runs = if groups.is_single() {
         vec![BlockRun {
+            kind: handoff_plan::GroupKind::Full,
             layers: (0..num_layers).collect(),
             first_block: 0,
             blocks: blocks.to_vec(),
@@ -104,9 +105,12 @@ pub fn rank_digest(
                     .map(|p| p.plane(kv).region)
                     .ok_or(ConnectorError::Digest { layer })?;
                 let r = region(plane)?;
+                // Where the run's slots end (a state: slot 0 of its one block).
+                let end = u64::from(run.first_block) * bs as u64
+                    + u64::from(run.tokens(of.num_tokens, bs));
                 for (index, &block) in run.blocks.iter().enumerate() {
                     let first = (u64::from(run.first_block) + index as u64) * bs as u64;
-                    let tokens = (of.num_tokens as u64).saturating_sub(first).min(bs as u64) as u32;
+                    let tokens = end.saturating_sub(first).min(bs as u64) as u32;
                     for (local, head) in heads.clone().enumerate() {
                         for t in 0..tokens {
                             let off = layout

@@ -237,18 +237,19 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// A hybrid model (one full-attention layer, one with a sliding window): each handoff lists
-    /// every block of the full group and the window's tail of the other, and every schedule
-    /// keeps rules 1–7 on it (each listed block goes back exactly once) and replays.
+    /// A hybrid model (one full-attention layer, one with a sliding window or a recurrent
+    /// state): each handoff lists every block of the full group and the window's tail or the
+    /// state's block of the other, and every schedule keeps rules 1–7 on it (each listed block
+    /// goes back exactly once) and replays.
     #[test]
     fn a_hybrid_model_keeps_the_rules(
         mode in mode(),
         reqs in proptest::collection::vec(req(), 1..12),
         faults in lossy_faults(),
         tp in tp_pair(),
-        window in 1u32..80,
+        groups in hybrid_groups(),
     ) {
-        kept_the_rules_and_replays(&Sim::with_groups(mode.0, reqs, faults, tp, Sim::hybrid(window)).run())?;
+        kept_the_rules_and_replays(&Sim::with_groups(mode.0, reqs, faults, tp, groups).run())?;
     }
 
     /// Without faults every request of a hybrid model is decoded from KV that was moved: the
@@ -260,16 +261,24 @@ proptest! {
         reqs in proptest::collection::vec(req(), 1..12),
         seed in any::<u64>(),
         tp in tp_pair(),
-        window in 1u32..80,
+        groups in hybrid_groups(),
     ) {
         let reqs: Vec<ReqSpec> = reqs.into_iter().map(|r| ReqSpec { fate: 0, admit_after_ms: r.admit_after_ms % 500, ..r }).collect();
         let n = reqs.len();
         let faults = Faults { max_delay_ms: 20, transfer_ms: 100, seed, ..Default::default() };
-        let report = Sim::with_groups(mode.0, reqs, faults, tp, Sim::hybrid(window)).run();
+        let report = Sim::with_groups(mode.0, reqs, faults, tp, groups).run();
         prop_assert!(report.violations.is_empty(), "broken rules:\n{}", report.violations.join("\n"));
         prop_assert_eq!(report.recomputed, 0);
         prop_assert_eq!(report.ready, n);
     }
+}
+
+/// A sliding window of 1–80 tokens, or a recurrent state, beside one full-attention layer.
+fn hybrid_groups() -> impl Strategy<Value = handoff_plan::KvGroups> {
+    prop_oneof![
+        3 => (1u32..80).prop_map(Sim::hybrid),
+        1 => Just(Sim::with_state()),
+    ]
 }
 
 /// One pull request to D0, admitted at once, whose READ takes 1–1.5 s.

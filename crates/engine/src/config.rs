@@ -64,8 +64,14 @@ pub struct EngineConfig {
     /// 0 (default): every layer keeps every token.
     pub sliding_window: u32,
     /// With a window: layer `l` keeps every token when `(l + 1)` is a multiple of this (Gemma
-    /// 3: 6, one full-attention layer in six), the others the window.
+    /// 3: 6, one full-attention layer in six), the others the window. With `recurrent_state`,
+    /// the others keep a state.
     pub full_attention_every: u32,
+    /// A hybrid SSM model (Granite 4's shape): the layers `full_attention_every` does not name
+    /// keep one recurrent state per request (Mamba, linear attention) in one block, and a
+    /// handoff moves the state after every prompt token but the last (D computes the last).
+    /// Not with `sliding_window`.
+    pub recurrent_state: bool,
     /// Blocks in the KV pool (per rank).
     pub num_blocks: u32,
     /// Tensor-parallel size: worker ranks, each holding a slice of the KV heads.
@@ -231,6 +237,7 @@ impl Default for EngineConfig {
             kv_pool_layout: "layers-outermost".into(),
             sliding_window: 0,
             full_attention_every: 6,
+            recurrent_state: false,
             num_blocks: 2048,
             tp: 1,
             max_model_len: 8192,
@@ -417,31 +424,31 @@ impl EngineConfig {
         Ok(spec)
     }
 
-    /// The model's KV cache groups: one full group, or (with a sliding window) the
-    /// full-attention layers and the sliding ones.
+    /// The model's KV cache groups: one full group, or (with a sliding window or a recurrent
+    /// state) the full-attention layers and the others.
     pub fn kv_groups(&self) -> Result<KvGroups, ConfigError> {
-        if self.sliding_window == 0 {
-            return Ok(KvGroups::single());
-        }
+        let other = match (self.sliding_window, self.recurrent_state) {
+            (0, false) => return Ok(KvGroups::single()),
+            (0, true) => GroupKind::State,
+            (window, false) => GroupKind::Sliding { window },
+            (_, true) => {
+                return Err(bad(
+                    "recurrent_state",
+                    "a model with a recurrent state has no sliding window here (sliding_window must be 0)",
+                ))
+            }
+        };
         if self.full_attention_every == 0 {
             return Err(bad("full_attention_every", "must be at least 1"));
         }
         let every = self.full_attention_every;
-        let (full, sliding): (Vec<u32>, Vec<u32>) =
+        let (full, others): (Vec<u32>, Vec<u32>) =
             (0..self.num_layers).partition(|l| (l + 1) % every == 0);
-        let groups = [
-            (GroupKind::Full, full),
-            (
-                GroupKind::Sliding {
-                    window: self.sliding_window,
-                },
-                sliding,
-            ),
-        ]
-        .into_iter()
-        .filter(|(_, layers)| !layers.is_empty())
-        .map(|(kind, layers)| KvGroup { kind, layers })
-        .collect();
+        let groups = [(GroupKind::Full, full), (other, others)]
+            .into_iter()
+            .filter(|(_, layers)| !layers.is_empty())
+            .map(|(kind, layers)| KvGroup { kind, layers })
+            .collect();
         KvGroups::new(groups, self.num_layers).map_err(|e| bad("sliding_window", e.to_string()))
     }
 

@@ -660,9 +660,13 @@ impl Scheduler {
                 // logits read the last position only. Reading the whole KV here (as D's first
                 // step and a monolithic engine's do, which is what proves the KV arrived whole)
                 // would put a second full scan on the critical path that no real P pays.
-                let read =
-                    self.prompt
-                        .digest(&self.kv, &r.prompt_blocks, prompt.len(), Reads::Last);
+                let last = prefix.last().copied().unwrap_or(0);
+                let read = self.prompt.digest(
+                    &self.kv,
+                    &r.prompt_blocks,
+                    (prompt.len(), last),
+                    Reads::Last,
+                );
                 let digest = match read {
                     Ok(d) => d,
                     Err(e) => return self.fail_local(r, e.to_string()),
@@ -769,17 +773,20 @@ impl Scheduler {
             self.metrics.phase("kv_wait", started - at);
         }
         let prompt_len = r.sub.prompt.len();
-        let read = self
-            .prompt
-            .digest(&self.kv, &r.prompt_blocks, prompt_len, Reads::Attended);
-        let digest = match read {
-            Ok(d) => d,
-            Err(e) => return self.fail_local(r, e.to_string()),
-        };
         let last_prefix = model::prefix_hashes(&r.sub.prompt, 0)
             .last()
             .copied()
             .unwrap_or(0);
+        let read = self.prompt.digest(
+            &self.kv,
+            &r.prompt_blocks,
+            (prompt_len, last_prefix),
+            Reads::Attended,
+        );
+        let digest = match read {
+            Ok(d) => d,
+            Err(e) => return self.fail_local(r, e.to_string()),
+        };
         let id = r.sub.id;
         self.shared.insert(
             id,

@@ -18,6 +18,15 @@
 //!
 //! A model with one group ([`KvGroups::single`], every model before hybrids) is the old case
 //! exactly: one run, every layer, every block.
+//!
+//! A hybrid SSM model (Granite 4, Qwen3-Next: Mamba or linear-attention layers beside full
+//! attention) keeps, in each state layer, one recurrent state per request instead of KV per
+//! token: a group of kind [`GroupKind::State`], whose list is one block holding the state at
+//! token slot 0. A handoff moves that block whatever the prompt's length. The state in it is the
+//! one after every prompt token *but the last*: the engine that samples the first token
+//! computes the last one itself (vLLM does, even on a full cache hit), and a recurrent state,
+//! unlike KV, cannot take the same token twice. So P hands over the state after `n − 1`
+//! tokens, as vLLM's own connectors do, and D steps it over token `n − 1`.
 
 use std::ops::Range;
 
@@ -37,6 +46,9 @@ pub enum GroupKind {
         /// Tokens in the window.
         window: u32,
     },
+    /// One recurrent state per request (Mamba, linear attention), in the group's first block,
+    /// token slot 0: the state after the prompt's tokens but the last.
+    State,
 }
 
 /// One group: its kind and its layers (indices into the model's KV layers).
@@ -142,9 +154,12 @@ pub enum GroupMismatch {
 }
 
 /// Blocks of one group that a handoff moves: the request's blocks `first_block ..` of that
-/// group, holding KV for `layers` (tokens from `first_block × block_size` on).
+/// group, holding KV for `layers` (tokens from `first_block × block_size` on; a state group's
+/// one block, its state in slot 0).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BlockRun {
+    /// What the group keeps.
+    pub kind: GroupKind,
     /// The layers these blocks hold KV for, ascending.
     pub layers: Vec<u32>,
     /// Index of the first block in the group's block list.
@@ -154,10 +169,13 @@ pub struct BlockRun {
 }
 
 impl BlockRun {
-    /// Tokens of a prompt of `num_tokens` that lie in this run's blocks (the run holds the
-    /// prompt from its first block to its end).
+    /// Token slots of a prompt of `num_tokens` that this run's blocks hold (the prompt from
+    /// its first block to its end; a state: slot 0 of its block).
     pub fn tokens(&self, num_tokens: u32, block_size: u32) -> u32 {
-        num_tokens.saturating_sub(self.first_block.saturating_mul(block_size))
+        match self.kind {
+            GroupKind::State => 1,
+            _ => num_tokens.saturating_sub(self.first_block.saturating_mul(block_size)),
+        }
     }
 }
 
@@ -284,6 +302,9 @@ impl KvGroups {
             .enumerate()
             .map(|(group, kind)| {
                 let start = match kind {
+                    // The one block of the state, whatever D's prefix cache holds: a cached
+                    // prefix holds no state for this prompt.
+                    GroupKind::State => return Ok(0..1),
                     GroupKind::Full => 0,
                     // D computes the prompt's last token again (vLLM does, to sample the first
                     // output token once the whole prompt was loaded): its window reaches one
@@ -422,6 +443,7 @@ impl KvGroups {
             // `w` lies inside `b`: same end, a start no earlier.
             let from = (w.start - b.start) as usize;
             out.push(BlockRun {
+                kind: g.kind,
                 layers: g.layers,
                 first_block: w.start,
                 blocks: part[from..].to_vec(),
@@ -439,6 +461,7 @@ impl KvGroups {
                 d: d.describe(),
             });
         }
+        // A state sits in slot 0 of one block on both sides: any block sizes pair.
         if self.has_windows() && p_bs != d_bs {
             return Err(GroupMismatch::BlockSize { p: p_bs, d: d_bs });
         }
@@ -460,6 +483,7 @@ impl KvGroups {
                     GroupKind::Sliding { window } => {
                         format!("window {window}[{}]", layers.join(","))
                     }
+                    GroupKind::State => format!("state[{}]", layers.join(",")),
                 }
             })
             .collect();
@@ -739,11 +763,13 @@ mod tests {
             runs,
             vec![
                 BlockRun {
+                    kind: GroupKind::Full,
                     layers: vec![5],
                     first_block: 0,
                     blocks: full.clone()
                 },
                 BlockRun {
+                    kind: GroupKind::Sliding { window: 9 },
                     layers: vec![0, 1, 2, 3, 4],
                     first_block: 7,
                     blocks: vec![207, 208, 209]
@@ -811,6 +837,48 @@ mod tests {
                 source: WindowError::TooShort { .. }
             })
         ));
+    }
+
+    /// Granite 4's shape on 6 layers: layer 5 full attention, a state in the others.
+    #[test]
+    fn a_state_group_moves_its_one_block_whatever_the_prompt_and_the_block_size() {
+        let g = crate::testing::state_groups(&[5], 6);
+        assert_eq!(g.describe(), "full[5] + state[0,1,2,3,4]");
+        // 40 tokens in blocks of 4; D's prefix hit of 9 blocks leaves the state to move.
+        assert_eq!(g.moved(40, 4, 0).unwrap(), vec![0..10, 0..1]);
+        assert_eq!(g.moved(40, 4, 9).unwrap(), vec![9..10, 0..1]);
+        // vLLM's state list may hold scratch blocks past the state: only the first moves.
+        let list = g
+            .clip(&[(100..110).collect(), vec![300, 301, 302]], 40, 4, Some(0))
+            .unwrap();
+        assert_eq!(list.last(), Some(&300));
+        assert_eq!(list.len(), 11);
+        let runs = g.runs(&list, 6, 40, 4, 0, 0).unwrap();
+        assert_eq!(runs[1].blocks, vec![300]);
+        assert_eq!(
+            (runs[0].tokens(40, 4), runs[1].tokens(40, 4)),
+            (40, 1),
+            "the state is one slot"
+        );
+        // Planned: every token of layer 5, one slot of each state layer (64 bytes a slot).
+        let (p, d) = ([tiny(6)], [tiny(6)]);
+        let d_list = g
+            .clip(&[(30..37).collect(), vec![50]], 100, 16, None)
+            .unwrap();
+        let p_list = g
+            .clip(&[(10..17).collect(), vec![20]], 100, 16, None)
+            .unwrap();
+        let (pr, dr) = (
+            g.runs(&p_list, 6, 100, 16, 0, 0).unwrap(),
+            g.runs(&d_list, 6, 100, 16, 0, 0).unwrap(),
+        );
+        let plan = plan_runs(&p, &d, &run_pairs(&pr, &dr, 100, 16), 0..6).unwrap();
+        assert_eq!(plan.bytes(), 100 * 64 + 5 * 64);
+        // Block sizes may differ (the state is in slot 0 on both sides); another kind of
+        // group may not pair with a state group.
+        assert_eq!(g.check_pair(&g.clone(), 16, 32), Ok(()));
+        assert!(g.check_pair(&hybrid(9), 16, 16).is_err());
+        assert_eq!(g.check_producer_keeps(40, 4), Ok(()));
     }
 
     #[test]

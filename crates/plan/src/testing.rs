@@ -79,6 +79,25 @@ pub fn hybrid_groups(full: &[u32], window: u32, num_layers: u32) -> KvGroups {
     .expect("a full and a sliding group of every layer")
 }
 
+/// A hybrid SSM model's groups (Granite 4's shape): the layers in `full` full attention, every
+/// other one of `num_layers` a recurrent state.
+pub fn state_groups(full: &[u32], num_layers: u32) -> KvGroups {
+    KvGroups::new(
+        vec![
+            KvGroup {
+                kind: GroupKind::Full,
+                layers: full.to_vec(),
+            },
+            KvGroup {
+                kind: GroupKind::State,
+                layers: (0..num_layers).filter(|l| !full.contains(l)).collect(),
+            },
+        ],
+        num_layers,
+    )
+    .expect("a full and a state group of every layer")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

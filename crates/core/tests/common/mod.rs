@@ -351,6 +351,12 @@ impl Sim {
         handoff_plan::testing::hybrid_groups(&[1], window, LAYERS)
     }
 
+    /// A hybrid SSM model: layer 1 keeps every token, layer 0 a recurrent state (one block a
+    /// handoff, whatever the prompt).
+    pub fn with_state() -> KvGroups {
+        handoff_plan::testing::state_groups(&[1], LAYERS)
+    }
+
     /// P at TP `p_tp`, both D engines at `d_tp`, the model's layers in `groups`.
     pub fn with_groups(
         mode: TransferMode,
