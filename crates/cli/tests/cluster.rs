@@ -350,14 +350,7 @@ fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
             ],
             None,
         );
-        assert_eq!(r["model_shape"], "mla", "{stdout}");
-        assert!(
-            r["kv_shape"].as_str().unwrap().contains("latent"),
-            "{stdout}"
-        );
-        assert_eq!(r["leaked_blocks"], 0, "{mode}: {stdout}");
-        assert_eq!(r["output_mismatches"], 0, "{mode}: {stdout}");
-        assert_eq!(r["requests_recomputed"], 0.0, "{mode}: {stdout}");
+        served_clean(&r, ("mla", "latent"), mode, &stdout);
         // The workload has D reject some requests on purpose (seeded), and a push that finds
         // the busy D's pool full is refused at once; nothing else fails.
         let failed = r["failed_reasons"].as_object().unwrap();
@@ -368,8 +361,6 @@ fn the_demo_serves_an_mla_model_across_tp_sizes_in_pull_and_push() {
                     || (mode == "push" && k == "decode unavailable (503)")),
             "{mode}: {stdout}"
         );
-        assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{mode}: {stdout}");
-        assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
         assert!(
             r["kv_bytes_moved"].as_f64().unwrap() > 0.0,
             "{mode}: {stdout}"
@@ -405,15 +396,18 @@ fn the_demo_serves_a_state_model_across_tp_and_block_sizes() {
         ],
         None,
     );
-    assert_eq!(r["model_shape"], "ssm", "{stdout}");
-    assert!(
-        r["kv_shape"].as_str().unwrap().contains("recurrent state"),
-        "{stdout}"
-    );
-    assert_eq!(r["leaked_blocks"], 0, "{stdout}");
-    assert_eq!(r["output_mismatches"], 0, "{stdout}");
-    assert_eq!(r["requests_recomputed"], 0.0, "{stdout}");
-    assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{stdout}");
+    served_clean(&r, ("ssm", "recurrent state"), "push", &stdout);
+}
+
+/// A `--model-shape` demo run of 24 requests (`shape`, with its KV described in words that
+/// include `kv`): nothing leaked, recomputed or mismatched, at least 16 answered, each compared.
+fn served_clean(r: &Value, (shape, kv): (&str, &str), mode: &str, stdout: &str) {
+    assert_eq!(r["model_shape"], shape, "{stdout}");
+    assert!(r["kv_shape"].as_str().unwrap().contains(kv), "{stdout}");
+    assert_eq!(r["leaked_blocks"], 0, "{mode}: {stdout}");
+    assert_eq!(r["output_mismatches"], 0, "{mode}: {stdout}");
+    assert_eq!(r["requests_recomputed"], 0.0, "{mode}: {stdout}");
+    assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{mode}: {stdout}");
     assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
 }
 
@@ -449,16 +443,7 @@ fn the_demo_serves_a_hybrid_model_across_tp_sizes_moving_only_the_windows() {
     let mut pull_bytes = 0.0;
     for (mode, p_tp, d_tp) in [("pull", "2", "1"), ("push", "1", "2")] {
         let (r, stdout) = run("hybrid", mode, p_tp, d_tp);
-        assert_eq!(r["model_shape"], "hybrid", "{stdout}");
-        assert!(
-            r["kv_shape"].as_str().unwrap().contains("sliding window"),
-            "{stdout}"
-        );
-        assert_eq!(r["leaked_blocks"], 0, "{mode}: {stdout}");
-        assert_eq!(r["output_mismatches"], 0, "{mode}: {stdout}");
-        assert_eq!(r["requests_recomputed"], 0.0, "{mode}: {stdout}");
-        assert!(r["requests_ok"].as_u64().unwrap() >= 16, "{mode}: {stdout}");
-        assert!(r["outputs_compared"].as_u64() == r["requests_ok"].as_u64());
+        served_clean(&r, ("hybrid", "sliding window"), mode, &stdout);
         if mode == "pull" {
             pull_bytes = r["kv_bytes_moved"].as_f64().unwrap();
         }

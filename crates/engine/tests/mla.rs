@@ -18,29 +18,15 @@ const TAG: u64 = 0x006d_6c61;
 /// DeepSeek-V2's latent: 512 compressed dims and 64 rotary ones, one "head".
 fn mla(role: &str, mode: &str, tp: u32) -> EngineConfig {
     EngineConfig {
-        role: role.into(),
-        port: 0,
-        transport: "mem".into(),
-        mode: mode.into(),
-        tp,
         num_kv_heads: 1,
         head_dim: 576,
         block_layout: "latent".into(),
-        num_blocks: 256,
-        prefill_us_per_token: 1.0,
-        decode_step_ms: 0.2,
-        decode_us_per_seq: 0.0,
-        // A transfer that fails fails the request: nothing is quietly recomputed.
-        failure_policy: "fail".into(),
-        ..EngineConfig::default()
+        ..common::shaped(role, mode, tp)
     }
 }
 
-fn prompt(seed: usize, words: usize) -> String {
-    (0..words)
-        .map(|i| format!("m{}", (i * 37 + seed * 613) % 2500))
-        .collect::<Vec<_>>()
-        .join(" ")
+fn prompt(seed: usize, n: usize) -> String {
+    common::words("m", seed, n)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,30 +21,16 @@ const TAG: u64 = 0x7374_6174;
 /// Six layers: layer 5 full, layers 0–4 a recurrent state.
 fn ssm(role: &str, mode: &str, tp: u32, block_size: u32) -> EngineConfig {
     EngineConfig {
-        role: role.into(),
-        port: 0,
-        transport: "mem".into(),
-        mode: mode.into(),
-        tp,
         block_size,
         num_layers: 6,
         recurrent_state: true,
         full_attention_every: 6,
-        num_blocks: 256,
-        prefill_us_per_token: 1.0,
-        decode_step_ms: 0.2,
-        decode_us_per_seq: 0.0,
-        // A transfer that fails fails the request: nothing is quietly recomputed.
-        failure_policy: "fail".into(),
-        ..EngineConfig::default()
+        ..common::shaped(role, mode, tp)
     }
 }
 
-fn prompt(seed: usize, words: usize) -> String {
-    (0..words)
-        .map(|i| format!("s{}", (i * 37 + seed * 311) % 2500))
-        .collect::<Vec<_>>()
-        .join(" ")
+fn prompt(seed: usize, n: usize) -> String {
+    common::words("s", seed, n)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

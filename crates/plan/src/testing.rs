@@ -63,25 +63,17 @@ pub fn tiny_spec(num_layers: u32) -> KvSpec {
 /// A hybrid model of `num_layers` layers: `full` keep every token, the rest a sliding window of
 /// `window` tokens (group 0 full, group 1 the window, as vLLM orders Gemma 3's).
 pub fn hybrid_groups(full: &[u32], window: u32, num_layers: u32) -> KvGroups {
-    KvGroups::new(
-        vec![
-            KvGroup {
-                kind: GroupKind::Full,
-                layers: full.to_vec(),
-            },
-            KvGroup {
-                kind: GroupKind::Sliding { window },
-                layers: (0..num_layers).filter(|l| !full.contains(l)).collect(),
-            },
-        ],
-        num_layers,
-    )
-    .expect("a full and a sliding group of every layer")
+    full_and(full, GroupKind::Sliding { window }, num_layers)
 }
 
 /// A hybrid SSM model's groups (Granite 4's shape): the layers in `full` full attention, every
 /// other one of `num_layers` a recurrent state.
 pub fn state_groups(full: &[u32], num_layers: u32) -> KvGroups {
+    full_and(full, GroupKind::State, num_layers)
+}
+
+/// Group 0 the layers in `full`, group 1 the others, keeping `other`.
+fn full_and(full: &[u32], other: GroupKind, num_layers: u32) -> KvGroups {
     KvGroups::new(
         vec![
             KvGroup {
@@ -89,13 +81,13 @@ pub fn state_groups(full: &[u32], num_layers: u32) -> KvGroups {
                 layers: full.to_vec(),
             },
             KvGroup {
-                kind: GroupKind::State,
+                kind: other,
                 layers: (0..num_layers).filter(|l| !full.contains(l)).collect(),
             },
         ],
         num_layers,
     )
-    .expect("a full and a state group of every layer")
+    .expect("a full group and another of every layer")
 }
 
 #[cfg(test)]

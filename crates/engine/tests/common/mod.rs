@@ -7,6 +7,33 @@ use handoff_connector::ClusterKey;
 use handoff_engine::{EngineConfig, RunningEngine};
 use serde_json::Value;
 
+/// A model-shape test's engine: in-process transport, a fast cost model, 256 blocks, and a
+/// transfer that fails fails the request (nothing is quietly recomputed). Each test sets the
+/// shape on top.
+pub fn shaped(role: &str, mode: &str, tp: u32) -> EngineConfig {
+    EngineConfig {
+        role: role.into(),
+        port: 0,
+        transport: "mem".into(),
+        mode: mode.into(),
+        tp,
+        num_blocks: 256,
+        prefill_us_per_token: 1.0,
+        decode_step_ms: 0.2,
+        decode_us_per_seq: 0.0,
+        failure_policy: "fail".into(),
+        ..EngineConfig::default()
+    }
+}
+
+/// A prompt of `words` words, different for each `tag` and `seed`.
+pub fn words(tag: &str, seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("{tag}{}", (i * 37 + seed * 577) % 2500))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// A fast engine on loopback over the tcp transport, proving `key` (none: unauthenticated),
 /// with a 2 s lease so an unread handoff ends within a test.
 pub fn keyed_tcp(role: &str, key: Option<&ClusterKey>) -> EngineConfig {
