@@ -324,11 +324,7 @@ impl ForwardGate {
     /// The grant of a saved, written layer's job as it stands `now`: posted within it, else
     /// kept for a renewal (nothing returned).
     fn release(&mut self, (by, p, job): HeldJob, now: Instant) -> Option<Released> {
-        let by = match self.grants.until(p.handoff, p.d_rank) {
-            Some(renewed) => by.max(renewed),
-            None => by,
-        };
-        if now <= by {
+        if now <= self.grant_end(by, &p) {
             return Some(Released::Post(job));
         }
         tracing::debug!(handoff = %p.handoff, layer = p.layer, "push write waits: its grant ended before its layer was saved");
@@ -336,13 +332,20 @@ impl ForwardGate {
         None
     }
 
+    /// Where the grant a job was planned on (`by`) ends as D last renewed it.
+    fn grant_end(&self, by: Instant, p: &PushLayer) -> Instant {
+        match self.grants.until(p.handoff, p.d_rank) {
+            Some(renewed) => by.max(renewed),
+            None => by,
+        }
+    }
+
     /// Posts the lapsed writes a renewal D issued now covers; fails those that waited
     /// [`RENEWAL_WAIT`] for one. Only a grant still running lets a write go (rule 3).
     fn retry_lapsed(&mut self, now: Instant) -> Vec<Released> {
         let mut out = Vec::new();
         for (give_up, (by, p, job)) in std::mem::take(&mut self.lapsed) {
-            let renewed = self.grants.until(p.handoff, p.d_rank);
-            if renewed.is_some_and(|r| now <= r) {
+            if now <= self.grant_end(by, &p) {
                 tracing::info!(handoff = %p.handoff, layer = p.layer, "push write posted under a renewal that came after its grant ended");
                 out.push(Released::Post(job));
             } else if now >= give_up {

@@ -73,11 +73,11 @@ async fn a_state_model_moves_one_state_block_in_pull_and_push_across_tp_and_bloc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_model_pairs_only_with_the_same_groups() {
     let c = reqwest::Client::new();
-    for (window, state) in [(0, false), (40, false)] {
+    for window in [0, 40] {
         let p = start(ssm("prefill", "pull", 1, 16)).await.unwrap();
         let d = start(EngineConfig {
             sliding_window: window,
-            recurrent_state: state,
+            recurrent_state: false,
             ..ssm("decode", "pull", 1, 16)
         })
         .await
