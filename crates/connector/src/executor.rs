@@ -177,7 +177,7 @@ impl Connector {
         );
         let side_addr = side
             .listen(cfg.side_channel_bind, stop.clone())
-            .map_err(ConnectorError::Listen)?;
+            .map_err(|e| ConnectorError::Listen(cfg.side_channel_bind, e))?;
         let core = ConnectorCore::new(
             CoreConfig {
                 engine_id: cfg.engine_id.clone(),

@@ -145,8 +145,8 @@ pub enum ConnectorError {
          cluster_key_file / HANDOFF_CLUSTER_KEY), bind loopback, or pass --insecure"
     )]
     Unauthenticated(std::net::IpAddr),
-    #[error("side channel cannot listen: {0}")]
-    Listen(std::io::Error),
+    #[error("side channel cannot listen on {0}: {1}")]
+    Listen(std::net::SocketAddr, std::io::Error),
     #[error("cannot start a thread: {0}")]
     Thread(std::io::Error),
     #[error("no randomness for a handoff id: {0}")]

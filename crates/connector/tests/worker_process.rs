@@ -2,6 +2,7 @@
 //! workers (its KV memory and transport agents) live in a child process and speak to P's
 //! scheduler side in this one only through step metadata; D runs here. A pull moves P's bytes
 //! into D's blocks, D zeroes the tail past the prompt, and P frees its blocks once D read them.
+//! Also: a side channel port already taken stops start-up with an error naming it.
 
 use std::net::TcpListener;
 use std::process::{Child, Command};
@@ -216,4 +217,44 @@ fn workers_in_another_process_serve_a_pull() {
     }
     p.shutdown();
     d.shutdown();
+}
+
+/// A side channel port another socket holds (an engine of a second session, a port a test picked
+/// and lost) stops the connector with an error that names the address, not a bare errno.
+#[test]
+fn a_side_channel_port_already_taken_is_refused_naming_it() {
+    let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    let spec = spec();
+    let rank = |name: &str, rank: u32| {
+        let layout = RankLayout::cross_layer(spec, rank, BLOCKS, 0).unwrap();
+        let region = Arc::new(KvRegion::new(
+            layout.region_len(0).unwrap() as usize,
+            64 * 1024,
+        ));
+        RankMemory {
+            layout,
+            regions: vec![(0, region)],
+            transport: TcpTransport::new(&format!("{name}-r{rank}"), TcpConfig::default()).unwrap(),
+        }
+    };
+    let mut cfg = config("taken", Role::Decode);
+    cfg.side_channel_bind = taken;
+    let err = Connector::start(
+        cfg,
+        vec![rank("taken", 0), rank("taken", 1)],
+        &mut Registry::default(),
+    )
+    .err()
+    .expect("a port in use cannot be listened on");
+    let msg = err.to_string();
+    assert!(msg.contains(&taken.to_string()), "{msg}");
+    // The control: the same config on a free port starts.
+    let ok = Connector::start(
+        config("free", Role::Decode),
+        vec![rank("free", 0), rank("free", 1)],
+        &mut Registry::default(),
+    )
+    .expect("a free port is listened on");
+    ok.shutdown();
 }

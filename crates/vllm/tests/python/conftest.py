@@ -52,10 +52,38 @@ BLOCK_SIZE = 128  # vLLM's default on CPU
 FENCE_GRACE_S = 1.5
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports handed out by free_port: none twice in a session (a server binds its port seconds after
+# the test picked it, and vLLM's engine core binds its side channel after the model loaded).
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, for a server that binds it later, drawn *below* the
+    kernel's ephemeral range: a port the kernel picked (bind to 0) is back in that range once
+    closed, where any socket that connects or binds to 0 meanwhile (a health poll, vLLM's own
+    ZMQ ports) may take it. A CI run lost a P that way: its side channel's port was taken."""
+    high = _ephemeral_low() - 1
+    low = max(1024, high - 12000)
+    for _ in range(1000):
+        port = _PORTS.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}..{high}")
 
 
 # While this file exists, every READ D's worker posts lands with one byte changed (a test-only
@@ -130,7 +158,8 @@ class Server:
     def wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: see {self.log_path}\n{self.tail()}")
+                raise RuntimeError(f"{self.name} exited ({self.root_cause()}): see "
+                                   f"{self.log_path}\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -138,6 +167,19 @@ class Server:
                 pass
             time.sleep(1)
         raise RuntimeError(f"{self.name} not healthy in time: see {self.log_path}\n{self.tail()}")
+
+    def root_cause(self) -> str:
+        """The exception that stopped the server: the last one its engine core logged (its
+        traceback ends the engine core's lines; the API server's own, "Engine core
+        initialization failed", only points at it), else the last one in the log."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        exc = re.compile(r"\b(\w+(?:Error|Exception|Exit)\b:?.*)$")
+        found = [m.group(1) for ln in lines if (m := exc.search(ln))]
+        core = [m.group(1) for ln in lines if "EngineCore" in ln and (m := exc.search(ln))]
+        return ((core or found) or ["no exception logged"])[-1][:300]
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -412,6 +454,37 @@ def wait_http_ok(url: str, limit_s: float, what: str, proc=None) -> None:
         time.sleep(0.1)
 
 
+# vLLM's production router (scripts/install-router).
+ROUTER = Path(os.environ.get("HANDOFF_VLLM_ROUTER",
+                             HERE.parents[3] / ".venv-router" / "bin" / "vllm-router"))
+
+@contextlib.contextmanager
+def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] = (),
+           extra: list[str] = ()):
+    """vllm-router in P/D mode in front of one P and one D (or more: `more_decode`; `extra`
+    flags); yields its URL once it answers."""
+    assert ROUTER.exists(), f"no vllm-router at {ROUTER}: run scripts/install-router"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS / f"router-{name}.log"
+    args = [str(ROUTER), "--vllm-pd-disaggregation", "--prefill", prefill_url,
+            "--decode", decode_url, *[a for d in more_decode for a in ("--decode", d)],
+            "--policy", "round_robin", "--host", "127.0.0.1",
+            "--port", str(port), "--intra-node-data-parallel-size", "1",
+            # Its metrics listener defaults to a fixed port: one of its own.
+            "--prometheus-port", str(free_port()), *extra]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_http_ok(url + "/health", 60, f"vllm-router (see {log_path})", proc)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def handoff_proxy(mode: str, prefill: Server, decode: Server):
     """handoff's own proxy (`handoff proxy --mode MODE`) in front of one P and one D; yields its
@@ -432,6 +505,26 @@ def handoff_proxy(mode: str, prefill: Server, decode: Server):
         finally:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def serving(servers: dict, warm: bool = False):
+    """Waits for the `Server` values of `servers` to be healthy (other values ride along),
+    with `warm` runs one short local request on each (a fresh server's first forward pass is
+    slow once), yields `servers`, and stops every server at the end, also when a test failed."""
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        live = [s for s in servers.values() if isinstance(s, Server)]
+        for s in live:
+            s.wait_healthy(deadline)
+        if warm:
+            for s in live:
+                s.complete([5, 6, 7], 1)
+        yield servers
+    finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
 
 
 def completion_via(url: str, prompt: list[int], max_tokens: int, model: str = REAL_MODEL_NAME,

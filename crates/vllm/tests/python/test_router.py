@@ -22,22 +22,18 @@ shape that the router pairs with P anyway does not leave P holding the prompt's 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import (HANDOFF_BIN, HERE, LOGS, REPORT, back_to, free_port, fresh_usage,
+from conftest import (HANDOFF_BIN, LOGS, REPORT, back_to, free_port, fresh_usage, router,
                       wait_http_ok)
 
-ROUTER = Path(os.environ.get("HANDOFF_VLLM_ROUTER",
-                             HERE.parents[3] / ".venv-router" / "bin" / "vllm-router"))
 IDLE_LIMIT_S = 2.0
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
@@ -46,33 +42,6 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 def count_mismatch() -> None:
     REPORT["router_output_mismatches"] = REPORT.get("router_output_mismatches", 0) + 1
-
-
-@contextlib.contextmanager
-def router(prefill_url: str, decode_url: str, name: str, more_decode: list[str] = (),
-           extra: list[str] = ()):
-    """vllm-router in P/D mode in front of one P and one D (or more: `more_decode`; `extra`
-    flags); yields its URL once it answers."""
-    assert ROUTER.exists(), f"no vllm-router at {ROUTER}: run scripts/install-router"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log_path = LOGS / f"router-{name}.log"
-    args = [str(ROUTER), "--vllm-pd-disaggregation", "--prefill", prefill_url,
-            "--decode", decode_url, *[a for d in more_decode for a in ("--decode", d)],
-            "--policy", "round_robin", "--host", "127.0.0.1",
-            "--port", str(port), "--intra-node-data-parallel-size", "1",
-            # Its metrics listener defaults to a fixed port: one of its own.
-            "--prometheus-port", str(free_port()), *extra]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_http_ok(url + "/health", 60, f"vllm-router (see {log_path})", proc)
-            yield url
-        finally:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 class Backend:

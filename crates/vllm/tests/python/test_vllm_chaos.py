@@ -33,8 +33,8 @@ import pytest
 import requests
 
 from conftest import (BLOCK_SIZE, FENCE_GRACE_S, INITIAL_LEASE_S, REPORT, STARTUP_S, STEP_PROMPT,
-                      Server, back_to, connector, fresh_usage, ignore_errors, prompt)
-from test_router import router
+                      Server, back_to, connector, fresh_usage, ignore_errors, prompt, router)
+
 
 CLIENTS = 2
 LOAD_S = 36.0  # bounded: the clients stop sending after this

@@ -14,24 +14,37 @@ every layer would be (the manager off)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import (REPORT, STARTUP_S, Server, completion_via, connector, disaggregated,
-                      free_port, handoff_proxy, matched_digests, prompt)
-from test_router import router
+from conftest import (REPORT, Server, completion_via, connector, disaggregated, free_port,
+                      handoff_proxy, matched_digests, prompt, router, serving)
 
 HERE = Path(__file__).resolve().parent
 GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gemma3")), "gemma3")
+
+
+def host_has_fast_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX): without it PyTorch
+    emulates it, five times slower than float32 (an AVX2 host took 64 s to prefill 2,600 tokens
+    in bfloat16, 13 s in float32, longer than D's 30 s push watchdog)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 # The model's window is 512 tokens; the longest prompt plus the answer must fit. bfloat16 (the
-# checkpoint's dtype), 64 blocks of 128 tokens (below) and at most 8 sequences: 4.7 GB of memory
-# a server at its peak instead of 6.8 (float32, 1 GiB of KV): three at that beside the session's
-# SmolLM2 engine ran the 23 GiB CI host out of memory.
-ARGS = ["--max-model-len", "4096", "--dtype", "bfloat16", "--max-num-seqs", "8"]
+# checkpoint's dtype) where the CPU computes it, else float32; 256 blocks of 128 tokens (below)
+# and at most 8 sequences: 4.7 GB of memory a server at its peak in bfloat16 instead of 6.8
+# (float32, 1 GiB of KV): three at that beside the session's SmolLM2 engine ran the 23 GiB CI
+# host out of memory. In float32 (its KV 384 MiB) at most three Gemma servers run at once, as in
+# bfloat16.
+DTYPE, DTYPE_BYTES = ("bfloat16", 2) if host_has_fast_bf16() else ("float32", 4)
+ARGS = ["--max-model-len", "4096", "--dtype", DTYPE, "--max-num-seqs", "8"]
 # A block of the hybrid manager holds one layer of each of its six groups (three layers a
 # group): it needs more of them for one 4,096-token request than blocks of all 18 layers.
 BLOCKS = "256"
@@ -51,24 +64,6 @@ def gemma(name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
                   **kw)
 
 
-@contextlib.contextmanager
-def running(servers: dict):
-    """Waits for `servers` (the Server values) to be healthy, runs one short local request on
-    each (a fresh server's first forward pass is slow once) and stops them all at the end."""
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        live = [s for s in servers.values() if isinstance(s, Server)]
-        for s in live:
-            s.wait_healthy(deadline)
-        for s in live:
-            s.complete([5, 6, 7], 1)
-        yield servers
-    finally:
-        for s in servers.values():
-            if isinstance(s, Server):
-                s.stop()
-
-
 def tokens(answer: dict) -> list[int]:
     return answer["choices"][0]["token_ids"]
 
@@ -79,7 +74,7 @@ def answers() -> dict[tuple, list[int]]:
     stopped once they are taken."""
     assert (GEMMA[0] / "config.json").exists(), \
         f"no Gemma 3 at {GEMMA[0]}: run scripts/fetch-model gemma3"
-    with running({"single": gemma("gemma-single", None)}) as one:
+    with serving({"single": gemma("gemma-single", None)}, warm=True) as one:
         return {tuple(ids): tokens(one["single"].complete(ids, ANSWER_TOKENS))
                 for ids in PROMPTS}
 
@@ -97,7 +92,7 @@ def pull(answers):
                    args=["--middleware", "handoff_vllm.HandoffOps"],
                    env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
     }
-    with running(servers):
+    with serving(servers, warm=True):
         yield dict(servers, answers=answers)
 
 
@@ -109,10 +104,10 @@ def report(**facts) -> None:
     REPORT.setdefault("gemma", {}).update(facts)
 
 
-# Gemma 3 270M's KV: 18 layers (15 of them sliding), one KV head of 256 values, bfloat16 here,
+# Gemma 3 270M's KV: 18 layers (15 of them sliding), one KV head of 256 values, in DTYPE,
 # vLLM's CPU blocks of 128 tokens.
 LAYERS, SLIDING, HEAD_DIM, WINDOW, BLOCK = 18, 15, 256, 512, 128
-PAGE_BYTES = 2 * BLOCK * HEAD_DIM * 2  # K and V of one block of one layer
+PAGE_BYTES = 2 * BLOCK * HEAD_DIM * DTYPE_BYTES  # K and V of one block of one layer
 
 
 def cdiv(a: int, b: int) -> int:
@@ -143,7 +138,7 @@ def test_pull_behind_vllm_router_answers_like_one_engine(pull):
     with_windows = (SLIDING * window_blocks + (LAYERS - SLIDING) * cdiv(n, BLOCK)) * PAGE_BYTES
     assert moved_bytes == with_windows, \
         f"{moved_bytes} bytes moved; the windows' blocks and every full layer's are {with_windows}"
-    report(hybrid_kv_cache_manager=True,
+    report(hybrid_kv_cache_manager=True, dtype=DTYPE,
            prompt_tokens=[len(ids) for ids in ROUTED], window=WINDOW,
            bytes_per_handoff={"prompt_tokens": n, "moved": moved_bytes,
                               "sliding_layers_share": round(SLIDING / LAYERS, 3),
@@ -158,10 +153,10 @@ def tp2(pull):
     core only, as on a host of its own (its two workers spin on vLLM's shared-memory queue after
     each step). The pull D is stopped first: the TP 1 engine here is the pull P, in both roles."""
     pull["d"].stop()
-    with running({"e": gemma("gemma-tp2", connector("gemma-tp2", kv_digest=True), tp=2,
+    with serving({"e": gemma("gemma-tp2", connector("gemma-tp2", kv_digest=True), tp=2,
                              cpus="1",
                              env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}
-                             )}) as own:
+                             )}, warm=True) as own:
         yield own["e"]
 
 
@@ -196,7 +191,7 @@ def test_push_behind_handoffs_proxy_answers_like_one_engine(pull):
         "d": gemma("gemma-push-d", connector("gemma-push-d", mode="push", kv_digest=True),
                    env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}),
     }
-    with running(servers), handoff_proxy("push", servers["p"], servers["d"]) as url:
+    with serving(servers, warm=True), handoff_proxy("push", servers["p"], servers["d"]) as url:
         assert not any(hma_off(s) for s in servers.values()), \
             "vLLM turned its hybrid KV cache manager off"
         ids = LONG

@@ -13,13 +13,12 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import REPORT, STARTUP_S, Server, connector, disaggregated, free_port, prompt
+from conftest import REPORT, Server, connector, disaggregated, free_port, prompt, serving
 
 HERE = Path(__file__).resolve().parent
 # vLLM's CPU_MLA backend supports blocks of 16 tokens only. 512 blocks (8,192 token slots, more
@@ -31,20 +30,6 @@ MLA_ARGS = ["--block-size", "16", "--num-gpu-blocks-override", "512"]
 def mla_server(ckpt: Path, name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
     return Server(name, conn, real=False, tiny_model=ckpt,
                   extra_args=MLA_ARGS + ["--tensor-parallel-size", str(tp)], **kw)
-
-
-def started(servers: dict):
-    """Starts `servers` and stops them after the test (or module) that asked for them."""
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        for s in servers.values():
-            if isinstance(s, Server):
-                s.wait_healthy(deadline)
-        yield servers
-    finally:
-        for s in servers.values():
-            if isinstance(s, Server):
-                s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +54,13 @@ def mla(ckpt):
     """P and D, and (started beside them, stopped once asked) the single engine's greedy tokens
     for each prompt by its length: what every engine and every transfer below is compared
     against."""
-    for servers in started({
+    with serving({
         "ckpt": ckpt,
         "single": mla_server(ckpt, "mla-single", None),
         "p": mla_server(ckpt, "mla-p", connector("mla-p", kv_digest=True)),
         "d": mla_server(ckpt, "mla-d", connector("mla-d", kv_digest=True),
                         env_extra={"RUST_LOG": HANDOFF_DEBUG}),
-    }):
+    }) as servers:
         one = servers["single"]
         answers = {len(ids): tokens(one.complete(ids, 6)) for ids in PROMPTS}
         servers.pop("single").stop()
@@ -88,9 +73,9 @@ def p_tp2(mla):
     # On the second core only, as on a host of its own: its two workers and engine core spin on
     # vLLM's shared-memory queue for a second after every step. On both cores, one local run
     # saw D and this process not run for 11.5 s; pinned, no stall over 0.5 s.
-    for own in started({"p": mla_server(mla["ckpt"], "mla-p-tp2",
-                                        connector("mla-p-tp2", kv_digest=True), tp=2,
-                                        env_extra={"RUST_LOG": HANDOFF_DEBUG}, cpus="1")}):
+    with serving({"p": mla_server(mla["ckpt"], "mla-p-tp2",
+                                  connector("mla-p-tp2", kv_digest=True), tp=2,
+                                  env_extra={"RUST_LOG": HANDOFF_DEBUG}, cpus="1")}) as own:
         # Its first forward (seconds at TP 2 on two cores) happens here, not in a handoff.
         own["p"].complete(PROMPTS[0], 1)
         yield dict(own, d=mla["d"])
@@ -99,7 +84,7 @@ def p_tp2(mla):
 @pytest.fixture
 def push(mla):
     side_port = free_port()
-    yield from started({
+    with serving({
         "p": mla_server(mla["ckpt"], "mla-push-p",
                         connector("mla-push-p", mode="push", kv_digest=True,
                                   side_channel_port=side_port)),
@@ -107,7 +92,8 @@ def push(mla):
                         connector("mla-push-d", mode="push", kv_digest=True),
                         env_extra={"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}),
         "side_port": side_port,
-    })
+    }) as servers:
+        yield servers
 
 
 def tokens(answer: dict) -> list[int]:
