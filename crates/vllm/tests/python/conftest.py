@@ -566,12 +566,15 @@ def connector(engine_id: str, **extra) -> dict:
     }
 
 
+# A reference engine's engine core in its API server's process: one Python start fewer (about a
+# minute on these two cores). It only computes the reference outputs, so how vLLM splits its
+# processes does not matter there; the engines under test keep vLLM's default.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def start_single() -> Server:
-    """The single reference engine. Its engine core runs in the API server's process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one Python start fewer (about a minute on these two
-    cores), and it only computes the reference outputs, so how vLLM splits its processes does not
-    matter there; the engines under test keep vLLM's default."""
-    return Server("single", None, env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    """The single reference engine (SmolLM2), its engine core in process (`IN_PROCESS`)."""
+    return Server("single", None, env_extra=IN_PROCESS)
 
 
 # Started as soon as the session knows a test needs it (see pytest_collection_modifyitems), so

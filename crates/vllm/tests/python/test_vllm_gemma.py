@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPORT, Server, completion_via, connector, disaggregated, free_port,
-                      handoff_proxy, matched_digests, prompt, router, serving)
+from conftest import (IN_PROCESS, REPORT, Server, completion_via, connector, disaggregated,
+                      free_port, handoff_proxy, matched_digests, prompt, router, serving)
 
 HERE = Path(__file__).resolve().parent
 GEMMA = (Path(os.environ.get("HANDOFF_VLLM_GEMMA", HERE.parents[3] / ".model-gemma3")), "gemma3")
@@ -69,21 +69,17 @@ def tokens(answer: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[tuple, list[int]]:
-    """The single engine's greedy tokens for each prompt: it runs alone (no connector) and is
-    stopped once they are taken."""
+def pull():
+    """P and D (pull, TP 1) for the module, and, started beside them and stopped once asked,
+    the single engine (no connector): its greedy tokens for each prompt are what every answer
+    below is compared against. Three Gemma servers at once at most (~5 GB each at their peak)
+    beside the session's SmolLM2 engine: later tests stop what they no longer need."""
     assert (GEMMA[0] / "config.json").exists(), \
         f"no Gemma 3 at {GEMMA[0]}: run scripts/fetch-model gemma3"
-    with serving({"single": gemma("gemma-single", None)}, warm=True) as one:
-        return {tuple(ids): tokens(one["single"].complete(ids, ANSWER_TOKENS))
-                for ids in PROMPTS}
-
-
-@pytest.fixture(scope="module")
-def pull(answers):
-    """P and D (pull, TP 1) for the module. Later tests stop what they no longer need: at most
-    two or three Gemma servers (~5 GB each) beside the session's SmolLM2 engine."""
     servers = {
+        # Its engine core in the API server's process: one Python start fewer (conftest's
+        # start_single); it only computes the reference answers.
+        "single": gemma("gemma-single", None, env_extra=IN_PROCESS),
         # P is D too in the TP test (its connector takes both roles): it logs its digests.
         "p": gemma("gemma-p", connector("gemma-p", kv_digest=True),
                    env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
@@ -93,6 +89,9 @@ def pull(answers):
                    env_extra={"RUST_LOG": "info,handoff_core::machine::transfers=debug"}),
     }
     with serving(servers, warm=True):
+        one = servers["single"]
+        answers = {tuple(ids): tokens(one.complete(ids, ANSWER_TOKENS)) for ids in PROMPTS}
+        servers.pop("single").stop()
         yield dict(servers, answers=answers)
 
 

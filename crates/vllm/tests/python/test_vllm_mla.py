@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPORT, Server, connector, disaggregated, free_port, prompt, serving
+from conftest import (IN_PROCESS, REPORT, Server, connector, disaggregated, free_port, prompt,
+                      serving)
 
 HERE = Path(__file__).resolve().parent
 # vLLM's CPU_MLA backend supports blocks of 16 tokens only. 512 blocks (8,192 token slots, more
@@ -56,7 +57,7 @@ def mla(ckpt):
     against."""
     with serving({
         "ckpt": ckpt,
-        "single": mla_server(ckpt, "mla-single", None),
+        "single": mla_server(ckpt, "mla-single", None, env_extra=IN_PROCESS),
         "p": mla_server(ckpt, "mla-p", connector("mla-p", kv_digest=True)),
         "d": mla_server(ckpt, "mla-d", connector("mla-d", kv_digest=True),
                         env_extra={"RUST_LOG": HANDOFF_DEBUG}),
