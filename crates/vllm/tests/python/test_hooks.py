@@ -564,7 +564,7 @@ def test_async_scheduling_never_preempts_a_streamed_push_while_its_writes_read_i
         p_idle = p.free_blocks()
         prompt = list(range(11, 11 + 3 * BLOCK + 5))  # 53 tokens, 4 blocks
         handoff = "7a" * 16
-        req = push_registered_on_d(d, p, prompt, handoff)
+        push_registered_on_d(d, p, prompt, handoff)
         d_blocks = d.blocks_of("d-req")
         p.add("a", list(range(600, 600 + 4 * BLOCK - 1)), 8, None)  # 63 tokens, 4 blocks
         assert p.step() == {"a": 4 * BLOCK - 1}
