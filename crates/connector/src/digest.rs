@@ -12,9 +12,11 @@
 //! out: their bytes are stale on P and zeroed on D.
 //!
 //! Engines whose blocks are opaque pages (vLLM's CPU backend: the kernel decides what is where
-//! inside a block) only pair with engines whose pages are the same (`KvSpec::same_pages`) and
-//! move whole blocks; there a unit is one layer's whole block, keyed by (layer, the block's index
-//! in the handoff, its span), and a page every rank holds a copy of counts on the first.
+//! inside a head's part of a block) pair only where those parts move whole
+//! (`KvSpec::opaque_pages_pair`), and move whole blocks; there a unit is one head's chunk of one
+//! layer's block, keyed by (the block's index in the handoff, layer, global head), or one layer's
+//! whole block where the page is not cut by head, and a chunk or page several ranks hold a copy
+//! of counts on the first.
 //!
 //! It catches blocks damaged or misplaced on the way (a wrong block id, a short or shifted copy,
 //! a race with reuse); it is a checksum, not a MAC: the cluster key is what keeps strangers out.
@@ -22,7 +24,7 @@
 use std::sync::Arc;
 
 pub use handoff_core::digest::{DigestOf, Shares};
-use handoff_plan::{BlockRun, KvGroups, RankLayout};
+use handoff_plan::{BlockLayout, BlockRun, KvGroups, RankLayout};
 use handoff_transport::{KvRegion, RegionId, TransportError};
 
 use crate::ConnectorError;
@@ -66,26 +68,40 @@ pub fn rank_digest(
     };
     let mut sum = 0u64;
     if of.whole_blocks {
+        // Where a head's part of a page is one chunk (head-major, its K and V rows together),
+        // a unit is that chunk, keyed by its global head, so that ranks of other TP sizes add
+        // up alike; otherwise one layer's whole block.
+        let chunks = spec.block_layout == BlockLayout::HeadMajorInterleaved;
+        let chunk = u64::from(bs) * spec.row_pitch();
+        let heads = layout.owned_heads();
         let mut index = 0u64;
         for run in &runs {
             for &block in &run.blocks {
-                if groups.is_single() {
-                    let spans = handoff_plan::block_spans(layout, &[block])
+                // Only the run's layers: another group's layers at this block id are another
+                // request's, or the same bytes again (vLLM's groups share memory).
+                for &layer in &run.layers {
+                    if chunks {
+                        let r = layout
+                            .layers
+                            .get(layer as usize)
+                            .map(|p| p.k.region)
+                            .ok_or(ConnectorError::Digest { layer })?;
+                        let r = region(r)?;
+                        for (local, head) in heads.clone().enumerate() {
+                            let off = layout
+                                .row_offset(layer, 0, block, local as u32, 0)
+                                .ok_or(ConnectorError::Digest { layer })?;
+                            let h = hash_span(r, off, chunk)?;
+                            let key = [index, u64::from(layer), u64::from(head)];
+                            sum = sum.wrapping_add(keyed(h, &key));
+                        }
+                        continue;
+                    }
+                    let spans = handoff_plan::layer_block_spans(layout, layer, &[block])
                         .map_err(ConnectorError::Plan)?;
                     for (n, s) in spans.iter().enumerate() {
                         let h = hash_span(region(s.region)?, s.offset, s.len)?;
-                        sum = sum.wrapping_add(keyed(h, &[index, n as u64]));
-                    }
-                } else {
-                    // Only the group's layers: another group's layers at this block id are
-                    // another request's, or the same bytes again (vLLM's groups share memory).
-                    for &layer in &run.layers {
-                        let spans = handoff_plan::layer_block_spans(layout, layer, &[block])
-                            .map_err(ConnectorError::Plan)?;
-                        for (n, s) in spans.iter().enumerate() {
-                            let h = hash_span(region(s.region)?, s.offset, s.len)?;
-                            sum = sum.wrapping_add(keyed(h, &[index, u64::from(layer), n as u64]));
-                        }
+                        sum = sum.wrapping_add(keyed(h, &[index, u64::from(layer), n as u64]));
                     }
                 }
                 index += 1;
@@ -420,6 +436,45 @@ mod tests {
         let off = l.row_offset(0, 1, 7, 0, 2).unwrap();
         regions[0].1.write(off as usize, &[0]).unwrap();
         assert_ne!(digest(&two, of), digest(&one, of));
+    }
+
+    /// vLLM's CPU pages, one chunk per head (K and V rows together, the kernel's inside): P at
+    /// TP 2 (a head per rank) and D at TP 1 (both heads) digest alike over whole blocks, tails
+    /// included; a byte changed in a chunk's tail, or the heads' chunks swapped, changes it.
+    #[test]
+    fn head_chunks_of_opaque_pages_digest_alike_across_tp_sizes() {
+        let of = DigestOf {
+            num_tokens: 20,
+            whole_blocks: true,
+        };
+        let host = |len| KvRegion::new(len, 4096);
+        let chunked = |tp| KvSpec {
+            block_layout: BlockLayout::HeadMajorInterleaved,
+            ..spec_of(2, tp, 16)
+        };
+        let d = engine_of(chunked(1), vec![5, 2], 20, &host);
+        let p = engine_of(chunked(2), vec![3, 7], 20, &host);
+        let clean = digest(&d, of);
+        assert_eq!(digest(&p, of), clean);
+        // Head 1's chunk of block 7 (P rank 1), its last row: past the prompt, still compared.
+        let (l, regions) = &p.ranks[1];
+        let off = l.row_offset(1, 1, 7, 0, 15).unwrap();
+        regions[1].1.write(off as usize, &[0]).unwrap();
+        assert_ne!(digest(&p, of), clean);
+        // D with its two heads' chunks swapped in block 5 of layer 0.
+        let (l, regions) = &d.ranks[0];
+        let chunk = 16 * l.spec.row_pitch() as usize;
+        let (h0, h1) = (
+            l.row_offset(0, 0, 5, 0, 0).unwrap() as usize,
+            l.row_offset(0, 0, 5, 1, 0).unwrap() as usize,
+        );
+        let r = &regions[0].1;
+        let (mut a, mut b) = (vec![0; chunk], vec![0; chunk]);
+        r.read(h0, &mut a).unwrap();
+        r.read(h1, &mut b).unwrap();
+        r.write(h0, &b).unwrap();
+        r.write(h1, &a).unwrap();
+        assert_ne!(digest(&d, of), clean);
     }
 
     #[test]

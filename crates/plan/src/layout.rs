@@ -263,20 +263,25 @@ impl KvSpec {
         self.tp <= heads || heads == 0 || rank % (self.tp / heads) == 0
     }
 
-    /// Whether a block of this spec and one of `other` are the same page, byte for byte, where
-    /// the bytes inside a page are the attention kernel's business (vLLM's CPU backend): the
-    /// specs are equal, or differ only in TP size while every rank of both holds every KV head
-    /// (one head, replicated on each rank as vLLM does when TP exceeds the heads). Any other
-    /// difference needs the rows inside a block, which an opaque page does not show.
-    pub fn same_pages(&self, other: &KvSpec) -> bool {
+    /// Whether blocks of this spec and of `other` can move between engines whose pages are the
+    /// attention kernel's business (vLLM's CPU backend, where the kernel decides what sits where
+    /// inside a head's part of a block): the pages are the same byte for byte (equal specs, or
+    /// TP sizes that differ while every rank of both holds every KV head, as vLLM replicates one
+    /// head when TP exceeds the heads), or only the TP sizes differ and each head's part of a
+    /// block is one self-contained chunk (`HeadMajorInterleaved`: its K and V rows together),
+    /// which moves whole from a rank that holds the head to the rank that needs it. Another
+    /// block size or layout would need the rows inside a chunk, which an opaque page does not
+    /// show.
+    pub fn opaque_pages_pair(&self, other: &KvSpec) -> bool {
         let whole = |s: &KvSpec| s.heads_per_rank() == s.shape.num_kv_heads;
+        let but_tp = KvSpec {
+            tp: other.tp,
+            ..*self
+        } == *other;
         self == other
-            || (KvSpec {
-                tp: other.tp,
-                ..*self
-            } == *other
-                && whole(self)
-                && whole(other))
+            || (but_tp
+                && ((whole(self) && whole(other))
+                    || self.block_layout == BlockLayout::HeadMajorInterleaved))
     }
 
     /// The global KV heads `rank` owns (see [`owned_heads`]).

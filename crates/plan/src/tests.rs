@@ -43,7 +43,7 @@ fn desc(src_offset: u64, dst_offset: u64, len: u64) -> Descriptor {
     }
 }
 
-use BlockLayout::{HeadMajor, TokenMajor};
+use BlockLayout::{HeadMajor, HeadMajorInterleaved, TokenMajor, TokenMajorInterleaved};
 
 #[test]
 fn spec_helpers() {
@@ -103,19 +103,31 @@ fn topology_d_wider_than_p() {
 /// head it needs once, from the first of its sources that holds it; a source holding only copies
 /// already read is a pair that moves nothing and only confirms, so the pairs are still the
 /// ledgers' (`rank_pairs`), who count on every source to hear from D.
-/// Opaque pages (vLLM's CPU backend) pair when they are the same bytes: equal specs, or one KV
-/// head replicated on every rank of both sides whatever their TP sizes. Heads split over ranks,
-/// another block size or layout would need the rows inside a page.
+/// Opaque pages (vLLM's CPU backend) pair when they are the same bytes (equal specs, or one KV
+/// head replicated on every rank of both sides whatever their TP sizes), or when each head's part
+/// of a block is one chunk (head-major, K and V rows together), whatever the TP sizes: the chunk
+/// moves whole. Another block size or layout would need the rows inside a chunk.
 #[test]
-fn opaque_pages_pair_only_when_every_rank_holds_the_same_page() {
+fn opaque_pages_pair_when_each_head_s_part_of_a_page_moves_whole() {
     let one = |tp| spec(1, tp, 16, HeadMajor);
-    assert!(one(2).same_pages(&one(1)) && one(1).same_pages(&one(4)));
-    assert!(spec(2, 2, 16, HeadMajor).same_pages(&spec(2, 2, 16, HeadMajor)));
-    // Two heads: TP 2 holds one per rank, TP 1 both, so the pages differ.
-    assert!(!spec(2, 2, 16, HeadMajor).same_pages(&spec(2, 1, 16, HeadMajor)));
-    assert!(!one(2).same_pages(&spec(1, 1, 32, HeadMajor)));
-    assert!(!one(1).same_pages(&spec(1, 1, 16, TokenMajor)));
-    assert!(!one(1).same_pages(&layers(one(1), 2)));
+    assert!(one(2).opaque_pages_pair(&one(1)) && one(1).opaque_pages_pair(&one(4)));
+    assert!(spec(2, 2, 16, HeadMajor).opaque_pages_pair(&spec(2, 2, 16, HeadMajor)));
+    // Two heads: TP 2 holds one per rank, TP 1 both. Planes apart (all heads' K, then all
+    // heads' V) would cut a head's part in two, at a place only the kernel knows.
+    assert!(!spec(2, 2, 16, HeadMajor).opaque_pages_pair(&spec(2, 1, 16, HeadMajor)));
+    let chunks = |tp, bs| spec(4, tp, bs, HeadMajorInterleaved);
+    assert!(chunks(2, 16).opaque_pages_pair(&chunks(1, 16)));
+    assert!(chunks(1, 16).opaque_pages_pair(&chunks(4, 16)));
+    assert!(
+        chunks(8, 16).opaque_pages_pair(&chunks(2, 16)),
+        "replicated heads too"
+    );
+    assert!(!chunks(2, 16).opaque_pages_pair(&chunks(1, 32)));
+    assert!(!chunks(1, 16).opaque_pages_pair(&spec(4, 1, 16, TokenMajorInterleaved)));
+    assert!(!chunks(2, 16).opaque_pages_pair(&spec(4, 1, 16, HeadMajor)));
+    assert!(!one(2).opaque_pages_pair(&spec(1, 1, 32, HeadMajor)));
+    assert!(!one(1).opaque_pages_pair(&spec(1, 1, 16, TokenMajor)));
+    assert!(!one(1).opaque_pages_pair(&layers(one(1), 2)));
 }
 
 #[test]
@@ -982,7 +994,6 @@ fn layers_outermost_moves_a_layer_range_in_one_descriptor_per_layer() {
 /// row is its own descriptor; a placement that does not interleave what its spec says is refused.
 #[test]
 fn interleaved_rows_pair_with_each_other_and_with_planes() {
-    use BlockLayout::{HeadMajorInterleaved, TokenMajorInterleaved};
     for (il, plain) in [
         (HeadMajorInterleaved, HeadMajor),
         (TokenMajorInterleaved, TokenMajor),

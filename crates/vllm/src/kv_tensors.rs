@@ -5,9 +5,13 @@
 //!
 //! Known layouts (per attention layer, one tensor each, in layer order):
 //! - **CPU backend** (`cpu_attn.py`, `LBHNC`): `[num_blocks, heads_per_rank, block_size,
-//!   2·head_dim]`, contiguous. Inside a block the attention kernel decides where K and V go (the
-//!   "vec" kernel stores K transposed), so a block is an opaque page: moved whole, between
-//!   engines of exactly the same spec ([`KvTensors::opaque_blocks`]).
+//!   2·head_dim]`, contiguous. The kernel addresses a block one KV head at a time (its view is
+//!   `[num_blocks, heads, 2·block_size, head_dim]`), but inside a head's `block_size × 2·head_dim`
+//!   chunk it decides where K and V go (the "vec" kernel stores K transposed). So a block is an
+//!   opaque page ([`KvTensors::opaque_blocks`]) of one chunk per head, described as
+//!   `HeadMajorInterleaved` (a head's K and V rows together): moved whole, chunk by chunk,
+//!   between engines of the same block size and layout, whatever their TP sizes
+//!   (`KvSpec::opaque_pages_pair`).
 //! - **FlashAttention** (`NHD`): `[2, num_blocks, block_size, heads_per_rank, head_dim]`,
 //!   contiguous: K planes then V planes, each block's plane `[token][head][dim]`; `HND` strides
 //!   (`[head][token][dim]`), and FlashInfer's blocks-first `[num_blocks, 2, …]`.
@@ -285,7 +289,8 @@ pub fn derive(tensors: &[KvTensorInfo], facts: ModelFacts) -> Result<KvTensors, 
                 shape,
                 tp: facts.tp,
                 block_size,
-                block_layout: BlockLayout::HeadMajor,
+                // A head's chunk of the page, K and V together: what moves between TP sizes.
+                block_layout: BlockLayout::HeadMajorInterleaved,
             };
             let plane = spec.plane_bytes();
             let layout = RankLayout::per_layer(spec, facts.rank, num_blocks, 0)?;
@@ -599,6 +604,21 @@ mod tests {
         assert_eq!(t.layout.spec.shape.num_layers, 2);
         for (id, _, len) in &t.regions {
             assert_eq!(t.layout.region_len(*id), Some(*len));
+        }
+        // Each head's part of a block is the chunk torch's strides put there, K and V together:
+        // what moves between engines of other TP sizes.
+        assert_eq!(
+            t.layout.spec.block_layout,
+            BlockLayout::HeadMajorInterleaved
+        );
+        let elem = 4;
+        for (block, head) in [(0u32, 0u32), (0, 1), (7, 1), (4095, 0)] {
+            let torch = u64::from(block) * 32768 + u64::from(head) * 16384;
+            let at = |kv, token| t.layout.row_offset(1, kv, block, head, token).unwrap();
+            assert_eq!(at(0, 0), torch * elem);
+            // The chunk's last row ends where torch's next head (or block) begins.
+            let end = at(1, 127) + t.layout.spec.shape.row_bytes();
+            assert_eq!(end, (torch + 16384) * elem);
         }
     }
 

@@ -205,7 +205,7 @@ fn a_request_d_aborts_while_its_read_may_land_keeps_its_blocks_until_the_read_en
     loop {
         p.step();
         let meta = d.sched.build_meta();
-        d.worker.apply(&meta);
+        d.workers[0].apply(&meta);
         let posted = meta.steps[0]
             .ops
             .iter()
@@ -558,15 +558,15 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
     );
     let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
     assert_eq!(meta.forward, vec![p_leg.handoff_id.unwrap()]);
-    p.worker.apply(&meta);
+    p.workers[0].apply(&meta);
     assert!(
-        p.worker.waits_for_layer(0),
+        p.workers[0].waits_for_layer(0),
         "layer 0's writes wait for the forward to save it"
     );
     // The forward pass: layer 0 is saved and leaves for D while layer 1 computes.
     fill_layer(&mut p, &p_blocks, 0, 0);
-    p.worker.layer_saved(0, None);
-    assert!(!p.worker.waits_for_layer(0));
+    p.workers[0].layer_saved(0, None);
+    assert!(!p.workers[0].waits_for_layer(0));
     let t0 = Instant::now();
     while d.block(0, 13) != p.block(0, 9) {
         assert!(
@@ -581,8 +581,8 @@ fn a_push_streams_each_layer_from_the_forward_pass_that_saves_it() {
         "layer 1 went before the forward saved it"
     );
     fill_layer(&mut p, &p_blocks, 0, 1);
-    p.worker.layer_saved(1, None);
-    p.worker.forward_done(None);
+    p.workers[0].layer_saved(1, None);
+    p.workers[0].forward_done(None);
     // vLLM's update_from_output: one token sampled, the request finishes.
     push_prefill_finished(&mut p, &p_leg, &p_blocks);
     // The last layer and the digest (over both layers, taken after the forward) follow.
@@ -622,13 +622,13 @@ fn a_push_streams_through_a_forward_pass_five_times_d_s_registration_grant() {
         "a push holds P's blocks from its last step on"
     );
     let meta = StepMeta::from_bytes(&p.sched.build_meta().to_bytes()).unwrap();
-    p.worker.apply(&meta);
-    assert!(p.worker.waits_for_layer(0));
+    p.workers[0].apply(&meta);
+    assert!(p.workers[0].waits_for_layer(0));
     // The forward computes layer 0 for five grants. Neither engine steps (vLLM's EngineCore
     // waits for the forward); only the connectors' own threads run.
     std::thread::sleep(Duration::from_millis(5 * GRANT_MS));
     fill_layer(&mut p, &p_blocks, 0, 0);
-    p.worker.layer_saved(0, None);
+    p.workers[0].layer_saved(0, None);
     let t0 = Instant::now();
     while d.block(0, 13) != p.block(0, 9) {
         assert!(
@@ -639,8 +639,8 @@ fn a_push_streams_through_a_forward_pass_five_times_d_s_registration_grant() {
         std::thread::sleep(Duration::from_millis(2));
     }
     fill_layer(&mut p, &p_blocks, 0, 1);
-    p.worker.layer_saved(1, None);
-    p.worker.forward_done(None);
+    p.workers[0].layer_saved(1, None);
+    p.workers[0].forward_done(None);
     push_prefill_finished(&mut p, &p_leg, &p_blocks);
     lands_whole(&mut p, &mut d, ("p-req", &p_blocks), ("d-req", &d_blocks));
     all_end(&mut p, &mut d, &[("d-req", d_blocks, 40)]);
@@ -714,7 +714,7 @@ fn a_p_that_dies_before_its_writes_land_fails_d_s_request_only_after_grant_and_g
 
 #[test]
 fn timings_that_cannot_work_are_refused_with_their_name() {
-    let worker = engine("vllm-timings").worker;
+    let worker = engine("vllm-timings").workers.remove(0);
     for (key, value, says) in [
         (
             "registration_lease_ms",
@@ -749,7 +749,7 @@ fn an_unknown_kv_load_failure_policy_is_refused_with_its_name() {
         "failure_policy": "retry-forever",
     }))
     .unwrap();
-    let err = SchedulerSide::start(cfg, vec![e.worker.hello().unwrap()])
+    let err = SchedulerSide::start(cfg, vec![e.workers[0].hello().unwrap()])
         .err()
         .expect("refused");
     assert!(err.to_string().contains("retry-forever"), "{err}");

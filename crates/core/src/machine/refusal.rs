@@ -50,9 +50,10 @@ pub enum HandshakeRefusal {
     #[error("{0}")]
     Groups(#[from] GroupMismatch),
     #[error(
-        "this engine's KV blocks are its attention kernel's pages, moved whole: the peer must \
-         have the same block size and layout, and the same TP size unless every rank of both holds \
-         the model's one KV head (P {p:?}, D {d:?})"
+        "this engine's KV blocks are its attention kernel's pages, moved whole (or a KV head's \
+         part of one, where each head's part is one chunk): the peer must have the same model \
+         shape, block size and block layout, and the same TP size unless each head's part moves \
+         whole or every rank of both holds every KV head (P {p:?}, D {d:?})"
     )]
     OpaqueBlocks { p: Box<KvSpec>, d: Box<KvSpec> },
     /// The peer answered our hello under another engine's name.

@@ -134,7 +134,7 @@ impl ConnectorCore {
             _ => (&self.groups, &groups),
         };
         p_groups.check_pair(d_groups, p.block_size, d.block_size)?;
-        if self.cfg.opaque_blocks && !p.same_pages(d) {
+        if self.cfg.opaque_blocks && !p.opaque_pages_pair(d) {
             return Err(HandshakeRefusal::OpaqueBlocks {
                 p: Box::new(*p),
                 d: Box::new(*d),

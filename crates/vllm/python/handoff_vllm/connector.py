@@ -15,7 +15,8 @@ Pull mode (D reads P's blocks; requests for P must not stream: vLLM puts ``kv_tr
 only in non-streamed responses) and push mode (``"mode": "push"`` in the extra config; P writes
 into the blocks D registered). P and D may differ in TP size and block size wherever handoff's
 planner maps one layout onto the other (the GPU layouts, MLA's latent); vLLM's CPU backend keeps
-opaque pages, which pair only between engines of one TP size, block size and layout.
+opaque pages, each KV head's chunk moved whole, which pair between engines of other TP sizes but
+only of one block size and layout.
 
 The connector's core picks the flow (pull or push) from each request's params; this glue only
 says what vLLM does. When the step being built completes the prompt of a request P prefills for

@@ -15,15 +15,22 @@ pub const BS: i64 = 16;
 pub const HD: i64 = 8;
 pub const LAYERS: usize = 2;
 
-pub fn block_bytes() -> usize {
-    (HEADS * BS * 2 * HD * 4) as usize
+/// Bytes of one layer's block on each rank of an engine of `tp` ranks.
+pub fn rank_block_bytes(tp: usize) -> usize {
+    head_bytes() * HEADS as usize / tp
 }
 
-/// One engine: KV tensors as vLLM's CPU backend allocates them (one buffer, a view per layer).
+/// Bytes of one head's chunk of a block (its K and V rows, as the kernel keeps them).
+pub fn head_bytes() -> usize {
+    (BS * 2 * HD * 4) as usize
+}
+
+/// One engine: per rank, a worker and KV tensors as vLLM's CPU backend allocates them (one
+/// buffer, a view per layer), the rank holding `HEADS / tp` of the heads.
 pub struct Engine {
     pub sched: SchedulerSide,
-    pub worker: WorkerBridge,
-    pub kv: KvMem,
+    pub workers: Vec<WorkerBridge>,
+    pub kvs: Vec<KvMem>,
     /// The tensor each layer's KV lives in (vLLM's hybrid manager: one tensor holds a layer
     /// of each KV cache group).
     tensor_of: Vec<usize>,
@@ -62,12 +69,16 @@ impl KvMem {
 }
 
 pub fn facts() -> ModelFacts {
+    facts_of(1, 0)
+}
+
+pub fn facts_of(tp: u32, rank: u32) -> ModelFacts {
     ModelFacts {
         num_kv_heads: HEADS as u32,
         head_dim: HD as u32,
         block_size: BS as u32,
-        tp: 1,
-        rank: 0,
+        tp,
+        rank,
         mla: false,
     }
 }
@@ -91,7 +102,25 @@ pub fn engine_configured(
     kv_digest: bool,
     extra: serde_json::Value,
 ) -> Engine {
-    engine_built(id, mode, kv_digest, extra, None)
+    engine_built(id, mode, kv_digest, extra, None, (1, BS))
+}
+
+/// An engine of `tp` ranks (each a worker with `HEADS / tp` heads), digests compared.
+pub fn engine_tp(id: &str, mode: &str, tp: usize) -> Engine {
+    engine_built(id, mode, true, serde_json::json!({}), None, (tp, BS))
+}
+
+/// [`engine_tp`] with blocks of `block_size` tokens (its KV never filled: the helpers that
+/// fill and read blocks take `BS`).
+pub fn engine_tp_bs(id: &str, mode: &str, tp: usize, block_size: i64) -> Engine {
+    engine_built(
+        id,
+        mode,
+        true,
+        serde_json::json!({}),
+        None,
+        (tp, block_size),
+    )
 }
 
 /// A hybrid model as vLLM's hybrid KV cache manager keeps it: layer 1 full attention, layer 0
@@ -102,7 +131,7 @@ pub fn hybrid_engine(id: &str, mode: &str, window: u32) -> Engine {
         {"layers": [1]},
         {"window": window, "layers": [0]},
     ]);
-    engine_built(id, mode, true, serde_json::json!({}), Some(groups))
+    engine_built(id, mode, true, serde_json::json!({}), Some(groups), (1, BS))
 }
 
 fn engine_built(
@@ -111,39 +140,50 @@ fn engine_built(
     kv_digest: bool,
     extra: serde_json::Value,
     groups: Option<serde_json::Value>,
+    (tp, bs): (usize, i64),
 ) -> Engine {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let layer = BLOCKS as usize * block_bytes();
+    let layer = BLOCKS as usize * rank_block_bytes(tp) * bs as usize / BS as usize;
+    let heads = HEADS / tp as i64;
     let tensor_of: Vec<usize> = match &groups {
         Some(_) => vec![0; LAYERS],
         None => (0..LAYERS).collect(),
     };
-    let kv = KvMem::new((tensor_of.iter().max().unwrap_or(&0) + 1) * layer);
-    let base = kv.ptr as u64;
-    let tensors: Vec<KvTensorInfo> = (0..LAYERS)
-        .map(|l| KvTensorInfo {
-            name: format!("model.layers.{l}.self_attn.attn"),
-            data_ptr: base + (tensor_of[l] * layer) as u64,
-            shape: vec![BLOCKS, HEADS, BS, 2 * HD],
-            strides: vec![HEADS * BS * 2 * HD, BS * 2 * HD, 2 * HD, 1],
-            element_size: 4,
-            device: None,
-        })
-        .collect();
-    let worker = WorkerBridge::register(
-        serde_json::from_value(serde_json::json!({
-            "engine_id": id,
-            "facts": facts(),
-            "groups": groups.unwrap_or_else(|| serde_json::json!([])),
-        }))
-        .unwrap(),
-        &tensors,
-    )
-    .unwrap();
-    assert!(worker.opaque_blocks());
+    let groups = groups.unwrap_or_else(|| serde_json::json!([]));
+    let (mut workers, mut kvs) = (Vec::new(), Vec::new());
+    for rank in 0..tp {
+        let kv = KvMem::new((tensor_of.iter().max().unwrap_or(&0) + 1) * layer);
+        let base = kv.ptr as u64;
+        let tensors: Vec<KvTensorInfo> = (0..LAYERS)
+            .map(|l| KvTensorInfo {
+                name: format!("model.layers.{l}.self_attn.attn"),
+                data_ptr: base + (tensor_of[l] * layer) as u64,
+                shape: vec![BLOCKS, heads, bs, 2 * HD],
+                strides: vec![heads * bs * 2 * HD, bs * 2 * HD, 2 * HD, 1],
+                element_size: 4,
+                device: None,
+            })
+            .collect();
+        let worker = WorkerBridge::register(
+            serde_json::from_value(serde_json::json!({
+                "engine_id": id,
+                "facts": ModelFacts {
+                    block_size: bs as u32,
+                    ..facts_of(tp as u32, rank as u32)
+                },
+                "groups": groups,
+            }))
+            .unwrap(),
+            &tensors,
+        )
+        .unwrap();
+        assert!(worker.opaque_blocks());
+        workers.push(worker);
+        kvs.push(kv);
+    }
     let mut cfg = serde_json::json!({
         "engine_id": id,
         "model": "tiny",
@@ -158,11 +198,12 @@ fn engine_built(
         cfg[k] = v.clone();
     }
     let cfg: SchedulerConfig = serde_json::from_value(cfg).unwrap();
-    let sched = SchedulerSide::start(cfg, vec![worker.hello().unwrap()]).unwrap();
+    let hellos = workers.iter().map(|w| w.hello().unwrap()).collect();
+    let sched = SchedulerSide::start(cfg, hellos).unwrap();
     Engine {
         sched,
-        worker,
-        kv,
+        workers,
+        kvs,
         tensor_of,
     }
 }
@@ -173,26 +214,43 @@ impl Engine {
     pub fn step(&mut self) -> StepMeta {
         let bytes = self.sched.build_meta().to_bytes();
         let meta = StepMeta::from_bytes(&bytes).unwrap();
-        self.worker.apply(&meta);
+        for w in &mut self.workers {
+            w.apply(&meta);
+        }
         std::thread::sleep(Duration::from_millis(1));
         let reports: Vec<Vec<u8>> = self
-            .worker
-            .poll()
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.poll())
             .map(|r| postcard::to_allocvec(&r).unwrap())
-            .into_iter()
             .collect();
         self.sched.worker_reports(&reports).unwrap();
         meta
     }
 
+    /// Rank 0's block `b` of `layer`.
     pub fn block(&self, layer: usize, b: u32) -> Vec<u8> {
-        let start = self.layer_start(layer) + b as usize * block_bytes();
-        self.kv.read(start, block_bytes())
+        let start = self.layer_start(layer) + b as usize * self.block_bytes();
+        self.kvs[0].read(start, self.block_bytes())
     }
 
-    /// Where `layer`'s KV tensor starts in the engine's memory.
+    /// Global KV head `head`'s chunk of block `b` of `layer`, from the rank that holds it.
+    pub fn head_chunk(&self, layer: usize, b: u32, head: usize) -> Vec<u8> {
+        let per_rank = HEADS as usize / self.kvs.len();
+        let (rank, local) = (head / per_rank, head % per_rank);
+        let start =
+            self.layer_start(layer) + b as usize * self.block_bytes() + local * head_bytes();
+        self.kvs[rank].read(start, head_bytes())
+    }
+
+    /// Bytes of one layer's block on each of this engine's ranks.
+    pub fn block_bytes(&self) -> usize {
+        rank_block_bytes(self.kvs.len())
+    }
+
+    /// Where `layer`'s KV tensor starts in each rank's memory.
     pub fn layer_start(&self, layer: usize) -> usize {
-        self.tensor_of[layer] * BLOCKS as usize * block_bytes()
+        self.tensor_of[layer] * BLOCKS as usize * self.block_bytes()
     }
 }
 
@@ -210,7 +268,7 @@ pub fn resumed_and_freed(p: &mut Engine, d: &mut Engine, p_req: &str, d_req: &st
     }
 }
 
-/// Fills every byte of `blocks` on every layer with a pattern of its own.
+/// Fills every byte of `blocks` on every layer of rank 0 with a pattern of its own.
 pub fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
     for l in 0..LAYERS {
         fill_layer(e, blocks, salt, l);
@@ -220,10 +278,28 @@ pub fn fill(e: &mut Engine, blocks: &[u32], salt: usize) {
 /// What a forward pass writes into one layer of `blocks` (never zero).
 pub fn fill_layer(e: &mut Engine, blocks: &[u32], salt: usize, l: usize) {
     for (i, b) in blocks.iter().enumerate() {
-        let start = e.layer_start(l) + *b as usize * block_bytes();
-        let bytes: Vec<u8> = (0..block_bytes())
+        let start = e.layer_start(l) + *b as usize * e.block_bytes();
+        let bytes: Vec<u8> = (0..e.block_bytes())
             .map(|j| (salt + l * 31 + i * 7 + j % 251) as u8 | 1)
             .collect();
-        e.kv.write(start, &bytes);
+        e.kvs[0].write(start, &bytes);
+    }
+}
+
+/// Fills every byte of each head's chunk of `blocks`, on every layer, with a pattern of the
+/// chunk's own (layer, head, block index, byte), on whichever rank holds the head.
+pub fn fill_heads(e: &mut Engine, blocks: &[u32], salt: usize) {
+    let per_rank = HEADS as usize / e.kvs.len();
+    for l in 0..LAYERS {
+        for (i, b) in blocks.iter().enumerate() {
+            for head in 0..HEADS as usize {
+                let (rank, local) = (head / per_rank, head % per_rank);
+                let start = e.layer_start(l) + *b as usize * e.block_bytes() + local * head_bytes();
+                let bytes: Vec<u8> = (0..head_bytes())
+                    .map(|j| (salt + l * 31 + head * 13 + i * 7 + j % 251) as u8 | 1)
+                    .collect();
+                e.kvs[rank].write(start, &bytes);
+            }
+        }
     }
 }

@@ -1,6 +1,6 @@
 """MLA in real vLLM (CPU): a tiny DeepSeek-V2-shaped model (model-mla/config.json: two layers,
 kv_lora_rank 512 + rope 64, the one latent size vLLM's CPU_MLA kernel compiles for) with
-weights drawn from a fixed seed (make_mla_model.py; vLLM's dummy weights would differ between TP
+weights drawn from a fixed seed (make_model.py; vLLM's dummy weights would differ between TP
 sizes). vLLM keeps one latent vector of 576 values per token, the same on every tensor-parallel
 rank; handoff moves it as one plane per block, from one P rank however many hold a copy. Pull
 with P at TP 1 and at TP 2 and D at TP 1, and push at TP 1: D's KV digest proves P's latent
@@ -36,7 +36,8 @@ def mla_server(ckpt: Path, name: str, conn: dict | None, tp: int = 1, **kw) -> S
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model-mla")
-    subprocess.run([sys.executable, str(HERE / "make_mla_model.py"), str(path)], check=True,
+    subprocess.run([sys.executable, str(HERE / "make_model.py"), str(HERE / "model-mla"),
+                    str(path)], check=True,
                    capture_output=True, timeout=300)
     return path
 
