@@ -3,8 +3,9 @@ KV heads of 64 values) with weights drawn from a fixed seed (make_model.py), bet
 TP 2 (one KV head a rank) and TP 1 (both heads). vLLM's CPU page of a block is one chunk per
 head, its K and V rows as the attention kernel keeps them: handoff moves each head's chunk whole
 from the P rank that holds it to the D rank that needs it. Pull from P at TP 2 to D at TP 1 and
-from P at TP 1 to D at TP 2, prompts of one to several blocks: D's KV digest matched P's for
-every handoff (the heads arrived whole and in place), and every answer equals one engine's."""
+from P at TP 1 to D at TP 2, prompts of one to several blocks, then push both ways behind
+handoff's proxy: D's KV digest matched P's for every handoff (the heads arrived whole and in
+place), and every answer equals one engine's."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (IN_PROCESS, REPORT, Server, connector, disaggregated, matched_digests,
-                      prompt, serving)
+from conftest import (IN_PROCESS, REPORT, Server, completion_via, connector, disaggregated,
+                      free_port, handoff_proxy, matched_digests, prompt, serving)
 
 HERE = Path(__file__).resolve().parent
 # 64 blocks of vLLM's 128 tokens on the CPU (8,192 token slots, 16 MiB of this model's KV)
@@ -26,12 +27,15 @@ DEBUG = "info,handoff_core::machine::transfers=debug"
 # Lengths: inside one block, one block and one token, several blocks with a partial last one.
 TP_2_TO_1 = [prompt(n, seed=900 + n) for n in (17, 129, 700)]
 TP_1_TO_2 = [prompt(n, seed=950 + n) for n in (17, 129, 700)]
+PUSH_2_TO_1 = [prompt(n, seed=800 + n) for n in (17, 700)]
+PUSH_1_TO_2 = [prompt(n, seed=850 + n) for n in (17, 700)]
 ANSWER_TOKENS = 6
 
 
 def engine(ckpt: Path, name: str, conn: dict | None, tp: int = 1, **kw) -> Server:
     return Server(name, conn, real=False, tiny_model=ckpt,
-                  extra_args=ARGS + ["--tensor-parallel-size", str(tp)], **kw)
+                  extra_args=ARGS + ["--tensor-parallel-size", str(tp)] + kw.pop("args", []),
+                  **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +62,9 @@ def engines(ckpt):
     with serving(servers, warm=True):
         one = servers["single"]
         answers = {tuple(ids): tokens(one.complete(ids, ANSWER_TOKENS))
-                   for ids in TP_2_TO_1 + TP_1_TO_2}
+                   for ids in TP_2_TO_1 + TP_1_TO_2 + PUSH_2_TO_1 + PUSH_1_TO_2}
         servers.pop("single").stop()
-        yield dict(servers, answers=answers)
+        yield dict(servers, answers=answers, ckpt=ckpt)
 
 
 def tokens(answer: dict) -> list[int]:
@@ -95,3 +99,43 @@ def test_pull_from_p_at_tp_1_into_d_at_tp_2_lands_each_head_and_answers_like_one
     same = pull_all(engines, "tp1", "tp2", TP_1_TO_2)
     REPORT.setdefault("tp_heads_split", {})["tp_1_to_2_same_answers"] = same
     assert all(same.values()), same
+
+
+@pytest.fixture
+def push(engines):
+    """A push engine at TP 1 and one at TP 2, each in both roles behind handoff's proxy (P's
+    info from its HandoffInfo middleware); the pull engines are stopped first."""
+    engines["tp1"].stop()
+    engines["tp2"].stop()
+    ckpt = engines["ckpt"]
+    info = ["--middleware", "handoff_vllm.HandoffInfo"]
+    debug = {"RUST_LOG": "info,handoff_core::machine::push_digest=debug"}
+
+    def push_engine(name: str, tp: int, **kw) -> Server:
+        conn = connector(name, mode="push", kv_digest=True, side_channel_port=free_port())
+        return engine(ckpt, name, conn, tp=tp, args=info, env_extra=debug, **kw)
+
+    with serving({"tp1": push_engine("push-tp1", 1),
+                  "tp2": push_engine("push-tp2", 2, cpus="1")}, warm=True) as servers:
+        yield servers
+
+
+def push_all(engines: dict, push: dict, p: str, d: str, prompts: list[list[int]]) -> dict:
+    """Each prompt through `handoff proxy --mode push` (P writes into D's blocks): D's digest
+    matched P's for each; what D answered against the single engine, by prompt length."""
+    same = {}
+    with handoff_proxy("push", push[p], push[d]) as url:
+        for ids in prompts:
+            matched = matched_digests(push[d])
+            got = completion_via(url, ids, ANSWER_TOKENS, "tiny")
+            assert matched_digests(push[d]) == matched + 1, \
+                f"{len(ids)} tokens: D did not check P's KV (computed it itself, or failed)"
+            same[len(ids)] = got == engines["answers"][tuple(ids)]
+    return same
+
+
+def test_push_between_tp_2_and_tp_1_writes_each_head_and_answers_like_one_engine(engines, push):
+    same = {"tp_2_to_1": push_all(engines, push, "tp2", "tp1", PUSH_2_TO_1),
+            "tp_1_to_2": push_all(engines, push, "tp1", "tp2", PUSH_1_TO_2)}
+    REPORT.setdefault("tp_heads_split", {})["push_same_answers"] = same
+    assert all(all(v.values()) for v in same.values()), same
